@@ -1,0 +1,23 @@
+"""Option aliases shared by commands that run a model (record, profile, replay): one definition, one help text."""
+
+from __future__ import annotations
+
+from typing import Annotated, List, Optional
+
+import typer
+
+Model = Annotated[
+    str,
+    typer.Option("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function."),
+]
+Device = Annotated[str, typer.Option("--device", "-d", help="Any torch device string: cpu, cuda:0, npu, mlu, dipu, xpu.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Batch size passed to the model builder.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the torch RNG (weights, batch, dropout).")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, float64.")]
+Amp = Annotated[Optional[str], typer.Option("--amp", help="Automatic mixed precision: bf16 or fp16.")]
+Threads = Annotated[Optional[int], typer.Option("--threads", min=1, help="torch intra-op threads (default: torch's).")]
+ModelArg = Annotated[
+    Optional[List[str]],
+    typer.Option("--model-arg", help="KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable)."),
+]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]

@@ -1,0 +1,19 @@
+"""`compare/` reads recordings and judges them: which entry of a target run first leaves the reference's tolerance.
+
+- `metrics.py`   per-entry error metrics (float64, chunked)
+- `tolerance.py` which (atol, rtol) an entry is judged with (dtype defaults, overrides; pluggable policy)
+- `engine.py`    `compare_files`: pair entries, causal order, rows, first divergence
+- `report.py`    terminal report, JSON, CSV
+- `summary.py`   per-tensor statistics of one file (`oneiter inspect`)
+
+Nothing here imports typer or torch (bfloat16 is decoded with numpy; only float8 needs torch).
+"""
+
+from .engine import CompareResult, Row, compare_files
+from .metrics import Metrics, compare_arrays
+from .tolerance import DtypeTolerance, Tolerance, default_tolerance
+
+__all__ = [
+    "compare_files", "CompareResult", "Row", "Metrics", "compare_arrays", "Tolerance", "DtypeTolerance",
+    "default_tolerance",
+]

@@ -1,0 +1,38 @@
+"""Precision of a run: the model's storage dtype (`--dtype`) and automatic mixed precision (`--amp`)."""
+
+from __future__ import annotations
+
+from .errors import OneIterError
+
+__all__ = ["DTYPES", "AMP_DTYPES", "torch_dtype", "apply_dtype", "autocast_for"]
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{name}'")
+    return getattr(torch, name)
+
+
+def apply_dtype(bundle, dtype_name: str) -> None:
+    """Cast the model's floating parameters/buffers and floating inputs to `dtype_name`, in place on the bundle."""
+    dtype = torch_dtype(dtype_name)
+    if dtype_name == "float32":
+        return
+    bundle.model.to(dtype)
+    bundle.inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in bundle.inputs)
+
+
+def autocast_for(device, amp: str | None):
+    """A `torch.autocast` context for `--amp bf16|fp16` on `device`, or None without --amp."""
+    import torch
+
+    if amp is None:
+        return None
+    if amp not in AMP_DTYPES:
+        raise OneIterError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got '{amp}'")
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, AMP_DTYPES[amp]))

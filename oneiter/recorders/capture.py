@@ -1,0 +1,212 @@
+"""Module hooks that capture one iteration: forward inputs/outputs and the gradients around every module call.
+
+Where this sits: `record.py` attaches a `ModuleCapture` to the model, runs one `train_step`, and detaches it;
+captured tensors are copied to the host at once and handed to the `BackgroundWriter`.
+
+How the hooks avoid the known traps (../shared/NOTES.md):
+- inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
+- no `register_full_backward_hook` (it breaks on an in-place op after the hooked module): the gradient w.r.t. a
+  module's output is read with a tensor hook on that output; the gradient w.r.t. its inputs with a tensor hook on
+  an alias (`x.view_as(x)`) handed to the module instead of `x`, so it is this module's contribution only, not
+  the sum over every consumer of `x`. Tensor hooks registered before an in-place op see the gradient of the value
+  before that op, which is what we want. The alias cannot be used for an in-place module (`module.inplace` true,
+  as on nn.ReLU/ReLU6/Dropout): an in-place op on a view rebases the view's history and its hook never fires.
+  There the module's input gradient is read from a hook on the autograd node that produced its output;
+- every call is kept (`module@call`), so a module called twice (ResNet's shared ReLU) keeps both calls;
+- the hooks never change a value: recording does not change the loss, the gradients or the update bits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Any, Callable, Iterator
+
+from ..fileformat import BACKWARD, CALLS, FORWARD, call_key, seq_kind
+
+__all__ = ["ModuleCapture", "flatten", "host_copy", "TensorSink"]
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Yield (name, leaf) for nested tuples/lists/dicts: `output`, `output.0`, `output.logits`, `input.1.0`."""
+    if isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from flatten(item, f"{prefix}.{i}")
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from flatten(item, f"{prefix}.{key}")
+    else:
+        yield prefix, obj
+
+
+def host_copy(tensor):
+    """A detached, contiguous copy on the CPU: safe to keep while the original changes or is freed."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+class TensorSink:
+    """Copies tensors to the writer, storing a tensor seen before (same object, same version) as a hard link."""
+
+    def __init__(self, writer, on_capture: Callable[[int], None] | None = None):
+        self.writer = writer
+        self.num_tensors = 0
+        self._seen: dict[int, tuple[Any, int, str]] = {}
+        self._lock = threading.Lock()
+        self._on_capture = on_capture
+
+    def put(self, group: str, name: str, tensor, attrs: dict | None = None, *, dedup: bool = True) -> None:
+        """Queue `tensor` as `group/name`. `dedup=False` for parameters and buffers: a kernel may update a buffer
+        in place without bumping its version counter (BatchNorm's running stats), so version equality is only
+        trusted for activations and gradients."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
+            return
+        path = f"{group}/{name}"
+        with self._lock:
+            hit = self._seen.get(id(tensor))
+            if dedup and hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+                self.writer.link(group, name, hit[2])
+            else:
+                key = id(tensor)
+                ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
+                self._seen[key] = (ref, tensor._version, path)
+                self.writer.tensor(group, name, host_copy(tensor), attrs)
+            self.num_tensors += 1
+        if self._on_capture is not None:
+            self._on_capture(self.num_tensors)
+
+
+class ModuleCapture:
+    """Forward pre/post hooks on every selected module, and tensor hooks for the gradients around each call."""
+
+    def __init__(self, model, sink: TensorSink, select: Callable[[str], bool] = lambda _path: True):
+        self.model = model
+        self.sink = sink
+        self.select = select
+        self.num_calls = 0
+        self._handles: list = []
+        self._names: dict[int, str] = {}
+        self._calls_per_module: dict[str, int] = {}
+        self._open: dict[int, list[str]] = {}
+        self._seq = itertools.count()
+        self._seq_done: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "ModuleCapture":
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        for path, module in self.model.named_modules():
+            if not self.select(path):
+                continue
+            self._names[id(module)] = path
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- forward ----------------------------------------------------------------------------------------------------
+    def _pre_hook(self, module, args: tuple, kwargs: dict):
+        path = self._names[id(module)]
+        call = self._calls_per_module.get(path, 0)
+        self._calls_per_module[path] = call + 1
+        key = call_key(path, call)
+        self._open.setdefault(id(module), []).append(key)
+        attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__}
+        self.num_calls += 1
+        group = f"{CALLS}/{key}/{FORWARD}"
+        for name, value in itertools.chain(flatten(list(args), "input"), _flatten_kwargs(kwargs)):
+            if isinstance(value, _SIMPLE):
+                attrs[f"arg.{name}"] = "None" if value is None else value
+            else:
+                self.sink.put(group, name, value)
+        self._mark_seq(key, "input", attrs)
+        self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
+        if getattr(module, "inplace", False) is True:
+            return None  # see the module docstring: _post_hook reads grad_input from the output's node
+        new_args = tuple(self._alias(key, f"grad_input.{i}", a) for i, a in enumerate(args))
+        new_kwargs = {k: self._alias(key, f"grad_input.{k}", v) for k, v in kwargs.items()}
+        return new_args, new_kwargs
+
+    def _post_hook(self, module, _args, output):
+        key = self._open[id(module)].pop()
+        group = f"{CALLS}/{key}/{FORWARD}"
+        for name, value in flatten(output, "output"):
+            self.sink.put(group, name, value)
+            if _wants_grad(value):
+                value.register_hook(self._grad_hook(key, f"grad_{name}"))
+        if getattr(module, "inplace", False) is True and _wants_grad(output) and output.grad_fn is not None:
+            output.grad_fn.register_hook(self._node_hook(key))
+        attrs: dict[str, Any] = {}
+        self._mark_seq(key, "output", attrs)
+        self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
+
+    def _alias(self, key: str, name: str, value):
+        """Hand the module an alias of `value` whose gradient is this module's contribution alone."""
+        if not _wants_grad(value):
+            return value
+        alias = value.view_as(value)
+        alias.register_hook(self._grad_hook(key, name))
+        return alias
+
+    # -- backward ---------------------------------------------------------------------------------------------------
+    def _grad_hook(self, key: str, name: str):
+        group = f"{CALLS}/{key}/{BACKWARD}"
+
+        def hook(grad):
+            if grad is not None:
+                self.sink.put(group, name, grad)
+                attrs: dict[str, Any] = {}
+                self._mark_seq(key, seq_kind(name), attrs)
+                if attrs:
+                    self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
+            return None
+
+        return hook
+
+    def _node_hook(self, key: str):
+        """For an in-place module: the gradient w.r.t. the node's first input is the module's grad_input.0."""
+        tensor_hook = self._grad_hook(key, "grad_input.0")
+
+        def hook(grad_inputs, _grad_outputs):
+            if grad_inputs:
+                tensor_hook(grad_inputs[0])
+
+        return hook
+
+    def _mark_seq(self, key: str, kind: str, attrs: dict) -> None:
+        """Record the capture order of the first tensor of each kind of a call (`seq_input`, `seq_grad_output`...)."""
+        with self._lock:
+            if (key, kind) in self._seq_done:
+                return
+            self._seq_done.add((key, kind))
+            attrs[f"seq_{kind}"] = next(self._seq)
+
+
+def _flatten_kwargs(kwargs: dict) -> Iterator[tuple[str, Any]]:
+    for key, value in kwargs.items():
+        yield from flatten(value, f"kwarg.{key}")
+
+
+def _wants_grad(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()

@@ -1,0 +1,139 @@
+"""record: the recording holds the iteration, and recording does not change a single bit of it."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL_ARGS, record_small
+from oneiter.errors import OneIterError
+from oneiter.fileformat import IterationFile
+from oneiter.modelspec import load_model
+from oneiter.training import prepare, train_step
+
+
+def plain_iteration(model: str, batch_size: int = 2, seed: int = 0, model_args=None):
+    """The same iteration as `record` runs, without any hooks: loss, grads, updated params."""
+    bundle = load_model(model, batch_size, seed, SMALL_ARGS[model] if model_args is None else model_args)
+    setup = prepare(bundle, torch.device("cpu"))
+    grads = {}
+
+    def after_backward():
+        grads.update({n: p.grad.clone() for n, p in bundle.model.named_parameters() if p.grad is not None})
+
+    torch.manual_seed(seed)
+    loss = train_step(setup, after_backward=after_backward)
+    after = {n: t.detach().clone() for n, t in bundle.model.state_dict().items()}
+    return loss, grads, after
+
+
+def test_recording_does_not_change_the_numbers_resnet18(tmp_path):
+    """Full-size resnet18 (224x224): loss, every gradient and every updated parameter bitwise equal."""
+    out = tmp_path / "r.h5"
+    record_small(out, "resnet18", model_args={}, batch_size=2)
+    loss, grads, after = plain_iteration("resnet18", model_args={})
+    with IterationFile(out) as f:
+        assert f.tensor("loss").item() == loss.item()
+        assert f.meta["loss"] == loss.item()
+        recorded_grads = f.state("param_grads")
+        assert set(recorded_grads) == set(grads) and len(grads) == 62
+        for name, path in recorded_grads.items():
+            assert torch.equal(f.tensor(path), grads[name]), name
+        recorded_after = f.state("state_after")
+        assert set(recorded_after) == set(after)
+        for name, path in recorded_after.items():
+            assert torch.equal(f.tensor(path), after[name]), name
+
+
+def test_every_module_call_is_recorded_in_execution_order(resnet_ref):
+    with IterationFile(resnet_ref) as f:
+        calls = f.calls()
+        keys = [k for k, _ in calls]
+        # torchvision's BasicBlock calls its one ReLU twice: both calls are kept
+        assert "layer1.0.relu@0" in keys and "layer1.0.relu@1" in keys
+        assert keys[:4] == ["(root)@0", "conv1@0", "bn1@0", "relu@0"]
+        assert [a["exec_index"] for _, a in calls] == list(range(len(calls)))
+        assert len(calls) == f.meta["num_calls"] == 76
+
+
+def test_inplace_relu_input_is_captured_before_it_runs(resnet_ref):
+    """relu(inplace) overwrites its input: the recorded input must be bn1's output, not relu's."""
+    with IterationFile(resnet_ref) as f:
+        relu_in = f.read("calls/relu@0/forward/input.0")
+        relu_out = f.read("calls/relu@0/forward/output")
+        bn_out = f.read("calls/bn1@0/forward/output")
+        assert np.array_equal(relu_in, bn_out)
+        assert (relu_in < 0).any() and not (relu_out < 0).any()
+        assert np.array_equal(relu_out, np.maximum(bn_out, 0))
+
+
+def test_gradients_around_a_call(resnet_ref):
+    with IterationFile(resnet_ref) as f:
+        # relu's grad_input is bn1's grad_output (the only consumer), and is zero where relu clipped
+        g_in = f.read("calls/relu@0/backward/grad_input.0")
+        assert np.array_equal(g_in, f.read("calls/bn1@0/backward/grad_output"))
+        assert np.all(g_in[f.read("calls/relu@0/forward/input.0") < 0] == 0)
+        # the root's grad_output is dloss/dlogits: cross entropy rows sum to zero
+        assert np.allclose(f.read("calls/(root)@0/backward/grad_output").sum(axis=1), 0, atol=1e-6)
+        # a block input feeds conv1 and the residual: the block's conv1 grad_input is its contribution only
+        conv_gin = f.read("calls/layer1.0.conv1@0/backward/grad_input.0")
+        block_gin = f.read("calls/layer1.0@0/backward/grad_input.0")
+        assert not np.array_equal(conv_gin, block_gin)
+
+
+def test_repeated_tensors_are_stored_once_as_hard_links(resnet_ref):
+    with h5py.File(resnet_ref, "r") as f:
+        out = f["calls/conv1@0/forward/output"]
+        nxt = f["calls/bn1@0/forward/input.0"]
+        assert out.id == nxt.id  # same object in the file
+        assert f["batch/input.0"].id == f["calls/(root)@0/forward/input.0"].id
+
+
+def test_metadata_and_complete_flag(resnet_ref):
+    with IterationFile(resnet_ref) as f:
+        m = f.meta
+        assert m["schema"] == "oneiter.iteration" and m["schema_version"] == 1 and m["complete"] is True
+        assert m["model"] == "resnet18" and m["device"] == "cpu" and m["dtype"] == "float32"
+        assert m["seed"] == 0 and m["batch_size"] == 2 and m["torch_version"] == str(torch.__version__)
+        assert f.dtype_of("calls/conv1@0/forward/output") == "float32"
+
+
+def test_existing_output_is_not_overwritten(tmp_path):
+    out = tmp_path / "keep.h5"
+    out.write_bytes(b"precious")
+    with pytest.raises(OneIterError, match="already exists"):
+        record_small(out)
+    assert out.read_bytes() == b"precious"
+    record_small(out, force=True)
+    assert IterationFile(out).meta["complete"]
+
+
+def test_failed_run_leaves_no_file(tmp_path):
+    out = tmp_path / "x.h5"
+    with pytest.raises(OneIterError):
+        record_small(out, faults=["no.such.layer"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_include_exclude(tmp_path):
+    out = tmp_path / "sel.h5"
+    record_small(out, include=[r"^layer1\."], exclude=[r"relu"])
+    with IterationFile(out) as f:
+        modules = {a["module"] for _, a in f.calls()}
+        assert modules and all(m.startswith("layer1.") and "relu" not in m for m in modules)
+        assert "layer1.0.conv1" in modules
+        assert len(f.state("param_grads")) == 62  # parameters are always recorded
+
+
+def test_bfloat16_tensors_keep_their_bits(tmp_path):
+    out = tmp_path / "bf16.h5"
+    record_small(out, "llama_tiny", dtype="bfloat16")
+    with IterationFile(out) as f:
+        path = "calls/layers.0.attention.wq@0/forward/output"
+        assert f.dtype_of(path) == "bfloat16"
+        assert f.raw(path).dtype == np.uint16
+        t = f.tensor(path)
+        assert t.dtype == torch.bfloat16
+        assert np.array_equal(t.float().numpy(), f.read(path))

@@ -11,7 +11,8 @@ Layout, schema `oneiter.iteration` version 1::
     /calls/<module>@<call>     one group per module call; attrs module, call, exec_index, class_name, seq_*
         forward/input.<i>, forward/kwarg.<name>, forward/output[.<i>|.<key>]...
         backward/grad_output..., backward/grad_input.<i>
-        isolated/...           (teacher-forced local replay, when recorded)
+        local/forward/output..., local/backward/grad_input.<i>   per-layer local results (leaf modules),
+                               attrs kind (teacher_forced | against_cpu), noise.<tensor>, skipped
     /state_before/<name>       every parameter and buffer before the iteration
     /param_grads/<name>        every parameter gradient after backward
     /state_after/<name>        every parameter and buffer after the optimizer step
@@ -39,7 +40,7 @@ ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in file
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
-FORWARD, BACKWARD, ISOLATED = "forward", "backward", "isolated"
+FORWARD, BACKWARD, LOCAL = "forward", "backward", "local"
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
 _RAW_BITS = {
@@ -241,6 +242,15 @@ class IterationFile:
     def has(self, path: str) -> bool:
         return path in self.file
 
+    def attrs(self, path: str) -> dict[str, Any]:
+        """The attributes of a group or dataset, as plain Python values ({} if it does not exist)."""
+        obj = self.file.get(path)
+        return {} if obj is None else {k: _plain(v) for k, v in obj.attrs.items()}
+
+    def local_kind(self) -> str:
+        """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""
+        return str(self.meta.get("local", "") or "")
+
     # -- structure --------------------------------------------------------------------------------------------------
     def state(self, which: str = STATE_BEFORE) -> dict[str, str]:
         """Parameter/buffer name -> dataset path, in recorded order."""
@@ -268,14 +278,14 @@ class IterationFile:
         items = [(k, {a: _plain(v) for a, v in group[k].attrs.items()}) for k in group.keys()]
         return sorted(items, key=lambda kv: kv[1].get("exec_index", 0))
 
-    def entries(self, *, isolated: bool = False) -> Iterator[Entry]:
+    def entries(self, *, local: bool = False) -> Iterator[Entry]:
         """Every recorded tensor of the iteration (forward, backward, param_grad, optimizer) as an Entry.
 
-        With `isolated=True`, the teacher-forced local results instead (forward/backward of leaf modules).
+        With `local=True`, the per-layer local results instead (`calls/<key>/local/...` of leaf modules).
         """
         for key, attrs in self.calls():
             module, call = attrs["module"] or ROOT_MODULE, int(attrs["call"])
-            base = f"{CALLS}/{key}/{ISOLATED}" if isolated else f"{CALLS}/{key}"
+            base = f"{CALLS}/{key}/{LOCAL}" if local else f"{CALLS}/{key}"
             for phase in (FORWARD, BACKWARD):
                 grp = self.file.get(f"{base}/{phase}")
                 if grp is None:
@@ -283,7 +293,7 @@ class IterationFile:
                 for name in grp.keys():
                     seq = int(attrs.get(f"seq_{seq_kind(name)}", 0))
                     yield Entry(module, call, phase, name, f"{base}/{phase}/{name}", seq)
-        if isolated:
+        if local:
             return
         for phase, group_name in (("param_grad", PARAM_GRADS), ("optimizer", STATE_AFTER)):
             for i, (name, path) in enumerate(self._named(group_name).items()):

@@ -90,10 +90,13 @@ class TensorSink:
 class ModuleCapture:
     """Forward pre/post hooks on every selected module, and tensor hooks for the gradients around each call."""
 
-    def __init__(self, model, sink: TensorSink, select: Callable[[str], bool] = lambda _path: True):
+    def __init__(self, model, sink: TensorSink, select: Callable[[str], bool] = lambda _path: True, probe=None):
         self.model = model
         self.sink = sink
         self.select = select
+        self.probe = probe  # a local-error probe (recorders/local.py) run after each leaf call, or None
+        self._suspended = False  # True while a probe reruns a layer: its calls are not part of the iteration
+        self._leaves: set[int] = set()
         self.num_calls = 0
         self._handles: list = []
         self._names: dict[int, str] = {}
@@ -115,8 +118,10 @@ class ModuleCapture:
             if not self.select(path):
                 continue
             self._names[id(module)] = path
+            if next(module.children(), None) is None:
+                self._leaves.add(id(module))
             self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook))
+            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -125,6 +130,8 @@ class ModuleCapture:
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def _pre_hook(self, module, args: tuple, kwargs: dict):
+        if self._suspended:
+            return None
         path = self._names[id(module)]
         call = self._calls_per_module.get(path, 0)
         self._calls_per_module[path] = call + 1
@@ -146,7 +153,9 @@ class ModuleCapture:
         new_kwargs = {k: self._alias(key, f"grad_input.{k}", v) for k, v in kwargs.items()}
         return new_args, new_kwargs
 
-    def _post_hook(self, module, _args, output):
+    def _post_hook(self, module, args, kwargs, output):
+        if self._suspended:
+            return None
         key = self._open[id(module)].pop()
         group = f"{CALLS}/{key}/{FORWARD}"
         for name, value in flatten(output, "output"):
@@ -158,6 +167,13 @@ class ModuleCapture:
         attrs: dict[str, Any] = {}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
+        if self.probe is not None and id(module) in self._leaves:
+            self._suspended = True
+            try:
+                self.probe.after_forward(module, key, args, kwargs, output)
+            finally:
+                self._suspended = False
+        return None
 
     def _alias(self, key: str, name: str, value):
         """Hand the module an alias of `value` whose gradient is this module's contribution alone."""
@@ -178,6 +194,8 @@ class ModuleCapture:
                 self._mark_seq(key, seq_kind(name), attrs)
                 if attrs:
                     self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
+                if self.probe is not None and name.startswith("grad_output"):
+                    self.probe.on_grad_output(key, name, grad)
             return None
 
         return hook

@@ -8,7 +8,6 @@ file, and rename it into place only when it is complete.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -18,7 +17,8 @@ from typing import Any, Callable
 
 from .. import __version__
 from ..errors import OneIterError
-from ..fileformat import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, IterationFile
+from ..fileformat import IterationFile
+from .session import RecordingSession, atomic_output, check_output
 
 __all__ = ["RecordOptions", "RecordSummary", "record", "check_output", "module_selector"]
 
@@ -42,6 +42,8 @@ class RecordOptions:
     model_args: dict[str, Any] = field(default_factory=dict)
     threads: int | None = None
     force: bool = False
+    isolate: bool = True  # with replay: teacher-forced local error per leaf layer (--no-isolate turns it off)
+    against: str | None = None  # "cpu": local error against a float32 CPU recomputation, no reference needed
     queue_bytes: int = 512 << 20
 
 
@@ -54,18 +56,6 @@ class RecordSummary:
     seconds: float
     loss: float
     num_calls: int
-
-
-def check_output(out: Path, force: bool) -> Path:
-    """Refuse to overwrite an existing file without --force, and fail early on a missing directory."""
-    out = Path(out)
-    if out.is_dir():
-        raise OneIterError(f"output '{out}' is a directory; give a file name such as {out / 'run.h5'}")
-    if out.exists() and not force:
-        raise OneIterError(f"output '{out}' already exists; pass --force to overwrite it")
-    if not out.parent.exists():
-        raise OneIterError(f"output directory '{out.parent}' does not exist")
-    return out
 
 
 def module_selector(include: list[str], exclude: list[str]) -> Callable[[str], bool]:
@@ -136,75 +126,66 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
     from ..training import prepare, set_threads
 
     started = time.perf_counter()
-    out = check_output(opts.out, opts.force)
+    check_output(opts.out, opts.force)
     faults = [parse_fault(f) for f in opts.faults]
     select = module_selector(opts.include, opts.exclude)
     set_threads(opts.threads)
     device = resolve_device(opts.device)
     autocast = autocast_for(device, opts.amp)
+    if opts.against not in (None, "cpu"):
+        raise OneIterError(f"--against takes 'cpu' (recompute each layer on the CPU in float32), got '{opts.against}'")
+    if opts.against and opts.replay:
+        raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     ref = IterationFile(opts.replay) if opts.replay else None
     try:
         bundle, built = _build(opts, ref)
+        apply_dtype(bundle, opts.dtype)
+        setup = prepare(bundle, device, opts.optimizer)
+        probe_factory, local_kind = _probe_factory(opts, ref, device, autocast)
+        fault_handles = attach_faults(bundle.model, faults)
+        try:
+            with atomic_output(opts.out, opts.force) as tmp:
+                meta = {**_meta(opts, device, built), "local": local_kind}
+                with RecordingSession(bundle.model, tmp, meta, select=select, queue_bytes=opts.queue_bytes,
+                                      progress=progress, probe_factory=probe_factory) as session:
+                    loss = _run_iteration(session, setup, opts.seed, autocast)
+                    num_entries, num_bytes = session.finish(loss)
+        finally:
+            for handle in fault_handles:
+                handle.remove()
     finally:
         if ref is not None:
             ref.close()
-    apply_dtype(bundle, opts.dtype)
-    setup = prepare(bundle, device, opts.optimizer)
-    fault_handles = attach_faults(bundle.model, faults)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        result = _run_recorded(opts, setup, select, autocast, tmp, _meta(opts, device, built), progress)
-        if out.exists() and not opts.force:
-            raise OneIterError(f"output '{out}' appeared while recording; pass --force to overwrite it")
-        os.replace(tmp, out)
-    finally:
-        for handle in fault_handles:
-            handle.remove()
-        if tmp.exists():
-            tmp.unlink()
-    num_entries, num_bytes, loss, num_calls = result
-    return RecordSummary(out, num_entries, num_bytes, out.stat().st_size, time.perf_counter() - started, loss, num_calls)
+    return RecordSummary(
+        Path(opts.out), num_entries, num_bytes, Path(opts.out).stat().st_size, time.perf_counter() - started,
+        float(loss.float()), session.module_capture.num_calls,
+    )
 
 
-def _run_recorded(opts, setup, select, autocast, tmp: Path, meta: dict, progress):
+def _probe_factory(opts: RecordOptions, ref: IterationFile | None, device, autocast):
+    """Which local-error probe runs after each leaf call: teacher forcing on replay, or --against cpu."""
+    from .local import AgainstCPU, TeacherForced
+
+    amp_dtype = autocast.fast_dtype if autocast is not None else None
+    if opts.against == "cpu":
+        return (lambda sink: AgainstCPU(sink, device, amp_dtype)), "against_cpu"
+    if ref is not None and opts.isolate:
+        return (lambda sink: TeacherForced(ref, sink, device, amp_dtype)), "teacher_forced"
+    return None, ""
+
+
+def _run_iteration(session: RecordingSession, setup, seed: int, autocast):
     import torch
 
     from ..training import train_step
-    from .capture import ModuleCapture, TensorSink
-    from .writer import BackgroundWriter
 
-    model = setup.bundle.model
-    writer = BackgroundWriter(tmp, meta, max_bytes=opts.queue_bytes)
-    phase = ["forward"]
-    sink = TensorSink(writer, on_capture=(lambda n: progress(phase[0], n)) if progress else None)
-    try:
-        _put_named(sink, writer, STATE_BEFORE, model.state_dict(keep_vars=True).items())
-        for i, tensor in enumerate(setup.inputs):
-            sink.put(BATCH, f"input.{i}", tensor)
-        torch.manual_seed(opts.seed)
-
-        def after_backward() -> None:
-            phase[0] = "parameters"
-            grads = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-            _put_named(sink, writer, PARAM_GRADS, grads)
-
-        with ModuleCapture(model, sink, select) as capture:
-            loss = train_step(
-                setup, autocast=autocast, after_backward=after_backward,
-                before_backward=lambda: phase.__setitem__(0, "backward"),
-            )
-        _put_named(sink, writer, STATE_AFTER, model.state_dict(keep_vars=True).items())
-        sink.put("", LOSS, loss)
-        num_entries, num_bytes = writer.close({"num_calls": capture.num_calls, "loss": float(loss.float())})
-    except BaseException:
-        writer.abort()
-        raise
-    return num_entries, num_bytes, float(loss.float()), capture.num_calls
-
-
-def _put_named(sink, writer, group: str, named) -> None:
-    names = []
-    for name, tensor in named:
-        sink.put(group, name, tensor, dedup=False)
-        names.append(name)
-    writer.attrs(group, {"order": names})
+    session.state_before()
+    session.batch(setup.inputs)
+    torch.manual_seed(seed)
+    with session.capture():
+        loss = train_step(
+            setup, autocast=autocast, after_backward=session.param_grads,
+            before_backward=lambda: setattr(session, "phase", "backward"),
+        )
+    session.state_after()
+    return loss

@@ -1,0 +1,60 @@
+"""`oneiter record`: thin CLI over `oneiter.recorders.record.record`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, List, Optional
+
+import typer
+
+from . import options as opt
+from .common import err, handle_errors
+
+HELP = """Record one training iteration (forward, loss, backward, optimizer step) of every module call.
+
+[b]Examples[/b]
+
+  oneiter record --model resnet18 --device cpu -o ref.h5
+
+  oneiter record --model resnet18 --device npu --replay ref.h5 -o npu.h5
+
+  oneiter record --model my_model.py:build --batch-size 4 -o ref.h5
+"""
+
+
+def record_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output .h5 file (never overwritten without --force).")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function; with --replay defaults to the reference's.")] = None,
+    device: opt.Device = "cpu",
+    replay: Annotated[Optional[Path], typer.Option("--replay", help="Reference recording: start from its weights, buffers and batch.")] = None,
+    seed: opt.Seed = 0,
+    batch_size: opt.BatchSize = 8,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
+    dtype: opt.Dtype = "float32",
+    amp: opt.Amp = None,
+    include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
+    exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
+    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL]: perturb a layer on purpose (demos, tests).")] = None,
+    model_arg: opt.ModelArg = None,
+    threads: opt.Threads = None,
+    force: opt.Force = False,
+) -> None:
+    from ..modelspec import parse_model_args
+    from ..recorders.record import RecordOptions, record
+    from .progress import live_status
+
+    options = RecordOptions(
+        out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
+        dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
+        model_args=parse_model_args(model_arg), threads=threads, force=force,
+    )
+    with live_status(f"recording {model or replay}") as update:
+        summary = record(options, progress=update)
+    err.print(
+        f"recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
+        f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("record", help=HELP, no_args_is_help=True)(handle_errors(record_command))

@@ -16,6 +16,7 @@ Layout, schema `oneiter.iteration` version 1::
     /state_before/<name>       every parameter and buffer before the iteration
     /param_grads/<name>        every parameter gradient after backward
     /state_after/<name>        every parameter and buffer after the optimizer step
+    /random/<index>            values of each random op, in order (attrs op, index, output)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in file
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
+RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL = "forward", "backward", "local"
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs

@@ -19,6 +19,10 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
   oneiter record --model resnet18 --device npu --replay ref.h5 -o npu.h5
 
   oneiter record --model my_model.py:build --batch-size 4 -o ref.h5
+
+  oneiter record --model resnet18 --amp bf16 --against cpu -o bf16.h5
+
+  oneiter record --replay ref.h5 --amp bf16 --fallback convolution -o fb.h5
 """
 
 
@@ -35,6 +39,10 @@ def record_command(
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
     inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL]: perturb a layer on purpose (demos, tests).")] = None,
+    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun each leaf layer on the reference's inputs and output gradient (local error).")] = True,
+    against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute each leaf layer on the CPU in float32 from this run's own inputs.")] = None,
+    random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help="With --replay: random ops (dropout masks) take the reference's values.")] = True,
+    fallback: Annotated[Optional[str], typer.Option("--fallback", help="REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -46,7 +54,8 @@ def record_command(
     options = RecordOptions(
         out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
         dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
-        model_args=parse_model_args(model_arg), threads=threads, force=force,
+        model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, against=against,
+        random_replay=random_replay, fallback=_split(fallback),
     )
     with live_status(f"recording {model or replay}") as update:
         summary = record(options, progress=update)
@@ -54,6 +63,10 @@ def record_command(
         f"recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
         f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}"
     )
+
+
+def _split(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ import json
 import re
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +45,8 @@ class RecordOptions:
     force: bool = False
     isolate: bool = True  # with replay: teacher-forced local error per leaf layer (--no-isolate turns it off)
     against: str | None = None  # "cpu": local error against a float32 CPU recomputation, no reference needed
+    random_replay: bool = True  # with replay: random ops take the reference's values (--no-random-replay)
+    fallback: list[str] = field(default_factory=list)  # regexes of ops run on the CPU in float32
     queue_bytes: int = 512 << 20
 
 
@@ -111,7 +114,8 @@ def _meta(opts: RecordOptions, device, built: dict[str, Any]) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "replay_of": str(opts.replay) if opts.replay else None,
         "include": json.dumps(opts.include), "exclude": json.dumps(opts.exclude),
-        "faults": json.dumps(opts.faults),
+        "faults": json.dumps(opts.faults), "fallback": json.dumps(opts.fallback),
+        "random_replay": bool(opts.replay and opts.random_replay),
     }
 
 
@@ -127,6 +131,10 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
 
     started = time.perf_counter()
     check_output(opts.out, opts.force)
+    if opts.fallback:
+        from .fallback import compile_patterns
+
+        compile_patterns(opts.fallback)
     faults = [parse_fault(f) for f in opts.faults]
     select = module_selector(opts.include, opts.exclude)
     set_threads(opts.threads)
@@ -148,8 +156,8 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
                 meta = {**_meta(opts, device, built), "local": local_kind}
                 with RecordingSession(bundle.model, tmp, meta, select=select, queue_bytes=opts.queue_bytes,
                                       progress=progress, probe_factory=probe_factory) as session:
-                    loss = _run_iteration(session, setup, opts.seed, autocast)
-                    num_entries, num_bytes = session.finish(loss)
+                    loss, modes = _run_iteration(session, setup, opts, ref, autocast)
+                    num_entries, num_bytes = session.finish(loss, modes.summary())
         finally:
             for handle in fault_handles:
                 handle.remove()
@@ -174,18 +182,59 @@ def _probe_factory(opts: RecordOptions, ref: IterationFile | None, device, autoc
     return None, ""
 
 
-def _run_iteration(session: RecordingSession, setup, seed: int, autocast):
+class _Modes:
+    """The torch modes active during forward and backward: random record/replay, op fallback."""
+
+    def __init__(self, opts: RecordOptions, sink, ref: IterationFile | None, device):
+        from .fallback import OpFallback
+        from .randomness import RandomRecorder, RandomReplayer
+
+        self.random = None
+        if ref is None:
+            self.random = RandomRecorder(sink)
+        elif opts.random_replay:
+            self.random = RandomReplayer(ref, device)
+        self.fallback = OpFallback(opts.fallback) if opts.fallback else None
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "_Modes":
+        for mode in (self.random, self.fallback):
+            if mode is not None:
+                self._stack.enter_context(mode)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the modes (before the optimizer step: its math is not part of what they judge)."""
+        self._stack.close()
+
+    def summary(self) -> dict:
+        return {
+            "num_random_ops": self.random.num_ops if self.random is not None else 0,
+            "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),
+        }
+
+
+def _run_iteration(session: RecordingSession, setup, opts: RecordOptions, ref, autocast):
     import torch
 
     from ..training import train_step
 
     session.state_before()
     session.batch(setup.inputs)
-    torch.manual_seed(seed)
-    with session.capture():
+    torch.manual_seed(opts.seed)
+    modes = _Modes(opts, session.sink, ref, setup.device)
+
+    def after_backward() -> None:
+        modes.close()
+        session.param_grads()
+
+    with session.capture(), modes:
         loss = train_step(
-            setup, autocast=autocast, after_backward=session.param_grads,
+            setup, autocast=autocast, after_backward=after_backward,
             before_backward=lambda: setattr(session, "phase", "backward"),
         )
     session.state_after()
-    return loss
+    return loss, modes

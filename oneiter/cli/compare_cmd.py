@@ -1,0 +1,103 @@
+"""`oneiter compare REF TARGET`: the CLI face of `oneiter.compare` — options in, report out, exit code.
+
+Thin on purpose: the work is in `oneiter.compare.engine` (and `report` for output). torch/numpy are imported
+inside the command so `oneiter --help` stays fast. Exit codes: 0 match, 1 divergence, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import OneIterError
+from .common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
+
+__all__ = ["compare", "register"]
+
+HELP = "\n\n".join([
+    "Compare two recordings of one training iteration and name the first entry that diverges.",
+    "Entries are paired by module path, call index and tensor name, and walked in causal order: forward as "
+    "executed, backward as the gradients were computed, then parameter gradients, then updated parameters. "
+    "An entry present on one side only, or with another shape or dtype, is a divergence, never a pass.",
+    "Default tolerances are torch.testing.assert_close's for each dtype (float32: rtol 1.3e-6, atol 1e-5); "
+    "--rtol / --atol replace them. Exit code: 0 match, 1 divergence, 2 bad input.",
+    "[bold]Examples[/]",
+    "  oneiter compare cpu.h5 cuda.h5",
+    "  oneiter compare cpu.h5 npu.h5 --rtol 1e-4 --json report.json",
+    "  oneiter compare cpu.h5 npu.h5 --all --csv rows.csv",
+])
+
+Reference = Annotated[
+    Path, typer.Argument(metavar="REF", help="The reference recording (.h5), e.g. made on CPU.", show_default=False)
+]
+Target = Annotated[
+    Path, typer.Argument(metavar="TARGET", help="The recording to judge against it (.h5).", show_default=False)
+]
+Rtol = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="Relative tolerance for every entry.")]
+Atol = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="Absolute tolerance for every entry.")]
+ShowAll = Annotated[bool, typer.Option("--all", help="Show every entry, not only those around the divergence.")]
+JsonOut = Annotated[
+    Optional[Path], typer.Option("--json", metavar="FILE", help="Write the full report as JSON ('-': stdout).")
+]
+CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry.")]
+
+
+def _check_output(option: str, path: Optional[Path], inputs: tuple[Path, ...]) -> None:
+    """Refuse an output path that is one of the inputs, or whose folder does not exist."""
+    if path is None or str(path) == "-":
+        return
+    for given in inputs:
+        same = path.resolve() == given.resolve() or (path.exists() and given.exists() and os.path.samefile(path, given))
+        if same:
+            raise OneIterError(f"{option} {path} would overwrite the input recording '{given}': choose another file")
+    if path.is_dir():
+        raise OneIterError(f"{option} {path} is a directory, expected a file path")
+    if not path.resolve().parent.is_dir():
+        raise OneIterError(f"{option} {path}: folder '{path.parent}' does not exist")
+
+
+@handle_errors
+def compare(
+    reference: Reference,
+    target: Target,
+    rtol: Rtol = None,
+    atol: Atol = None,
+    show_all: ShowAll = False,
+    json_path: JsonOut = None,
+    csv_path: CsvOut = None,
+) -> None:
+    """The `compare` command; see HELP."""
+    from ..compare import report
+    from ..compare.engine import compare_files
+
+    inputs = (reference, target)
+    _check_output("--json", json_path, inputs)
+    _check_output("--csv", csv_path, inputs)
+    json_to_stdout = json_path is not None and str(json_path) == "-"
+    if json_path is not None and not json_to_stdout and csv_path is not None:
+        if json_path.resolve() == csv_path.resolve():
+            raise OneIterError(f"--json and --csv both write to {json_path}: give two different files")
+
+    result = compare_files(reference, target, rtol=rtol, atol=atol)
+
+    # with `--json -` stdout carries only the JSON, so the human report moves to stderr
+    report.print_report(err if json_to_stdout else out, result, show_all=show_all)
+    if json_to_stdout:
+        import json
+
+        out.out(json.dumps(report.to_json(result), indent=1, allow_nan=False), highlight=False)
+    elif json_path is not None:
+        report.write_json(result, json_path)
+        err.print(f"wrote {json_path}", markup=False)
+    if csv_path is not None:
+        report.write_csv(result, csv_path)
+        err.print(f"wrote {csv_path}", markup=False)
+    raise typer.Exit(EXIT_MATCH if result.status == "match" else EXIT_DIVERGED)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `compare` to the `oneiter` app."""
+    app.command("compare", help=HELP, no_args_is_help=True)(compare)

@@ -1,0 +1,434 @@
+"""The comparison engine behind `oneiter compare`: two recordings in, one row per entry and a verdict out.
+
+Sits between the file reader (`oneiter.fileformat.IterationFile`, the only code that knows the HDF5 layout) and the
+presentation (`report.py`, the CLI). Steps:
+
+1. open both files and refuse pairs that cannot be compared (another model, other parameter names);
+2. pair entries by (module path, call index, phase, tensor name) — never by position, so one extra call on one
+   side shows up as a missing entry instead of shifting every later pair;
+3. put the pairs in causal order: forward in capture order, backward in the order gradients were computed, then
+   parameter gradients, then updated parameters (`causal_pairs`);
+4. read each pair once, streaming (one pair of tensors in memory at a time; a dataset hard-linked under two names
+   is judged once), and compute `metrics.Metrics` with the tolerance the policy gives (`tolerance.py`);
+5. the verdict is the first row, in that order, that is not a match.
+
+Row statuses: match, diverged, missing_in_target, missing_in_reference, shape_mismatch, dtype_mismatch; every one
+but `match` is a divergence. Stored dtypes may differ without a dtype_mismatch only when the two runs were made
+in different precisions on purpose (meta `dtype`/`amp` differ): the values are then compared in float64 with the
+tolerance of the lower-precision dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import FormatError, OneIterError
+from ..fileformat import LOSS, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, seq_kind
+from .blame import LocalResult, NoisePolicy, find_culprit, local_results, nan_origin
+from .metrics import Metrics, compare_arrays
+from .tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
+
+__all__ = [
+    "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",
+    "dataset_id",
+]
+
+PHASES = ("forward", "backward", "param_grad", "optimizer")
+STATUSES = ("match", "diverged", "missing_in_target", "missing_in_reference", "shape_mismatch", "dtype_mismatch")
+# recording metadata copied into results (JSON `meta`): enough to tell what ran where
+META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
+             "faults", "torch_version", "oneiter_version")
+
+
+@dataclass
+class Row:
+    """One entry of the comparison. `shape`/`dtype` are the reference's, `*_target` the target's (None if absent)."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    status: str
+    shape: Optional[tuple] = None
+    dtype: Optional[str] = None
+    shape_target: Optional[tuple] = None
+    dtype_target: Optional[str] = None
+    tolerance: Optional[Tolerance] = None
+    metrics: Optional[Metrics] = None
+    reason: str = ""
+
+    @property
+    def diverged(self) -> bool:
+        return self.status != "match"
+
+    @property
+    def name(self) -> str:
+        """`layer1.0.conv1@0 forward output`: how reports name the entry."""
+        return f"{self.module}@{self.call} {self.phase} {self.tensor}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see report.to_json)."""
+        data = {
+            "module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
+            "status": self.status,
+            "shape": None if self.shape is None else list(self.shape), "dtype": self.dtype,
+            "shape_target": None if self.shape_target is None else list(self.shape_target),
+            "dtype_target": self.dtype_target,
+            "atol": self.tolerance.atol if self.tolerance else None,
+            "rtol": self.tolerance.rtol if self.tolerance else None,
+        }
+        names = Metrics.__dataclass_fields__
+        data.update(self.metrics.as_dict() if self.metrics else {k: None for k in names})
+        data["reason"] = self.reason
+        return data
+
+
+@dataclass
+class CompareResult:
+    """Rows in causal order and the index of the first divergent one (None: the files match)."""
+
+    reference: str
+    target: str
+    meta_reference: dict[str, Any]
+    meta_target: dict[str, Any]
+    rows: list[Row]
+    first_divergence: Optional[int]
+    loss: dict[str, Optional[float]] = field(default_factory=dict)
+    local_kind: str = ""
+    """`teacher_forced`, `against_cpu`, or "" (no local data: the verdict falls back to first divergence)."""
+    local: list[LocalResult] = field(default_factory=list)
+    culprit: Optional[LocalResult] = None
+    nan_origin: Optional[dict] = None
+
+    @property
+    def basis(self) -> str:
+        """What the verdict rests on: each layer's local error, or (without local data) the first divergence."""
+        return "local_error" if self.local else "first_divergence"
+
+    @property
+    def structural(self) -> Optional[int]:
+        """The first row that is missing on one side or has another shape/dtype: always a divergence."""
+        return next((i for i, r in enumerate(self.rows) if r.status not in ("match", "diverged")), None)
+
+    @property
+    def nonfinite(self) -> Optional[int]:
+        """The first row whose NaN/Inf counts differ between the two sides."""
+        return next((i for i, r in enumerate(self.rows) if r.metrics is not None and r.metrics.nonfinite_differs), None)
+
+    @property
+    def status(self) -> str:
+        if self.basis == "local_error":
+            diverged = self.culprit is not None or self.structural is not None or self.nonfinite is not None
+        else:
+            diverged = self.first_divergence is not None
+        return "diverged" if diverged else "match"
+
+    @property
+    def divergence(self) -> Optional[Row]:
+        """The accumulated row the verdict points at (None on a match, or when a culprit alone decides)."""
+        if self.status == "match":
+            return None
+        if self.basis == "local_error":
+            index = self.structural if self.structural is not None else self.nonfinite
+            return None if index is None else self.rows[index]
+        return self.rows[self.first_divergence]
+
+    def counts(self) -> dict[str, int]:
+        """Number of rows per status, every status listed."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for row in self.rows:
+            counts[row.status] += 1
+        return counts
+
+    def verdict(self) -> dict[str, Any]:
+        """The JSON verdict: status, where (culprit first), the basis, the culprit and the NaN/Inf origin."""
+        common = {
+            "basis": self.basis,
+            "culprit": self.culprit.verdict() if self.culprit else None,
+            "nan_origin": self.nan_origin,
+            "first_divergence": self._row_summary(self.first_divergence),
+            "num_diverged": sum(r.diverged for r in self.rows), "num_entries": len(self.rows),
+            "num_local": len(self.local), "num_flagged": sum(r.flagged for r in self.local),
+        }
+        if self.status == "match":
+            return {"status": "match", **common}
+        if self.culprit is not None and self.divergence is None:
+            c = self.culprit
+            where = {"module": c.module, "call": c.call, "phase": c.phase, "tensor": c.tensor,
+                     "entry_status": "local_error", "reason": f"local error {c.rel_l2:.2e} is {c.ratio:.1f}x the "
+                     f"expected noise {c.expected:.2e}", "rel_l2": c.rel_l2, "max_abs": c.metrics.max_abs,
+                     "cosine": c.metrics.cosine}
+        else:
+            where = self._row_summary(self.rows.index(self.divergence))
+        return {"status": "diverged", **where, **common}
+
+    def _row_summary(self, index: Optional[int]) -> Optional[dict[str, Any]]:
+        if index is None:
+            return None
+        row, m = self.rows[index], self.rows[index].metrics
+        return {
+            "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
+            "entry_status": row.status, "reason": row.reason,
+            "max_abs": m.max_abs if m else None, "rel_l2": m.rel_l2 if m else None, "cosine": m.cosine if m else None,
+        }
+
+    def local_for(self, row: Row) -> Optional[LocalResult]:
+        """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
+        if not hasattr(self, "_local_index"):
+            self._local_index = {r.key: r for r in self.local}
+        return self._local_index.get((row.module, row.call, row.phase, row.tensor))
+
+
+# -- pairing and causal order ---------------------------------------------------------------------------------------
+_KIND_RANK = {"input": 0, "output": 1, "grad_output": 0, "grad_input": 1}
+_NO_ANCHOR = (-1, 0, 0, ())
+
+
+def _natural(name: str) -> tuple:
+    """`input.10` after `input.2`."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.]", name))
+
+
+def _positions(f: IterationFile) -> dict[tuple[str, int], int]:
+    """(module, call) -> execution position."""
+    return {(attrs.get("module"), int(attrs.get("call", 0))): i for i, (_, attrs) in enumerate(f.calls())}
+
+
+def _sort_key(entry: Entry, positions: dict) -> tuple:
+    """Causal position of an entry inside its file; ties (tensors captured at one moment) broken by call order."""
+    rank = PHASES.index(entry.phase)
+    if entry.phase in ("forward", "backward"):
+        pos = positions.get((entry.module, entry.call), 0)
+        tie = pos if entry.phase == "forward" else -pos  # without seq attrs: backward runs calls in reverse
+        kind = _KIND_RANK.get(seq_kind(entry.tensor), 2)
+        return (rank, entry.seq, tie, kind, _natural(entry.tensor))
+    return (rank, entry.seq, 0, 0, _natural(entry.tensor))
+
+
+def causal_pairs(
+    ref_entries: list[Entry], tgt_entries: list[Entry], ref_positions: dict, tgt_positions: dict
+) -> list[tuple[Optional[Entry], Optional[Entry]]]:
+    """(reference, target) pairs by key, in the reference's causal order.
+
+    An entry only the target has goes right after the target entry that precedes it and the reference also has,
+    so it lands where it happened instead of at the end.
+    """
+    tgt_by_key = {e.key: e for e in tgt_entries}
+    ref_keys = {e.key: _sort_key(e, ref_positions) for e in ref_entries}
+    ordered = [(ref_keys[e.key] + (0, 0), e, tgt_by_key.get(e.key)) for e in ref_entries]
+    anchor, phase = None, None
+    for j, entry in enumerate(sorted(tgt_entries, key=lambda e: _sort_key(e, tgt_positions))):
+        if entry.phase != phase:
+            anchor, phase = (PHASES.index(entry.phase),) + _NO_ANCHOR, entry.phase
+        if entry.key in ref_keys:
+            anchor = ref_keys[entry.key]
+        else:
+            ordered.append((anchor + (1, j), None, entry))
+    ordered.sort(key=lambda item: item[0])
+    return [(r, t) for _, r, t in ordered]
+
+
+# -- compatibility --------------------------------------------------------------------------------------------------
+def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
+    """Raise FormatError when the files record different models or different parameters."""
+    model_ref, model_tgt = ref.meta.get("model"), tgt.meta.get("model")
+    if model_ref != model_tgt:
+        raise FormatError(
+            f"'{ref.path}' records model '{model_ref}' but '{tgt.path}' records '{model_tgt}': "
+            "compare two recordings of the same model"
+        )
+    for which in (STATE_BEFORE, STATE_AFTER):
+        names_ref, names_tgt = set(ref.state(which)), set(tgt.state(which))
+        if names_ref and names_tgt and names_ref != names_tgt:
+            only_ref, only_tgt = sorted(names_ref - names_tgt), sorted(names_tgt - names_ref)
+            example = (only_ref or only_tgt)[0]
+            raise FormatError(
+                f"'{ref.path}' and '{tgt.path}' hold different parameters ({len(only_ref)} only in the reference, "
+                f"{len(only_tgt)} only in the target, e.g. '{example}'): not recordings of the same model"
+            )
+
+
+def _run_precision(meta: dict) -> tuple:
+    return (meta.get("dtype") or "", meta.get("amp") or "")
+
+
+# -- one row --------------------------------------------------------------------------------------------------------
+class _Judge:
+    """Turns one (reference, target) pair into a Row; remembers metrics of hard-linked datasets."""
+
+    def __init__(self, ref: IterationFile, tgt: IterationFile, policy: TolerancePolicy):
+        self.ref, self.tgt, self.policy = ref, tgt, policy
+        self.same_precision = _run_precision(ref.meta) == _run_precision(tgt.meta)
+        self.cache: dict[tuple, Metrics] = {}
+
+    def row(self, re_: Optional[Entry], te: Optional[Entry]) -> Row:
+        entry = re_ or te
+        row = Row(entry.module, entry.call, entry.phase, entry.tensor, "match")
+        if re_ is not None:
+            row.shape, row.dtype = self.ref.shape_of(re_.path), self.ref.dtype_of(re_.path)
+        if te is not None:
+            row.shape_target, row.dtype_target = self.tgt.shape_of(te.path), self.tgt.dtype_of(te.path)
+        if te is None:
+            row.status, row.reason = "missing_in_target", "only the reference has this entry"
+        elif re_ is None:
+            row.status, row.reason = "missing_in_reference", "only the target has this entry"
+        elif row.shape != row.shape_target:
+            row.status, row.reason = "shape_mismatch", f"shape {_shape(row.shape)} vs {_shape(row.shape_target)}"
+        elif row.dtype != row.dtype_target and self.same_precision:
+            row.status, row.reason = "dtype_mismatch", f"dtype {row.dtype} vs {row.dtype_target}"
+        else:
+            self._measure(row, re_, te)
+        return row
+
+    def _measure(self, row: Row, re_: Entry, te: Entry) -> None:
+        tol = self.policy(re_, row.dtype)
+        if row.dtype_target != row.dtype:
+            tol = looser(tol, self.policy(te, row.dtype_target))
+        row.tolerance = tol
+        # a dataset hard-linked under two names (a layer's output is the next one's input) is judged once
+        key = (dataset_id(self.ref, re_.path), dataset_id(self.tgt, te.path), tol.atol, tol.rtol)
+        metrics = self.cache.get(key)
+        if metrics is None:
+            metrics = compare_arrays(self.ref.read(re_.path), self.tgt.read(te.path), atol=tol.atol, rtol=tol.rtol)
+            self.cache[key] = metrics
+        row.metrics = metrics
+        if metrics.diverged:
+            row.status, row.reason = "diverged", _reason(metrics, tol)
+
+
+def dataset_id(f: IterationFile, path: str):
+    """Identity of the stored dataset, equal for hard links (h5py ObjectIDs compare by object).
+
+    Reaches into `IterationFile.file` with a path the file itself gave; belongs in fileformat as a helper.
+    """
+    return f.file[path].id
+
+
+def _shape(shape: Optional[tuple]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")" if shape is not None else "-"
+
+
+def _reason(m: Metrics, tol: Tolerance) -> str:
+    parts = []
+    if m.num_out:
+        parts.append(
+            f"{m.num_out} of {m.num_elements} elements ({m.frac_out:.2%}) outside atol={tol.atol:.1e} "
+            f"rtol={tol.rtol:.1e}"
+        )
+    if m.nonfinite_differs:
+        parts.append(f"NaN {m.num_nan_ref} vs {m.num_nan_target}, Inf {m.num_inf_ref} vs {m.num_inf_target}")
+    return "; ".join(parts)
+
+
+# -- entry point ----------------------------------------------------------------------------------------------------
+def compare_files(
+    ref_path: str | os.PathLike,
+    tgt_path: str | os.PathLike,
+    *,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+    tolerance: Optional[TolerancePolicy] = None,
+    noise: Optional[NoisePolicy] = None,
+) -> CompareResult:
+    """Compare two recordings entry by entry; `tolerance` (a policy) replaces the dtype defaults + rtol/atol,
+    `noise` sets how far above its expected noise a layer's local error may go."""
+    policy = tolerance if tolerance is not None else DtypeTolerance(atol=atol, rtol=rtol)
+    with reading(ref_path, tgt_path), contextlib.ExitStack() as stack:
+        ref = stack.enter_context(IterationFile(ref_path))
+        tgt = stack.enter_context(IterationFile(tgt_path))
+        result = _compare_open(ref, tgt, policy)
+        _blame(result, ref, tgt, policy, noise or NoisePolicy())
+        return result
+
+
+def compare_local(
+    path: str | os.PathLike,
+    *,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+    tolerance: Optional[TolerancePolicy] = None,
+    noise: Optional[NoisePolicy] = None,
+) -> CompareResult:
+    """Judge one `record --against cpu` recording on its own: each layer against its float32 CPU recomputation."""
+    policy = tolerance if tolerance is not None else DtypeTolerance(atol=atol, rtol=rtol)
+    with reading(path), IterationFile(path) as tgt:
+        if tgt.local_kind() != "against_cpu":
+            raise FormatError(
+                f"'{path}' alone cannot be judged: record it with --against cpu, or compare it with a reference"
+            )
+        result = CompareResult(str(path), str(path), _meta(tgt), _meta(tgt), [], None, {"target": _loss(tgt)})
+        _blame(result, None, tgt, policy, noise or NoisePolicy())
+        result.rows = [
+            Row(r.module, r.call, r.phase, r.tensor, "diverged" if r.flagged else "match", dtype=r.dtype,
+                dtype_target=r.dtype, metrics=r.metrics)
+            for r in result.local
+        ]
+        counts = {}
+        for entry in tgt.entries():
+            if entry.phase in ("forward", "backward"):
+                counts[entry.key] = _nonfinite_count(tgt.read(entry.path))
+        result.nan_origin = nan_origin(counts, list(counts))
+        return result
+
+
+def _nonfinite_count(array) -> int:
+    import numpy as np
+
+    return int(array.size - np.count_nonzero(np.isfinite(array))) if array.dtype.kind in "fc" else 0
+
+
+def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFile, policy, noise: NoisePolicy) -> None:
+    """Local errors, culprit and NaN/Inf origin, from the local data and the accumulated rows."""
+    result.local_kind = tgt.local_kind()
+    result.local = local_results(ref, tgt, noise, policy)
+    result.culprit = find_culprit(result.local)
+    counts = {}
+    for row in result.rows:
+        if row.metrics is not None:
+            counts[(row.module, row.call, row.phase, row.tensor)] = row.metrics.num_nan_target + row.metrics.num_inf_target
+    if result.nonfinite is not None:
+        result.nan_origin = nan_origin(counts, list(counts))
+
+
+@contextlib.contextmanager
+def reading(*paths: str | os.PathLike):
+    """Turn what h5py raises on a damaged file (after its header was accepted) into a one-line FormatError."""
+    try:
+        yield
+    except OneIterError:
+        raise
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        names = " / ".join(f"'{p}'" for p in paths)
+        raise FormatError(f"cannot read {names}: {text} (truncated or corrupt file?)") from exc
+
+
+def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolicy) -> CompareResult:
+    check_compatible(ref, tgt)
+    pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), _positions(ref), _positions(tgt))
+    if not pairs:
+        raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
+    judge = _Judge(ref, tgt, policy)
+    rows = [judge.row(r, t) for r, t in pairs]
+    first = next((i for i, row in enumerate(rows) if row.diverged), None)
+    return CompareResult(
+        reference=str(ref.path), target=str(tgt.path),
+        meta_reference=_meta(ref), meta_target=_meta(tgt),
+        rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
+    )
+
+
+def _meta(f: IterationFile) -> dict[str, Any]:
+    """The META_KEYS a file has; "" (how the file stores None) back to None."""
+    return {k: (None if f.meta[k] == "" else f.meta[k]) for k in META_KEYS if k in f.meta}
+
+
+def _loss(f: IterationFile) -> Optional[float]:
+    if not f.has(LOSS):
+        return None
+    values = f.read(LOSS).reshape(-1)
+    return float(values[0]) if values.size == 1 else None

@@ -65,9 +65,7 @@ def decode(array: np.ndarray, dtype_name: str) -> np.ndarray:
     """A stored array as numbers numpy can compute with: bfloat16 bits become float32 (exactly)."""
     if dtype_name == "bfloat16":
         return (array.astype(np.uint32) << 16).view(np.float32)
-    if dtype_name in _RAW_BITS:
-        import torch  # float8 decoding needs torch's tables
-
+    if dtype_name in _RAW_BITS:  # float8: decoding needs torch's tables
         return to_torch(array, dtype_name).float().numpy()
     return array
 

@@ -43,6 +43,14 @@ JsonOut = Annotated[
     Optional[Path], typer.Option("--json", metavar="FILE", help="Write the full report as JSON ('-': stdout).")
 ]
 CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry.")]
+Tolerances = Annotated[
+    Optional[Path],
+    typer.Option("--tolerances", metavar="FILE", help="Per-device tolerance file (.toml or mmengine .py config)."),
+]
+HtmlOut = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML report.")]
+TbOut = Annotated[
+    Optional[Path], typer.Option("--tensorboard", metavar="DIR", help="Write TensorBoard error curves and histograms.")
+]
 
 
 def _check_output(option: str, path: Optional[Path], inputs: tuple[Path, ...]) -> None:
@@ -68,20 +76,23 @@ def compare(
     show_all: ShowAll = False,
     json_path: JsonOut = None,
     csv_path: CsvOut = None,
+    tolerances: Tolerances = None,
+    html_path: HtmlOut = None,
+    tb_dir: TbOut = None,
 ) -> None:
     """The `compare` command; see HELP."""
     from ..compare import report
-    from ..compare.engine import compare_files
 
-    inputs = (reference, target)
-    _check_output("--json", json_path, inputs)
-    _check_output("--csv", csv_path, inputs)
+    inputs = (reference,) if target is None else (reference, target)
+    outputs = [("--json", json_path), ("--csv", csv_path), ("--html", html_path)]
+    for option, path in outputs:
+        _check_output(option, path, inputs)
     json_to_stdout = json_path is not None and str(json_path) == "-"
-    if json_path is not None and not json_to_stdout and csv_path is not None:
-        if json_path.resolve() == csv_path.resolve():
-            raise OneIterError(f"--json and --csv both write to {json_path}: give two different files")
+    files = [p.resolve() for _, p in outputs if p is not None and str(p) != "-"]
+    if len(files) != len(set(files)):
+        raise OneIterError("--json, --csv and --html must write to different files")
 
-    result = compare_files(reference, target, rtol=rtol, atol=atol)
+    result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
 
     # with `--json -` stdout carries only the JSON, so the human report moves to stderr
     report.print_report(err if json_to_stdout else out, result, show_all=show_all)
@@ -96,6 +107,21 @@ def compare(
         report.write_csv(result, csv_path)
         err.print(f"wrote {csv_path}", markup=False)
     raise typer.Exit(EXIT_MATCH if result.status == "match" else EXIT_DIVERGED)
+
+
+def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None, tolerances: Optional[Path] = None):
+    """Build the policies (tolerance file, --atol/--rtol) and compare two files, or judge one --against file."""
+    from ..compare.engine import compare_files, compare_local
+
+    policy = noise = None
+    if tolerances is not None:
+        from ..compare.tolerance_file import FileTolerance, load_tolerance_file
+
+        spec = load_tolerance_file(tolerances)
+        policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
+    if target is None:
+        return compare_local(reference, rtol=rtol, atol=atol, tolerance=policy, noise=noise)
+    return compare_files(reference, target, rtol=rtol, atol=atol, tolerance=policy, noise=noise)
 
 
 def register(app: typer.Typer) -> None:

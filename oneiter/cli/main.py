@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import compare_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
+from . import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
 
 app = typer.Typer(
     name="oneiter",
@@ -15,7 +15,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-for module in (record_cmd, compare_cmd, inspect_cmd, replay_cmd, models_cmd):
+for module in (record_cmd, compare_cmd, inspect_cmd, replay_cmd, models_cmd, demo_cmd):
     module.register(app)
 app.add_typer(profile_cmd.app, name="profile")
 

@@ -6,12 +6,9 @@ captured tensors are copied to the host at once and handed to the `BackgroundWri
 How the hooks avoid the known traps (../shared/NOTES.md):
 - inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
 - no `register_full_backward_hook` (it breaks on an in-place op after the hooked module): the gradient w.r.t. a
-  module's output is read with a tensor hook on that output; the gradient w.r.t. its inputs with a tensor hook on
-  an alias (`x.view_as(x)`) handed to the module instead of `x`, so it is this module's contribution only, not
-  the sum over every consumer of `x`. Tensor hooks registered before an in-place op see the gradient of the value
-  before that op, which is what we want. The alias cannot be used for an in-place module (`module.inplace` true,
-  as on nn.ReLU/ReLU6/Dropout): an in-place op on a view rebases the view's history and its hook never fires.
-  There the module's input gradient is read from a hook on the autograd node that produced its output;
+  module's output is read with a tensor hook on that output (hooks registered before an in-place op see the
+  gradient of the value before it, which is what we want); the gradient w.r.t. its inputs is this module's
+  contribution only, read from the module's own autograd nodes without changing the graph (`input_grads.py`);
 - every call is kept (`module@call`), so a module called twice (ResNet's shared ReLU) keeps both calls;
 - the hooks never change a value: recording does not change the loss, the gradients or the update bits.
 """
@@ -24,6 +21,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from ..fileformat import BACKWARD, CALLS, FORWARD, call_key, seq_kind
+from .input_grads import InputGradTracker
 
 __all__ = ["ModuleCapture", "flatten", "host_copy", "TensorSink"]
 
@@ -104,6 +102,8 @@ class ModuleCapture:
         self._open: dict[int, list[str]] = {}
         self._seq = itertools.count()
         self._seq_done: set[tuple[str, str]] = set()
+        self._input_grads = InputGradTracker()
+        self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def __enter__(self) -> "ModuleCapture":
@@ -127,6 +127,8 @@ class ModuleCapture:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._input_grads.remove()
+        self._pending_grads.clear()
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def _pre_hook(self, module, args: tuple, kwargs: dict):
@@ -147,11 +149,10 @@ class ModuleCapture:
                 self.sink.put(group, name, value)
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
-        if getattr(module, "inplace", False) is True:
-            return None  # see the module docstring: _post_hook reads grad_input from the output's node
-        new_args = tuple(self._alias(key, f"grad_input.{i}", a) for i, a in enumerate(args))
-        new_kwargs = {k: self._alias(key, f"grad_input.{k}", v) for k, v in kwargs.items()}
-        return new_args, new_kwargs
+        named = [(f"grad_input.{i}", a) for i, a in enumerate(args)]
+        named += [(f"grad_input.{k}", v) for k, v in kwargs.items()]
+        self._pending_grads[key] = self._input_grads.start(named)
+        return None
 
     def _post_hook(self, module, args, kwargs, output):
         if self._suspended:
@@ -162,8 +163,8 @@ class ModuleCapture:
             self.sink.put(group, name, value)
             if _wants_grad(value):
                 value.register_hook(self._grad_hook(key, f"grad_{name}"))
-        if getattr(module, "inplace", False) is True and _wants_grad(output) and output.grad_fn is not None:
-            output.grad_fn.register_hook(self._node_hook(key))
+        outputs = [value for _, value in flatten(output, "output")]
+        self._input_grads.finish(self._pending_grads.pop(key, None), outputs, self._input_grad_sink(key))
         attrs: dict[str, Any] = {}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
@@ -175,13 +176,13 @@ class ModuleCapture:
                 self._suspended = False
         return None
 
-    def _alias(self, key: str, name: str, value):
-        """Hand the module an alias of `value` whose gradient is this module's contribution alone."""
-        if not _wants_grad(value):
-            return value
-        alias = value.view_as(value)
-        alias.register_hook(self._grad_hook(key, name))
-        return alias
+    def _input_grad_sink(self, key: str):
+        hooks: dict[str, Callable] = {}
+
+        def on_grad(name: str, grad) -> None:
+            hooks.setdefault(name, self._grad_hook(key, name))(grad)
+
+        return on_grad
 
     # -- backward ---------------------------------------------------------------------------------------------------
     def _grad_hook(self, key: str, name: str):
@@ -197,16 +198,6 @@ class ModuleCapture:
                 if self.probe is not None and name.startswith("grad_output"):
                     self.probe.on_grad_output(key, name, grad)
             return None
-
-        return hook
-
-    def _node_hook(self, key: str):
-        """For an in-place module: the gradient w.r.t. the node's first input is the module's grad_input.0."""
-        tensor_hook = self._grad_hook(key, "grad_input.0")
-
-        def hook(grad_inputs, _grad_outputs):
-            if grad_inputs:
-                tensor_hook(grad_inputs[0])
 
         return hook
 

@@ -210,7 +210,7 @@ class TeacherForced(_Probe):
         """Expected noise: the reference layer in the target's precision on the CPU, vs the reference's values."""
         cpu = self._cpu_module(module)
         passed, leaves, cal_where = _leaf_inputs(values, list(args), _cpu())
-        with _isolated_rerun(cpu, _cpu()) as _info, _no_torch_function(), self._autocast_cpu(True):
+        with _isolated_rerun(cpu, _cpu()), _no_torch_function(), self._autocast_cpu(True):
             out = cpu.forward(*passed)
             named = list(flatten(out, "output"))
             ref_grads = [g.cpu() if g is not None else None for g in self._ref_grad_outputs(key, out)]

@@ -96,6 +96,12 @@ def _mask_index(packet: str) -> int:
 class RandomRecorder(TorchDispatchMode):
     """Records the values of every random aten op, in order, into `random/` through a `TensorSink`."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in torch._dynamo.disable unless this says no: that imports dynamo
+        # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
+        return False
+
     def __init__(self, sink, group: str = RANDOM):
         super().__init__()
         self.sink = sink
@@ -188,6 +194,12 @@ class RandomReplayer(TorchDispatchMode):
     `recorded_random_ops(reader)`. Recorded tensors are staged on `device` (default: CPU) before being copied.
     On a clean exit, fewer random ops than the reference recorded is an error too.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps __torch_dispatch__ in torch._dynamo.disable unless this says no: that imports dynamo
+        # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
+        return False
 
     def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None):
         super().__init__()

@@ -1,0 +1,168 @@
+"""`oneiter profile` and `oneiter profile diff`: thin CLI over `oneiter.profile` (no torch import at module load)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import options as opt
+from .common import err, fail, handle_errors, out
+
+HELP = """Profile training iterations with torch.profiler: a gzip Chrome trace per active cycle, op / memory /
+per-module tables and summary.json in the output directory.
+
+[b]Examples[/b]
+
+  oneiter profile --model resnet18 --device cpu --schedule wait=1,warmup=1,active=2 -o prof/
+
+  oneiter profile --model resnet18 --dtype bfloat16 --profile-memory --record-shapes -o prof_bf16/
+
+  oneiter profile diff prof/ prof_bf16/
+
+Open the .pt.trace.json.gz in https://ui.perfetto.dev or chrome://tracing, or run tensorboard --logdir prof/.
+"""
+
+DIFF_HELP = """Align two profile directories by module path and op name: time and memory on each side, B/A ratio,
+and what exists on one side only. A is the reference (e.g. float32 or the reference device), B the target.
+
+[b]Examples[/b]
+
+  oneiter profile diff prof_fp32/ prof_bf16/
+
+  oneiter profile diff prof_cpu/ prof_npu/ --sort ratio --limit 0 --json diff.json
+"""
+
+app = typer.Typer(
+    name="profile",
+    help=HELP,
+    invoke_without_command=True,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+
+def _opt(*names: str, help: str):
+    return typer.Option(*names, help=help)
+
+
+@app.callback()
+@handle_errors
+def profile_command(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], _opt("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function.")] = None,
+    device: opt.Device = "cpu",
+    batch_size: opt.BatchSize = 8,
+    seed: opt.Seed = 0,
+    dtype: opt.Dtype = "float32",
+    amp: opt.Amp = None,
+    threads: opt.Threads = None,
+    model_arg: opt.ModelArg = None,
+    optimizer: Annotated[str, _opt("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
+    schedule: Annotated[str, _opt("--schedule", "-s", help="wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, skip_first=0.")] = "wait=1,warmup=1,active=2",
+    out_dir: Annotated[Path, _opt("--out", "-o", help="Output directory (a previous profile there needs --force).")] = Path("prof"),
+    record_shapes: Annotated[bool, _opt("--record-shapes", help="Record input shapes (op table grouped by shape).")] = False,
+    profile_memory: Annotated[bool, _opt("--profile-memory", help="Record allocations: memory table, module memory, CUDA snapshot.")] = False,
+    with_stack: Annotated[bool, _opt("--with-stack", help="Python stack frames in the trace (several times larger).")] = False,
+    with_flops: Annotated[bool, _opt("--with-flops", help="Estimate FLOPs of matmul/conv ops.")] = False,
+    memory_sort: Annotated[str, _opt("--memory-sort", help="Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
+    module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help="Forward/backward ranges per module path (the module table).")] = True,
+    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help="Also time as many unprofiled steps, report the ratio.")] = True,
+    max_steps: Annotated[int, _opt("--max-steps", help="Refuse schedules that need more training steps than this.")] = 100,
+    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
+    force: opt.Force = False,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    if model is None:
+        raise fail("--model is required, e.g. oneiter profile --model resnet18 -o prof/")
+    from ..modelspec import parse_model_args
+    from ..profile.runner import ProfileOptions, profile
+
+    options = ProfileOptions(
+        model=model, device=device, batch_size=batch_size, seed=seed, dtype=dtype, amp=amp, threads=threads,
+        model_args=parse_model_args(model_arg), optimizer=optimizer, schedule=schedule, out_dir=out_dir,
+        record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
+        memory_sort=memory_sort, module_ranges=module_ranges, measure_overhead=overhead, max_steps=max_steps,
+        force=force,
+    )  # fmt: skip
+    with _progress(f"profiling {model} on {device}") as on_step:
+        result = profile(options, on_step=on_step)
+    for note in result.notes:
+        err.print(f"note: {note}", markup=False)
+    for warning in result.warnings:
+        err.print(f"[yellow]warning:[/] {warning}", markup=True)
+    out.print(_report(result, limit or None), markup=False)
+
+
+@contextlib.contextmanager
+def _progress(title: str):
+    """`on_step(step, num_steps, phase)` driving a transient progress bar on stderr (silent off a terminal).
+    Refreshed only from the callback, between steps: the profiler's native output filter must not catch it."""
+    if os.environ.get("ONEITER_NO_PROGRESS") or not err.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err,
+                  transient=True, auto_refresh=False) as bar:  # fmt: skip
+        task = bar.add_task(title, total=None)
+
+        def on_step(step: int, num_steps: int, phase: str) -> None:
+            bar.update(task, total=num_steps, completed=step + 1, description=f"{title}: step {step} {phase}")
+            bar.refresh()
+
+        yield on_step
+
+
+def _report(result, limit: int | None) -> str:
+    from ..profile.tables import format_memory, format_modules, format_ops
+
+    s, last = result.summary, result.cycles[-1]
+    lines = [f"profiled {s['model']} on {s['device']} ({s['dtype']}{', amp ' + s['amp'] if s['amp'] else ''}, "
+             f"batch {s['batch_size']}), schedule {s['schedule']}: {len(result.cycles)} trace(s) in {result.out_dir}"]  # fmt: skip
+    for cycle in result.cycles:
+        lines.append(f"  steps {cycle['steps']}: {cycle['trace']}  {cycle['trace_bytes'] / 2**10:.1f} KiB "
+                     f"({cycle['trace_json_bytes'] / 2**20:.1f} MiB JSON, written in {cycle['export_seconds']:.2f} s)")  # fmt: skip
+    if result.overhead:
+        o = result.overhead
+        lines.append(f"overhead: {o['ratio']:.2f}x (fastest recorded step {o['profiled_step_s'] * 1000:.1f} ms, "
+                     f"fastest unprofiled {o['unprofiled_step_s'] * 1000:.1f} ms, {o['num_steps']} steps each)")  # fmt: skip
+    device = s["device"] != "cpu"
+    lines += ["", f"== ops (last cycle, steps {last['steps']}) ==", format_ops(last["ops"], limit, device=device)]
+    if s["options"]["profile_memory"]:
+        lines += [f"== memory (by {s['options']['memory_sort']}) ==", format_memory(last["memory"], s["options"]["memory_sort"], limit, device=device)]
+    if last["modules"]:
+        lines += ["== leaf modules (slowest first) ==", format_modules(last["modules"], limit, slowest_leaves=True)]
+    lines.append(f"all rows: {result.out_dir / last['tables']} and {result.summary_path}; "
+                 f"open the trace in https://ui.perfetto.dev, chrome://tracing, or tensorboard --logdir {result.out_dir}")  # fmt: skip
+    return "\n".join(lines)
+
+
+@app.command("diff", help=DIFF_HELP, no_args_is_help=True)
+@handle_errors
+def diff_command(
+    dir_a: Annotated[Path, typer.Argument(help="Reference profile directory (A).", metavar="A")],
+    dir_b: Annotated[Path, typer.Argument(help="Target profile directory (B).", metavar="B")],
+    sort: Annotated[str, _opt("--sort", help="Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
+    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all).")] = 20,
+    json_out: Annotated[Optional[Path], _opt("--json", help="Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
+) -> None:
+    from ..errors import OneIterError
+    from ..profile.diff import DIFF_SORTS, diff_profiles, format_diff
+
+    if sort not in DIFF_SORTS:
+        raise OneIterError(f"--sort must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
+    diff = diff_profiles(dir_a, dir_b)
+    payload = json.dumps(diff.to_json(), indent=1)
+    if json_out is not None and str(json_out) == "-":
+        out.print(payload, markup=False, highlight=False)
+        return
+    if json_out is not None:
+        json_out.write_text(payload + "\n", encoding="utf-8")
+    out.print(format_diff(diff, limit or None, sort), markup=False)

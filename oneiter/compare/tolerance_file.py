@@ -1,0 +1,144 @@
+"""Tolerance files: per-device precision settings in TOML or an mmengine config (`--tolerances FILE`).
+
+Sits beside `tolerance.py` (dtype defaults) and `blame.py` (noise factor): one file per device, in the spirit
+of DIOPI's `device_configs.py` and ditorch's per-op tolerance variables, read once and turned into the two
+policies the engine takes. Example `npu.toml`::
+
+    device = "npu"              # optional: a warning if the target was recorded on another device type
+
+    [noise]                     # blame: flag a layer whose local error > factor x expected noise
+    factor = 4.0
+    floor_ulps = 1.0
+
+    [dtype.bfloat16]            # accumulated entries of this dtype
+    atol = 1e-5
+    rtol = 1.6e-2
+
+    [[module]]                  # per-module-glob overrides, the last matching one wins
+    pattern = "layer4.*"
+    rtol = 1e-3
+    factor = 8.0
+
+    [skip]                      # never judged (still shown)
+    modules = ["*.dropout"]
+
+The same keys in an mmengine config (`npu.py`): `device = 'npu'`, `noise = dict(factor=4.0)`,
+`dtype = dict(bfloat16=dict(atol=1e-5, rtol=1.6e-2))`, `module = [dict(pattern='layer4.*', rtol=1e-3)]`,
+`skip = dict(modules=['*.dropout'])`. `--atol`/`--rtol` on the command line still override everything.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import OneIterError
+from ..fileformat import Entry
+from .blame import NoisePolicy
+from .tolerance import Tolerance, default_tolerance
+
+__all__ = ["ToleranceFile", "load_tolerance_file", "FileTolerance"]
+
+_TOP_KEYS = {"device", "noise", "dtype", "module", "skip"}
+
+
+@dataclass
+class ToleranceFile:
+    """The parsed file: what `FileTolerance` and `NoisePolicy` are built from."""
+
+    path: Path
+    device: Optional[str] = None
+    dtypes: dict[str, dict[str, float]] = field(default_factory=dict)
+    modules: list[dict[str, Any]] = field(default_factory=list)
+    skip: list[str] = field(default_factory=list)
+    noise: NoisePolicy = field(default_factory=NoisePolicy)
+
+    def check_device(self, device_type: Optional[str]) -> None:
+        if self.device and device_type and self.device != device_type:
+            warnings.warn(f"{self.path.name} is for device '{self.device}', the target ran on '{device_type}'",
+                          stacklevel=2)
+
+
+class FileTolerance:
+    """Tolerance policy: dtype defaults < [dtype.X] < matching [[module]] < --atol/--rtol; skipped modules pass."""
+
+    def __init__(self, spec: ToleranceFile, *, atol: Optional[float] = None, rtol: Optional[float] = None):
+        self.spec, self.atol, self.rtol = spec, atol, rtol
+
+    def __call__(self, entry: Entry, dtype: str) -> Tolerance:
+        if any(fnmatch.fnmatchcase(entry.module, p) for p in self.spec.skip):
+            return Tolerance(math.inf, 0.0, f"skipped by {self.spec.path.name}")
+        base = default_tolerance(dtype)
+        atol, rtol, source = base.atol, base.rtol, base.source
+        if dtype in self.spec.dtypes:
+            atol = self.spec.dtypes[dtype].get("atol", atol)
+            rtol = self.spec.dtypes[dtype].get("rtol", rtol)
+            source = f"{self.spec.path.name} [dtype.{dtype}]"
+        for override in self.spec.modules:
+            if fnmatch.fnmatchcase(entry.module, override["pattern"]):
+                atol, rtol = override.get("atol", atol), override.get("rtol", rtol)
+                source = f"{self.spec.path.name} module {override['pattern']}"
+        if self.atol is not None or self.rtol is not None:
+            atol = atol if self.atol is None else self.atol
+            rtol = rtol if self.rtol is None else self.rtol
+            source = "--atol/--rtol"
+        return Tolerance(atol, rtol, source)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if path.suffix == ".toml":
+        import tomllib
+
+        try:
+            return tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise OneIterError(f"--tolerances {path}: not valid TOML ({exc})") from None
+    if path.suffix == ".py":
+        from mmengine.config import Config
+
+        try:
+            return Config.fromfile(str(path)).to_dict()
+        except Exception as exc:  # mmengine raises many types for a broken config
+            raise OneIterError(f"--tolerances {path}: cannot load the mmengine config ({exc})") from None
+    raise OneIterError(f"--tolerances expects a .toml file or an mmengine .py config, got '{path}'")
+
+
+def _number(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise OneIterError(f"{where} should be a number >= 0, but got {value!r}")
+    return float(value)
+
+
+def load_tolerance_file(path: str | Path) -> ToleranceFile:
+    """Parse and validate a tolerance file; every error names the key and the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise OneIterError(f"--tolerances: '{path}' does not exist")
+    data = {k: v for k, v in _read(path).items() if not k.startswith("_")}
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise OneIterError(f"{path.name}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(_TOP_KEYS))}")
+    spec = ToleranceFile(path, device=data.get("device"))
+    for dtype, values in (data.get("dtype") or {}).items():
+        spec.dtypes[dtype] = {k: _number(f"{path.name} dtype.{dtype}.{k}", v) for k, v in values.items()
+                              if k in ("atol", "rtol")}
+    for i, override in enumerate(data.get("module") or []):
+        if "pattern" not in override:
+            raise OneIterError(f"{path.name}: module entry {i} should have a 'pattern', but got {override}")
+        clean = {"pattern": str(override["pattern"])}
+        clean.update({k: _number(f"{path.name} module {i} {k}", v) for k, v in override.items()
+                      if k in ("atol", "rtol", "factor")})
+        spec.modules.append(clean)
+    spec.skip = [str(p) for p in (data.get("skip") or {}).get("modules", [])]
+    noise = data.get("noise") or {}
+    spec.noise = NoisePolicy(
+        factor=_number(f"{path.name} noise.factor", noise.get("factor", 4.0)),
+        floor_ulps=_number(f"{path.name} noise.floor_ulps", noise.get("floor_ulps", 1.0)),
+        overrides=[(m["pattern"], m["factor"]) for m in spec.modules if "factor" in m],
+        skip=list(spec.skip),
+    )
+    return spec

@@ -1,0 +1,129 @@
+"""The gradient of one module call w.r.t. each of its inputs, read off the autograd graph without changing it.
+
+Where this sits: `ModuleCapture` calls `start()` in a module's forward pre-hook and `finish()` in its forward
+hook. A tensor hook on an input would see the sum over *every* consumer of that tensor (a block's input feeds
+both conv1 and the residual), and handing the module an alias (`x.view_as(x)`) instead changes the order in
+which autograd adds the consumers' gradients, so recording would change gradient bits (it did for llama_tiny).
+Instead:
+
+1. at the pre-hook, remember each input's gradient edge (the autograd node and output slot that produced it)
+   and a watermark: the sequence number of a node created right then;
+2. at the forward hook, walk back from the outputs through the nodes created since the watermark (the module's
+   own nodes) and collect every edge that leads into an input: those nodes are the module's consumers of it;
+3. a post-hook on each consumer node reads the gradient it sends to the input; their sum, once all have fired,
+   is the module's grad_input.
+
+The graph, the engine's schedule and its accumulation order are untouched. An in-place module (ReLU(inplace))
+needs no special case: its node consumes the input's old edge. Limits: nodes created on another thread during
+the forward are not seen; a consumer that never runs (an unused branch) leaves that grad_input unrecorded.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable
+
+__all__ = ["InputGradTracker"]
+
+
+class _Pending:
+    """What `start` learned about one call: the inputs' edges and the watermark."""
+
+    __slots__ = ("targets", "keep", "watermark")
+
+    def __init__(self, targets: dict, keep: list, watermark: int):
+        self.targets = targets  # (id(node), output_nr) -> [input names]
+        self.keep = keep  # the target nodes, so their ids stay valid
+        self.watermark = watermark
+
+
+class InputGradTracker:
+    """Per-call input gradients via autograd node hooks (see the module docstring)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._handles: list = []
+
+    def start(self, named_inputs: list[tuple[str, Any]]) -> _Pending | None:
+        """Call in the forward pre-hook with (name, value) pairs; None when no input needs a gradient."""
+        import torch
+        from torch.autograd.graph import get_gradient_edge
+
+        targets: dict[tuple[int, int], list[str]] = defaultdict(list)
+        keep = []
+        for name, value in named_inputs:
+            if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
+                edge = get_gradient_edge(value)
+                targets[(id(edge.node), edge.output_nr)].append(name)
+                keep.append(edge.node)
+        if not targets:
+            return None
+        watermark = self._anchor.view(()).grad_fn._sequence_nr()
+        return _Pending(dict(targets), keep, watermark)
+
+    def finish(self, pending: _Pending | None, outputs: list, on_grad: Callable[[str, Any], None]) -> None:
+        """Call in the forward hook: find the consumers of each input and hook them."""
+        if pending is None:
+            return
+        consumers = self._consumers(pending, outputs)
+        for name, edges in consumers.items():
+            self._hook(name, edges, on_grad)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _consumers(self, pending: _Pending, outputs: list) -> dict[str, list]:
+        """name -> [(node, slot)]: the module's nodes whose edge `slot` leads into that input."""
+        import torch
+
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stack = [n for n in stack if _seq(n) > pending.watermark or _is_target(n, pending)]
+        found: dict[str, list] = defaultdict(list)
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            for slot, (nxt, nr) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                names = pending.targets.get((id(nxt), nr))
+                if names:
+                    for name in names:
+                        found[name].append((node, slot))
+                elif _seq(nxt) > pending.watermark and id(nxt) not in seen:
+                    stack.append(nxt)
+        return found
+
+    def _hook(self, name: str, edges: list, on_grad: Callable[[str, Any], None]) -> None:
+        state = {"sum": None, "left": len(edges)}
+
+        def make(slot: int):
+            def hook(grad_inputs, _grad_outputs):
+                grad = grad_inputs[slot]
+                if grad is not None:
+                    state["sum"] = grad if state["sum"] is None else state["sum"] + grad
+                state["left"] -= 1
+                if state["left"] == 0 and state["sum"] is not None:
+                    on_grad(name, state["sum"])
+
+            return hook
+
+        for node, slot in edges:
+            self._handles.append(node.register_hook(make(slot)))
+
+
+def _seq(node) -> int:
+    """A node's sequence number; AccumulateGrad (a leaf's node) has the largest one, so it is excluded."""
+    if type(node).__name__ == "AccumulateGrad":
+        return -1
+    return node._sequence_nr()
+
+
+def _is_target(node, pending: _Pending) -> bool:
+    return False

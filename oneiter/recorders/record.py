@@ -11,7 +11,7 @@ import json
 import re
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -124,10 +124,7 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
 
     `progress(phase, num_tensors)` is called after each captured tensor (phase: forward, backward, parameters).
     """
-    from ..devices import resolve_device
-    from ..faults import attach_faults, parse_fault
-    from ..precision import apply_dtype, autocast_for
-    from ..training import prepare, set_threads
+    from ..faults import parse_fault
 
     started = time.perf_counter()
     check_output(opts.out, opts.force)
@@ -137,7 +134,31 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
         compile_patterns(opts.fallback)
     faults = [parse_fault(f) for f in opts.faults]
     select = module_selector(opts.include, opts.exclude)
-    set_threads(opts.threads)
+    with _threads(opts.threads):
+        return _record(opts, progress, started, faults, select)
+
+
+@contextmanager
+def _threads(num_threads: int | None):
+    """--threads for the duration of one record() call (tests record several runs in one process)."""
+    import torch
+
+    from ..training import set_threads
+
+    before = torch.get_num_threads()
+    set_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _record(opts: RecordOptions, progress, started: float, faults, select) -> RecordSummary:
+    from ..devices import resolve_device
+    from ..faults import attach_faults
+    from ..precision import apply_dtype, autocast_for
+    from ..training import prepare
+
     device = resolve_device(opts.device)
     autocast = autocast_for(device, opts.amp)
     if opts.against not in (None, "cpu"):

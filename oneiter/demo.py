@@ -16,7 +16,7 @@ from .errors import OneIterError
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
 
-DEFAULT_FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1", "llama_tiny": "layers.1.feed_forward.w2"}
+DEFAULT_FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
 
 
 @dataclass

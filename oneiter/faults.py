@@ -1,11 +1,12 @@
 """Deliberate faults, to demo oneiter and to test that it names the right layer.
 
-`--inject-fault PATH[:KIND][=REL]` on record, KIND one of:
+`--inject-fault PATH[:KIND][=REL][@RANK]` on record, KIND one of:
 - `forward` (default): the module's floating outputs are multiplied by (1 + REL) — a wrong kernel;
 - `backward`: the forward is untouched, the gradient flowing into the module is multiplied by (1 + REL) — a
   wrong backward kernel (the module's recorded grad_output is right, its grad_input is not);
 - `inf`: the first element of the module's first floating output becomes +Inf.
-REL defaults to 0.05 (5 %). Faults are stored in the recording's `faults` attribute.
+REL defaults to 0.05 (5 %). `@RANK` (multi-rank runs under torchrun) injects the fault on that rank only; without
+it every rank gets it. Faults are stored in the recording's `faults` attribute (each rank's file lists its own).
 """
 
 from __future__ import annotations
@@ -24,23 +25,30 @@ class Fault:
     module: str
     kind: str = "forward"
     rel: float = 0.05
+    rank: int | None = None  # None: every rank
 
     def __str__(self) -> str:
-        return f"{self.module}:{self.kind}={self.rel:g}"
+        return f"{self.module}:{self.kind}={self.rel:g}" + ("" if self.rank is None else f"@{self.rank}")
+
+    def applies_to(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
 
 def parse_fault(text: str) -> Fault:
-    """`layer3.0.conv1`, `layer3.0.conv1:backward`, `layer3.0.conv1:forward=0.1`."""
-    spec, _, rel_text = text.partition("=")
+    """`layer3.0.conv1`, `layer3.0.conv1:backward`, `layer3.0.conv1:forward=0.1`, `layer3.0.conv1@1`."""
+    text_no_rank, at, rank_text = text.partition("@")
+    if at and not rank_text.isdigit():
+        raise OneIterError(f"--inject-fault: RANK after '@' must be a rank number such as 1, got '{text}'")
+    spec, _, rel_text = text_no_rank.partition("=")
     module, _, kind = spec.partition(":")
     kind = kind or "forward"
     if not module or kind not in KINDS:
-        raise OneIterError(f"--inject-fault expects PATH[:{'|'.join(KINDS)}][=REL], got '{text}'")
+        raise OneIterError(f"--inject-fault expects PATH[:{'|'.join(KINDS)}][=REL][@RANK], got '{text}'")
     try:
         rel = float(rel_text) if rel_text else 0.05
     except ValueError:
         raise OneIterError(f"--inject-fault: REL must be a number, got '{rel_text}'") from None
-    return Fault(module, kind, rel)
+    return Fault(module, kind, rel, int(rank_text) if at else None)
 
 
 def attach_faults(model, faults: list[Fault]) -> list:

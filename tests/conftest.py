@@ -38,3 +38,38 @@ def resnet_ref(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "ref.h5"
     record_small(out, "resnet18")
     return out
+
+
+FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
+BUILTIN = ("resnet18", "mobilenet_v2", "llama_tiny")
+
+
+def run_cli(*args):
+    """Run the real `oneiter` app in-process; returns typer's Result (exit_code, stdout, stderr, output)."""
+    from typer.testing import CliRunner
+
+    from oneiter.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    """One small float32 CPU reference per built-in model, recorded on first use."""
+    made = {}
+
+    def get(model: str) -> Path:
+        if model not in made:
+            out = tmp_path_factory.mktemp(f"ref_{model}") / "ref.h5"
+            record_small(out, model)
+            made[model] = out
+        return made[model]
+
+    return get
+
+
+def replay(ref: Path, out: Path, **kwargs):
+    """Record a target replaying `ref` through the library API."""
+    from oneiter.recorders.record import RecordOptions, record
+
+    return record(RecordOptions(out=Path(out), replay=Path(ref), **kwargs))

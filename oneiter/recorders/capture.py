@@ -94,7 +94,7 @@ class ModuleCapture:
         self.select = select
         self.probe = probe  # a local-error probe (recorders/local.py) run after each leaf call, or None
         self._suspended = False  # True while a probe reruns a layer: its calls are not part of the iteration
-        self._leaves: set[int] = set()
+        self._probed: set[int] = set()  # modules whose calls get a local-error probe
         self.num_calls = 0
         self._handles: list = []
         self._names: dict[int, str] = {}
@@ -118,8 +118,8 @@ class ModuleCapture:
             if not self.select(path):
                 continue
             self._names[id(module)] = path
-            if next(module.children(), None) is None:
-                self._leaves.add(id(module))
+            if probed(path, module):
+                self._probed.add(id(module))
             self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
@@ -168,7 +168,7 @@ class ModuleCapture:
         attrs: dict[str, Any] = {}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
-        if self.probe is not None and id(module) in self._leaves:
+        if self.probe is not None and id(module) in self._probed:
             self._suspended = True
             try:
                 self.probe.after_forward(module, key, args, kwargs, output)
@@ -208,6 +208,19 @@ class ModuleCapture:
                 return
             self._seq_done.add((key, kind))
             attrs[f"seq_{kind}"] = next(self._seq)
+
+
+def probed(path: str, module) -> bool:
+    """Which module calls get a local-error probe: leaves, and containers with computation of their own.
+
+    Pure compositions (nn.Sequential, ModuleList/ModuleDict) add nothing a probe of their children misses; the
+    model itself (path "") is left out because rerunning it is a second full iteration.
+    """
+    import torch.nn as nn
+
+    if next(module.children(), None) is None:
+        return True
+    return bool(path) and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
 
 
 def _flatten_kwargs(kwargs: dict) -> Iterator[tuple[str, Any]]:

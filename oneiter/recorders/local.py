@@ -130,12 +130,13 @@ class _Probe:
                 self.sink.put(f"{self._group(key)}/{BACKWARD}", f"grad_input.{index}", grad, dedup=False)
 
     def _cpu_module(self, module, dtype=None):
-        """The module itself on a CPU run, else a cached CPU copy (weights do not change during forward)."""
-        if self.device.type == "cpu" and dtype is None:
+        """A CPU module to compute a reference with, without hooks (faults, capture): a leaf itself on a CPU run
+        (its `.forward` runs no hooks), else a cached hook-free copy (weights do not change during forward)."""
+        if self.device.type == "cpu" and dtype is None and next(module.children(), None) is None:
             return module
         cache_key = (id(module), dtype)
         if cache_key not in self._cpu_copies:
-            clone = copy.deepcopy(module).to("cpu")
+            clone = _copy_without_hooks(module).to("cpu")
             self._cpu_copies[cache_key] = clone.to(dtype) if dtype is not None else clone
         return self._cpu_copies[cache_key]
 
@@ -146,6 +147,23 @@ class _Probe:
 
     def _write_attrs(self, key: str, attrs: dict) -> None:
         self.sink.writer.attrs(self._group(key), {"kind": self.kind, **attrs})
+
+
+def _copy_without_hooks(module):
+    """A deep copy of `module` with no hooks anywhere in it (oneiter's capture, faults, a user's): hooks hold
+    references to live recorder objects, and a reference computation must not run them."""
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+    saved = [(m, {n: getattr(m, n) for n in names if hasattr(m, n)}) for m in module.modules()]
+    try:
+        for m, hooks in saved:
+            for n, value in hooks.items():
+                setattr(m, n, type(value)())
+        return copy.deepcopy(module)
+    finally:
+        for m, hooks in saved:
+            for n, value in hooks.items():
+                setattr(m, n, value)
 
 
 def _no_torch_function():

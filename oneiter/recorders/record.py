@@ -3,6 +3,9 @@
 Pipeline: build the model (or take the reference's state with `--replay`), attach faults (if asked), attach the
 `ModuleCapture` hooks, run `train_step` once, write everything through the `BackgroundWriter` into a temporary
 file, and rename it into place only when it is complete.
+
+Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel; see
+`oneiter.distributed` for what changes (seed + rank for the batch, averaged gradients, per-rank replay files).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import re
 import sys
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,15 +80,17 @@ def module_selector(include: list[str], exclude: list[str]) -> Callable[[str], b
     return select
 
 
-def _build(opts: RecordOptions, ref: IterationFile | None):
-    """Build the bundle; returns (bundle, build settings stored in the file)."""
+def _build(opts: RecordOptions, ref: IterationFile | None, rank: int = 0):
+    """Build the bundle; returns (bundle, build settings stored in the file). Rank R builds with seed + R (its own
+    batch and labels; DDP then broadcasts rank 0's weights), a replay with the reference's own seed."""
     from ..modelspec import load_model
 
     if ref is None:
         if not opts.model:
             raise OneIterError("--model is required (or --replay a reference to reuse its model)")
-        built = {"model": opts.model, "batch_size": opts.batch_size, "seed": opts.seed, "model_args": opts.model_args}
-        return load_model(opts.model, opts.batch_size, opts.seed, opts.model_args), built
+        seed = opts.seed + rank
+        built = {"model": opts.model, "batch_size": opts.batch_size, "seed": seed, "model_args": opts.model_args}
+        return load_model(opts.model, opts.batch_size, seed, opts.model_args), built
     model_args = {**json.loads(ref.meta.get("model_args") or "{}"), **opts.model_args}
     built = {
         "model": opts.model or ref.meta.get("model"), "model_args": model_args,
@@ -124,18 +129,45 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
 
     `progress(phase, num_tensors)` is called after each captured tensor (phase: forward, backward, parameters).
     """
-    from ..faults import parse_fault
+    from ..distributed import process_group, rank_info
 
     started = time.perf_counter()
+    info = rank_info()
+    opts, faults = _for_rank(opts, info)
     check_output(opts.out, opts.force)
     if opts.fallback:
         from .fallback import compile_patterns
 
         compile_patterns(opts.fallback)
-    faults = [parse_fault(f) for f in opts.faults]
     select = module_selector(opts.include, opts.exclude)
-    with _threads(opts.threads):
-        return _record(opts, progress, started, faults, select)
+    with _threads(opts.threads), process_group(_device(opts, info), info):
+        return _record(opts, progress, started, faults, select, info)
+
+
+def _for_rank(opts: RecordOptions, info):
+    """This rank's options (output and replay file, the faults aimed at it) and its parsed faults."""
+    from ..distributed import rank_path, replay_path
+    from ..faults import parse_fault
+
+    parsed = [parse_fault(f) for f in opts.faults]
+    for fault in parsed:
+        if fault.rank is not None and fault.rank >= info.world_size:
+            raise OneIterError(f"--inject-fault {fault}: expected a rank below {info.world_size} (this run's "
+                               f"number of ranks), got {fault.rank}")
+    mine = [(text, fault) for text, fault in zip(opts.faults, parsed) if fault.applies_to(info.rank)]
+    if not info.distributed:
+        return replace(opts, faults=[text for text, _ in mine]), [fault for _, fault in mine]
+    return replace(
+        opts, out=rank_path(opts.out, info.rank, info.world_size), faults=[text for text, _ in mine],
+        replay=replay_path(opts.replay, info) if opts.replay else None,
+    ), [fault for _, fault in mine]
+
+
+def _device(opts: RecordOptions, info):
+    from ..devices import resolve_device
+    from ..distributed import local_device
+
+    return local_device(resolve_device(opts.device), info)
 
 
 @contextmanager
@@ -153,13 +185,13 @@ def _threads(num_threads: int | None):
         torch.set_num_threads(before)
 
 
-def _record(opts: RecordOptions, progress, started: float, faults, select) -> RecordSummary:
-    from ..devices import resolve_device
+def _record(opts: RecordOptions, progress, started: float, faults, select, info) -> RecordSummary:
+    from ..distributed import wrap_ddp
     from ..faults import attach_faults
     from ..precision import apply_dtype, autocast_for
     from ..training import prepare
 
-    device = resolve_device(opts.device)
+    device = _device(opts, info)
     autocast = autocast_for(device, opts.amp)
     if opts.against not in (None, "cpu"):
         raise OneIterError(f"--against takes 'cpu' (recompute each layer on the CPU in float32), got '{opts.against}'")
@@ -167,14 +199,17 @@ def _record(opts: RecordOptions, progress, started: float, faults, select) -> Re
         raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     ref = IterationFile(opts.replay) if opts.replay else None
     try:
-        bundle, built = _build(opts, ref)
+        bundle, built = _build(opts, ref, info.rank)
         apply_dtype(bundle, opts.dtype)
         setup = prepare(bundle, device, opts.optimizer)
+        if info.distributed:  # the call goes through DDP; hooks, faults and state stay on the inner bundle.model
+            setup = wrap_ddp(setup)
         probe_factory, local_kind = _probe_factory(opts, ref, device, autocast)
         fault_handles = attach_faults(bundle.model, faults)
         try:
             with atomic_output(opts.out, opts.force) as tmp:
-                meta = {**_meta(opts, device, built), "local": local_kind}
+                meta = {**_meta(opts, device, built), "local": local_kind, "rank": info.rank,
+                        "world_size": info.world_size}
                 with RecordingSession(bundle.model, tmp, meta, select=select, queue_bytes=opts.queue_bytes,
                                       progress=progress, probe_factory=probe_factory) as session:
                     loss, modes = _run_iteration(session, setup, opts, ref, autocast)

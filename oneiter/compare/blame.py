@@ -104,9 +104,8 @@ def local_results(ref: Optional[IterationFile], tgt: IterationFile, noise: Noise
     kind = tgt.local_kind()
     if not kind or (kind == "teacher_forced" and ref is None):
         return []
-    results = []
-    entries = sorted(tgt.entries(local=True), key=lambda e: (e.phase != FORWARD, e.seq))
-    for entry in entries:
+    ordered = []
+    for entry in tgt.entries(local=True):
         live = f"{CALLS}/{_key(entry)}/{entry.phase}/{entry.tensor}"
         source = ref if kind == "teacher_forced" else tgt
         if not source.has(live):
@@ -119,13 +118,50 @@ def local_results(ref: Optional[IterationFile], tgt: IterationFile, noise: Noise
         tol = tolerance(entry, dtype)
         metrics = compare_arrays(reference, target, atol=tol.atol, rtol=tol.rtol)
         calibrated = tgt.attrs(f"{CALLS}/{_key(entry)}/{LOCAL}").get(f"noise.{entry.tensor}")
-        expected = max(calibrated or 0.0, noise.floor(dtype))
-        factor = noise.factor_for(entry.module)
-        flagged = (not noise.skipped(entry.module)) and (
-            metrics.rel_l2 > factor * expected or metrics.nonfinite_differs)
-        results.append(LocalResult(entry.module, entry.call, entry.phase, entry.tensor, dtype, metrics,
-                                   calibrated, expected, factor, flagged))
-    return results
+        ordered.append(((entry.phase != FORWARD, entry.seq),
+                        _judge(entry, dtype, metrics, calibrated, max(calibrated or 0.0, noise.floor(dtype)), noise)))
+    if kind == "teacher_forced":
+        ordered += _random_layers(ref, tgt, noise, tolerance)
+    return [result for _, result in sorted(ordered, key=lambda item: item[0])]
+
+
+def _judge(entry, dtype: str, metrics: Metrics, calibrated, expected: float, noise: NoisePolicy) -> LocalResult:
+    factor = noise.factor_for(entry.module)
+    flagged = (not noise.skipped(entry.module)) and (metrics.rel_l2 > factor * expected or metrics.nonfinite_differs)
+    return LocalResult(entry.module, entry.call, entry.phase, entry.tensor, dtype, metrics, calibrated, expected,
+                       factor, flagged)
+
+
+def _random_layers(ref: IterationFile, tgt: IterationFile, noise: NoisePolicy, tolerance) -> list:
+    """Layers that draw random numbers (dropout) cannot be rerun; judge them by error growth instead.
+
+    Their output's accumulated error may not exceed `factor` times their input's (or the dtype floor): with the
+    reference's random values replayed, dropout passes its input's error through; with other masks it explodes.
+    """
+    by_call: dict[tuple[str, int], list] = {}
+    for entry in tgt.entries():
+        if entry.phase in (FORWARD, BACKWARD):
+            by_call.setdefault((entry.module, entry.call), []).append(entry)
+    found = []
+    for key, attrs in tgt.calls():
+        if tgt.attrs(f"{CALLS}/{key}/{LOCAL}").get("skipped") != "random":
+            continue
+        entries = by_call.get((attrs["module"] or "(root)", int(attrs["call"])), [])
+        for phase, ins, outs in ((FORWARD, ("input", "kwarg"), ("output",)), (BACKWARD, ("grad_output",), ("grad_input",))):
+            errors = {}
+            for e in entries:
+                if e.phase == phase and ref.has(e.path):
+                    a, b = ref.read(e.path), tgt.read(e.path)
+                    if a.shape == b.shape:
+                        tol = tolerance(e, tgt.dtype_of(e.path))
+                        errors[e] = compare_arrays(a, b, atol=tol.atol, rtol=tol.rtol)
+            e_in = max((m.rel_l2 for e, m in errors.items() if e.tensor.startswith(ins)), default=0.0)
+            for e, m in errors.items():
+                if e.tensor.startswith(outs):
+                    dtype = tgt.dtype_of(e.path)
+                    found.append(((phase != FORWARD, e.seq),
+                                  _judge(e, dtype, m, None, max(e_in, noise.floor(dtype)), noise)))
+    return found
 
 
 def _key(entry) -> str:
@@ -143,17 +179,19 @@ def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[s
     `counts` maps entry keys to the target's number of non-finite elements, `order` lists the keys in causal
     order. Forward: outputs vs inputs of a call; backward: grad_input vs grad_output of a call.
     """
-    calls: dict[tuple[str, int, str], dict[str, list]] = {}
+    inputs: dict[tuple[str, int, str], int] = {}
     for key in order:
         module, call, phase, tensor = key
-        if phase not in (FORWARD, BACKWARD) or key not in counts:
-            continue
-        side = "in" if tensor.startswith(("input", "kwarg", "grad_output")) else "out"
-        slot = calls.setdefault((module, call, phase), {"in": [], "out": [], "first_out": None})
-        slot[side].append(counts[key])
-        if side == "out" and counts[key] and slot["first_out"] is None:
-            slot["first_out"] = tensor
-    for (module, call, phase), slot in calls.items():
-        if slot["first_out"] is not None and not any(slot["in"]):
-            return {"module": module, "call": call, "phase": phase, "tensor": slot["first_out"]}
+        if phase in (FORWARD, BACKWARD) and key in counts and _is_input(tensor):
+            inputs[(module, call, phase)] = inputs.get((module, call, phase), 0) + counts[key]
+    for key in order:  # the first non-finite *output* in causal order whose call had finite inputs
+        module, call, phase, tensor = key
+        if phase in (FORWARD, BACKWARD) and counts.get(key) and not _is_input(tensor):
+            if not inputs.get((module, call, phase)):
+                return {"module": module, "call": call, "phase": phase, "tensor": tensor}
     return None
+
+
+def _is_input(tensor: str) -> bool:
+    """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
+    return tensor.startswith(("input", "kwarg", "grad_output"))

@@ -108,13 +108,15 @@ def init_process_group(device, info: RankInfo | None = None) -> bool:
     Returns True if this call created the group (the caller destroys it), False with one rank or when the
     group already exists (a launcher owns it).
     """
+    info = info or rank_info()
+    if not info.distributed:
+        return False
     import torch.distributed as dist
 
-    info = info or rank_info()
-    if not info.distributed or dist.is_initialized():
-        return False
     if not dist.is_available():
         raise OneIterError("this torch build has no torch.distributed: multi-rank recording needs it")
+    if dist.is_initialized():
+        return False
     dist.init_process_group(_backend(device.type), rank=info.rank, world_size=info.world_size)
     return True
 

@@ -1,7 +1,8 @@
 """`oneiter compare REF TARGET`: the CLI face of `oneiter.compare` — options in, report out, exit code.
 
-Thin on purpose: the work is in `oneiter.compare.engine` (and `report` for output). torch/numpy are imported
-inside the command so `oneiter --help` stays fast. Exit codes: 0 match, 1 divergence, 2 bad input.
+Thin on purpose: the work is in `oneiter.compare.engine` (and `report` for output; `ranks` for the files of a
+multi-rank run). torch/numpy are imported inside the command so `oneiter --help` stays fast. Exit codes: 0 match,
+1 divergence, 2 bad input.
 """
 
 from __future__ import annotations
@@ -24,17 +25,26 @@ HELP = "\n\n".join([
     "An entry present on one side only, or with another shape or dtype, is a divergence, never a pass.",
     "Default tolerances are torch.testing.assert_close's for each dtype (float32: rtol 1.3e-6, atol 1e-5); "
     "--rtol / --atol replace them. Exit code: 0 match, 1 divergence, 2 bad input.",
+    "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
+    "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
+    "rank and an overall one naming the rank. A rank missing on one side exits 2.",
     "[bold]Examples[/]",
     "  oneiter compare cpu.h5 cuda.h5",
     "  oneiter compare cpu.h5 npu.h5 --rtol 1e-4 --json report.json",
     "  oneiter compare cpu.h5 npu.h5 --all --csv rows.csv",
+    "  oneiter compare ref.h5 tgt.h5   [dim](ref.rank*.h5 vs tgt.rank*.h5 when ref.h5 does not exist)[/dim]",
+    "  oneiter compare ref_dir/ tgt_dir/ --json -",
 ])
 
 Reference = Annotated[
-    Path, typer.Argument(metavar="REF", help="The reference recording (.h5), e.g. made on CPU.", show_default=False)
+    Path,
+    typer.Argument(metavar="REF", show_default=False,
+                   help="The reference recording (.h5), e.g. made on CPU; or a multi-rank run (directory, -o name)."),
 ]
 Target = Annotated[
-    Path, typer.Argument(metavar="TARGET", help="The recording to judge against it (.h5).", show_default=False)
+    Path,
+    typer.Argument(metavar="TARGET", show_default=False,
+                   help="The recording to judge against it (.h5), or a multi-rank run."),
 ]
 Rtol = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="Relative tolerance for every entry.")]
 Atol = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="Absolute tolerance for every entry.")]
@@ -70,7 +80,7 @@ def _check_output(option: str, path: Optional[Path], inputs: tuple[Path, ...]) -
 @handle_errors
 def compare(
     reference: Reference,
-    target: Target,
+    target: Target = None,
     rtol: Rtol = None,
     atol: Atol = None,
     show_all: ShowAll = False,
@@ -82,6 +92,7 @@ def compare(
 ) -> None:
     """The `compare` command; see HELP."""
     from ..compare import report
+    from ..compare.ranks import is_ranked
 
     inputs = (reference,) if target is None else (reference, target)
     outputs = [("--json", json_path), ("--csv", csv_path), ("--html", html_path)]
@@ -91,6 +102,11 @@ def compare(
     files = [p.resolve() for _, p in outputs if p is not None and str(p) != "-"]
     if len(files) != len(set(files)):
         raise OneIterError("--json, --csv and --html must write to different files")
+    if target is not None and (is_ranked(reference) or is_ranked(target)):
+        unsupported = [o for o, p in [*outputs[1:], ("--tensorboard", tb_dir)] if p is not None]
+        if unsupported:
+            raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
+        raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, json_path))
 
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
 
@@ -113,15 +129,38 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
     """Build the policies (tolerance file, --atol/--rtol) and compare two files, or judge one --against file."""
     from ..compare.engine import compare_files, compare_local
 
+    policies = _policies(rtol, atol, tolerances)
+    if target is None:
+        return compare_local(reference, **policies)
+    return compare_files(reference, target, **policies)
+
+
+def _policies(rtol, atol, tolerances: Optional[Path]) -> dict:
+    """compare_files' keyword arguments: --rtol/--atol, and the tolerance file's policy and noise settings."""
     policy = noise = None
     if tolerances is not None:
         from ..compare.tolerance_file import FileTolerance, load_tolerance_file
 
         spec = load_tolerance_file(tolerances)
         policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
-    if target is None:
-        return compare_local(reference, rtol=rtol, atol=atol, tolerance=policy, noise=noise)
-    return compare_files(reference, target, rtol=rtol, atol=atol, tolerance=policy, noise=noise)
+    return {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}
+
+
+def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_path) -> int:
+    """Rank by rank (`oneiter.compare.ranks`): overall verdict, one line per rank, reports; returns the exit code."""
+    from ..compare import ranks
+
+    result = ranks.compare_ranks(reference, target, **_policies(rtol, atol, tolerances))
+    json_to_stdout = json_path is not None and str(json_path) == "-"
+    ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
+    if json_to_stdout:
+        import json
+
+        out.out(json.dumps(ranks.to_json(result), indent=1, allow_nan=False), highlight=False)
+    elif json_path is not None:
+        ranks.write_json(result, json_path)
+        err.print(f"wrote {json_path}", markup=False)
+    return EXIT_MATCH if result.status == "match" else EXIT_DIVERGED
 
 
 def register(app: typer.Typer) -> None:

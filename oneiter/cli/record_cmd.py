@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated, List, Optional
 
@@ -23,6 +24,10 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
   oneiter record --model resnet18 --amp bf16 --against cpu -o bf16.h5
 
   oneiter record --replay ref.h5 --amp bf16 --fallback convolution -o fb.h5
+
+  torchrun --nproc-per-node 2 -m oneiter record --model resnet18 -o ref.h5   [dim](writes ref.rank0.h5, ref.rank1.h5)[/dim]
+
+  torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1@1 -o tgt.h5
 """
 
 
@@ -38,7 +43,7 @@ def record_command(
     amp: opt.Amp = None,
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
-    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL]: perturb a layer on purpose (demos, tests).")] = None,
+    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL][@RANK]: perturb a layer on purpose (demos, tests); @RANK: on that rank only.")] = None,
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun each leaf layer on the reference's inputs and output gradient (local error).")] = True,
     against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute each leaf layer on the CPU in float32 from this run's own inputs.")] = None,
     random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help="With --replay: random ops (dropout masks) take the reference's values.")] = True,
@@ -47,6 +52,7 @@ def record_command(
     threads: opt.Threads = None,
     force: opt.Force = False,
 ) -> None:
+    from ..distributed import rank_info
     from ..modelspec import parse_model_args
     from ..recorders.record import RecordOptions, record
     from .progress import live_status
@@ -57,11 +63,16 @@ def record_command(
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, against=against,
         random_replay=random_replay, fallback=_split(fallback),
     )
-    with live_status(f"recording {model or replay}") as update:
+    info = rank_info()
+    # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
+    status = live_status(f"recording {model or replay}") if info.rank == 0 else nullcontext(lambda *_: None)
+    with status as update:
         summary = record(options, progress=update)
+    prefix = f"[rank {info.rank}] " if info.distributed else ""
     err.print(
-        f"recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
-        f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}"
+        f"{prefix}recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
+        f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}",
+        markup=False,
     )
 
 

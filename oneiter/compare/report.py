@@ -270,7 +270,7 @@ def basis_lines(result: CompareResult) -> list[str]:
         return lines
     kind = "teacher-forced replay" if result.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
     flagged = sum(r.flagged for r in result.local)
-    lines.append(f"basis: local error of {len(result.local)} leaf-layer tensors ({kind}); {flagged} above "
+    lines.append(f"basis: local error of {len(result.local)} layer tensors ({kind}); {flagged} above "
                  f"their expected noise")
     first = result.first_divergence
     if first is not None and (result.divergence is None or result.rows.index(result.divergence) != first):

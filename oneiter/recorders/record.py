@@ -155,12 +155,11 @@ def _for_rank(opts: RecordOptions, info):
             raise OneIterError(f"--inject-fault {fault}: expected a rank below {info.world_size} (this run's "
                                f"number of ranks), got {fault.rank}")
     mine = [(text, fault) for text, fault in zip(opts.faults, parsed) if fault.applies_to(info.rank)]
-    if not info.distributed:
-        return replace(opts, faults=[text for text, _ in mine]), [fault for _, fault in mine]
-    return replace(
-        opts, out=rank_path(opts.out, info.rank, info.world_size), faults=[text for text, _ in mine],
-        replay=replay_path(opts.replay, info) if opts.replay else None,
-    ), [fault for _, fault in mine]
+    out, replay = opts.out, opts.replay
+    if info.distributed:
+        out = rank_path(out, info.rank, info.world_size)
+        replay = replay_path(replay, info) if replay else None
+    return replace(opts, out=out, replay=replay, faults=[text for text, _ in mine]), [fault for _, fault in mine]
 
 
 def _device(opts: RecordOptions, info):
@@ -199,6 +198,7 @@ def _record(opts: RecordOptions, progress, started: float, faults, select, info)
         raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     ref = IterationFile(opts.replay) if opts.replay else None
     try:
+        _check_world_size(ref, info)
         bundle, built = _build(opts, ref, info.rank)
         apply_dtype(bundle, opts.dtype)
         setup = prepare(bundle, device, opts.optimizer)
@@ -224,6 +224,21 @@ def _record(opts: RecordOptions, progress, started: float, faults, select, info)
         Path(opts.out), num_entries, num_bytes, Path(opts.out).stat().st_size, time.perf_counter() - started,
         float(loss.float()), session.module_capture.num_calls,
     )
+
+
+def _check_world_size(ref: IterationFile | None, info) -> None:
+    """A multi-rank reference is replayed with as many ranks (DDP averages gradients over all of them); one of its
+    ranks replayed by a single process is allowed, with a warning (debugging one rank)."""
+    theirs = int(ref.meta.get("world_size") or 1) if ref is not None else 1
+    if theirs <= 1 or theirs == info.world_size:
+        return
+    if info.distributed:
+        raise OneIterError(f"--replay {ref.path.name} was recorded with {theirs} ranks, this run has "
+                           f"{info.world_size}: run torchrun with --nproc-per-node {theirs}")
+    import warnings
+
+    warnings.warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as "
+                  f"usual, but param_grads and updated weights are not averaged and will differ", stacklevel=2)
 
 
 def _probe_factory(opts: RecordOptions, ref: IterationFile | None, device, autocast):

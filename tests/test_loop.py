@@ -184,3 +184,20 @@ def test_demo_names_the_broken_layer(tmp_path):
 
     demo = run_demo(tmp_path, model="llama_tiny", batch_size=2)
     assert demo.found and demo.named_layer == "layers.1.feed_forward.w2"
+
+
+def test_compare_writes_html_and_tensorboard_reports(references, tmp_path):
+    tgt = tmp_path / "tgt.h5"
+    replay(references("llama_tiny"), tgt, amp="bf16", faults=["layers.1.feed_forward.w2"])
+    html, tb, csv_path = tmp_path / "report.html", tmp_path / "tb", tmp_path / "rows.csv"
+    res = run_cli("compare", references("llama_tiny"), tgt, "--html", html, "--tensorboard", tb, "--csv", csv_path,
+                  "--json", "-")
+    assert res.exit_code == 1, res.output
+    doc = json.loads(res.stdout)  # `--json -`: stdout holds the JSON alone
+    assert doc["verdict"]["culprit"]["module"] == "layers.1.feed_forward.w2"
+    page = html.read_text()
+    assert "layers.1.feed_forward.w2" in page and 'id="oneiter-data"' in page
+    assert list(tb.glob("events.out.tfevents.*"))
+    assert csv_path.read_text().count("\n") == len(doc["rows"]) + 1
+    res = run_cli("compare", references("llama_tiny"), tgt, "--html", references("llama_tiny"))
+    assert res.exit_code == 2 and "would overwrite" in res.stderr

@@ -112,17 +112,35 @@ def compare(
 
     # with `--json -` stdout carries only the JSON, so the human report moves to stderr
     report.print_report(err if json_to_stdout else out, result, show_all=show_all)
-    if json_to_stdout:
-        import json
-
-        out.out(json.dumps(report.to_json(result), indent=1, allow_nan=False), highlight=False)
-    elif json_path is not None:
-        report.write_json(result, json_path)
-        err.print(f"wrote {json_path}", markup=False)
+    _emit_json(json_path, lambda: report.to_json(result))
     if csv_path is not None:
         report.write_csv(result, csv_path)
         err.print(f"wrote {csv_path}", markup=False)
+    if html_path is not None:
+        from ..compare.html_report import write_html
+
+        write_html(report.to_json(result), html_path)
+        err.print(f"wrote {html_path}", markup=False)
+    if tb_dir is not None:
+        from ..compare.tb_report import write_tensorboard
+
+        event_file = write_tensorboard(result, tb_dir, result.reference, result.target)
+        err.print(f"wrote {event_file} (view: tensorboard --logdir {tb_dir})", markup=False)
     raise typer.Exit(EXIT_MATCH if result.status == "match" else EXIT_DIVERGED)
+
+
+def _emit_json(json_path: Optional[Path], document) -> None:
+    """`--json FILE` writes the report; `--json -` prints it alone on stdout. `document()` builds it."""
+    if json_path is None:
+        return
+    import json
+
+    text = json.dumps(document(), indent=1, allow_nan=False)
+    if str(json_path) == "-":
+        out.out(text, highlight=False)
+        return
+    Path(json_path).write_text(text + "\n", encoding="utf-8")
+    err.print(f"wrote {json_path}", markup=False)
 
 
 def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None, tolerances: Optional[Path] = None):
@@ -153,13 +171,7 @@ def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_a
     result = ranks.compare_ranks(reference, target, **_policies(rtol, atol, tolerances))
     json_to_stdout = json_path is not None and str(json_path) == "-"
     ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
-    if json_to_stdout:
-        import json
-
-        out.out(json.dumps(ranks.to_json(result), indent=1, allow_nan=False), highlight=False)
-    elif json_path is not None:
-        ranks.write_json(result, json_path)
-        err.print(f"wrote {json_path}", markup=False)
+    _emit_json(json_path, lambda: ranks.to_json(result))
     return EXIT_MATCH if result.status == "match" else EXIT_DIVERGED
 
 

@@ -135,6 +135,10 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
     info = rank_info()
     opts, faults = _for_rank(opts, info)
     check_output(opts.out, opts.force)
+    if opts.against not in (None, "cpu"):
+        raise OneIterError(f"--against takes 'cpu' (recompute each layer on the CPU in float32), got '{opts.against}'")
+    if opts.against and opts.replay:
+        raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     if opts.fallback:
         from .fallback import compile_patterns
 
@@ -192,10 +196,6 @@ def _record(opts: RecordOptions, progress, started: float, faults, select, info)
 
     device = _device(opts, info)
     autocast = autocast_for(device, opts.amp)
-    if opts.against not in (None, "cpu"):
-        raise OneIterError(f"--against takes 'cpu' (recompute each layer on the CPU in float32), got '{opts.against}'")
-    if opts.against and opts.replay:
-        raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     ref = IterationFile(opts.replay) if opts.replay else None
     try:
         _check_world_size(ref, info)

@@ -2,9 +2,10 @@
 
     python bench/bench_record.py [--model resnet18] [--batch-size 8] [--dir /tmp/oneiter-bench]
 
-Prints: plain iteration seconds (median of 3 after a warm-up), record seconds (the whole `record()` call as a
-user sees it: model build, one iteration with capture, file written and renamed), file bytes, peak RSS of the
-plain and of the recording process, and compare seconds. Peak RSS is each child's own ru_maxrss, so it includes
+Prints: plain iteration seconds (median of 3 after a warm-up, and the cold first one), record seconds (the whole `record()` call: model
+build, one iteration with capture, file written and renamed; `import torch` excluded, ~2 s), file bytes, peak RSS of the
+plain and of the recording process, the replay's record seconds without and with isolated (teacher-forced)
+per-layer reruns, and compare seconds. Peak RSS is each child's own ru_maxrss, so it includes
 torch itself (~0.3 GB).
 """
 
@@ -25,12 +26,14 @@ setup = prepare(bundle, torch.device("cpu"))
 times = []
 for _ in range(4):
     t0 = time.perf_counter(); train_step(setup); times.append(time.perf_counter() - t0)
-print(json.dumps({{"plain_seconds": statistics.median(times[1:])}}))
+print(json.dumps({{"plain_seconds": statistics.median(times[1:]), "plain_first_iteration_seconds": times[0]}}))
 """
 
 RECORD = """
 import json, time
 from pathlib import Path
+import torch  # imported before the clock starts, as the plain measurement does
+from oneiter.recorders import capture, local, randomness, session
 from oneiter.recorders.record import RecordOptions, record
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), model={model!r}, batch_size={batch}, force=True{extra}))
@@ -77,8 +80,14 @@ def main() -> None:
     ref, tgt = str(work / "ref.h5"), str(work / "tgt.h5")
     rec, rec_mb = run_child(RECORD.format(out=ref, model=args.model, batch=args.batch_size, extra=""))
     results.update(rec, record_peak_rss_mb=round(rec_mb))
-    rep, _ = run_child(RECORD.format(out=tgt, model=args.model, batch=args.batch_size, extra=f", replay=Path({ref!r})"))
-    results["replay_record_seconds"] = rep["record_seconds"]
+    plain_replay = str(work / "tgt_no_isolate.h5")
+    rep, _ = run_child(RECORD.format(out=plain_replay, model=args.model, batch=args.batch_size,
+                                     extra=f", replay=Path({ref!r}), isolate=False"))
+    results["replay_no_isolate_record_seconds"] = rep["record_seconds"]
+    rep, rep_mb = run_child(RECORD.format(out=tgt, model=args.model, batch=args.batch_size,
+                                          extra=f", replay=Path({ref!r})"))
+    results.update(replay_isolate_record_seconds=rep["record_seconds"], replay_isolate_file_bytes=rep["file_bytes"],
+                   replay_isolate_peak_rss_mb=round(rep_mb))
     cmp_, cmp_mb = run_child(COMPARE.format(a=ref, b=tgt))
     results.update(cmp_, compare_peak_rss_mb=round(cmp_mb))
     for key, value in results.items():

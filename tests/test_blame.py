@@ -129,3 +129,13 @@ def test_local_rows_sit_beside_accumulated_rows_in_the_json(references, tmp_path
     w2 = next(r for r in local if r["module"] == "layers.1.feed_forward.w2" and r["phase"] == "forward")
     assert w2["local"]["rel_l2"] < w2["rel_l2"]  # upstream drift is gone from the local error
     assert not np.isnan(w2["local"]["expected"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_target_in_another_dtype_is_judged_against_its_noise(dtype, references, tmp_path):
+    ref, clean, broken = references("resnet18"), tmp_path / "clean.h5", tmp_path / "broken.h5"
+    replay(ref, clean, dtype=dtype)
+    assert compare_files(ref, clean).status == "match"
+    replay(ref, broken, dtype=dtype, faults=["layer2.1.conv1:forward=0.05"])
+    culprit = compare_files(ref, broken).verdict()["culprit"]
+    assert (culprit["module"], culprit["phase"]) == ("layer2.1.conv1", "forward")

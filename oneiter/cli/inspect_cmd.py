@@ -6,11 +6,11 @@ the command so `oneiter --help` stays fast.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
+from . import options
 from .common import handle_errors, out
 
 __all__ = ["inspect", "register"]
@@ -25,9 +25,7 @@ HELP = "\n\n".join([
     "  oneiter inspect cpu.h5 --json > cpu.json",
 ])
 
-File = Annotated[
-    Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
-]
+File = options.RecordingFile
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of the table.")]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
@@ -21,3 +22,6 @@ ModelArg = Annotated[
     typer.Option("--model-arg", help="KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable)."),
 ]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+RecordingFile = Annotated[
+    Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
+]

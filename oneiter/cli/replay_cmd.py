@@ -32,9 +32,7 @@ HELP = "\n\n".join([
     "  oneiter replay ref.h5 -l layer1.0.conv1 --device cuda --repeat 20 --json conv1.json",
 ])
 
-File = Annotated[
-    Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
-]
+File = opt.RecordingFile
 Layer = Annotated[
     str,
     typer.Option("--layer", "-l", show_default=False,

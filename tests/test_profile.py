@@ -249,10 +249,10 @@ def test_help_shows_an_example():
 
 
 def test_large_trace_and_misleading_settings_are_warned_before_the_run(tmp_path):
-    from oneiter.profile.runner import _option_warnings
+    from oneiter.profile.runner import option_warnings
 
-    small = _option_warnings(small_options(tmp_path), parse_schedule("wait=1,warmup=1,active=2"), 68)
+    small = option_warnings(small_options(tmp_path), parse_schedule("wait=1,warmup=1,active=2"), 68)
     assert small == []
-    big = _option_warnings(small_options(tmp_path, with_stack=True), parse_schedule("warmup=0,active=40"), 68)
+    big = option_warnings(small_options(tmp_path, with_stack=True), parse_schedule("warmup=0,active=40"), 68)
     assert any("large trace ahead" in w for w in big)
     assert any("warmup=0" in w for w in big) and any("--with-stack" in w for w in big)

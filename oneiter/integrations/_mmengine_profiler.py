@@ -2,7 +2,7 @@
 
 Where it sits: the mmengine counterpart of `profile/runner.py`, imported (and so registered) by
 `oneiter.integrations.mmengine`. It reuses that library whole: the schedule (`profile/schedule.py`), the one trace
-handler (`runner._CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and
+handler (`runner.CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and
 `summary.json`), the per-module ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice
 when both a TensorBoard trace and `json_trace_path` are configured, and torch refuses the second export
 ("RuntimeError: Trace is already saved"); here the handler writes one gzipped Chrome trace, which TensorBoard's
@@ -32,7 +32,7 @@ from ..errors import OneIterError
 from ..profile.module_ranges import ModuleRanges
 from ..profile.quiet import native_output_filtered, quiet_kineto_env
 from ..profile.runner import (
-    ProfileOptions, _activities, _CycleExporter, _memory_history, _option_warnings, _overhead, _summary_head, _sync,
+    ProfileOptions, activities, CycleExporter, memory_history, option_warnings, overhead, summary_head, sync,
 )  # fmt: skip
 from ..profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
 from ..profile.summary import prepare_out_dir, write_summary
@@ -128,21 +128,21 @@ class OneIterProfilerHook(Hook):
         options = self._options(runner, model)
         out_dir = prepare_out_dir(Path(options.out_dir), options.force)
         module_info = {p: (type(m).__name__, not any(True for _ in m.children())) for p, m in model.named_modules()}
-        self.summary = _summary_head(options, self.schedule, self._device)
+        self.summary = summary_head(options, self.schedule, self._device)
         self.summary.update(first_iter=runner.iter, framework="mmengine")
-        self.summary["warnings"] += _option_warnings(options, self.schedule, len(module_info))
-        exporter = _CycleExporter(options, self.schedule, out_dir, self.summary,
+        self.summary["warnings"] += option_warnings(options, self.schedule, len(module_info))
+        exporter = CycleExporter(options, self.schedule, out_dir, self.summary,
                                   module_info if options.module_ranges else {})  # fmt: skip
         self._start(runner, model, options, exporter)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if self._prof is not None or self._plain is not None:
-            _sync(self._device)
+            sync(self._device)
             self._started = time.perf_counter()
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         if self._prof is not None:
-            _sync(self._device)
+            sync(self._device)
             seconds = time.perf_counter() - self._started
             if self.schedule.phase(self._step) == "active":
                 self._active.append(seconds)
@@ -152,10 +152,10 @@ class OneIterProfilerHook(Hook):
             if self._step >= self.schedule.num_steps:
                 self._stop(runner)
         elif self._plain is not None:
-            _sync(self._device)
+            sync(self._device)
             self._plain.append(time.perf_counter() - self._started)
             if len(self._plain) >= len(self._active):
-                self.summary["overhead"] = _overhead(self._active, self._plain)
+                self.summary["overhead"] = overhead(self._active, self._plain)
                 self._plain = None
                 write_summary(self.out_dir, self.summary)
 
@@ -201,14 +201,14 @@ class OneIterProfilerHook(Hook):
         import torch.profiler
 
         self._prof = torch.profiler.profile(
-            activities=_activities(self._device), schedule=self.schedule.torch_schedule(), on_trace_ready=exporter,
+            activities=activities(self._device), schedule=self.schedule.torch_schedule(), on_trace_ready=exporter,
             record_shapes=options.record_shapes, profile_memory=options.profile_memory,
             with_stack=options.with_stack, with_flops=options.with_flops,
         )  # fmt: skip
         self._stack = contextlib.ExitStack()
         if options.module_ranges:
             self._ranges = self._stack.enter_context(ModuleRanges(model))
-        self._stack.enter_context(_memory_history(self._device, options.profile_memory))
+        self._stack.enter_context(memory_history(self._device, options.profile_memory))
         self._step, self._active, self._plain = 0, [], None
         with native_output_filtered():
             self._prof.start()

@@ -2,7 +2,7 @@
 
 Where it sits: `oneiter profile` and the tests call `profile()`. It builds the model like every oneiter command
 (`load_model` -> `apply_dtype` -> `prepare` -> `train_step`), asks `schedule.py` how many steps to run, installs the
-module ranges of `module_ranges.py`, and gives torch.profiler one trace handler, `_CycleExporter`, which once per
+module ranges of `module_ranges.py`, and gives torch.profiler one trace handler, `CycleExporter`, which once per
 active cycle writes the trace (`trace.py`), the tables (`tables.py`) and `summary.json` (`summary.py`). Then it
 times as many unprofiled iterations as were recorded and stores the profiled/unprofiled ratio.
 
@@ -28,7 +28,10 @@ from .summary import FORMAT, SUMMARY_NAME, check_out_dir, prepare_out_dir, write
 from .tables import MEMORY_SORTS, build_tables, format_memory, format_modules, format_ops
 from .trace import TRACE_SUFFIX, trace_stem, write_trace
 
-__all__ = ["ProfileOptions", "ProfileResult", "profile", "LARGE_TRACE_BYTES"]
+__all__ = [
+    "ProfileOptions", "ProfileResult", "profile", "LARGE_TRACE_BYTES", "CycleExporter", "summary_head",
+    "option_warnings", "activities", "memory_history", "overhead", "sync",
+]
 
 LARGE_TRACE_BYTES = 100 * 2**20  # JSON size above which chrome://tracing gets sluggish
 # Uncompressed trace bytes per module per recorded step, measured on ResNet-18 (CPU, torch 2.13: 1.1 MB of JSON
@@ -123,16 +126,16 @@ def profile(options: ProfileOptions, on_step: StepCallback | None = None) -> Pro
     out_dir = prepare_out_dir(Path(options.out_dir), options.force)
     model = setup.bundle.model
     module_info = {p: (type(m).__name__, not any(True for _ in m.children())) for p, m in model.named_modules()}
-    summary = _summary_head(options, sched, device)
-    summary["warnings"] += _option_warnings(options, sched, len(module_info))
-    exporter = _CycleExporter(options, sched, out_dir, summary, module_info if options.module_ranges else {})
+    summary = summary_head(options, sched, device)
+    summary["warnings"] += option_warnings(options, sched, len(module_info))
+    exporter = CycleExporter(options, sched, out_dir, summary, module_info if options.module_ranges else {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         active_times = _profiled_run(setup, device, options, sched, exporter, on_step)
     for message in dict.fromkeys(str(w.message).strip() for w in caught):
         summary["warnings"].append(message)
     if options.measure_overhead:
-        summary["overhead"] = _overhead(active_times, _unprofiled_times(setup, device, options.amp, len(active_times)))
+        summary["overhead"] = overhead(active_times, _unprofiled_times(setup, device, options.amp, len(active_times)))
     write_summary(out_dir, summary)
     return ProfileResult(out_dir, summary)
 
@@ -158,7 +161,7 @@ def _rank() -> int:
         return 0
 
 
-def _summary_head(options: ProfileOptions, sched: ProfileSchedule, device) -> dict[str, Any]:
+def summary_head(options: ProfileOptions, sched: ProfileSchedule, device) -> dict[str, Any]:
     import torch
 
     from ..devices import device_name
@@ -187,7 +190,7 @@ def _device_notes(device, profile_memory: bool) -> list[str]:
     return [f"device '{device}': torch.profiler records the CPU side only; use the vendor's profiler for device activity"]
 
 
-def _option_warnings(options: ProfileOptions, sched: ProfileSchedule, num_modules: int) -> list[str]:
+def option_warnings(options: ProfileOptions, sched: ProfileSchedule, num_modules: int) -> list[str]:
     out = []
     if sched.warmup == 0:
         out.append("warmup=0: the first recorded step pays the profiler's start-up cost; warmup=1 avoids that")
@@ -206,7 +209,7 @@ def _option_warnings(options: ProfileOptions, sched: ProfileSchedule, num_module
     return out
 
 
-def _activities(device) -> list:
+def activities(device) -> list:
     from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU]
@@ -217,7 +220,7 @@ def _activities(device) -> list:
     return activities
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
     if device.type != "cpu":
         import torch
 
@@ -230,15 +233,15 @@ def _timed_step(setup, device, amp: str | None) -> float:
     from ..precision import autocast_for
     from ..training import train_step
 
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     train_step(setup, autocast=autocast_for(device, amp))
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
 @contextlib.contextmanager
-def _memory_history(device, enabled: bool):
+def memory_history(device, enabled: bool):
     """Record CUDA allocator history (for the snapshot) while profiling; a no-op elsewhere."""
     if not (enabled and device.type == "cuda"):
         yield
@@ -257,13 +260,13 @@ def _profiled_run(setup, device, options, sched: ProfileSchedule, exporter, on_s
     import torch.profiler
 
     prof = torch.profiler.profile(
-        activities=_activities(device), schedule=sched.torch_schedule(), on_trace_ready=exporter,
+        activities=activities(device), schedule=sched.torch_schedule(), on_trace_ready=exporter,
         record_shapes=options.record_shapes, profile_memory=options.profile_memory,
         with_stack=options.with_stack, with_flops=options.with_flops,
     )  # fmt: skip
     ranges = ModuleRanges(setup.bundle.model) if options.module_ranges else contextlib.nullcontext()
     times: list[float] = []
-    with ranges, _memory_history(device, options.profile_memory):
+    with ranges, memory_history(device, options.profile_memory):
         with native_output_filtered():
             prof.start()
         failed = True
@@ -294,7 +297,7 @@ def _unprofiled_times(setup, device, amp: str | None, count: int) -> list[float]
     return [_timed_step(setup, device, amp) for _ in range(count)]
 
 
-def _overhead(profiled: list[float], unprofiled: list[float]) -> dict[str, Any] | None:
+def overhead(profiled: list[float], unprofiled: list[float]) -> dict[str, Any] | None:
     """Ratio of the fastest recorded step to the fastest unprofiled one: the minimum is the estimate least
     disturbed by other load on the machine (as `timeit` reports); means are kept beside it."""
     if not profiled or not unprofiled:
@@ -312,7 +315,7 @@ def _overhead(profiled: list[float], unprofiled: list[float]) -> dict[str, Any] 
     }
 
 
-class _CycleExporter:
+class CycleExporter:
     """The trace handler: torch.profiler calls it once per active cycle; every export happens here, once."""
 
     def __init__(self, options: ProfileOptions, sched: ProfileSchedule, out_dir: Path, summary: dict, module_info):

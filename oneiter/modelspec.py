@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .errors import ModelError
 
-__all__ = ["ModelBundle", "load_model", "parse_model_args"]
+__all__ = ["ModelBundle", "load_model", "parse_model_args", "is_file_spec", "canonical_spec"]
 
 
 @dataclass
@@ -65,6 +65,9 @@ def _load_function(spec: str) -> Callable:
     if not path.is_file():
         raise ModelError(f"model file '{path}' does not exist (expected path/to/file.py:function)")
     module_name = f"oneiter_user_model_{abs(hash(str(path.resolve())))}"
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # so the file can import its neighbours (`from my_layers import Block`)
+        sys.path.insert(0, folder)
     file_spec = importlib.util.spec_from_file_location(module_name, path)
     if file_spec is None or file_spec.loader is None:
         raise ModelError(f"cannot import model file '{path}': not a Python file")
@@ -110,6 +113,19 @@ def _validate(name: str, result: Any) -> ModelBundle:
     return ModelBundle(name, model, tuple(inputs), loss_fn, make_optimizer)
 
 
+def is_file_spec(spec: str) -> bool:
+    """`path/to/file.py:function` rather than a built-in name."""
+    return ":" in spec and spec.rpartition(":")[0].endswith(".py")
+
+
+def canonical_spec(spec: str) -> str:
+    """The spec as stored in a recording: a file spec with an absolute path (replay works from any folder)."""
+    if not is_file_spec(spec):
+        return spec
+    path, _, func = spec.rpartition(":")
+    return f"{Path(path).resolve()}:{func}"
+
+
 def load_model(spec: str, batch_size: int, seed: int = 0, model_args: dict[str, Any] | None = None) -> ModelBundle:
     """Build the model named by `spec` on the CPU with the torch RNG seeded by `seed`."""
     import torch
@@ -117,7 +133,7 @@ def load_model(spec: str, batch_size: int, seed: int = 0, model_args: dict[str, 
     if batch_size < 1:
         raise ModelError(f"--batch-size must be at least 1, got {batch_size}")
     model_args = model_args or {}
-    if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
+    if is_file_spec(spec):
         func = _load_function(spec)
     else:
         from . import models

@@ -200,3 +200,26 @@ def test_compare_writes_html_and_tensorboard_reports(references, tmp_path):
     assert csv_path.read_text().count("\n") == len(doc["rows"]) + 1
     res = run_cli("compare", references("llama_tiny"), tgt, "--html", references("llama_tiny"))
     assert res.exit_code == 2 and "would overwrite" in res.stderr
+
+
+def test_user_model_file_imports_its_neighbours_and_replays_from_anywhere(tmp_path, monkeypatch):
+    src = tmp_path / "proj"
+    src.mkdir()
+    (src / "my_layers.py").write_text("import torch.nn as nn\nBlock = lambda: nn.Sequential(nn.Linear(6, 6), nn.ReLU())\n")
+    (src / "net.py").write_text(
+        "import torch, torch.nn as nn\nfrom my_layers import Block\n"
+        "def build(batch_size):\n"
+        "    model = nn.Sequential(Block(), nn.Linear(6, 2))\n"
+        "    x, y = torch.randn(batch_size, 6), torch.randint(0, 2, (batch_size,))\n"
+        "    return model, (x,), lambda out: nn.functional.cross_entropy(out, y)\n")
+    monkeypatch.chdir(src)
+    record_small(tmp_path / "ref.h5", "net.py:build", batch_size=4)  # a relative path
+    monkeypatch.chdir(tmp_path)
+    replay(tmp_path / "ref.h5", tmp_path / "tgt.h5")  # no --model: the stored spec is absolute
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    for name in ("my_layers.py", "net.py"):
+        (copy / name).write_text((src / name).read_text())
+    replay(tmp_path / "ref.h5", tmp_path / "moved.h5", model=str(copy / "net.py:build"))
+    assert compare_files(tmp_path / "ref.h5", tmp_path / "tgt.h5").status == "match"
+    assert compare_files(tmp_path / "ref.h5", tmp_path / "moved.h5").status == "match"  # same file name, other folder

@@ -236,7 +236,7 @@ def causal_pairs(
 def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
     """Raise FormatError when the files record different models or different parameters."""
     model_ref, model_tgt = ref.meta.get("model"), tgt.meta.get("model")
-    if model_ref != model_tgt:
+    if _model_id(model_ref) != _model_id(model_tgt):
         raise FormatError(
             f"'{ref.path}' records model '{model_ref}' but '{tgt.path}' records '{model_tgt}': "
             "compare two recordings of the same model"
@@ -250,6 +250,13 @@ def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
                 f"'{ref.path}' and '{tgt.path}' hold different parameters ({len(only_ref)} only in the reference, "
                 f"{len(only_tgt)} only in the target, e.g. '{example}'): not recordings of the same model"
             )
+
+
+def _model_id(spec) -> str:
+    """A model's identity across machines: a built-in name, or `file.py:function` without the file's folder."""
+    text = str(spec or "")
+    path, sep, func = text.rpartition(":")
+    return f"{os.path.basename(path)}:{func}" if sep and path.endswith(".py") else text
 
 
 def _run_precision(meta: dict) -> tuple:

@@ -83,17 +83,17 @@ def module_selector(include: list[str], exclude: list[str]) -> Callable[[str], b
 def _build(opts: RecordOptions, ref: IterationFile | None, rank: int = 0):
     """Build the bundle; returns (bundle, build settings stored in the file). Rank R builds with seed + R (its own
     batch and labels; DDP then broadcasts rank 0's weights), a replay with the reference's own seed."""
-    from ..modelspec import load_model
+    from ..modelspec import canonical_spec, load_model
 
     if ref is None:
         if not opts.model:
             raise OneIterError("--model is required (or --replay a reference to reuse its model)")
         seed = opts.seed + rank
-        built = {"model": opts.model, "batch_size": opts.batch_size, "seed": seed, "model_args": opts.model_args}
+        built = {"model": canonical_spec(opts.model), "batch_size": opts.batch_size, "seed": seed, "model_args": opts.model_args}
         return load_model(opts.model, opts.batch_size, seed, opts.model_args), built
     model_args = {**json.loads(ref.meta.get("model_args") or "{}"), **opts.model_args}
     built = {
-        "model": opts.model or ref.meta.get("model"), "model_args": model_args,
+        "model": canonical_spec(opts.model or ref.meta.get("model")), "model_args": model_args,
         "batch_size": int(ref.meta["batch_size"]), "seed": int(ref.meta["seed"]),
     }
     bundle = load_model(built["model"], built["batch_size"], built["seed"], model_args)

@@ -92,7 +92,7 @@ class ModuleCapture:
         self.model = model
         self.sink = sink
         self.select = select
-        self.probe = probe  # a local-error probe (recorders/local.py) run after each leaf call, or None
+        self.probe = probe  # a local-error probe (recorders/local.py) run after each probed call, or None
         self._suspended = False  # True while a probe reruns a layer: its calls are not part of the iteration
         self._probed: set[int] = set()  # modules whose calls get a local-error probe
         self.num_calls = 0

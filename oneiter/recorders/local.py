@@ -1,6 +1,7 @@
-"""Local (per-layer) error probes: each leaf module's own computation, free of upstream drift.
+"""Local (per-layer) error probes: each layer's own computation, free of upstream drift.
 
-Where this sits: `ModuleCapture` calls a probe after every leaf module call (and on each gradient of a leaf's
+Where this sits: `ModuleCapture` calls a probe after every probed module call — leaves, and containers with
+computation of their own (`capture.probed`) — (and on each gradient of a probed call's
 output). Two probes, one per way of getting a trustworthy reference for that single layer:
 
 - `TeacherForced` (record --replay, on by default): the target layer is run again on the *reference's* recorded
@@ -173,7 +174,7 @@ def _no_torch_function():
 
 
 class TeacherForced(_Probe):
-    """Rerun each leaf call of the target on the reference's recorded inputs and output gradients."""
+    """Rerun each probed call of the target on the reference's recorded inputs and output gradients."""
 
     kind = "teacher_forced"
 
@@ -249,7 +250,7 @@ class TeacherForced(_Probe):
 
 
 class AgainstCPU(_Probe):
-    """Recompute each leaf call on the CPU in float32 from the target's own inputs and output gradients."""
+    """Recompute each probed call on the CPU in float32 from the target's own inputs and output gradients."""
 
     kind = "against_cpu"
 

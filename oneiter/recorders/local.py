@@ -113,7 +113,6 @@ class _Probe:
         self.device = device
         self.amp_dtype = amp_dtype
         self.num_layers = 0
-        self._cpu_copies: dict[int, Any] = {}
 
     def _group(self, key: str) -> str:
         return f"{CALLS}/{key}/{LOCAL}"
@@ -132,14 +131,13 @@ class _Probe:
 
     def _cpu_module(self, module, dtype=None):
         """A CPU module to compute a reference with, without hooks (faults, capture): a leaf itself on a CPU run
-        (its `.forward` runs no hooks), else a cached hook-free copy (weights do not change during forward)."""
+        (its `.forward` runs no hooks), else a hook-free copy made for this call and dropped after it, so at most
+        one container's weights are copied at a time (a teacher-forced rerun; --against keeps its copies alive
+        until the backward it needs them for)."""
         if self.device.type == "cpu" and dtype is None and next(module.children(), None) is None:
             return module
-        cache_key = (id(module), dtype)
-        if cache_key not in self._cpu_copies:
-            clone = _copy_without_hooks(module).to("cpu")
-            self._cpu_copies[cache_key] = clone.to(dtype) if dtype is not None else clone
-        return self._cpu_copies[cache_key]
+        clone = _copy_without_hooks(module).to("cpu")
+        return clone.to(dtype) if dtype is not None else clone
 
     def _autocast_cpu(self, enabled: bool):
         import torch

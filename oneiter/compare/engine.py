@@ -21,6 +21,7 @@ tolerance of the lower-precision dtype.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -176,10 +177,12 @@ class CompareResult:
             "max_abs": m.max_abs if m else None, "rel_l2": m.rel_l2 if m else None, "cosine": m.cosine if m else None,
         }
 
+    @functools.cached_property
+    def _local_index(self) -> dict[tuple, LocalResult]:
+        return {r.key: r for r in self.local}
+
     def local_for(self, row: Row) -> Optional[LocalResult]:
         """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
-        if not hasattr(self, "_local_index"):
-            self._local_index = {r.key: r for r in self.local}
         return self._local_index.get((row.module, row.call, row.phase, row.tensor))
 
 
@@ -343,13 +346,18 @@ def compare_files(
 ) -> CompareResult:
     """Compare two recordings entry by entry; `tolerance` (a policy) replaces the dtype defaults + rtol/atol,
     `noise` sets how far above its expected noise a layer's local error may go."""
-    policy = tolerance if tolerance is not None else DtypeTolerance(atol=atol, rtol=rtol)
+    policy = _policy(tolerance, atol, rtol)
     with reading(ref_path, tgt_path), contextlib.ExitStack() as stack:
         ref = stack.enter_context(IterationFile(ref_path))
         tgt = stack.enter_context(IterationFile(tgt_path))
         result = _compare_open(ref, tgt, policy)
         _blame(result, ref, tgt, policy, noise or NoisePolicy())
         return result
+
+
+def _policy(tolerance: Optional[TolerancePolicy], atol: Optional[float], rtol: Optional[float]) -> TolerancePolicy:
+    """The caller's policy, else the dtype defaults with --atol/--rtol applied."""
+    return tolerance if tolerance is not None else DtypeTolerance(atol=atol, rtol=rtol)
 
 
 def compare_local(
@@ -361,7 +369,7 @@ def compare_local(
     noise: Optional[NoisePolicy] = None,
 ) -> CompareResult:
     """Judge one `record --against cpu` recording on its own: each layer against its float32 CPU recomputation."""
-    policy = tolerance if tolerance is not None else DtypeTolerance(atol=atol, rtol=rtol)
+    policy = _policy(tolerance, atol, rtol)
     with reading(path), IterationFile(path) as tgt:
         if tgt.local_kind() != "against_cpu":
             raise FormatError(

@@ -18,7 +18,6 @@ ranks' own inputs differ, or that the allreduce itself was right (compare two ra
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -35,7 +34,7 @@ from ..fileformat import IterationFile
 from .engine import CompareResult, compare_files
 from .report import _finite, focus_row, noise_hint, print_report, verdict_line
 
-__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks", "print_ranked", "to_json", "write_json"]
+__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks", "print_ranked", "to_json"]
 
 
 @dataclass
@@ -208,8 +207,3 @@ def to_json(ranked: RankedResult) -> dict[str, Any]:
     return _finite({"verdict": ranked.verdict(), "reference": ranked.reference, "target": ranked.target,
                     "ranks": ranks})
 
-
-def write_json(ranked: RankedResult, path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(to_json(ranked), fh, indent=1, allow_nan=False)
-        fh.write("\n")

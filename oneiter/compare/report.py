@@ -27,7 +27,6 @@ rtol), e.g. two runs with different thread counts.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -40,7 +39,7 @@ from .engine import CompareResult, Row
 from .metrics import Metrics
 
 __all__ = [
-    "to_json", "write_json", "write_csv", "print_report", "verdict_line", "noise_hint", "rows_to_show", "print_wide",
+    "to_json", "write_csv", "print_report", "verdict_line", "noise_hint", "rows_to_show", "print_wide",
     "basis_lines", "focus_row",
     "BEFORE", "AFTER",
 ]
@@ -91,11 +90,6 @@ def _local_dict(result: CompareResult, row: Row) -> Optional[dict[str, Any]]:
     local = result.local_for(row)
     return None if local is None else local.as_dict()
 
-
-def write_json(result: CompareResult, path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(to_json(result), fh, indent=1, allow_nan=False)
-        fh.write("\n")
 
 
 def write_csv(result: CompareResult, path: str | Path) -> None:

@@ -115,37 +115,41 @@ def diff_profiles(dir_a: Path | str, dir_b: Path | str) -> ProfileDiff:
     side_a, side_b = _side(Path(dir_a), sum_a), _side(Path(dir_b), sum_b)
     dev_a, dev_b = side_a["time"] == "device", side_b["time"] == "device"
     diff = ProfileDiff(side_a, side_b)
-    mods_a, mods_b = _mean_modules(sum_a, dev_a), _mean_modules(sum_b, dev_b)
-    for path, ra in mods_a.items():
-        rb = mods_b.get(path)
-        if rb is None:
-            diff.modules_only_a.append(_one_sided_module(path, ra))
-            continue
-        a_us, b_us = ra["fwd_us"] + ra["bwd_us"], rb["fwd_us"] + rb["bwd_us"]
-        diff.modules.append({
-            "path": path, "type": ra["type"] if ra["type"] == rb["type"] else f"{ra['type']}/{rb['type']}",
-            "a_fwd_us": ra["fwd_us"], "a_bwd_us": ra["bwd_us"], "b_fwd_us": rb["fwd_us"], "b_bwd_us": rb["bwd_us"],
-            "a_us": a_us, "b_us": b_us, "delta_us": b_us - a_us, "ratio": _ratio(a_us, b_us),
-            "a_memory": ra["memory"], "b_memory": rb["memory"],
-        })  # fmt: skip
-    diff.modules_only_b = [_one_sided_module(p, r) for p, r in mods_b.items() if p not in mods_a]
-    ops_a, ops_b = _mean_ops(sum_a, dev_a), _mean_ops(sum_b, dev_b)
-    for name, ra in ops_a.items():
-        rb = ops_b.get(name)
-        if rb is None:
-            diff.ops_only_a.append(_one_sided_op(name, ra))
-            continue
-        diff.ops.append({
-            "name": name, "a_calls": ra["calls"], "b_calls": rb["calls"],
-            "a_self_us": ra["self_us"], "b_self_us": rb["self_us"], "a_total_us": ra["total_us"],
-            "b_total_us": rb["total_us"], "delta_us": rb["self_us"] - ra["self_us"],
-            "ratio": _ratio(ra["self_us"], rb["self_us"]), "a_self_memory": ra["self_memory"],
-            "b_self_memory": rb["self_memory"],
-        })  # fmt: skip
-    diff.ops_only_b = [_one_sided_op(n, r) for n, r in ops_b.items() if n not in ops_a]
+    diff.modules, diff.modules_only_a, diff.modules_only_b = _align(
+        _mean_modules(sum_a, dev_a), _mean_modules(sum_b, dev_b), _module_pair, _one_sided_module)
+    diff.ops, diff.ops_only_a, diff.ops_only_b = _align(
+        _mean_ops(sum_a, dev_a), _mean_ops(sum_b, dev_b), _op_pair, _one_sided_op)
     for rows in (diff.ops_only_a, diff.ops_only_b):
         rows.sort(key=lambda r: (-r["self_us"], r["name"]))
     return diff
+
+
+def _align(rows_a: dict, rows_b: dict, pair, one_sided) -> tuple[list, list, list]:
+    """Rows present on both sides (in A's order), then those only in A, then those only in B."""
+    both = [pair(key, ra, rows_b[key]) for key, ra in rows_a.items() if key in rows_b]
+    only_a = [one_sided(key, ra) for key, ra in rows_a.items() if key not in rows_b]
+    only_b = [one_sided(key, rb) for key, rb in rows_b.items() if key not in rows_a]
+    return both, only_a, only_b
+
+
+def _module_pair(path: str, ra: dict, rb: dict) -> dict[str, Any]:
+    a_us, b_us = ra["fwd_us"] + ra["bwd_us"], rb["fwd_us"] + rb["bwd_us"]
+    return {
+        "path": path, "type": ra["type"] if ra["type"] == rb["type"] else f"{ra['type']}/{rb['type']}",
+        "a_fwd_us": ra["fwd_us"], "a_bwd_us": ra["bwd_us"], "b_fwd_us": rb["fwd_us"], "b_bwd_us": rb["bwd_us"],
+        "a_us": a_us, "b_us": b_us, "delta_us": b_us - a_us, "ratio": _ratio(a_us, b_us),
+        "a_memory": ra["memory"], "b_memory": rb["memory"],
+    }  # fmt: skip
+
+
+def _op_pair(name: str, ra: dict, rb: dict) -> dict[str, Any]:
+    return {
+        "name": name, "a_calls": ra["calls"], "b_calls": rb["calls"],
+        "a_self_us": ra["self_us"], "b_self_us": rb["self_us"], "a_total_us": ra["total_us"],
+        "b_total_us": rb["total_us"], "delta_us": rb["self_us"] - ra["self_us"],
+        "ratio": _ratio(ra["self_us"], rb["self_us"]), "a_self_memory": ra["self_memory"],
+        "b_self_memory": rb["self_memory"],
+    }  # fmt: skip
 
 
 def _one_sided_module(path: str, row: dict) -> dict[str, Any]:

@@ -31,12 +31,23 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FWD", "BWD", "BWD_BEGIN", "BWD_END", "ROOT", "ModuleRanges", "display_path", "module_path"]
+__all__ = [
+    "FWD", "BWD", "BWD_BEGIN", "BWD_END", "ROOT", "ModuleRanges", "display_path", "module_path", "split_marker",
+]
 
 FWD = "oneiter.fwd::"
 BWD = "oneiter.bwd::"  # the span `trace.py` draws from a begin/end marker pair
 BWD_BEGIN = "oneiter.bwd.begin::"
 BWD_END = "oneiter.bwd.end::"
+
+
+def split_marker(name: str) -> tuple[str, str] | None:
+    """A backward marker's ("begin" | "end", label `path#call`), or None for any other event name."""
+    if name.startswith(BWD_BEGIN):
+        return "begin", name[len(BWD_BEGIN):]
+    if name.startswith(BWD_END):
+        return "end", name[len(BWD_END):]
+    return None
 ROOT = "(model)"  # how tables show the root module, whose path in `named_modules()` is ""
 
 

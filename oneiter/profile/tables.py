@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import Any
 
 from ..errors import OneIterError
-from .module_ranges import BWD_BEGIN, BWD_END, FWD, display_path, module_path
+from .module_ranges import FWD, display_path, module_path, split_marker
 
 __all__ = [
     "MEMORY_SORTS",
@@ -169,12 +169,13 @@ def _module_intervals(events) -> dict[tuple[str, str], list[tuple[int, float, fl
     begins: dict[str, Any] = {}
     for evt in events:
         name = evt.name
+        marker = split_marker(name)
         if name.startswith(FWD):
             out[("fwd", module_path(name[len(FWD):]))].append((evt.thread, evt.time_range.start, evt.time_range.end))
-        elif name.startswith(BWD_BEGIN):
-            begins[name[len(BWD_BEGIN):]] = evt
-        elif name.startswith(BWD_END):
-            label = name[len(BWD_END):]
+        elif marker is not None and marker[0] == "begin":
+            begins[marker[1]] = evt
+        elif marker is not None:
+            label = marker[1]
             begin = begins.pop(label, None)
             if begin is not None:
                 path = module_path(label.rpartition("#")[0])

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .module_ranges import BWD, BWD_BEGIN, BWD_END, FWD
+from .module_ranges import BWD, FWD, split_marker
 
 __all__ = ["TRACE_SUFFIX", "REWRITE_LIMIT", "trace_stem", "write_trace", "read_trace"]
 
@@ -94,10 +94,11 @@ def _backward_spans(data: dict) -> int:
     kept: list[dict] = []
     for evt in events:
         name = evt.get("name", "")
-        if name.startswith(BWD_BEGIN):
-            begins[name[len(BWD_BEGIN):]] = evt
-        elif name.startswith(BWD_END):
-            label = name[len(BWD_END):]
+        marker = split_marker(name)
+        if marker is not None and marker[0] == "begin":
+            begins[marker[1]] = evt
+        elif marker is not None:
+            label = marker[1]
             begin = begins.pop(label, None)
             if begin is not None:
                 path, _, call = label.rpartition("#")

@@ -94,6 +94,11 @@ def _rel_l2(reference, value) -> float:
     return diff / denom if denom else (0.0 if diff == 0 else float("inf"))
 
 
+def _like(grads: list, outputs: list, device) -> list:
+    """Each gradient on `device` in the dtype of the output it belongs to (None stays None)."""
+    return [None if g is None else g.to(device, o.dtype) for g, o in zip(grads, outputs)]
+
+
 def _grads(outputs: list, grad_outputs: list, leaves: list) -> list:
     import torch
 
@@ -199,11 +204,9 @@ class TeacherForced(_Probe):
         return values
 
     def _ref_grad_outputs(self, key: str, output) -> list:
-        grads = []
-        for name, value in flatten(output, "output"):
-            path = f"{CALLS}/{key}/{BACKWARD}/grad_{name}"
-            grads.append(self.ref.tensor(path).to(self.device, value.dtype) if self.ref.has(path) else None)
-        return grads
+        """The reference's gradient of each output of this call (CPU, as recorded; None where not recorded)."""
+        paths = [f"{CALLS}/{key}/{BACKWARD}/grad_{name}" for name, _ in flatten(output, "output")]
+        return [self.ref.tensor(path) if self.ref.has(path) else None for path in paths]
 
     def after_forward(self, module, key: str, args: tuple, kwargs: dict, output) -> None:
         values = self._ref_inputs(key, args)
@@ -214,24 +217,24 @@ class TeacherForced(_Probe):
         with _isolated_rerun(module, self.device) as info:
             out = module(*passed)
             outs = [t for _, t in flatten(out, "output")]
-            grads = _grads(outs, self._ref_grad_outputs(key, out), leaves)
+            ref_grads = self._ref_grad_outputs(key, out)
+            grads = _grads(outs, _like(ref_grads, outs, self.device), leaves)
         if info["random"]:
             self._write_attrs(key, {"skipped": "random"})
             return
         self._put_outputs(key, out)
         self._put_grads(key, grads, where)
         self.num_layers += 1
-        self._write_attrs(key, self._noise(module, key, values, args, where) if self.calibrate else {})
+        self._write_attrs(key, self._noise(module, key, values, args, ref_grads) if self.calibrate else {})
 
-    def _noise(self, module, key: str, values: list, args: tuple, where: list) -> dict:
+    def _noise(self, module, key: str, values: list, args: tuple, ref_grads: list) -> dict:
         """Expected noise: the reference layer in the target's precision on the CPU, vs the reference's values."""
         cpu = self._cpu_module(module)
         passed, leaves, cal_where = _leaf_inputs(values, list(args), _cpu())
         with _isolated_rerun(cpu, _cpu()), _no_torch_function(), self._autocast_cpu(True):
             out = cpu.forward(*passed)
             named = list(flatten(out, "output"))
-            ref_grads = [g.cpu() if g is not None else None for g in self._ref_grad_outputs(key, out)]
-            grads = _grads([t for _, t in named], ref_grads, leaves)
+            grads = _grads([t for _, t in named], _like(ref_grads, [t for _, t in named], _cpu()), leaves)
         attrs = {}
         for name, value in named:
             path = f"{CALLS}/{key}/{FORWARD}/{name}"

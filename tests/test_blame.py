@@ -106,7 +106,12 @@ def test_tolerance_file_skip_and_factor(references, tmp_path):
     replay(ref, tgt, amp="bf16", faults=["layer3.1.conv2:forward=0.05"])
     skip = tmp_path / "skip.toml"
     skip.write_text('device = "cpu"\n[skip]\nmodules = ["layer3.1.conv2"]\n')
-    assert run_cli("compare", ref, tgt, "--tolerances", skip).exit_code == 0
+    res = run_cli("compare", ref, tgt, "--tolerances", skip)
+    assert res.exit_code == 0 and "warning" not in res.stderr
+    npu = tmp_path / "npu.toml"
+    npu.write_text('device = "npu"\n')
+    res = run_cli("compare", ref, tgt, "--tolerances", npu)
+    assert "warning: npu.toml is for device 'npu', the target ran on 'cpu'" in res.stderr
     loose = tmp_path / "loose.py"  # an mmengine config with the same keys
     loose.write_text("module = [dict(pattern='layer3.*', factor=50.0)]\n")
     assert run_cli("compare", ref, tgt, "--tolerances", loose).exit_code == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -147,28 +147,43 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
     """Build the policies (tolerance file, --atol/--rtol) and compare two files, or judge one --against file."""
     from ..compare.engine import compare_files, compare_local
 
-    policies = _policies(rtol, atol, tolerances)
+    spec, policies = _policies(rtol, atol, tolerances)
     if target is None:
-        return compare_local(reference, **policies)
-    return compare_files(reference, target, **policies)
+        result = compare_local(reference, **policies)
+    else:
+        result = compare_files(reference, target, **policies)
+    _warn_device(spec, [result.meta_target])
+    return result
 
 
-def _policies(rtol, atol, tolerances: Optional[Path]) -> dict:
-    """compare_files' keyword arguments: --rtol/--atol, and the tolerance file's policy and noise settings."""
-    policy = noise = None
+def _policies(rtol, atol, tolerances: Optional[Path]) -> tuple[Any, dict]:
+    """The tolerance file (or None) and compare_files' keyword arguments: --rtol/--atol, the file's policy and
+    noise settings."""
+    spec = policy = noise = None
     if tolerances is not None:
         from ..compare.tolerance_file import FileTolerance, load_tolerance_file
 
         spec = load_tolerance_file(tolerances)
         policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
-    return {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}
+    return spec, {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}
+
+
+def _warn_device(spec, metas: list[dict]) -> None:
+    """A tolerance file written for another device type than the target's: say so once, on stderr."""
+    if spec is None:
+        return
+    notes = {spec.device_mismatch(meta.get("device")) for meta in metas} - {None}
+    for note in sorted(notes):
+        err.print(f"warning: {note}", markup=False)
 
 
 def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_path) -> int:
     """Rank by rank (`oneiter.compare.ranks`): overall verdict, one line per rank, reports; returns the exit code."""
     from ..compare import ranks
 
-    result = ranks.compare_ranks(reference, target, **_policies(rtol, atol, tolerances))
+    spec, policies = _policies(rtol, atol, tolerances)
+    result = ranks.compare_ranks(reference, target, **policies)
+    _warn_device(spec, [r.meta_target for r in result.results.values()])
     json_to_stdout = json_path is not None and str(json_path) == "-"
     ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
     _emit_json(json_path, lambda: ranks.to_json(result))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -57,10 +56,12 @@ class ToleranceFile:
     skip: list[str] = field(default_factory=list)
     noise: NoisePolicy = field(default_factory=NoisePolicy)
 
-    def check_device(self, device_type: Optional[str]) -> None:
+    def device_mismatch(self, device: Optional[str]) -> Optional[str]:
+        """A one-line warning when the file names a device type and the target ran on another (`npu:1` -> `npu`)."""
+        device_type = (device or "").split(":", 1)[0]
         if self.device and device_type and self.device != device_type:
-            warnings.warn(f"{self.path.name} is for device '{self.device}', the target ran on '{device_type}'",
-                          stacklevel=2)
+            return f"{self.path.name} is for device '{self.device}', the target ran on '{device_type}'"
+        return None
 
 
 class FileTolerance:

@@ -67,11 +67,6 @@ class ProfileSchedule:
         """Training iterations the schedule needs: the last one is the last active step of the last cycle."""
         return self.skip_first + self.repeat * self.cycle_len
 
-    @property
-    def num_active(self) -> int:
-        """Recorded steps over all cycles."""
-        return self.repeat * self.active
-
     def active_steps(self, cycle: int) -> list[int]:
         """The 0-based step numbers recorded in `cycle` (0-based): torch's `ProfilerStep#N` labels."""
         first = self.skip_first + cycle * self.cycle_len + self.wait + self.warmup

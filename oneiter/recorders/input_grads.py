@@ -81,7 +81,7 @@ class InputGradTracker:
         import torch
 
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        stack = [n for n in stack if _seq(n) > pending.watermark or _is_target(n, pending)]
+        stack = [n for n in stack if _seq(n) > pending.watermark]
         found: dict[str, list] = defaultdict(list)
         seen: set[int] = set()
         while stack:
@@ -124,6 +124,3 @@ def _seq(node) -> int:
         return -1
     return node._sequence_nr()
 
-
-def _is_target(node, pending: _Pending) -> bool:
-    return False

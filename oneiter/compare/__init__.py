@@ -1,4 +1,4 @@
-"""`compare/` reads recordings and judges them: which entry of a target run first leaves the reference's tolerance.
+"""`compare/` reads recordings and judges them: the layer whose own computation is wrong, and where the runs part.
 
 - `metrics.py`   per-entry error metrics (float64, chunked)
 - `tolerance.py` which (atol, rtol) an entry is judged with (dtype defaults, overrides; pluggable policy)

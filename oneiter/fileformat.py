@@ -3,20 +3,25 @@
 Writers (the recorder's background thread) and readers (compare, inspect, replay) both go through this module;
 nothing else builds HDF5 paths. No pickle anywhere: tensors are plain datasets, metadata plain attributes.
 
-Layout, schema `oneiter.iteration` version 1::
+Layout, schema `oneiter.iteration` version 2::
 
     /                          attrs: schema, schema_version, complete (written last), model, device, ...
     /batch/input.<i>           the model inputs
     /loss                      the loss (0-d)
-    /calls/<module>@<call>     one group per module call; attrs module, call, exec_index, class_name, seq_*
-        forward/input.<i>, forward/kwarg.<name>, forward/output[.<i>|.<key>]...
-        backward/grad_output..., backward/grad_input.<i>
-        local/forward/output..., local/backward/grad_input.<i>   per-layer local results (leaf modules),
-                               attrs kind (teacher_forced | against_cpu), noise.<tensor>, skipped
+    /calls/<module>@<call>     one group per module call; attrs module, call, parent, exec_index, class_name, seq_*
+        forward/input.<i>[...], forward/kwarg.<name>[...], forward/output[.<i>|.<key>]...
+        backward/grad_output..., backward/grad_input.<i>..., backward/grad_kwarg.<name>...
+    /local                     one row per locally judged tensor (a table; `record --replay` / `--against cpu`)
+    /unprobed                  the calls that could not be rerun, and why (a table)
     /state_before/<name>       every parameter and buffer before the iteration
     /param_grads/<name>        every parameter gradient after backward
     /state_after/<name>        every parameter and buffer after the optimizer step
     /random/<index>            values of each random op, in order (attrs op, index, output)
+
+Tensor names inside a call: `input.<i>` (positional arguments, nested: `input.1.0`), `kwarg.<name>` (keyword
+arguments), `output` / `output.<i>` / `output.<key>`; the gradient w.r.t. a tensor named X is `grad_X`. In the
+local table a container's own code is judged on what it hands its children: `<child call>:input.0` (forward)
+and `<child call>:grad_output` (backward), e.g. `layer1.0.conv2@0:input.0`.
 """
 
 from __future__ import annotations
@@ -31,18 +36,19 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "call_key", "split_call_key", "decode",
-    "FileWriter", "IterationFile", "Entry", "to_torch", "tensor_to_numpy", "seq_kind",
+    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "call_key", "split_call_key", "decode", "tensor_path", "grad_name",
+    "FileWriter", "IterationFile", "Entry", "to_torch", "tensor_to_numpy", "seq_kind", "LOCAL_FIELDS", "LocalRow",
+    "child_tensor", "split_child_tensor",
 ]
 
 SCHEMA = "oneiter.iteration"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
-FORWARD, BACKWARD, LOCAL = "forward", "backward", "local"
+FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
 _RAW_BITS = {
@@ -59,6 +65,27 @@ def call_key(module: str, call: int) -> str:
 def split_call_key(key: str) -> tuple[str, int]:
     module, _, call = key.rpartition("@")
     return module, int(call)
+
+
+def tensor_path(key: str, phase: str, name: str) -> str:
+    """`calls/layer1.0.conv1@0/forward/input.0`: where a call's tensor lives."""
+    return f"{CALLS}/{key}/{phase}/{name}"
+
+
+def grad_name(name: str) -> str:
+    """The name of the gradient w.r.t. tensor `name`: `output` -> `grad_output`, `kwarg.x` -> `grad_kwarg.x`."""
+    return f"grad_{name}"
+
+
+def child_tensor(child_key: str, name: str) -> str:
+    """How the local table names a tensor a container hands its child: `layer1.0.conv2@0:input.0`."""
+    return f"{child_key}:{name}"
+
+
+def split_child_tensor(tensor: str) -> tuple[str, str] | None:
+    """(child call key, tensor name) for a `child_tensor` name, None for a call's own tensor."""
+    head, sep, name = tensor.rpartition(":")
+    return (head, name) if sep and "@" in head else None
 
 
 def decode(array: np.ndarray, dtype_name: str) -> np.ndarray:
@@ -126,6 +153,14 @@ class FileWriter:
     def set_attrs(self, path: str, attrs: dict[str, Any]) -> None:
         self.file.require_group(path).attrs.update(_clean_attrs(attrs))
 
+    def local_table(self, rows: list[LocalRow], unprobed: list[tuple[str, int, str]], attrs: dict[str, Any]) -> None:
+        """`/local` (one row per judged tensor) and `/unprobed` (module, call, reason), with the probe's attrs."""
+        table = np.array([tuple(getattr(r, n) for n, _ in LOCAL_FIELDS) for r in rows],
+                         dtype=_table_dtype(LOCAL_FIELDS))
+        self.file.create_dataset(LOCAL, data=table).attrs.update(_clean_attrs(attrs))
+        skipped = np.array(unprobed, dtype=_table_dtype(UNPROBED_FIELDS))
+        self.file.create_dataset(UNPROBED, data=skipped)
+
     def finish(self, attrs: dict[str, Any]) -> None:
         self.file.attrs.update(_clean_attrs(attrs))
         self.file.attrs["complete"] = True
@@ -136,6 +171,9 @@ class FileWriter:
             self.file.close()
         except Exception:
             pass
+
+
+UNPROBED_FIELDS = (("module", "str"), ("call", "i8"), ("reason", "str"))
 
 
 def _clean_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -251,6 +289,27 @@ class IterationFile:
         """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""
         return str(self.meta.get("local", "") or "")
 
+    def local_rows(self) -> list[LocalRow]:
+        """The rows of `/local` (empty without local data)."""
+        table = self.file.get(LOCAL)
+        if table is None:
+            return []
+        rows = []
+        for rec in table[()]:
+            values = {n: _plain(rec[n]) for n, _ in LOCAL_FIELDS}
+            rows.append(LocalRow(**values))
+        return rows
+
+    def local_attrs(self) -> dict[str, Any]:
+        return self.attrs(LOCAL)
+
+    def unprobed(self) -> list[tuple[str, int, str]]:
+        """(module, call, reason) of every call the local probe could not rerun."""
+        table = self.file.get(UNPROBED)
+        if table is None:
+            return []
+        return [(_plain(r["module"]), int(r["call"]), _plain(r["reason"])) for r in table[()]]
+
     # -- structure --------------------------------------------------------------------------------------------------
     def state(self, which: str = STATE_BEFORE) -> dict[str, str]:
         """Parameter/buffer name -> dataset path, in recorded order."""
@@ -278,23 +337,17 @@ class IterationFile:
         items = [(k, {a: _plain(v) for a, v in group[k].attrs.items()}) for k in group.keys()]
         return sorted(items, key=lambda kv: kv[1].get("exec_index", 0))
 
-    def entries(self, *, local: bool = False) -> Iterator[Entry]:
-        """Every recorded tensor of the iteration (forward, backward, param_grad, optimizer) as an Entry.
-
-        With `local=True`, the per-layer local results instead (`calls/<key>/local/...` of leaf modules).
-        """
+    def entries(self) -> Iterator[Entry]:
+        """Every recorded tensor of the iteration (forward, backward, param_grad, optimizer) as an Entry."""
         for key, attrs in self.calls():
             module, call = attrs["module"] or ROOT_MODULE, int(attrs["call"])
-            base = f"{CALLS}/{key}/{LOCAL}" if local else f"{CALLS}/{key}"
             for phase in (FORWARD, BACKWARD):
-                grp = self.file.get(f"{base}/{phase}")
+                grp = self.file.get(f"{CALLS}/{key}/{phase}")
                 if grp is None:
                     continue
                 for name in grp.keys():
                     seq = int(attrs.get(f"seq_{seq_kind(name)}", 0))
-                    yield Entry(module, call, phase, name, f"{base}/{phase}/{name}", seq)
-        if local:
-            return
+                    yield Entry(module, call, phase, name, f"{CALLS}/{key}/{phase}/{name}", seq)
         for phase, group_name in (("param_grad", PARAM_GRADS), ("optimizer", STATE_AFTER)):
             for i, (name, path) in enumerate(self._named(group_name).items()):
                 module, _, tensor = name.rpartition(".")
@@ -308,7 +361,53 @@ def seq_kind(tensor_name: str) -> str:
     not per dataset, because a dataset hard-linked from two calls has one set of attributes.
     """
     head = tensor_name.split(".", 1)[0]
-    return "input" if head == "kwarg" else head
+    return {"kwarg": "input", "grad_kwarg": "grad_input"}.get(head, head)
+
+
+# -- the local table ------------------------------------------------------------------------------------------------
+LOCAL_FIELDS = (
+    ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("seq", "i8"), ("dtype", "str"),
+    ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
+    ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
+    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"),
+)
+"""Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
+rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
+side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
+calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
+the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`)."""
+
+
+@dataclass(frozen=True)
+class LocalRow:
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    seq: int
+    dtype: str
+    numel: int
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    nan_ref: int
+    inf_ref: int
+    nan: int
+    inf: int
+    mismatch: int
+    noise_target: float
+    noise_reference: float
+    calibration: str
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.module, self.call, self.phase, self.tensor)
+
+
+def _table_dtype(fields) -> np.dtype:
+    import h5py
+
+    return np.dtype([(n, h5py.string_dtype() if t == "str" else t) for n, t in fields])
 
 
 def _plain(value: Any) -> Any:

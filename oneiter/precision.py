@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from .errors import OneIterError
 
-__all__ = ["DTYPES", "AMP_DTYPES", "torch_dtype", "apply_dtype", "autocast_for"]
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "torch_dtype", "apply_dtype", "autocast_for"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
+    "float8_e4m3fn": 2.0**-4, "float8_e4m3fnuz": 2.0**-4, "float8_e5m2": 2.0**-3, "float8_e5m2fnuz": 2.0**-3,
+}
+
+
+def unit_roundoff(dtype_name: str) -> float:
+    """The unit roundoff of a floating dtype by name (float32's for anything else, integers included)."""
+    return UNIT_ROUNDOFF.get(str(dtype_name).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
 
 
 def torch_dtype(name: str):

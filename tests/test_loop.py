@@ -23,7 +23,12 @@ def test_same_device_replay_matches_bit_for_bit(model, references, tmp_path):
     measured = [r for r in result.rows if r.metrics is not None]
     assert len(measured) == len(result.rows) > 100
     assert all(r.metrics.max_abs == 0 for r in measured)
-    assert all(local.metrics.max_abs == 0 for local in result.local)
+    assert result.local and not any(local.flagged for local in result.local)
+    # a leaf's rerun is bitwise; a container's rerun may add its gradients in another order (forced children)
+    containers = {local.module.rpartition(".")[0] for local in result.local} | {"(root)"}
+    leaves = [local for local in result.local if local.module not in containers and local.phase in ("forward", "backward")]
+    assert len(leaves) > 20 and all(local.metrics.max_abs == 0 for local in leaves)
+    assert all(local.metrics.rel_l2 < 1e-6 for local in result.local)
 
 
 @pytest.mark.parametrize("model", BUILTIN)

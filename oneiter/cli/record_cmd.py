@@ -44,8 +44,9 @@ def record_command(
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
     inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL][@RANK]: perturb a layer on purpose (demos, tests); @RANK: on that rank only.")] = None,
-    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun each leaf layer on the reference's inputs and output gradient (local error).")] = True,
-    against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute each leaf layer on the CPU in float32 from this run's own inputs.")] = None,
+    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun every module call on the reference's inputs and output gradients (local error).")] = True,
+    calibrate: Annotated[str, typer.Option("--calibrate", help="Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or 'device' (cheaper: a higher precision on the target device).")] = "cpu",
+    against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own inputs.")] = None,
     random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help="With --replay: random ops (dropout masks) take the reference's values.")] = True,
     fallback: Annotated[Optional[str], typer.Option("--fallback", help="REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
     model_arg: opt.ModelArg = None,
@@ -60,7 +61,8 @@ def record_command(
     options = RecordOptions(
         out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
         dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
-        model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, against=against,
+        model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
+        against=against,
         random_replay=random_replay, fallback=_split(fallback),
     )
     info = rank_info()

@@ -1,33 +1,44 @@
-"""Blame: the layer whose *own* computation is wrong, and where NaN/Inf first appear.
+"""Blame: the module call whose *own* computation is wrong, what drift nothing explains, and where NaN/Inf appear.
 
 Sits after the engine's accumulated rows. A target differs from the reference a little in every layer (bf16
 kernels, other accumulation orders), so accumulated error grows with depth and the first entry over a fixed
-tolerance is usually not the broken layer. Recordings made with local data (`record --replay`, teacher-forced;
-`record --against cpu`) hold, for every leaf layer, its error on trustworthy inputs: free of upstream drift.
+tolerance is usually not the broken layer. Recordings made with local data (`record --replay`, teacher forced;
+`record --against cpu`) hold a `/local` table (see `recorders/probe.py`): for every module call — leaves,
+containers and the model itself — the error of what its own code produced on trustworthy inputs, free of
+upstream drift, and the calibrated noise its precision explains.
 
-A layer is *flagged* when its local rel-L2 error exceeds `factor` times its expected noise, where the expected
+A local row is *flagged* when its rel-L2 error exceeds `factor` times its expected noise, where the expected
 noise is the larger of
-- the calibrated noise stored with the recording (the same layer, same inputs, run on the CPU in the target's
-  precision, against the float32 reference), and
-- a floor of `floor_ulps` unit roundoffs of the tensor's dtype (2^-24 for float32, 2^-8 for bfloat16, ...).
-The **culprit** is the first flagged layer in causal order: forward as executed, then backward as computed.
+- the calibrated noise (`noise_target + noise_reference`: the same code run in the run's precision and in the
+  reference's precision, each against float64 — so a difference in the code itself is never part of it), and
+- a floor of `floor_ulps` unit roundoffs of the tensor's dtype (2^-24 for float32, 2^-8 for bfloat16, ...);
+or when NaN/Inf sit at other positions (or with another sign) than in its reference.
+The **culprit** is the first flagged row in causal order: forward as executed, then backward as computed. Its
+**chain** lists the calls that contain it, innermost first.
+
+**Unattributed divergence.** Probes cannot see everything (a call that could not be rerun, the loss function
+outside the model, the optimizer). So when no row is flagged, the entries no probe covers are checked against
+what the precision explains: parameter gradients, updated parameters and buffers, the loss, the gradient
+entering the model from the loss, and the outputs of unprobed calls. Each may differ by at most `factor` times
+the largest accumulated error of what it was computed from (its call's inputs and output gradients, its
+gradient; the dtype's floor at least), and, when both runs used the same precision, must also be outside the
+dtype's tolerance. One that is not explained makes the run diverge with basis `unattributed`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..fileformat import BACKWARD, CALLS, FORWARD, LOCAL, IterationFile
-from .metrics import Metrics, compare_arrays
+from ..fileformat import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, split_call_key, split_child_tensor
+from ..precision import UNIT_ROUNDOFF, unit_roundoff
 
-__all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "nan_origin"]
+__all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
+           "nan_origin", "unexplained_rows", "loss_unexplained", "PHASE_ORDER"]
 
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
-    "float8_e4m3fn": 2.0**-4, "float8_e4m3fnuz": 2.0**-4, "float8_e5m2": 2.0**-3, "float8_e5m2fnuz": 2.0**-3,
-}
+PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
 
 
 @dataclass
@@ -54,20 +65,46 @@ class NoisePolicy:
         return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.skip)
 
     def floor(self, dtype: str) -> float:
-        return self.floor_ulps * UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"])
+        return self.floor_ulps * unit_roundoff(dtype)
+
+
+@dataclass(frozen=True)
+class LocalMetrics:
+    """The numbers of one local row (what `/local` stores)."""
+
+    num_elements: int
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    num_nan_ref: int
+    num_inf_ref: int
+    num_nan_target: int
+    num_inf_target: int
+    num_mismatch: int
+
+    @property
+    def nonfinite_differs(self) -> bool:
+        """NaN/Inf at other positions or with another sign than in the reference."""
+        return self.num_mismatch > 0
 
 
 @dataclass
 class LocalResult:
-    """One leaf layer's local error for one tensor (forward output or backward grad_input)."""
+    """The local error of one tensor a module call's own code produced.
+
+    `tensor` is the call's own (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`,
+    `layer1.0.conv2@0:grad_output`); `row_key` is the accumulated entry the same tensor has in the report.
+    """
 
     module: str
     call: int
     phase: str
     tensor: str
     dtype: str
-    metrics: Metrics
+    seq: int
+    metrics: LocalMetrics
     calibrated: Optional[float]
+    calibration: str
     expected: float
     factor: float
     flagged: bool
@@ -77,100 +114,79 @@ class LocalResult:
         return (self.module, self.call, self.phase, self.tensor)
 
     @property
+    def row_key(self) -> tuple[str, int, str, str]:
+        child = split_child_tensor(self.tensor)
+        if child is None:
+            return self.key
+        module, call = split_call_key(child[0])
+        return (module or ROOT_MODULE, call, self.phase, child[1])
+
+    @property
     def rel_l2(self) -> float:
         return self.metrics.rel_l2
 
     @property
     def ratio(self) -> float:
-        return self.metrics.rel_l2 / self.expected if self.expected else (0.0 if self.metrics.rel_l2 == 0 else float("inf"))
+        if self.expected:
+            return self.metrics.rel_l2 / self.expected
+        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "module": self.module, "call": self.call, "tensor": self.tensor,
             "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
-            "calibrated": self.calibrated, "ratio": self.ratio, "factor": self.factor, "flagged": self.flagged,
+            "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
+            "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
         }
 
     def verdict(self) -> dict[str, Any]:
         return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio}
+                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
+                "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}
 
 
-def local_results(ref: Optional[IterationFile], tgt: IterationFile, noise: NoisePolicy, tolerance) -> list[LocalResult]:
-    """Local error of every leaf tensor the target recorded, in causal order.
-
-    teacher_forced: the target's rerun (`local/`) against the reference file's own values;
-    against_cpu: the target's own values against its float32 CPU recomputation (`local/`).
-    """
-    kind = tgt.local_kind()
-    if not kind or (kind == "teacher_forced" and ref is None):
-        return []
-    ordered = []
-    for entry in tgt.entries(local=True):
-        live = f"{CALLS}/{_key(entry)}/{entry.phase}/{entry.tensor}"
-        source = ref if kind == "teacher_forced" else tgt
-        if not source.has(live):
-            continue
-        reference, target = (ref.read(live), tgt.read(entry.path)) if kind == "teacher_forced" else (
-            tgt.read(entry.path), tgt.read(live))
-        dtype = tgt.dtype_of(live if kind == "against_cpu" else entry.path)
-        if reference.shape != target.shape:
-            continue
-        tol = tolerance(entry, dtype)
-        metrics = compare_arrays(reference, target, atol=tol.atol, rtol=tol.rtol)
-        calibrated = tgt.attrs(f"{CALLS}/{_key(entry)}/{LOCAL}").get(f"noise.{entry.tensor}")
-        ordered.append(((entry.phase != FORWARD, entry.seq),
-                        _judge(entry, dtype, metrics, calibrated, max(calibrated or 0.0, noise.floor(dtype)), noise)))
-    if kind == "teacher_forced":
-        ordered += _random_layers(ref, tgt, noise, tolerance)
-    return [result for _, result in sorted(ordered, key=lambda item: item[0])]
+def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
+    """Every row of the target's `/local` table, judged, in causal order."""
+    results = [_judge(row, noise) for row in tgt.local_rows()]
+    results.sort(key=lambda r: (PHASE_ORDER.get(r.phase, 9), r.seq))
+    return results
 
 
-def _judge(entry, dtype: str, metrics: Metrics, calibrated, expected: float, noise: NoisePolicy) -> LocalResult:
-    factor = noise.factor_for(entry.module)
-    flagged = (not noise.skipped(entry.module)) and (metrics.rel_l2 > factor * expected or metrics.nonfinite_differs)
-    return LocalResult(entry.module, entry.call, entry.phase, entry.tensor, dtype, metrics, calibrated, expected,
-                       factor, flagged)
-
-
-def _random_layers(ref: IterationFile, tgt: IterationFile, noise: NoisePolicy, tolerance) -> list:
-    """Layers that draw random numbers (dropout) cannot be rerun; judge them by error growth instead.
-
-    Their output's accumulated error may not exceed `factor` times their input's (or the dtype floor): with the
-    reference's random values replayed, dropout passes its input's error through; with other masks it explodes.
-    """
-    by_call: dict[tuple[str, int], list] = {}
-    for entry in tgt.entries():
-        if entry.phase in (FORWARD, BACKWARD):
-            by_call.setdefault((entry.module, entry.call), []).append(entry)
-    found = []
-    for key, attrs in tgt.calls():
-        if tgt.attrs(f"{CALLS}/{key}/{LOCAL}").get("skipped") != "random":
-            continue
-        entries = by_call.get((attrs["module"] or "(root)", int(attrs["call"])), [])
-        for phase, ins, outs in ((FORWARD, ("input", "kwarg"), ("output",)), (BACKWARD, ("grad_output",), ("grad_input",))):
-            errors = {}
-            for e in entries:
-                if e.phase == phase and ref.has(e.path):
-                    a, b = ref.read(e.path), tgt.read(e.path)
-                    if a.shape == b.shape:
-                        tol = tolerance(e, tgt.dtype_of(e.path))
-                        errors[e] = compare_arrays(a, b, atol=tol.atol, rtol=tol.rtol)
-            e_in = max((m.rel_l2 for e, m in errors.items() if e.tensor.startswith(ins)), default=0.0)
-            for e, m in errors.items():
-                if e.tensor.startswith(outs):
-                    dtype = tgt.dtype_of(e.path)
-                    found.append(((phase != FORWARD, e.seq),
-                                  _judge(e, dtype, m, None, max(e_in, noise.floor(dtype)), noise)))
-    return found
-
-
-def _key(entry) -> str:
-    return entry.path.split("/")[1]
+def _judge(row: LocalRow, noise: NoisePolicy) -> LocalResult:
+    metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
+                           row.inf, row.mismatch)
+    parts = [v for v in (row.noise_target, row.noise_reference) if not math.isnan(v)]
+    # a NaN noise means "not calibrated" (the error was below one unit roundoff): only the floor applies then
+    calibrated = sum(parts) if parts else None
+    expected = max(calibrated or 0.0, noise.floor(row.dtype))
+    factor = noise.factor_for(row.module)
+    error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
+    flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
+    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
+                       row.calibration, expected, factor, flagged)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
-    """The first flagged layer in causal order (results are already ordered)."""
+    """The first flagged row in causal order (results are already ordered)."""
     return next((r for r in results if r.flagged), None)
+
+
+def culprit_chain(culprit: LocalResult, parents: dict[tuple[str, int], tuple[str, int] | None],
+                  results: list[LocalResult]) -> list[dict[str, Any]]:
+    """The culprit's call, then every call containing it up to the model, with their own local verdict."""
+    worst: dict[tuple[str, int], LocalResult] = {}
+    for r in results:
+        key = (r.module, r.call)
+        if key not in worst or r.ratio > worst[key].ratio:
+            worst[key] = r
+    chain, at, seen = [], (culprit.module, culprit.call), set()
+    while at is not None and at not in seen:
+        seen.add(at)
+        mine = worst.get(at)
+        chain.append({"module": at[0], "call": at[1], "flagged": bool(mine and any(
+            r.flagged for r in results if (r.module, r.call) == at)), "max_ratio": mine.ratio if mine else None})
+        at = parents.get(at)
+    return chain
 
 
 def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[str, int, str, str]]) -> Optional[dict]:
@@ -195,3 +211,83 @@ def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[s
 def _is_input(tensor: str) -> bool:
     """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
     return tensor.startswith(("input", "kwarg", "grad_output"))
+
+
+# -- unattributed divergence ----------------------------------------------------------------------------------------
+def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
+                     loss: dict[str, Optional[float]], covered: set[tuple]) -> list[tuple[int, str]]:
+    """(row index, why) of every entry no probe covers whose difference the precision does not explain.
+
+    `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
+    `covered` the keys of parameter-gradient and optimizer entries that have a local row of their own.
+    """
+    errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+    by_call: dict[tuple[str, int, str], list[float]] = {}
+    for (module, call, phase, tensor), err in errors.items():
+        kind = "in" if _is_input(tensor) else "out"
+        by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
+    everything = max(errors.values(), default=0.0)
+    root_out = max(by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
+    loss_err = _scalar_error(loss)
+
+    def upstream(r) -> Optional[float]:
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return None
+        if r.phase == "param_grad":
+            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k in ("forward.in", "backward.in")
+                       for e in es]
+            return max(sources) if sources else everything
+        if r.phase == "optimizer":
+            grad = errors.get((r.module, 0, "param_grad", r.tensor))
+            if grad is not None:
+                return grad
+            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k == "forward.in" for e in es]
+            return max(sources) if sources else everything
+        if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
+            return max(root_out, loss_err or 0.0)
+        if (r.module, r.call) in unprobed and not _is_input(r.tensor):
+            kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+            return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
+        return None  # covered by a probe
+
+    found = []
+    for i, r in enumerate(rows):
+        if r.metrics is None or r.status not in ("match", "diverged"):
+            continue  # missing/shape/dtype rows are judged as structural divergences
+        if same_precision and r.status != "diverged":
+            continue  # the same precision on both sides: within the dtype's tolerance is explained
+        up = upstream(r)
+        if up is None:
+            continue
+        dtype = r.dtype_target or r.dtype or "float32"
+        bound = noise.factor_for(r.module) * max(up, noise.floor(dtype))
+        if r.metrics.rel_l2 > bound:
+            found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than {noise.factor_for(r.module):g}x what it "
+                             f"was computed from ({up:.2e}) or the {dtype} floor explain"))
+    return found
+
+
+def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoisePolicy,
+                     same_precision: bool, dtype: str) -> Optional[str]:
+    """Why the loss differs more than the model's outputs explain (None: it does not)."""
+    err = _scalar_error(loss)
+    if err is None:
+        return None
+    outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
+            and r.phase == FORWARD and not _is_input(r.tensor)]
+    bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
+    tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
+    if err > bound and (not same_precision or err > tolerance):
+        return f"the loss differs by {err:.2e} (relative), more than the model's outputs explain ({bound:.2e})"
+    return None
+
+
+def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:
+    a, b = loss.get("reference"), loss.get("target")
+    if a is None or b is None:
+        return None
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(a) if a else math.inf

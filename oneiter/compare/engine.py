@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import FormatError, OneIterError
-from ..fileformat import LOSS, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, seq_kind
-from .blame import LocalResult, NoisePolicy, find_culprit, local_results, nan_origin
+from ..fileformat import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, seq_kind,
+                          split_call_key)
+from .blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
+                    nan_origin, unexplained_rows)
 from .metrics import Metrics, compare_arrays
 from .tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
 
@@ -103,12 +105,31 @@ class CompareResult:
     """`teacher_forced`, `against_cpu`, or "" (no local data: the verdict falls back to first divergence)."""
     local: list[LocalResult] = field(default_factory=list)
     culprit: Optional[LocalResult] = None
+    chain: list[dict] = field(default_factory=list)
+    """The culprit's call and every call containing it, innermost first."""
     nan_origin: Optional[dict] = None
+    unprobed: list[dict] = field(default_factory=list)
+    """Calls the local probe could not rerun: {module, call, reason}."""
+    unexplained: list[tuple[int, str]] = field(default_factory=list)
+    """(row index, why) of entries no probe covers that differ more than the precision explains."""
+    loss_reason: Optional[str] = None
+    """Why the loss differs more than the model's outputs explain (None: it does not)."""
+
+    @property
+    def has_local(self) -> bool:
+        return bool(self.local_kind)
 
     @property
     def basis(self) -> str:
-        """What the verdict rests on: each layer's local error, or (without local data) the first divergence."""
-        return "local_error" if self.local else "first_divergence"
+        """What the verdict rests on: `local_error` (each call's own error; the culprit), `unattributed` (no call is
+        to blame but something no probe covers differs beyond what the precision explains), or
+        `first_divergence` (no local data: the first entry outside tolerance)."""
+        if not self.has_local:
+            return "first_divergence"
+        if self.culprit is None and self.structural is None and self.nonfinite is None and (
+                self.unexplained or self.loss_reason):
+            return "unattributed"
+        return "local_error"
 
     @property
     def structural(self) -> Optional[int]:
@@ -122,10 +143,11 @@ class CompareResult:
 
     @property
     def status(self) -> str:
-        if self.basis == "local_error":
-            diverged = self.culprit is not None or self.structural is not None or self.nonfinite is not None
-        else:
+        if self.basis == "first_divergence":
             diverged = self.first_divergence is not None
+        else:
+            diverged = (self.culprit is not None or self.structural is not None or self.nonfinite is not None
+                        or bool(self.unexplained) or self.loss_reason is not None)
         return "diverged" if diverged else "match"
 
     @property
@@ -133,10 +155,12 @@ class CompareResult:
         """The accumulated row the verdict points at (None on a match, or when a culprit alone decides)."""
         if self.status == "match":
             return None
-        if self.basis == "local_error":
-            index = self.structural if self.structural is not None else self.nonfinite
-            return None if index is None else self.rows[index]
-        return self.rows[self.first_divergence]
+        if self.basis == "first_divergence":
+            return self.rows[self.first_divergence]
+        if self.basis == "unattributed":
+            return self.rows[self.unexplained[0][0]] if self.unexplained else None
+        index = self.structural if self.structural is not None else self.nonfinite
+        return None if index is None else self.rows[index]
 
     def counts(self) -> dict[str, int]:
         """Number of rows per status, every status listed."""
@@ -150,7 +174,11 @@ class CompareResult:
         common = {
             "basis": self.basis,
             "culprit": self.culprit.verdict() if self.culprit else None,
+            "chain": self.chain,
             "nan_origin": self.nan_origin,
+            "unprobed": self.unprobed,
+            "unexplained": [{**(self._row_summary(i) or {}), "why": why} for i, why in self.unexplained],
+            "loss_unexplained": self.loss_reason,
             "first_divergence": self._row_summary(self.first_divergence),
             "num_diverged": sum(r.diverged for r in self.rows), "num_entries": len(self.rows),
             "num_local": len(self.local), "num_flagged": sum(r.flagged for r in self.local),
@@ -163,8 +191,13 @@ class CompareResult:
                      "entry_status": "local_error", "reason": f"local error {c.rel_l2:.2e} is {c.ratio:.1f}x the "
                      f"expected noise {c.expected:.2e}", "rel_l2": c.rel_l2, "max_abs": c.metrics.max_abs,
                      "cosine": c.metrics.cosine}
+        elif self.divergence is None:  # unattributed by the loss alone
+            where = {"module": None, "call": None, "phase": "loss", "tensor": "loss", "entry_status": "diverged",
+                     "reason": self.loss_reason, "rel_l2": None, "max_abs": None, "cosine": None}
         else:
             where = self._row_summary(self.rows.index(self.divergence))
+            if self.basis == "unattributed":
+                where["reason"] = self.unexplained[0][1]
         return {"status": "diverged", **where, **common}
 
     def _row_summary(self, index: Optional[int]) -> Optional[dict[str, Any]]:
@@ -179,7 +212,7 @@ class CompareResult:
 
     @functools.cached_property
     def _local_index(self) -> dict[tuple, LocalResult]:
-        return {r.key: r for r in self.local}
+        return {r.row_key: r for r in self.local}
 
     def local_for(self, row: Row) -> Optional[LocalResult]:
         """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
@@ -378,8 +411,8 @@ def compare_local(
         result = CompareResult(str(path), str(path), _meta(tgt), _meta(tgt), [], None, {"target": _loss(tgt)})
         _blame(result, None, tgt, policy, noise or NoisePolicy())
         result.rows = [
-            Row(r.module, r.call, r.phase, r.tensor, "diverged" if r.flagged else "match", dtype=r.dtype,
-                dtype_target=r.dtype, metrics=r.metrics)
+            Row(r.row_key[0], r.row_key[1], r.phase, r.row_key[3], "diverged" if r.flagged else "match",
+                dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics)
             for r in result.local
         ]
         counts = {}
@@ -397,16 +430,47 @@ def _nonfinite_count(array) -> int:
 
 
 def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFile, policy, noise: NoisePolicy) -> None:
-    """Local errors, culprit and NaN/Inf origin, from the local data and the accumulated rows."""
-    result.local_kind = tgt.local_kind()
-    result.local = local_results(ref, tgt, noise, policy)
+    """Local errors, culprit and its chain, unattributed drift and NaN/Inf origin."""
+    result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
+    result.local = local_results(tgt, noise) if result.local_kind else []
     result.culprit = find_culprit(result.local)
+    parents = {}
+    for _key, attrs in tgt.calls():
+        module, call = attrs.get("module") or ROOT_MODULE, int(attrs.get("call", 0))
+        parent = str(attrs.get("parent") or "")
+        parents[(module, call)] = _call_of(parent) if parent else None
+    if result.culprit is not None:
+        result.chain = culprit_chain(result.culprit, parents, result.local)
+    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
+    if result.local_kind and ref is not None and result.culprit is None:
+        same = _run_precision(ref.meta) == _run_precision(tgt.meta)
+        unprobed = {(u["module"], u["call"]) for u in result.unprobed}
+        if not tgt.meta.get("random_replay", True):  # random ops drew this run's own values: not judged locally
+            unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
+                         if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
+        covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
+        if int(tgt.meta.get("world_size") or 1) > 1:  # DDP averaged them over ranks: not this rank's own numbers
+            covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
+            covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
+                        if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
+        result.unexplained = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss,
+                                              covered=covered)
+        result.loss_reason = loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
             counts[(row.module, row.call, row.phase, row.tensor)] = row.metrics.num_nan_target + row.metrics.num_inf_target
     if result.nonfinite is not None:
         result.nan_origin = nan_origin(counts, list(counts))
+
+
+def _call_of(key: str) -> tuple[str, int]:
+    module, call = split_call_key(key)
+    return (module or ROOT_MODULE, call)
+
+
+def _loss_dtype(f: IterationFile) -> str:
+    return f.dtype_of(LOSS) if f.has(LOSS) else "float32"
 
 
 @contextlib.contextmanager

@@ -242,17 +242,23 @@ class OneIterRecordHook(Hook):
             ref = stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None
             swap = self._load_reference(runner, model, ref) if ref is not None else None
             tmp = stack.enter_context(atomic_output(out, self.force))
-            probe_factory, local_kind = self._probe_factory(ref, device, _amp_dtype(runner.optim_wrapper, device))
+            param = next(model.parameters(), None)
+            probe_factory, local_kind = self._probe_factory(ref, device, _amp_dtype(runner.optim_wrapper, device),
+                                                            param.dtype if param is not None else None)
             meta = {**self._meta(runner, model, device), "local": local_kind}
             session = stack.enter_context(
                 RecordingSession(model, tmp, meta, select=self._select, probe_factory=probe_factory)
             )
+            optimizers = _optimizers(runner.optim_wrapper)
+            if len(optimizers) == 1:
+                session.bind_optimizer(optimizers[0])
             session.state_before()
             if self.seed is not None:
                 torch.manual_seed(self.seed)
             with session.capture(), _batch_hook(model, session, swap), _grad_hook(runner, session) as grads:
                 outputs = train_step(*args, **kwargs)
             if not grads["done"]:  # no optimizer step this iteration (gradient accumulation): grads still there
+                session.after_backward()
                 session.param_grads()
             session.state_after()
             loss, loss_dict = _loss_of(outputs)
@@ -288,12 +294,12 @@ class OneIterRecordHook(Hook):
             )
         return BatchSwap(read_batch(ref), ref.path.name)
 
-    def _probe_factory(self, ref: Optional[IterationFile], device, amp_dtype):
+    def _probe_factory(self, ref: Optional[IterationFile], device, amp_dtype, dtype=None):
         if ref is None or not self.isolate:
             return None, ""
-        from ..recorders.local import TeacherForced
+        from ..recorders.probe import make_probe_factory
 
-        return (lambda sink: TeacherForced(ref, sink, device, amp_dtype)), "teacher_forced"
+        return make_probe_factory("teacher_forced", ref, device, amp=amp_dtype, dtype=dtype), "teacher_forced"
 
     def _meta(self, runner, model, device) -> dict[str, Any]:
         """The root attributes `oneiter record` writes, filled from the runner, plus `iteration`."""
@@ -385,6 +391,7 @@ def _grad_hook(runner, session: RecordingSession):
     def hook(optimizer, args, kwargs):
         if not state["done"]:
             state["done"] = True
+            session.after_backward()
             session.param_grads()
         return None
 

@@ -1,7 +1,9 @@
 """Module hooks that capture one iteration: forward inputs/outputs and the gradients around every module call.
 
-Where this sits: `record.py` attaches a `ModuleCapture` to the model, runs one `train_step`, and detaches it;
-captured tensors are copied to the host at once and handed to the `BackgroundWriter`.
+Where this sits: `RecordingSession` attaches a `ModuleCapture` to the model, runs one iteration, and detaches it;
+captured tensors are copied to the host at once and handed to the `BackgroundWriter`. With a local-error probe
+(`probe.py`), the capture also keeps a small `CallRecord` per call — the call tree, the structure of its
+arguments and outputs (no tensors), the random ops it ran — and hands it to the probe when the call returns.
 
 How the hooks avoid the known traps (../shared/NOTES.md):
 - inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
@@ -10,6 +12,8 @@ How the hooks avoid the known traps (../shared/NOTES.md):
   gradient of the value before it, which is what we want); the gradient w.r.t. its inputs is this module's
   contribution only, read from the module's own autograd nodes without changing the graph (`input_grads.py`);
 - every call is kept (`module@call`), so a module called twice (ResNet's shared ReLU) keeps both calls;
+- keyword arguments and nested arguments are captured like positional ones (`kwarg.hidden_states`,
+  `kwarg.position_embeddings.0`), and so are their gradients (`grad_kwarg.hidden_states`);
 - the hooks never change a value: recording does not change the loss, the gradients or the update bits.
 """
 
@@ -18,26 +22,16 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from ..fileformat import BACKWARD, CALLS, FORWARD, call_key, seq_kind
+from ..fileformat import BACKWARD, CALLS, FORWARD, call_key, grad_name, seq_kind
 from .input_grads import InputGradTracker
+from .structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
 
-__all__ = ["ModuleCapture", "flatten", "host_copy", "TensorSink"]
+__all__ = ["ModuleCapture", "CallRecord", "flatten", "host_copy", "TensorSink"]
 
 _SIMPLE = (int, float, bool, str, type(None))
-
-
-def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """Yield (name, leaf) for nested tuples/lists/dicts: `output`, `output.0`, `output.logits`, `input.1.0`."""
-    if isinstance(obj, (tuple, list)):
-        for i, item in enumerate(obj):
-            yield from flatten(item, f"{prefix}.{i}")
-    elif isinstance(obj, dict):
-        for key, item in obj.items():
-            yield from flatten(item, f"{prefix}.{key}")
-    else:
-        yield prefix, obj
 
 
 def host_copy(tensor):
@@ -53,11 +47,16 @@ def host_copy(tensor):
 
 
 class TensorSink:
-    """Copies tensors to the writer, storing a tensor seen before (same object, same version) as a hard link."""
+    """Copies tensors to the writer, storing a tensor seen before (same object, same version) as a hard link.
 
-    def __init__(self, writer, on_capture: Callable[[int], None] | None = None):
+    `keep` (a dict), when given, also receives every host copy by path: `record --against cpu` reruns each call
+    from the target's own values after backward.
+    """
+
+    def __init__(self, writer, on_capture: Callable[[int], None] | None = None, keep: dict | None = None):
         self.writer = writer
         self.num_tensors = 0
+        self.keep = keep
         self._seen: dict[int, tuple[Any, int, str]] = {}
         self._lock = threading.Lock()
         self._on_capture = on_capture
@@ -75,14 +74,42 @@ class TensorSink:
             hit = self._seen.get(id(tensor))
             if dedup and hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
                 self.writer.link(group, name, hit[2])
+                if self.keep is not None:
+                    self.keep[path] = self.keep.get(hit[2])
             else:
                 key = id(tensor)
                 ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
                 self._seen[key] = (ref, tensor._version, path)
-                self.writer.tensor(group, name, host_copy(tensor), attrs)
+                copy = host_copy(tensor)
+                self.writer.tensor(group, name, copy, attrs)
+                if self.keep is not None:
+                    self.keep[path] = copy
             self.num_tensors += 1
         if self._on_capture is not None:
             self._on_capture(self.num_tensors)
+
+
+@dataclass(eq=False)
+class CallRecord:
+    """What a local-error probe needs to rerun one module call (no tensors: names, dtypes and structure)."""
+
+    key: str
+    module: Any
+    path: str
+    call: int
+    parent: "CallRecord | None"
+    args: Skeleton | None
+    kwargs: Skeleton | None
+    random_begin: int
+    random_end: int = -1
+    output: Skeleton | None = None
+    children: list["CallRecord"] = field(default_factory=list)
+    status: str = ""  # "" until probed; PROBED, or why the call could not be probed
+
+    def release(self) -> None:
+        """Drop what only this call's own probe needed (its children are no longer rerun through it)."""
+        self.args = self.kwargs = None
+        self.children = []
 
 
 class ModuleCapture:
@@ -92,16 +119,16 @@ class ModuleCapture:
         self.model = model
         self.sink = sink
         self.select = select
-        self.probe = probe  # a local-error probe (recorders/local.py) run after each probed call, or None
-        self._suspended = False  # True while a probe reruns a layer: its calls are not part of the iteration
-        self._probed: set[int] = set()  # modules whose calls get a local-error probe
+        self.probe = probe  # a local-error probe (probe.py) given each call when it returns, or None
+        self.random_count: Callable[[], int] = lambda: 0  # the running random-op count (set by the session)
         self.num_calls = 0
+        self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
+        self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
         self._handles: list = []
         self._names: dict[int, str] = {}
         self._calls_per_module: dict[str, int] = {}
-        self._open: dict[int, list[str]] = {}
+        self._stack: list[tuple[str, CallRecord | None]] = []
         self._seq = itertools.count()
-        self._seq_done: set[tuple[str, str]] = set()
         self._input_grads = InputGradTracker()
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
@@ -118,8 +145,6 @@ class ModuleCapture:
             if not self.select(path):
                 continue
             self._names[id(module)] = path
-            if probed(path, module):
-                self._probed.add(id(module))
             self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
@@ -129,6 +154,11 @@ class ModuleCapture:
         self._handles.clear()
         self._input_grads.remove()
         self._pending_grads.clear()
+        self._stack.clear()
+
+    def suspended(self):
+        """A context in which calls are not captured (a probe's rerun)."""
+        return _Suspend(self)
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def _pre_hook(self, module, args: tuple, kwargs: dict):
@@ -138,42 +168,50 @@ class ModuleCapture:
         call = self._calls_per_module.get(path, 0)
         self._calls_per_module[path] = call + 1
         key = call_key(path, call)
-        self._open.setdefault(id(module), []).append(key)
-        attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__}
+        parent_key, parent = self._stack[-1] if self._stack else ("", None)
+        begin = self.random_count()
+        attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
+                 "parent": parent_key, "random_begin": begin}
         self.num_calls += 1
         group = f"{CALLS}/{key}/{FORWARD}"
-        for name, value in itertools.chain(flatten(list(args), "input"), _flatten_kwargs(kwargs)):
+        named = list(flatten_call(args, kwargs))
+        for name, value in named:
             if isinstance(value, _SIMPLE):
                 attrs[f"arg.{name}"] = "None" if value is None else value
             else:
                 self.sink.put(group, name, value)
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
-        named = [(f"grad_input.{i}", a) for i, a in enumerate(args)]
-        named += [(f"grad_input.{k}", v) for k, v in kwargs.items()]
-        self._pending_grads[key] = self._input_grads.start(named)
+        self._pending_grads[key] = self._input_grads.start([(grad_name(n), v) for n, v in named])
+        record = None
+        if self.probe is not None:
+            pos, kw = skeleton_call(args, kwargs)
+            record = CallRecord(key, module, path, call, parent, pos, kw, begin)
+            if parent is not None:
+                parent.children.append(record)
+        self._stack.append((key, record))
         return None
 
     def _post_hook(self, module, args, kwargs, output):
         if self._suspended:
             return None
-        key = self._open[id(module)].pop()
+        key, record = self._stack.pop()
         group = f"{CALLS}/{key}/{FORWARD}"
-        for name, value in flatten(output, "output"):
+        named = list(flatten(output, "output"))
+        for name, value in named:
             self.sink.put(group, name, value)
             if _wants_grad(value):
-                value.register_hook(self._grad_hook(key, f"grad_{name}"))
-        outputs = [value for _, value in flatten(output, "output")]
-        self._input_grads.finish(self._pending_grads.pop(key, None), outputs, self._input_grad_sink(key))
-        attrs: dict[str, Any] = {}
+                value.register_hook(self._grad_hook(key, grad_name(name)))
+        self._input_grads.finish(self._pending_grads.pop(key, None), [v for _, v in named],
+                                 self._input_grad_sink(key))
+        attrs: dict[str, Any] = {"random_end": self.random_count()}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
-        if self.probe is not None and id(module) in self._probed:
-            self._suspended = True
-            try:
-                self.probe.after_forward(module, key, args, kwargs, output)
-            finally:
-                self._suspended = False
+        if record is not None:
+            record.random_end = attrs["random_end"]
+            record.output = skeleton(output, "output")
+            with self.suspended():
+                self.probe.after_call(record)
         return None
 
     def _input_grad_sink(self, key: str):
@@ -195,8 +233,6 @@ class ModuleCapture:
                 self._mark_seq(key, seq_kind(name), attrs)
                 if attrs:
                     self.sink.writer.attrs(f"{CALLS}/{key}", attrs)
-                if self.probe is not None and name.startswith("grad_output"):
-                    self.probe.on_grad_output(key, name, grad)
             return None
 
         return hook
@@ -204,28 +240,21 @@ class ModuleCapture:
     def _mark_seq(self, key: str, kind: str, attrs: dict) -> None:
         """Record the capture order of the first tensor of each kind of a call (`seq_input`, `seq_grad_output`...)."""
         with self._lock:
-            if (key, kind) in self._seq_done:
+            if (key, kind) in self.seqs:
                 return
-            self._seq_done.add((key, kind))
-            attrs[f"seq_{kind}"] = next(self._seq)
+            self.seqs[(key, kind)] = attrs[f"seq_{kind}"] = next(self._seq)
 
 
-def probed(path: str, module) -> bool:
-    """Which module calls get a local-error probe: leaves, and containers with computation of their own.
+class _Suspend:
+    def __init__(self, capture: ModuleCapture):
+        self.capture = capture
+        self.before = False
 
-    Pure compositions (nn.Sequential, ModuleList/ModuleDict) add nothing a probe of their children misses; the
-    model itself (path "") is left out because rerunning it is a second full iteration.
-    """
-    import torch.nn as nn
+    def __enter__(self) -> None:
+        self.before, self.capture._suspended = self.capture._suspended, True
 
-    if next(module.children(), None) is None:
-        return True
-    return bool(path) and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
-
-
-def _flatten_kwargs(kwargs: dict) -> Iterator[tuple[str, Any]]:
-    for key, value in kwargs.items():
-        yield from flatten(value, f"kwarg.{key}")
+    def __exit__(self, *exc) -> None:
+        self.capture._suspended = self.before
 
 
 def _wants_grad(value) -> bool:

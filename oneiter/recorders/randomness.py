@@ -108,6 +108,7 @@ class RandomRecorder(TorchDispatchMode):
         self.group = group
         self.num_ops = 0
         self.ops: list[str] = []
+        self.recorded: list[RecordedOp] = []  # the same, as `RandomReplayer` takes them (paths in `group`)
         self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -123,12 +124,15 @@ class RandomRecorder(TorchDispatchMode):
             index = self.num_ops
             self.num_ops += 1
             self.ops.append(str(func))
+        paths = []
         for i, tensor in enumerate(values):
             name = f"{index:05d}" if len(values) == 1 else f"{index:05d}.{i}"
             if _packet(func) in _BERNOULLI and tensor.dtype != torch.bool:
                 tensor = tensor.ne(0)  # bernoulli draws are 0 or 1: bool is exact and 4x smaller
             attrs = {"op": str(func), "index": index, "output": i}
             self.sink.put(self.group, name, tensor, attrs, dedup=False)
+            paths.append(f"{self.group}/{name}")
+        self.recorded.append(RecordedOp(index, str(func), tuple(paths), tuple(tuple(v.shape) for v in values)))
 
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
@@ -201,11 +205,12 @@ class RandomReplayer(TorchDispatchMode):
         # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
         return False
 
-    def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None):
+    def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None, *, replay: bool = True):
         super().__init__()
         self.reader = reader
         self.device = device
         self.ops = list(recorded_random_ops(reader) if ops is None else ops)
+        self.replay = replay  # False: count and check the random ops, keep the values this run drew
         self.num_ops = 0
         self._lock = threading.Lock()
 
@@ -213,12 +218,14 @@ class RandomReplayer(TorchDispatchMode):
         kwargs = kwargs or {}
         if not is_random(func, args, kwargs):
             return func(*args, **kwargs)
-        before = args[0].clone() if _packet(func) in _RRELU else None  # rrelu_with_noise_ overwrites its input
+        before = args[0].clone() if _packet(func) in _RRELU and self.replay else None  # rrelu_ overwrites its input
         result = func(*args, **kwargs)  # runs: the target's RNG advances as it would without oneiter
         with self._lock:
             k = self.num_ops
             self.num_ops += 1
         rec = self._expect(k, func, _random_values(func, args, result))
+        if not self.replay:
+            return result
         return self._replay(func, args, kwargs, result, rec, before)
 
     def _expect(self, k: int, func, values: list) -> RecordedOp:

@@ -46,7 +46,8 @@ class RecordOptions:
     model_args: dict[str, Any] = field(default_factory=dict)
     threads: int | None = None
     force: bool = False
-    isolate: bool = True  # with replay: teacher-forced local error per leaf layer (--no-isolate turns it off)
+    isolate: bool = True  # with replay: teacher-forced local error of every call (--no-isolate turns it off)
+    calibrate: str = "cpu"  # where expected noise is measured: cpu (float64 vs run precision) or device
     against: str | None = None  # "cpu": local error against a float32 CPU recomputation, no reference needed
     random_replay: bool = True  # with replay: random ops take the reference's values (--no-random-replay)
     fallback: list[str] = field(default_factory=list)  # regexes of ops run on the CPU in float32
@@ -211,7 +212,8 @@ def _record(opts: RecordOptions, progress, started: float, faults, select, info)
                 meta = {**_meta(opts, device, built), "local": local_kind, "rank": info.rank,
                         "world_size": info.world_size}
                 with RecordingSession(bundle.model, tmp, meta, select=select, queue_bytes=opts.queue_bytes,
-                                      progress=progress, probe_factory=probe_factory) as session:
+                                      progress=progress, probe_factory=probe_factory,
+                                      keep_values=local_kind == "against_cpu") as session:
                     loss, modes = _run_iteration(session, setup, opts, ref, autocast)
                     num_entries, num_bytes = session.finish(loss, modes.summary())
         finally:
@@ -242,15 +244,16 @@ def _check_world_size(ref: IterationFile | None, info) -> None:
 
 
 def _probe_factory(opts: RecordOptions, ref: IterationFile | None, device, autocast):
-    """Which local-error probe runs after each leaf call: teacher forcing on replay, or --against cpu."""
-    from .local import AgainstCPU, TeacherForced
+    """Which local-error probe reruns each call: teacher forcing on replay, or --against cpu."""
+    from ..precision import torch_dtype
+    from .probe import make_probe_factory
 
-    amp_dtype = autocast.fast_dtype if autocast is not None else None
-    if opts.against == "cpu":
-        return (lambda sink: AgainstCPU(sink, device, amp_dtype)), "against_cpu"
-    if ref is not None and opts.isolate:
-        return (lambda sink: TeacherForced(ref, sink, device, amp_dtype)), "teacher_forced"
-    return None, ""
+    amp = autocast.fast_dtype if autocast is not None else None
+    kind = "against_cpu" if opts.against == "cpu" else ("teacher_forced" if ref is not None and opts.isolate else "")
+    if not kind:
+        return None, ""
+    return make_probe_factory(kind, ref, device, amp=amp, dtype=torch_dtype(opts.dtype),
+                              calibrate=opts.calibrate), kind
 
 
 class _Modes:
@@ -260,11 +263,10 @@ class _Modes:
         from .fallback import OpFallback
         from .randomness import RandomRecorder, RandomReplayer
 
-        self.random = None
         if ref is None:
             self.random = RandomRecorder(sink)
-        elif opts.random_replay:
-            self.random = RandomReplayer(ref, device)
+        else:  # without random replay: still count the random ops (each call notes which ones it ran)
+            self.random = RandomReplayer(ref, device, replay=opts.random_replay)
         self.fallback = OpFallback(opts.fallback) if opts.fallback else None
         self._stack = ExitStack()
 
@@ -283,7 +285,7 @@ class _Modes:
 
     def summary(self) -> dict:
         return {
-            "num_random_ops": self.random.num_ops if self.random is not None else 0,
+            "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),
         }
 
@@ -297,9 +299,12 @@ def _run_iteration(session: RecordingSession, setup, opts: RecordOptions, ref, a
     session.batch(setup.inputs)
     torch.manual_seed(opts.seed)
     modes = _Modes(opts, session.sink, ref, setup.device)
+    session.attach_random(modes.random)
+    session.bind_optimizer(setup.optimizer)
 
     def after_backward() -> None:
         modes.close()
+        session.after_backward()
         session.param_grads()
 
     with session.capture(), modes:

@@ -67,13 +67,18 @@ class RecordingSession:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         progress: Callable[[str, int], None] | None = None,
         probe_factory: Callable[[TensorSink], Any] | None = None,
+        keep_values: bool = False,
     ):
+        """`probe_factory(sink)` makes the local-error probe (`probe.LocalProbe`); `keep_values` keeps every host
+        copy in `sink.keep` (the source of `--against cpu`, which reruns each call after backward)."""
         self.model = model
         self.phase = "forward"
         self.writer = BackgroundWriter(path, meta, max_bytes=queue_bytes)
         on_capture = (lambda n: progress(self.phase, n)) if progress else None
-        self.sink = TensorSink(self.writer, on_capture=on_capture)
+        self.sink = TensorSink(self.writer, on_capture=on_capture, keep={} if keep_values else None)
         self.probe = probe_factory(self.sink) if probe_factory else None
+        if self.probe is not None:
+            self.probe.bind(model)
         self.module_capture = ModuleCapture(model, self.sink, select, self.probe)
         self._finished = False
 
@@ -90,6 +95,23 @@ class RecordingSession:
         """Module hooks attached for the duration of the block (forward and backward)."""
         with self.module_capture as capture:
             yield capture
+
+    def bind_optimizer(self, optimizer) -> None:
+        """The optimizer that steps this iteration: the probe judges its update (teacher forced)."""
+        if self.probe is not None:
+            self.probe.bind(self.model, optimizer)
+
+    def attach_random(self, mode) -> None:
+        """The random-op mode of the iteration (recorder or replayer): calls note which random ops they ran."""
+        self.module_capture.random_count = lambda: mode.num_ops
+        if self.probe is not None and getattr(mode, "recorded", None) is not None:
+            self.probe.random_ops = mode.recorded  # --against cpu: its own values, filled as the run goes
+
+    def after_backward(self) -> None:
+        """Backward is done (the optimizer has not stepped): run the probes that needed every value."""
+        if self.probe is not None:
+            with self.module_capture.suspended():
+                self.probe.after_backward()
 
     def state_before(self) -> None:
         self._named(STATE_BEFORE, self.model.state_dict(keep_vars=True).items())
@@ -109,6 +131,8 @@ class RecordingSession:
     def finish(self, loss, attrs: dict[str, Any] | None = None) -> tuple[int, int]:
         """Write the loss, mark the file complete and close it. Returns (datasets incl. links, tensor bytes)."""
         self.sink.put("", LOSS, loss)
+        if self.probe is not None:
+            self.writer.local_table(*self.probe.table(self.module_capture.seqs))
         final = {"num_calls": self.module_capture.num_calls, "loss": float(loss.detach().float()), **(attrs or {})}
         result = self.writer.close(final)
         self._finished = True

@@ -54,6 +54,10 @@ class BackgroundWriter:
         self._raise_pending()
         self._queue.put(("attrs", path, attrs))
 
+    def local_table(self, rows: list, unprobed: list, attrs: dict[str, Any]) -> None:
+        self._raise_pending()
+        self._queue.put(("local", rows, unprobed, attrs))
+
     def close(self, final_attrs: dict[str, Any]) -> tuple[int, int]:
         """Drain the queue, mark the file complete, close it. Returns (datasets incl. links, tensor bytes)."""
         self._queue.put(("finish", final_attrs))
@@ -98,6 +102,8 @@ class BackgroundWriter:
             self._file.link(*item[1:])
         elif kind == "attrs":
             self._file.set_attrs(*item[1:])
+        elif kind == "local":
+            self._file.local_table(*item[1:])
         elif kind == "finish":
             self._file.finish(item[1])
 

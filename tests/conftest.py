@@ -73,3 +73,31 @@ def replay(ref: Path, out: Path, **kwargs):
     from oneiter.recorders.record import RecordOptions, record
 
     return record(RecordOptions(out=Path(out), replay=Path(ref), **kwargs))
+
+
+FAULT_ENV = "ONEITER_TEST_FAULT"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_fault(monkeypatch):
+    """Model files under model_files/ patch torch functions and classes when ONEITER_TEST_FAULT is set: start
+    every test without the variable, and undo whatever a model file patched once it is over."""
+    import sys
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    yield
+    kit = sys.modules.get("faultkit")
+    if kit is not None:
+        kit.undo_faults()
+
+
+def replay_with_fault(ref: Path, out: Path, fault: str, monkeypatch, **kwargs):
+    """Replay `ref` with the model file's own fault `fault` (ONEITER_TEST_FAULT, read by its builder)."""
+    monkeypatch.setenv(FAULT_ENV, fault)
+    try:
+        return replay(ref, out, **kwargs)
+    finally:
+        monkeypatch.delenv(FAULT_ENV, raising=False)
+        import sys
+
+        sys.modules["faultkit"].undo_faults()

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from ..fileformat import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, split_call_key, split_child_tensor
 from ..precision import UNIT_ROUNDOFF, unit_roundoff
+from .metrics import Metrics
 
 __all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "PHASE_ORDER"]
@@ -86,6 +87,13 @@ class LocalMetrics:
     def nonfinite_differs(self) -> bool:
         """NaN/Inf at other positions or with another sign than in the reference."""
         return self.num_mismatch > 0
+
+    def as_metrics(self) -> Metrics:
+        """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
+        nan = math.nan
+        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
+                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
+                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
 
 
 @dataclass
@@ -278,7 +286,8 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
     bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
     tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
     if err > bound and (not same_precision or err > tolerance):
-        return f"the loss differs by {err:.2e} (relative), more than the model's outputs explain ({bound:.2e})"
+        return (f"the loss differs by {err:.2e} (relative), more than the model's outputs explain ({bound:.2e}); "
+                f"code outside the model's forward (the loss function) is not probed")
     return None
 
 

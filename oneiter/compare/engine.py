@@ -107,6 +107,8 @@ class CompareResult:
     culprit: Optional[LocalResult] = None
     chain: list[dict] = field(default_factory=list)
     """The culprit's call and every call containing it, innermost first."""
+    culprit_includes: list[dict] = field(default_factory=list)
+    """Calls that could not be probed alone and ran inside the culprit's rerun: part of what it is blamed for."""
     nan_origin: Optional[dict] = None
     unprobed: list[dict] = field(default_factory=list)
     """Calls the local probe could not rerun: {module, call, reason}."""
@@ -175,6 +177,7 @@ class CompareResult:
             "basis": self.basis,
             "culprit": self.culprit.verdict() if self.culprit else None,
             "chain": self.chain,
+            "culprit_includes": self.culprit_includes,
             "nan_origin": self.nan_origin,
             "unprobed": self.unprobed,
             "unexplained": [{**(self._row_summary(i) or {}), "why": why} for i, why in self.unexplained],
@@ -412,7 +415,7 @@ def compare_local(
         _blame(result, None, tgt, policy, noise or NoisePolicy())
         result.rows = [
             Row(r.row_key[0], r.row_key[1], r.phase, r.row_key[3], "diverged" if r.flagged else "match",
-                dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics)
+                dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics.as_metrics())
             for r in result.local
         ]
         counts = {}
@@ -439,9 +442,10 @@ def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFi
         module, call = attrs.get("module") or ROOT_MODULE, int(attrs.get("call", 0))
         parent = str(attrs.get("parent") or "")
         parents[(module, call)] = _call_of(parent) if parent else None
+    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
     if result.culprit is not None:
         result.chain = culprit_chain(result.culprit, parents, result.local)
-    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
+        result.culprit_includes = _included(result.culprit, parents, result.unprobed)
     if result.local_kind and ref is not None and result.culprit is None:
         same = _run_precision(ref.meta) == _run_precision(tgt.meta)
         unprobed = {(u["module"], u["call"]) for u in result.unprobed}
@@ -462,6 +466,19 @@ def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFi
             counts[(row.module, row.call, row.phase, row.tensor)] = row.metrics.num_nan_target + row.metrics.num_inf_target
     if result.nonfinite is not None:
         result.nan_origin = nan_origin(counts, list(counts))
+
+
+def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:
+    """Unprobed calls that ran live inside the culprit's rerun (their unprobed ancestors lead up to it)."""
+    failed = {(u["module"], u["call"]): u for u in unprobed}
+    found = []
+    for key, entry in failed.items():
+        at = parents.get(key)
+        while at is not None and at in failed:
+            at = parents.get(at)
+        if at == (culprit.module, culprit.call):
+            found.append(entry)
+    return found
 
 
 def _call_of(key: str) -> tuple[str, int]:

@@ -106,21 +106,27 @@ def write_csv(result: CompareResult, path: str | Path) -> None:
 
 # -- terminal -------------------------------------------------------------------------------------------------------
 def verdict_line(result: CompareResult) -> str:
-    """One line: MATCH with the entry count, or DIVERGED naming the culprit (or module@call, phase, tensor)."""
+    """One line: MATCH with what was checked, or DIVERGED naming the culprit (or module@call, phase, tensor)."""
     row = result.divergence
     culprit = result.culprit
     if culprit is not None and row is None:
-        return (f"DIVERGED: culprit {culprit.module}@{culprit.call} {culprit.phase} {culprit.tensor}: its local "
-                f"(upstream-free) error rel_l2 {culprit.rel_l2:.2e} is {culprit.ratio:.1f}x its expected noise "
-                f"{culprit.expected:.2e}")
+        return (f"DIVERGED: culprit {culprit.module}@{culprit.call} {culprit.phase} {culprit.tensor}: "
+                f"{_culprit_reason(culprit)}")
+    if row is None and result.basis == "unattributed":
+        return f"DIVERGED (unattributed): no call's own code is to blame, but {result.loss_reason}"
     if row is None and result.basis == "local_error":
+        if not result.local:
+            return "MATCH: no call could be judged (see the calls not probed below)"
         worst = max(result.local, key=lambda r: r.ratio)
-        return (f"MATCH: no layer's local error exceeds its expected noise x{worst.factor:g} ({len(result.local)} "
-                f"layer tensors checked; highest ratio {worst.ratio:.1f}x at {worst.module}@{worst.call} "
+        return (f"MATCH: no call's own error exceeds its expected noise x{worst.factor:g} ({len(result.local)} "
+                f"tensors judged; highest ratio {worst.ratio:.1f}x at {worst.module}@{worst.call} "
                 f"{worst.phase} {worst.tensor})")
     if row is None:
         worst = max((r.metrics.rel_l2 for r in result.rows if r.metrics), default=0.0)
         return f"MATCH: all {len(result.rows)} entries within tolerance (largest rel_l2 {worst:.2e})"
+    if result.basis == "unattributed":
+        return (f"DIVERGED (unattributed) at {row.module}@{row.call} {row.phase} {row.tensor}: no call's own code "
+                f"is to blame, but this entry's {result.unexplained[0][1]}")
     head = f"DIVERGED at {row.module}@{row.call} {row.phase} {row.tensor}"
     m = row.metrics
     if m is None:
@@ -134,6 +140,18 @@ def verdict_line(result: CompareResult) -> str:
     if m.nonfinite_differs:
         extra = f"; NaN {m.num_nan_ref} vs {m.num_nan_target}, Inf {m.num_inf_ref} vs {m.num_inf_target}"
     return f"{head}: {numbers} (would pass with atol {m.need_atol:.1e} or rtol {m.need_rtol:.1e}){extra}"
+
+
+def _culprit_reason(culprit) -> str:
+    if culprit.metrics.nonfinite_differs:
+        return (f"{culprit.metrics.num_mismatch} NaN/Inf at other positions (or with another sign) than in the "
+                f"reference, given the same inputs")
+    own = "its own code's"
+    child = culprit.tensor.partition(":")[0] if ":" in culprit.tensor else None
+    if child:
+        own = f"its own code's (what it hands {child})"
+    return (f"{own} error rel_l2 {culprit.rel_l2:.2e}, on the reference's inputs, is {culprit.ratio:.1f}x its "
+            f"expected noise {culprit.expected:.2e}")
 
 
 def rows_to_show(result: CompareResult, *, show_all: bool = False) -> tuple[list[int], str]:
@@ -159,7 +177,7 @@ def rows_to_show(result: CompareResult, *, show_all: bool = False) -> tuple[list
 def focus_row(result: CompareResult) -> Optional[int]:
     """The row the report centres on: the culprit's, else the divergent row the verdict names."""
     if result.culprit is not None and result.divergence is None:
-        key = result.culprit.key
+        key = result.culprit.row_key
         return next((i for i, r in enumerate(result.rows) if (r.module, r.call, r.phase, r.tensor) == key), None)
     if result.divergence is not None:
         return result.rows.index(result.divergence)
@@ -264,8 +282,21 @@ def basis_lines(result: CompareResult) -> list[str]:
         return lines
     kind = "teacher-forced replay" if result.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
     flagged = sum(r.flagged for r in result.local)
-    lines.append(f"basis: local error of {len(result.local)} layer tensors ({kind}); {flagged} above "
-                 f"their expected noise")
+    calls = len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")})
+    lines.append(f"basis: each call's own error ({kind}): {len(result.local)} tensors of {calls} calls judged, "
+                 f"{flagged} above their expected noise")
+    if result.culprit_includes:
+        names = ", ".join(f"{u['module']}@{u['call']}" for u in result.culprit_includes)
+        lines.append(f"the culprit's rerun includes {names}, which could not be probed alone (see below): the "
+                     f"difference may be there")
+    if len(result.chain) > 1:
+        outer = " < ".join(f"{c['module']}@{c['call']}" for c in result.chain[1:])
+        lines.append(f"inside: {outer} (their own code is within noise)" if not any(
+            c["flagged"] for c in result.chain[1:]) else f"inside: {outer}")
+    if result.unprobed:
+        shown = "; ".join(f"{u['module']}@{u['call']}: {u['reason']}" for u in result.unprobed[:3])
+        more = f"; {len(result.unprobed) - 3} more in the JSON report" if len(result.unprobed) > 3 else ""
+        lines.append(f"not probed ({len(result.unprobed)} calls, judged by error growth only): {shown}{more}")
     first = result.first_divergence
     if first is not None and (result.divergence is None or result.rows.index(result.divergence) != first):
         row = result.rows[first]

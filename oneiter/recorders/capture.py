@@ -29,9 +29,10 @@ from ..fileformat import BACKWARD, CALLS, FORWARD, call_key, grad_name, seq_kind
 from .input_grads import InputGradTracker
 from .structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
 
-__all__ = ["ModuleCapture", "CallRecord", "flatten", "host_copy", "TensorSink"]
+__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink"]
 
 _SIMPLE = (int, float, bool, str, type(None))
+PROBED = "probed"  # a CallRecord's status once its local probe succeeded
 
 
 def host_copy(tensor):
@@ -105,11 +106,26 @@ class CallRecord:
     output: Skeleton | None = None
     children: list["CallRecord"] = field(default_factory=list)
     status: str = ""  # "" until probed; PROBED, or why the call could not be probed
+    internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
 
     def release(self) -> None:
-        """Drop what only this call's own probe needed (its children are no longer rerun through it)."""
+        """Drop what only this call's own probe needed. A probed call's children are never needed again (its
+        caller forces the call as a whole); an unprobed call runs live in its caller's rerun, with its own probed
+        descendants forced, so it keeps them."""
         self.args = self.kwargs = None
-        self.children = []
+        if self.status == PROBED:
+            self.children = []
+
+    def forced(self) -> list["CallRecord"]:
+        """The calls a rerun of this one forces: its probed children, and, through children that could not be
+        probed (they run live), their probed descendants."""
+        found = []
+        for child in self.children:
+            if child.status == PROBED:
+                found.append(child)
+            else:
+                found.extend(child.forced())
+        return found
 
 
 class ModuleCapture:

@@ -185,6 +185,7 @@ class LocalProbe:
             rec.status = f"rerun failed: {type(err).__name__}: {_first_line(err)}"
         else:
             rec.status = PROBED
+            rec.internal = {n: g.to(_CPU) for n, g in primary.internal.items()}
             for fields, at in judged:
                 self.rows.append(({"module": module, "call": rec.call, **fields}, at))
             self._sums.add("primary", primary)
@@ -196,7 +197,7 @@ class LocalProbe:
             rec.release()
 
     def _run(self, rec: CallRecord, site: Site) -> RunResult:
-        return self.rerunner.run(rec, site, [c for c in rec.children if c.status == PROBED])
+        return self.rerunner.run(rec, site, rec.forced())
 
     def _primary_site(self, explicit: bool = False) -> Site:
         """The rerun whose results are judged (teacher forced: the target's own, inside its forward, so under the

@@ -30,13 +30,12 @@ import torch
 from ..errors import OneIterError
 from ..fileformat import BACKWARD, FORWARD, child_tensor, grad_name, tensor_path
 from . import trusted
-from .capture import CallRecord
+from .capture import PROBED, CallRecord
 from .randomness import RandomReplayer, RecordedOp
 from .structure import Slot, fill, flatten, flatten_call
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "tensor_stats", "rel_l2"]
 
-PROBED = "probed"
 AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
                "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
@@ -86,6 +85,9 @@ class RunResult:
     passed: set
     param_grads: dict = field(default_factory=dict)
     buffers: dict = field(default_factory=dict)
+    internal: dict = field(default_factory=dict)
+    """grad name -> the part of an output's recorded gradient that came from the call itself, for outputs the
+    call also consumed (a model returning both `logits` and the `loss` computed from them)."""
 
 
 class Rerunner:
@@ -146,7 +148,7 @@ class Rerunner:
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
             changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
-            backward, param_grads = self._backward(rec, site, outputs, leaves, params, anchor)
+            backward, param_grads, internal = self._backward(rec, site, outputs, leaves, params, anchor)
         given.update(forcing.produced)
         forward = {**outputs, **forcing.inputs}
         backward.update(forcing.grad_outputs)
@@ -154,22 +156,23 @@ class Rerunner:
         passed = {(FORWARD, n) for n, v in forward.items() if given.get(id(v)) == v._version}
         passed |= {(BACKWARD, n) for n, v in backward.items() if given.get(id(v)) == v._version}
         return RunResult({n: v.detach() for n, v in forward.items()}, {n: v.detach() for n, v in backward.items()},
-                         passed, param_grads, changed)
+                         passed, param_grads, changed, internal)
 
     def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict, anchor):
         pairs = []
         for name, out in outputs.items():
             path = tensor_path(rec.key, BACKWARD, grad_name(name))
             if out.requires_grad and self.source.has(path):
-                pairs.append((out, self.source.tensor(path).to(site.device, out.dtype)))
+                pairs.append((name, out, self.source.tensor(path).to(site.device, out.dtype)))
         if not pairs:
-            return {}, {}
+            return {}, {}, {}
+        seeds, internal = _external_grads(pairs)
         weights = [(canonical, t) for canonical, t in params.values() if t.requires_grad]
         targets = [*leaves.values(), *(t for _, t in weights), anchor]
-        grads = torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
+        grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
         inputs = {grad_name(n): g for n, g in zip(leaves, grads) if g is not None}
         contributions = {c: g.detach() for (c, _), g in zip(weights, grads[len(leaves):]) if g is not None}
-        return inputs, contributions
+        return inputs, contributions, internal
 
     def value(self, path: str, slot: Slot, site: Site, what: str):
         """A source tensor for `slot`, on the site's device in the site's dtype (a fresh copy)."""
@@ -237,6 +240,37 @@ class Rerunner:
         if any(k >= len(self.random_ops) for k in wanted):
             raise ProbeSkip("the call ran random ops the source did not record")
         return RandomReplayer(self.source, device, ops=[self.random_ops[k] for k in wanted])
+
+
+def _external_grads(pairs: list) -> tuple[list, dict]:
+    """The gradient each output received from *outside* the call, from the recorded (total) ones.
+
+    A recorded grad_output is the whole gradient w.r.t. that output. When the call also consumed one of its own
+    outputs (`loss = f(logits)`, both returned), part of that whole came through the call's other outputs;
+    backpropagating every output with its whole gradient would count that part twice. Taking the outputs from
+    the last computed to the first, the part coming through later outputs is computed and subtracted.
+    Returns the seeds for backward (in `pairs` order) and {grad name: the part that came through the call}.
+    """
+    if len(pairs) == 1:
+        return [pairs[0][2]], {}
+    order = sorted(range(len(pairs)), key=lambda i: -_sequence(pairs[i][1]))
+    seeds: dict[int, Any] = {}
+    internal = {}
+    for position, i in enumerate(order):
+        name, out, whole = pairs[i]
+        later = order[:position]
+        inner = None
+        if later:
+            inner = torch.autograd.grad([pairs[j][1] for j in later], [out], [seeds[j] for j in later],
+                                        retain_graph=True, allow_unused=True)[0]
+        seeds[i] = whole if inner is None else whole - inner
+        if inner is not None:
+            internal[grad_name(name)] = inner.detach()
+    return [seeds[i] for i in range(len(pairs))], internal
+
+
+def _sequence(tensor) -> int:
+    return tensor.grad_fn._sequence_nr() if tensor.grad_fn is not None else -1
 
 
 class _Forcing:
@@ -341,7 +375,10 @@ def _forced_function():
         def backward(ctx, *grads):
             info = ctx.info
             for name, grad in zip(info.output_names, grads):
-                if grad is not None:
+                # an output the child also consumed itself (logits of a model that returns the loss computed from
+                # them): its recorded gradient holds the child's own part, which the reference file does not
+                # separate, so what the caller hands it cannot be judged
+                if grad is not None and grad_name(name) not in info.child.internal:
                     info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(name))] = grad
             back = [info.forcing.grad_for(info.child, name, like) for name, like in zip(info.input_names, ctx.likes)]
             return (None, None, *back)

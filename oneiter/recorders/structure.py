@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-__all__ = ["flatten", "flatten_call", "Slot", "Skeleton", "skeleton", "fill", "is_cache"]
+__all__ = ["flatten", "flatten_call", "Slot", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache", "snapshot"]
 
 
 def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -83,7 +83,7 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False) -> Skeleto
         if isinstance(value, dict):
             return _same_dict(value, {k: walk(v, f"{name}.{k}") for k, v in value.items()})
         if snapshot_caches and is_cache(value):
-            return copy.deepcopy(value)
+            return snapshot(value)
         return value
 
     return Skeleton(walk(obj, prefix), slots)
@@ -112,10 +112,37 @@ def fill(sk: Skeleton, make: Callable[[Slot], Any]) -> Any:
         if isinstance(value, dict):
             return _same_dict(value, {k: walk(v) for k, v in value.items()})
         if is_cache(value):
-            return copy.deepcopy(value)
+            return snapshot(value)
         return value
 
     return walk(sk.tree)
+
+
+def snapshot(obj: Any) -> Any:
+    """A deep copy of `obj` whose tensors are detached clones (tensors inside an autograd graph refuse deepcopy)."""
+    import torch
+
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+
+    def collect(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > 6:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            memo[id(value)] = value.detach().clone()
+        elif isinstance(value, (list, tuple, set)):
+            for item in value:
+                collect(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for item in vars(value).values():
+                collect(item, depth + 1)
+
+    collect(obj, 0)
+    return copy.deepcopy(obj, memo)
 
 
 def _same_sequence(original, items: list):

@@ -1,0 +1,172 @@
+"""Faults that live where a real target's software stack differs from the reference's — inside the model's code.
+
+The model files of this folder call `patch_functions()` first thing in their builder (a vendor plugin patches
+torch functions at import time, before any model binds them) and `apply_fault(model)` at the end; both read the
+environment variable `ONEITER_TEST_FAULT` (unset or empty: a clean model) and change the *model's computation*
+the way a vendor's stack would, never through oneiter:
+
+    FAMILY:TARGET[:REL][@SHAPE]        REL: relative error, default 1e-3
+
+- `instance:<module path>`  wrap that module instance's `forward` (what accelerate-style hooks and vendor wrappers
+  do): its floating outputs are scaled by (1 + REL). `@N` only for calls whose input's last dimension is N (a
+  kernel wrong for one shape: a shared block's second call on a smaller feature map).
+- `class:<ClassName>`       replace `ClassName.forward` for every instance (a vendor plugin's fused-kernel patch).
+- `function:<name>`         replace `torch.nn.functional.<name>` everywhere (a wrong kernel): outputs scaled.
+- `function_bwd:<name>`     the same function, exact forward, gradients w.r.t. its inputs scaled (a wrong backward
+  kernel only).
+- `root[:REL]`               functional code in the model's own `forward` is off (the builder reads `fault_scale()`).
+
+Patches are undone by `undo_faults()` (tests record many models in one process) and before a new fault is
+applied, so building twice never stacks faults.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["patch_functions", "apply_fault", "undo_faults", "fault_scale", "ENV"]
+
+ENV = "ONEITER_TEST_FAULT"
+_UNDO: list[Callable[[], None]] = []
+
+
+def undo_faults() -> None:
+    while _UNDO:
+        _UNDO.pop()()
+
+
+def _parse() -> tuple[str, str, float, int | None] | None:
+    text = os.environ.get(ENV, "").strip()
+    if not text:
+        return None
+    text, _, shape = text.partition("@")
+    family, _, rest = text.partition(":")
+    target, _, rel = rest.partition(":")
+    if family == "root":  # no target: `root` or `root:REL`
+        target, rel = "", target
+    return family, target, float(rel) if rel else 1e-3, int(shape) if shape else None
+
+
+def fault_scale(family: str = "root") -> float:
+    """1 + REL when the fault of `family` is set, else exactly 1.0 (multiplying by it changes no bit)."""
+    spec = _parse()
+    return 1.0 + spec[2] if spec is not None and spec[0] == family else 1.0
+
+
+def _scaled(out: Any, scale: float) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out * scale if out.is_floating_point() else out
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(_scaled(o, scale) for o in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_scaled(o, scale) for o in out)
+    if isinstance(out, dict):
+        new = out.copy() if hasattr(out, "copy") else dict(out)
+        for key, value in out.items():
+            new[key] = _scaled(value, scale)
+        return new
+    return out
+
+
+def _first_tensor(args: tuple, kwargs: dict):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def patch_functions() -> None:
+    """Undo earlier faults; replace the torch function a `function`/`function_bwd` fault names."""
+    undo_faults()
+    spec = _parse()
+    if spec is not None and spec[0] in ("function", "function_bwd"):
+        _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0] == "function_bwd")
+
+
+def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
+    """Apply an `instance` or `class` fault to the built `model`; returns the model."""
+    spec = _parse()
+    if spec is None:
+        return model
+    family, target, rel, shape = spec
+    scale = 1.0 + rel
+    if family == "instance":
+        _wrap_instance(model.get_submodule(target), scale, shape)
+    elif family == "class":
+        classes = {type(m).__name__: type(m) for m in model.modules()}
+        if target not in classes:
+            raise ValueError(f"{ENV}: the model has no module class {target!r}")
+        _patch_class(classes[target], scale)
+    elif family not in ("root", "function", "function_bwd"):
+        raise ValueError(f"{ENV}: unknown fault family {family!r}")
+    return model
+
+
+def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None) -> None:
+    had = "forward" in module.__dict__
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        first = _first_tensor(args, kwargs)
+        if shape is None or (first is not None and first.shape[-1] == shape):
+            out = _scaled(out, scale)
+        return out
+
+    module.forward = forward
+
+    def undo() -> None:
+        if had:
+            module.forward = original
+        else:
+            del module.__dict__["forward"]
+
+    _UNDO.append(undo)
+
+
+def _patch_class(cls: type, scale: float) -> None:
+    had = "forward" in cls.__dict__
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        return _scaled(original(self, *args, **kwargs), scale)
+
+    cls.forward = forward
+
+    def undo() -> None:
+        if had:
+            cls.forward = original
+        else:
+            delattr(cls, "forward")
+
+    _UNDO.append(undo)
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward (a copy, bit for bit); the gradient is multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, tensor, scale):
+        ctx.scale = scale
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _patch_function(name: str, scale: float, *, backward_only: bool) -> None:
+    functional = torch.nn.functional
+    original = getattr(functional, name)
+
+    def patched(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if backward_only:
+            return _GradScale.apply(out, scale) if out.requires_grad else out
+        return _scaled(out, scale)
+
+    setattr(functional, name, patched)
+    _UNDO.append(lambda: setattr(functional, name, original))

@@ -1,0 +1,30 @@
+"""A tiny Hugging Face `transformers` Llama built from a random config (no download), faultable from inside.
+
+Hugging Face calls the decoder layers and attention modules with keyword arguments (`hidden_states=`,
+`attention_mask=`, `position_embeddings=(cos, sin)`, ...) and keeps the attention math (rotary, sdpa) as
+functional code inside `LlamaAttention.forward`. Faults (`faultkit`, env ONEITER_TEST_FAULT), for example:
+`function:silu` (lives in `model.layers.0.mlp.act_fn`), `function:scaled_dot_product_attention`
+(`model.layers.0.self_attn`, own code), `class:LlamaRMSNorm` (`model.layers.0.input_layernorm`),
+`instance:model.layers.1.mlp.down_proj`, `instance:model.layers.0.self_attn` (called with keywords).
+"""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401  (undo_faults: for tests recording in one process)
+
+
+def build(batch_size, seq_len=8, use_cache=False, attn="sdpa", hidden=32, layers=2):
+    patch_functions()
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+                         use_cache=use_cache, attn_implementation=attn)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
+
+    def loss_fn(out):
+        logits = out.logits[:, :-1].float()
+        labels = ids[:, 1:].reshape(-1).to(logits.device)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels)
+
+    return apply_fault(model), (ids,), loss_fn

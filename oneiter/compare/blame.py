@@ -223,7 +223,7 @@ def _is_input(tensor: str) -> bool:
 
 # -- unattributed divergence ----------------------------------------------------------------------------------------
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
-                     loss: dict[str, Optional[float]], covered: set[tuple]) -> list[tuple[int, str]]:
+                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[tuple[int, str]]:
     """(row index, why) of every entry no probe covers whose difference the precision does not explain.
 
     `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
@@ -268,10 +268,12 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
         if up is None:
             continue
         dtype = r.dtype_target or r.dtype or "float32"
-        bound = noise.factor_for(r.module) * max(up, noise.floor(dtype))
+        # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
+        floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
+        bound = noise.factor_for(r.module) * max(up, floor)
         if r.metrics.rel_l2 > bound:
             found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than {noise.factor_for(r.module):g}x what it "
-                             f"was computed from ({up:.2e}) or the {dtype} floor explain"))
+                             f"was computed from ({up:.2e}) or the precision's floor ({floor:.1e}) explain"))
     return found
 
 

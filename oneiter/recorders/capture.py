@@ -107,6 +107,8 @@ class CallRecord:
     children: list["CallRecord"] = field(default_factory=list)
     status: str = ""  # "" until probed; PROBED, or why the call could not be probed
     internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
+    identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
+    given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
 
     def release(self) -> None:
         """Drop what only this call's own probe needed. A probed call's children are never needed again (its
@@ -203,6 +205,7 @@ class ModuleCapture:
         if self.probe is not None:
             pos, kw = skeleton_call(args, kwargs)
             record = CallRecord(key, module, path, call, parent, pos, kw, begin)
+            record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
         self._stack.append((key, record))
@@ -226,6 +229,12 @@ class ModuleCapture:
         if record is not None:
             record.random_end = attrs["random_end"]
             record.output = skeleton(output, "output")
+            # outputs that are an input, unchanged (Identity, dropout with p=0): a forced rerun passes them on
+            for name, value in named:
+                hit = record.given.get(id(value)) if _is_tensor(value) else None
+                if hit is not None and hit[1] == value._version:
+                    record.identity[name] = hit[0]
+            record.given = {}
             with self.suspended():
                 self.probe.after_call(record)
         return None
@@ -271,6 +280,12 @@ class _Suspend:
 
     def __exit__(self, *exc) -> None:
         self.capture._suspended = self.before
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
 
 
 def _wants_grad(value) -> bool:

@@ -149,6 +149,7 @@ class Rerunner:
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
             changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
             backward, param_grads, internal = self._backward(rec, site, outputs, leaves, params, anchor)
+            internal.update(_inherited(outputs, forcing))
         given.update(forcing.produced)
         forward = {**outputs, **forcing.inputs}
         backward.update(forcing.grad_outputs)
@@ -269,6 +270,18 @@ def _external_grads(pairs: list) -> tuple[list, dict]:
     return [seeds[i] for i in range(len(pairs))], internal
 
 
+def _inherited(outputs: dict, forcing: "_Forcing") -> dict:
+    """Outputs this call passes on unchanged from a forced child that also consumed them itself: the child's
+    own part of their gradient is part of this call's too (BERT's attention weights, returned up two levels)."""
+    found = {}
+    for name, out in outputs.items():
+        child, slot = forcing.origin.get(id(out), (None, None))
+        inner = child.internal.get(grad_name(slot)) if child is not None else None
+        if inner is not None:
+            found[grad_name(name)] = inner
+    return found
+
+
 def _sequence(tensor) -> int:
     return tensor.grad_fn._sequence_nr() if tensor.grad_fn is not None else -1
 
@@ -286,7 +299,10 @@ class _Forcing:
             self.modules[id(child.module)] = child.module
         self.inputs: dict[str, Any] = {}
         self.grad_outputs: dict[str, Any] = {}
-        self.produced: dict[int, int] = {}  # id -> version of the tensors handed to the caller
+        # id -> version of the tensors handed to the caller; `_alive` keeps them, so no id is reused meanwhile
+        self.produced: dict[int, int] = {}
+        self._alive: list = []
+        self.origin: dict[int, tuple] = {}  # id of a forced output -> (child record, output name)
         self._saved: list = []
 
     def __enter__(self):
@@ -318,14 +334,18 @@ class _Forcing:
         if not queue:
             raise ProbeSkip(f"the rerun called {type(module).__name__} more often than the recorded call did")
         child = queue.popleft()
-        grad_inputs = []
+        grad_inputs, given = [], {}
         for name, value in flatten_call(args, kwargs):
             if isinstance(value, torch.Tensor):
+                given[name] = value
                 self.inputs[child_tensor(child.key, name)] = value
                 if value.requires_grad and value.is_floating_point():
                     grad_inputs.append((name, value))
         outs, grad_slots = {}, []
         for slot in child.output.slots:
+            if child.identity.get(slot.name) in given:  # the child returned this input itself: so does its stand-in
+                outs[slot.name] = given[child.identity[slot.name]]
+                continue
             value = self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
                                         f"output {slot.name} of {child.key}")
             if slot.requires_grad and value.is_floating_point():
@@ -338,7 +358,12 @@ class _Forcing:
             results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
             for (name, _), value in zip(grad_slots, results):
                 outs[name] = value
-        self.produced.update((id(v), v._version) for v in outs.values())
+        passed_on = {id(given[n]) for n in child.identity.values() if n in given}
+        self.produced.update((id(v), v._version) for v in outs.values() if id(v) not in passed_on)
+        self._alive.extend(outs.values())
+        for name, value in outs.items():
+            if id(value) not in passed_on:
+                self.origin[id(value)] = (child, name)
         return fill(child.output, lambda slot: outs[slot.name])
 
     def grad_for(self, child: CallRecord, name: str, like):
@@ -347,6 +372,7 @@ class _Forcing:
             return None
         grad = self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True)
         self.produced[id(grad)] = grad._version
+        self._alive.append(grad)
         return grad
 
 

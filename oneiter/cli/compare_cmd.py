@@ -19,7 +19,8 @@ from .common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
 __all__ = ["compare", "register"]
 
 HELP = "\n\n".join([
-    "Compare two recordings of one training iteration and name the first entry that diverges.",
+    "Compare two recordings of one training iteration and name the module call whose own computation differs "
+    "(with local data from `record --replay` or `--against cpu`), else the first entry that diverges.",
     "Entries are paired by module path, call index and tensor name, and walked in causal order: forward as "
     "executed, backward as the gradients were computed, then parameter gradients, then updated parameters. "
     "An entry present on one side only, or with another shape or dtype, is a divergence, never a pass.",

@@ -1,0 +1,121 @@
+"""How sensitive the blame is: fault size x precision -> named / missed / wrong module, and clean-run false alarms.
+
+    python bench/sensitivity.py [--dir /tmp/oneiter-sensitivity] [--quick]
+
+Uses the model files of tests/model_files (tiny Hugging Face Llama/GPT-2/BERT, a U-Net, an MLP-Mixer, a CNN with
+functional code in its forward). Each fault lives *inside the model file* (faultkit, env ONEITER_TEST_FAULT): an
+instance's wrapped forward, a patched class, a replaced torch function (forward or backward only), functional
+code in the root. For every model a float32 CPU reference is recorded once; each target replays it with one
+fault of one size in one precision and is compared. A fault is *named* when the verdict's culprit is the module
+call (and phase) where the fault lives, *wrong* when another call is named, *missed* when the verdict is a MATCH
+(or unattributed). Clean targets (no fault) in every precision count *false alarms*. Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FILES = HERE.parent / "tests" / "model_files"
+sys.path.insert(0, str(FILES))
+
+# (model file, fault, module, call, phase) where the fault lives
+FAULTS = [
+    ("functional_cnn", "root", "(root)", 0, "forward"),
+    ("functional_cnn", "instance:shared@4", "shared", 1, "forward"),
+    ("functional_cnn", "instance:head", "head", 0, "forward"),
+    ("functional_cnn", "function_bwd:gelu", "shared", 1, "backward"),
+    ("hf_llama", "function:silu", "model.layers.0.mlp.act_fn", 0, "forward"),
+    ("hf_llama", "function_bwd:silu", "model.layers.1.mlp.act_fn", 0, "backward"),
+    ("hf_llama", "function:scaled_dot_product_attention", "model.layers.0.self_attn", 0, "forward"),
+    ("hf_llama", "class:LlamaRMSNorm", "model.layers.0.input_layernorm", 0, "forward"),
+    ("hf_llama", "instance:model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj", 0, "forward"),
+    ("hf_gpt2", "function:softmax", "gpt.transformer.h.0.attn", 0, "forward"),
+    ("hf_gpt2", "class:GPT2MLP", "gpt.transformer.h.0.mlp", 0, "forward"),
+    ("hf_bert", "class:BertIntermediate", "bert.encoder.layer.0.intermediate", 0, "forward"),
+    ("unet", "function:interpolate", "(root)", 0, "forward"),
+    ("mixer", "class:ChannelMixing", "layers.0.channel_mix", 0, "forward"),
+]
+PRECISIONS = {
+    "fp32 (1 thread)": ({"threads": 1}, (1e-5, 1e-4, 1e-3)),
+    "bf16 autocast": ({"amp": "bf16"}, (0.005, 0.01, 0.02, 0.05)),
+    "fp16 autocast": ({"amp": "fp16"}, (1e-3, 0.005, 0.02)),
+    "bf16 model": ({"dtype": "bfloat16"}, (0.01, 0.02, 0.05)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/oneiter-sensitivity"))
+    parser.add_argument("--quick", action="store_true", help="one fault per model")
+    args = parser.parse_args()
+    os.environ.setdefault("ONEITER_NO_PROGRESS", "1")
+    import faultkit
+
+    from oneiter.compare.engine import compare_files
+    from oneiter.recorders.record import RecordOptions, record
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    faults = FAULTS
+    if args.quick:
+        seen, faults = set(), []
+        for fault in FAULTS:
+            if fault[0] not in seen:
+                seen.add(fault[0])
+                faults.append(fault)
+    models = sorted({f[0] for f in faults})
+    refs = {}
+    os.environ.pop(faultkit.ENV, None)
+    for model in models:
+        refs[model] = args.dir / f"{model}_ref.h5"
+        record(RecordOptions(out=refs[model], model=f"{FILES / model}.py:build", batch_size=2, force=True))
+    tgt = args.dir / "target.h5"
+
+    def verdict_of(model: str, fault: str, options: dict) -> dict:
+        os.environ[faultkit.ENV] = fault
+        try:
+            record(RecordOptions(out=tgt, replay=refs[model], force=True, **options))
+        finally:
+            os.environ.pop(faultkit.ENV, None)
+            faultkit.undo_faults()
+        return compare_files(refs[model], tgt).verdict()
+
+    table = defaultdict(lambda: defaultdict(int))
+    started = time.perf_counter()
+    for label, (options, sizes) in PRECISIONS.items():
+        for model in models:
+            v = verdict_of(model, "", options)
+            table[(label, "clean")]["false alarm" if v["status"] != "match" else "match"] += 1
+            if v["status"] != "match":
+                print(f"  false alarm: {model} {label}: {v.get('basis')} {v.get('module')} {v.get('phase')}")
+        for size in sizes:
+            for model, fault, module, call, phase in faults:
+                family, _, rest = fault.partition(":")
+                spec = f"root:{size}" if family == "root" else f"{family}:{rest.split('@')[0]}:{size}" + (
+                    "@" + rest.split("@")[1] if "@" in rest else "")
+                v = verdict_of(model, spec, options)
+                culprit = v.get("culprit") or {}
+                if v["status"] == "match" or culprit == {}:
+                    outcome = "missed"
+                elif (culprit["module"], culprit["call"], culprit["phase"]) == (module, call, phase):
+                    outcome = "named"
+                else:
+                    outcome = "wrong"
+                    print(f"  wrong: {model} {spec} {label}: {culprit['module']}@{culprit['call']} {culprit['phase']}")
+                table[(label, size)][outcome] += 1
+    print(f"\n{len(faults)} faults in {len(models)} model files; {time.perf_counter() - started:.0f} s\n")
+    print(f"{'precision':18s} {'fault size':>10s}  named  missed  wrong  | clean: match  false alarm")
+    for (label, size), counts in table.items():
+        if size == "clean":
+            print(f"{label:18s} {'none':>10s}  {'':5s}  {'':6s}  {'':5s}  |        {counts['match']:5d}  {counts['false alarm']:11d}")
+        else:
+            print(f"{label:18s} {size:>10g}  {counts['named']:5d}  {counts['missed']:6d}  {counts['wrong']:5d}  |")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .errors import OneIterError
 
-__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "torch_dtype", "apply_dtype", "autocast_for"]
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype", "autocast_for"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -12,6 +12,14 @@ UNIT_ROUNDOFF = {
     "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
     "float8_e4m3fn": 2.0**-4, "float8_e4m3fnuz": 2.0**-4, "float8_e5m2": 2.0**-3, "float8_e5m2fnuz": 2.0**-3,
 }
+
+
+def amp_dtype_name(amp) -> str:
+    """The dtype name of an `amp` setting as recordings store it: `bf16`/`bfloat16` -> `bfloat16`,
+    `fp16`/`float16` -> `float16`, anything else (None, "") -> ""."""
+    text = str(amp or "")
+    name = AMP_DTYPES.get(text, text)
+    return name if name in AMP_DTYPES.values() else ""
 
 
 def unit_roundoff(dtype_name: str) -> float:

@@ -170,6 +170,16 @@ def test_calibrating_on_the_device_names_the_same_culprit(refs, tmp_path, monkey
     assert (culprit["module"], culprit["phase"]) == ("model.layers.1.mlp.down_proj", "forward")
 
 
+def test_calibrate_option_on_the_command_line(refs, tmp_path):
+    ref = refs(CNN)
+    res = run_cli("record", "--replay", ref, "--amp", "bf16", "--calibrate", "device", "-o", tmp_path / "t.h5")
+    assert res.exit_code == 0, res.output
+    assert run_cli("compare", ref, tmp_path / "t.h5").exit_code == 0
+    res = run_cli("record", "--replay", ref, "--calibrate", "gpu", "-o", tmp_path / "u.h5")
+    assert res.exit_code == 2 and "--calibrate takes 'cpu' or 'device'" in res.stderr
+    assert not (tmp_path / "u.h5").exists()
+
+
 def test_a_call_that_cannot_be_rerun_is_judged_inside_its_parent(tmp_path, monkeypatch):
     ref, clean, faulty = tmp_path / "ref.h5", tmp_path / "clean.h5", tmp_path / "faulty.h5"
     record_small(ref, UNPROBEABLE, batch_size=4)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..fileformat import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, split_call_key, split_child_tensor
-from ..precision import UNIT_ROUNDOFF, unit_roundoff
+from ..precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 from .metrics import Metrics
 
 __all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
@@ -155,18 +155,23 @@ class LocalResult:
 
 def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
     """Every row of the target's `/local` table, judged, in causal order."""
-    results = [_judge(row, noise) for row in tgt.local_rows()]
+    run = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
+    results = [_judge(row, noise, run) for row in tgt.local_rows()]
     results.sort(key=lambda r: (PHASE_ORDER.get(r.phase, 9), r.seq))
     return results
 
 
-def _judge(row: LocalRow, noise: NoisePolicy) -> LocalResult:
+def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
                            row.inf, row.mismatch)
     parts = [v for v in (row.noise_target, row.noise_reference) if not math.isnan(v)]
-    # a NaN noise means "not calibrated" (the error was below one unit roundoff): only the floor applies then
     calibrated = sum(parts) if parts else None
-    expected = max(calibrated or 0.0, noise.floor(row.dtype))
+    if calibrated is None:
+        # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
+        # precision (bf16 under --amp bf16), which is then what it is expected to differ by
+        expected = max(noise.floor(row.dtype), noise.floor(run_dtype))
+    else:
+        expected = max(calibrated, noise.floor(row.dtype))
     factor = noise.factor_for(row.module)
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)

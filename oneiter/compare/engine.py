@@ -30,6 +30,7 @@ from typing import Any, Optional
 from ..errors import FormatError, OneIterError
 from ..fileformat import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, seq_kind,
                           split_call_key)
+from ..precision import amp_dtype_name
 from .blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
                     nan_origin, unexplained_rows)
 from .metrics import Metrics, compare_arrays
@@ -458,7 +459,7 @@ def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFi
             covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
                         if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
         result.unexplained = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss,
-                                              covered=covered, amp=_amp_name(tgt.meta.get("amp")))
+                                              covered=covered, amp=amp_dtype_name(tgt.meta.get("amp")))
         result.loss_reason = loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
     counts = {}
     for row in result.rows:
@@ -479,12 +480,6 @@ def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list
         if at == (culprit.module, culprit.call):
             found.append(entry)
     return found
-
-
-def _amp_name(amp) -> str:
-    """`bf16`/`bfloat16` -> `bfloat16`, `fp16`/`float16` -> `float16`, else ""."""
-    text = str(amp or "")
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(text, text if text in ("bfloat16", "float16") else "")
 
 
 def _call_of(key: str) -> tuple[str, int]:

@@ -94,9 +94,14 @@ def _sci(value: Any) -> str:
 def verdict_lines(doc: Document) -> list[str]:
     """The verdict as sentences: headline first, then culprit and first NaN/Inf when the document names them."""
     v, rows = doc["verdict"], doc["rows"]
-    if v.get("status") == "match":
+    if v.get("status") == "match" and v.get("basis") == "local_error":
+        lines = [f"MATCH: no call's own error exceeds its expected noise ({v.get('num_local')} tensors judged)"]
+    elif v.get("status") == "match":
         worst = max((num(r.get("rel_l2")) or 0.0 for r in rows), default=0.0)
         lines = [f"MATCH: all {v.get('num_entries', len(rows))} entries within tolerance (largest rel_l2 {worst:.2e})"]
+    elif v.get("basis") == "unattributed":
+        lines = [f"DIVERGED (unattributed) at {entry_name(v)}" if v.get("module") else "DIVERGED (unattributed)",
+                 f"No call's own code is to blame, but {v.get('reason') or v.get('loss_unexplained')}"]
     else:
         if num(v.get("rel_l2")) is None:
             detail = f"{str(v.get('entry_status', '')).replace('_', ' ')} ({v.get('reason', '')})"
@@ -107,11 +112,14 @@ def verdict_lines(doc: Document) -> list[str]:
                  f"{v.get('num_diverged')} of {v.get('num_entries')} entries outside tolerance"]
     culprit = v.get("culprit")
     if culprit:
-        lines.append(f"Culprit: {entry_name(culprit)}: its local (upstream-free) error "
+        lines.append(f"Culprit: {entry_name(culprit)}: its own code's error on the reference's inputs "
                      f"{_sci(culprit.get('local_rel_l2'))} is {num(culprit.get('ratio')) or 0:.1f}x its expected "
                      f"noise {_sci(culprit.get('expected'))}")
     elif "culprit" in v and any(r.get("local") for r in rows):
-        lines.append("No culprit: every layer's local error is within its expected noise (accumulated rounding)")
+        lines.append("No culprit: every call's own error is within its expected noise (accumulated rounding)")
+    if v.get("unprobed"):
+        lines.append(f"{len(v['unprobed'])} calls could not be probed (judged by error growth only): "
+                     + "; ".join(f"{u['module']}@{u['call']}: {u['reason']}" for u in v["unprobed"][:3]))
     if v.get("nan_origin"):
         lines.append(f"First NaN/Inf: {entry_name(v['nan_origin'])}")
     return lines

@@ -51,7 +51,7 @@ import torch
 
 from ..errors import OneIterError
 from ..fileformat import BACKWARD, FORWARD, PARAM_GRADS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, LocalRow, tensor_path
-from ..precision import unit_roundoff
+from ..precision import amp_dtype_name, unit_roundoff
 from . import trusted
 from .capture import CallRecord
 from .randomness import RecordedOp
@@ -75,6 +75,26 @@ class MemorySource:
 
     def tensor(self, path: str):
         return self.store[path]
+
+
+class _Cached:
+    """A source that remembers what it read until `clear()`: one call's probe reads the same tensors in its
+    primary rerun, its calibration reruns and its judgement."""
+
+    def __init__(self, source):
+        self.inner = source
+        self._seen: dict[str, Any] = {}
+
+    def has(self, path: str) -> bool:
+        return path in self._seen or self.inner.has(path)
+
+    def tensor(self, path: str):
+        if path not in self._seen:
+            self._seen[path] = self.inner.tensor(path)
+        return self._seen[path]
+
+    def clear(self) -> None:
+        self._seen.clear()
 
 
 class _Sums:
@@ -103,17 +123,18 @@ class LocalProbe:
                  ref_precision=None, random_ops: Optional[list[RecordedOp]] = None):
         if calibrate not in CALIBRATIONS:
             raise OneIterError(f"calibrate must be one of {', '.join(CALIBRATIONS)}, got '{calibrate}'")
-        self.source = source
+        self.source = _Cached(source)
         self.device = torch.device(device)
         self.kind = kind  # teacher_forced | against_cpu
         self.amp = amp  # the run's autocast dtype, or None
         self.dtype = dtype or torch.float32  # the model's storage dtype
+        self.run_roundoff = unit_roundoff(_dtype_name(amp or self.dtype))  # of the run's compute precision
         self.calibrate = calibrate
         self.ref_precision = ref_precision  # (dtype name, amp dtype) of the reference when it differs from ours
         self.rows: list[tuple[dict, Any]] = []
         self.unprobed: list[tuple[str, int, str]] = []
         self.num_calls = 0
-        self.rerunner = Rerunner(source, device, list(random_ops or []), {})
+        self.rerunner = Rerunner(self.source, device, list(random_ops or []), {})
         self.model = None
         self.optimizer = None
         self._deferred: list[CallRecord] = []
@@ -175,7 +196,7 @@ class LocalProbe:
         try:
             primary = self._run(rec, self._primary_site())
             judged = self._judge(rec, primary)
-            if any(f["rel_l2"] > unit_roundoff(f["dtype"]) for f, _ in judged):
+            if any(self._needs_noise(f) for f, _ in judged):
                 self._calibrate(rec, primary, judged)
         except ProbeSkip as skip:
             rec.status = str(skip)
@@ -195,6 +216,7 @@ class LocalProbe:
             self.unprobed.append((module, rec.call, rec.status))
         if rec.status != PROBED or not (primary.param_grads or primary.buffers):
             rec.release()
+        self.source.clear()
 
     def _run(self, rec: CallRecord, site: Site) -> RunResult:
         return self.rerunner.run(rec, site, rec.forced())
@@ -234,6 +256,12 @@ class LocalProbe:
                 "noise_target": math.nan, "noise_reference": math.nan, "calibration": ""}
 
     # -- calibration ------------------------------------------------------------------------------------------------
+    def _needs_noise(self, fields: dict) -> bool:
+        """Whether a row's error could be flagged at all: above one unit roundoff of its dtype and of the run's
+        compute precision (under bf16 autocast a float32 gradient is not expected to be closer than bf16's)."""
+        return fields["rel_l2"] > max(unit_roundoff(fields["dtype"]), self.run_roundoff)
+
+
     def _calibrate(self, rec: CallRecord, primary: RunResult, judged: list) -> None:
         """Measure the expected noise of every judged tensor of this call (and its parameter contributions)."""
         try:
@@ -246,7 +274,7 @@ class LocalProbe:
             key = (fields["phase"], fields["tensor"])
             if key in noise_t:
                 fields["noise_target"] = noise_t[key]
-                fields["noise_reference"] = noise_r.get(key, noise_t[key])
+                fields["noise_reference"] = noise_r.get(key, self._reference_default(noise_t[key]))
                 fields["calibration"] = where
 
     def _noise(self, rec: CallRecord, primary: Optional[RunResult]):
@@ -284,13 +312,21 @@ class LocalProbe:
         low = Site("low", _CPU, live=False, cast="live", autocast=self.amp, params="live", trusted=True)
         return high, low, "cpu"
 
+    def _reference_default(self, noise_target: float) -> float:
+        """noise_reference when it was not measured: ours (same precision), or 0 (a finer reference precision)."""
+        return noise_target if self.ref_precision is None else 0.0
+
     def _higher(self) -> str:
         low = self.amp is not None or self.dtype in (torch.bfloat16, torch.float16)
         return "float32" if low else "float64"
 
     def _reference_site(self) -> Optional[Site]:
-        """The reference's own precision on the CPU, when it differs from the target's (else its noise = ours)."""
+        """The reference's own precision on the CPU, when it is not finer than the target's. Equal: its noise is
+        ours; finer (a float32 reference for a bf16 target): negligible next to ours, not measured."""
         if self.kind != "teacher_forced" or self.ref_precision is None:
+            return None
+        ref_dtype, ref_amp = self.ref_precision
+        if unit_roundoff(_dtype_name(ref_amp or ref_dtype)) < self.run_roundoff:
             return None
         return Site("reference", _CPU, live=False, cast="source", autocast=self.ref_precision[1],
                     params="reference", trusted=True)
@@ -310,7 +346,7 @@ class LocalProbe:
                 continue
             fields = self._row("param_grad", _leaf(name), stored, judged.to(stored.dtype if self.kind ==
                                "against_cpu" else param.dtype))
-            if fields["rel_l2"] > unit_roundoff(fields["dtype"]):
+            if self._needs_noise(fields):
                 self._param_noise(name, records, fields)
             self.rows.append(({"module": _owner(name), "call": 0, **fields}, index))
 
@@ -326,7 +362,7 @@ class LocalProbe:
             if not self.source.has(path) or tuple(self.source.tensor(path).shape) != tuple(judged.shape):
                 continue
             fields = self._row("optimizer", _leaf(name), self.source.tensor(path), judged)
-            if fields["rel_l2"] > unit_roundoff(fields["dtype"]) and judged.is_floating_point():
+            if self._needs_noise(fields) and judged.is_floating_point():
                 self._calibrated_value(name, records, fields, summed=False)
             self.rows.append(({"module": _owner(name), "call": 0, **fields}, (1 << 40) + index))
 
@@ -346,6 +382,7 @@ class LocalProbe:
             if id(rec) not in self._calibrated:
                 try:
                     self._noise(rec, None)
+                    self.source.clear()
                 except Exception as err:
                     fields["calibration"] = f"failed: {type(err).__name__}: {_first_line(err)}"[:200]
                     return
@@ -355,7 +392,8 @@ class LocalProbe:
             return
         fields["noise_target"] = rel_l2(high, low)
         ref = self._sums.get("reference", name)
-        fields["noise_reference"] = rel_l2(high, ref) if ref is not None else fields["noise_target"]
+        fields["noise_reference"] = rel_l2(high, ref) if ref is not None else self._reference_default(
+            fields["noise_target"])
         fields["calibration"] = "cpu" if self.calibrate == "cpu" or self.kind != "teacher_forced" else "device"
 
     # -- the optimizer step -----------------------------------------------------------------------------------------
@@ -382,7 +420,7 @@ class LocalProbe:
             fields = self._row("optimizer", _leaf(name), delta, after.to(_CPU, torch.float64) - before)
             fields["dtype"] = _dtype_name(after.dtype)
             rows.append((name, fields))
-        if any(f["rel_l2"] > unit_roundoff(f["dtype"]) for _, f in rows):
+        if any(self._needs_noise(f) for _, f in rows):
             self._optimizer_noise(opt, names, rows)
         for name, fields in rows:
             self.rows.append(({"module": _owner(name), "call": 0, **fields}, order.get(name, _LATE)))
@@ -474,9 +512,9 @@ def reference_precision(meta: dict, amp, dtype):
 
 
 def _amp_dtype(text):
-    """`bf16`/`bfloat16` -> torch.bfloat16, `fp16`/`float16` -> torch.float16, ""/None -> None."""
-    name = {"bf16": "bfloat16", "fp16": "float16"}.get(str(text or ""), str(text or ""))
-    return getattr(torch, name) if name in ("bfloat16", "float16") else None
+    """The torch dtype of a recorded `amp` setting (None without autocast)."""
+    name = amp_dtype_name(text)
+    return getattr(torch, name) if name else None
 
 
 def _source_path(rec: CallRecord, phase: str, name: str) -> tuple[str, tuple[str, str]]:

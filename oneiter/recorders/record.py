@@ -138,6 +138,9 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
     check_output(opts.out, opts.force)
     if opts.against not in (None, "cpu"):
         raise OneIterError(f"--against takes 'cpu' (recompute each layer on the CPU in float32), got '{opts.against}'")
+    if opts.calibrate not in ("cpu", "device"):
+        raise OneIterError(f"--calibrate takes 'cpu' or 'device' (where each call's expected noise is measured), "
+                           f"got '{opts.calibrate}'")
     if opts.against and opts.replay:
         raise OneIterError("--against cpu needs no reference: drop --replay, or drop --against to compare with it")
     if opts.fallback:

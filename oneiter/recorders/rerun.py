@@ -474,22 +474,26 @@ def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
 
 
 # -- numbers --------------------------------------------------------------------------------------------------------
+def _pair(reference, value):
+    """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32."""
+    a, b = reference.detach().reshape(-1), value.detach().reshape(-1)
+    work = torch.promote_types(a.dtype, b.dtype)
+    if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
+        work = torch.float64 if not work.is_floating_point else torch.float32
+    return a.to("cpu", work), b.to("cpu", work)
+
+
 def tensor_stats(reference, value) -> dict:
-    """Local metrics of `value` against `reference` in float64; NaN/Inf judged by position and sign."""
-    a = reference.detach().to("cpu", torch.float64).reshape(-1)
-    b = value.detach().to("cpu", torch.float64).reshape(-1)
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    both = fa & fb
-    nonfinite = ~both
-    mismatch = 0
-    if bool(nonfinite.any()):
-        same = (a == b) | (nan_a & nan_b)  # +inf next to +inf, NaN next to NaN
-        mismatch = int((nonfinite & ~same).sum())
-        a, b = a[both], b[both]
+    """Local metrics of `value` against `reference`; NaN/Inf judged by position and sign.
+
+    Computed in the wider of the two dtypes (float32 at least): differences of nearby floats are exact there,
+    and norms accumulate in float64 on the slow path only (a tensor holding NaN/Inf, or |x| near overflow)."""
+    a, b = _pair(reference, value)
     d = a - b
-    diff = torch.linalg.vector_norm(d).item()
-    norm_a, norm_b = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item()
+    norm_a, norm_b, diff = (torch.linalg.vector_norm(t).item() for t in (a, b, d))
+    counts = {"nan_ref": 0, "inf_ref": 0, "nan": 0, "inf": 0, "mismatch": 0}
+    if not all(math.isfinite(x) for x in (norm_a, norm_b, diff)):
+        return _careful_stats(a.double(), b.double())
     rel = diff / norm_a if norm_a else (0.0 if diff == 0 else math.inf)
     if diff == 0:
         cosine = 1.0
@@ -497,22 +501,41 @@ def tensor_stats(reference, value) -> dict:
         cosine = max(-1.0, min(1.0, torch.dot(a, b).item() / (norm_a * norm_b)))
     else:
         cosine = 0.0
+    max_abs = torch.linalg.vector_norm(d, ord=math.inf).item() if diff else 0.0
+    return {"numel": int(a.numel()), "rel_l2": rel, "max_abs": max_abs, "cosine": cosine, **counts}
+
+
+def _careful_stats(a, b) -> dict:
+    """`tensor_stats` for tensors with NaN/Inf (or values whose squares overflow), in float64."""
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    both = fa & fb
+    same = (a == b) | (nan_a & nan_b)  # +inf next to +inf, NaN next to NaN
+    mismatch = int((~both & ~same).sum())
+    numel = int(a.numel())
+    a, b = a[both], b[both]
+    d = a - b
+    diff = torch.linalg.vector_norm(d).item()
+    norm_a, norm_b = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item()
+    rel = diff / norm_a if norm_a else (0.0 if diff == 0 else math.inf)
+    cosine = 1.0 if diff == 0 else (max(-1.0, min(1.0, torch.dot(a, b).item() / (norm_a * norm_b)))
+                                    if norm_a and norm_b else 0.0)
     return {
-        "numel": int(fa.numel()), "rel_l2": rel, "max_abs": d.abs().max().item() if d.numel() else 0.0,
-        "cosine": cosine, "nan_ref": int(nan_a.sum()), "inf_ref": int((~fa & ~nan_a).sum()),
-        "nan": int(nan_b.sum()), "inf": int((~fb & ~nan_b).sum()), "mismatch": mismatch,
+        "numel": numel, "rel_l2": rel, "max_abs": d.abs().max().item() if d.numel() else 0.0, "cosine": cosine,
+        "nan_ref": int(nan_a.sum()), "inf_ref": int((~fa & ~nan_a).sum()), "nan": int(nan_b.sum()),
+        "inf": int((~fb & ~nan_b).sum()), "mismatch": mismatch,
     }
 
 
 def rel_l2(reference, value) -> float:
-    """||value - reference|| / ||reference|| in float64 over the positions finite on both sides."""
-    a = reference.detach().to("cpu", torch.float64).reshape(-1)
-    b = value.detach().to("cpu", torch.float64).reshape(-1)
-    if a.shape != b.shape:
+    """||value - reference|| / ||reference|| over the positions finite on both sides."""
+    if tuple(reference.shape) != tuple(value.shape):
         return math.inf
-    keep = torch.isfinite(a) & torch.isfinite(b)
-    if not bool(keep.all()):
+    a, b = _pair(reference, value)
+    norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
+    if not (math.isfinite(norm) and math.isfinite(diff)):
+        a, b = a.double(), b.double()
+        keep = torch.isfinite(a) & torch.isfinite(b)
         a, b = a[keep], b[keep]
-    norm = torch.linalg.vector_norm(a).item()
-    diff = torch.linalg.vector_norm(a - b).item()
+        norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
     return diff / norm if norm else (0.0 if diff == 0 else math.inf)

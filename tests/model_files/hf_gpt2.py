@@ -18,7 +18,8 @@ def build(batch_size, seq_len=8, dropout=0.1):
     patch_functions()
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32, resid_pdrop=dropout,
                         embd_pdrop=dropout, attn_pdrop=dropout, activation_function="gelu",
-                        attn_implementation="eager", use_cache=False)
+                        attn_implementation="eager", use_cache=False, bos_token_id=0, eos_token_id=0,
+                        loss_type="ForCausalLM")
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
 

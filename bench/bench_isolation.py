@@ -46,7 +46,10 @@ RECORD = """
 import json, time
 from pathlib import Path
 import torch
-from oneiter.recorders.record import RecordOptions, record
+try:
+    from oneiter.record.run import RecordOptions, record
+except ImportError:  # an older checkout (before/after figures)
+    from oneiter.recorders.record import RecordOptions, record
 kwargs = {kwargs}
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), force=True, **kwargs))
@@ -66,7 +69,7 @@ def bench(name: str, model: str, batch: int, folder: Path, repeat: int, amp) -> 
     run(RECORD.format(out=str(ref), kwargs=repr({"model": model, "batch_size": batch})))
     found = {}
     for isolate in (False, True):
-        extra = {"replay": ref, "isolate": isolate, **({"amp": amp} if amp else {})}
+        extra = {"replay": ref, "model": model, "isolate": isolate, **({"amp": amp} if amp else {})}
         code = RECORD.format(out=str(folder / f"{name}_tgt.h5"), kwargs=repr(extra)).replace(
             "PosixPath(", "Path(")
         runs = [run(code) for _ in range(repeat)]

@@ -19,8 +19,8 @@ from pathlib import Path
 
 PLAIN = """
 import json, statistics, time, torch
-from oneiter.modelspec import load_model
-from oneiter.training import prepare, train_step
+from oneiter.runtime.modelspec import load_model
+from oneiter.runtime.training import prepare, train_step
 bundle = load_model({model!r}, {batch}, 0, {{}})
 setup = prepare(bundle, torch.device("cpu"))
 times = []
@@ -33,8 +33,8 @@ RECORD = """
 import json, time
 from pathlib import Path
 import torch  # imported before the clock starts, as the plain measurement does
-from oneiter.recorders import capture, local, randomness, session
-from oneiter.recorders.record import RecordOptions, record
+from oneiter.record import capture, randomness, recorder, session  # imported before the clock starts
+from oneiter.record.run import RecordOptions, record
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), model={model!r}, batch_size={batch}, force=True{extra}))
 print(json.dumps({{"record_seconds": time.perf_counter() - t0, "iteration_seconds_in_record": s.seconds,
@@ -43,7 +43,7 @@ print(json.dumps({{"record_seconds": time.perf_counter() - t0, "iteration_second
 
 COMPARE = """
 import json, time
-from oneiter.compare.engine import compare_files
+from oneiter.judge.engine import compare_files
 t0 = time.perf_counter()
 r = compare_files({a!r}, {b!r})
 print(json.dumps({{"compare_seconds": time.perf_counter() - t0, "status": r.status}}))

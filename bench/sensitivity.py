@@ -57,8 +57,8 @@ def main() -> None:
     os.environ.setdefault("ONEITER_NO_PROGRESS", "1")
     import faultkit
 
-    from oneiter.compare.engine import compare_files
-    from oneiter.recorders.record import RecordOptions, record
+    from oneiter.judge.engine import compare_files
+    from oneiter.record.run import RecordOptions, record
 
     args.dir.mkdir(parents=True, exist_ok=True)
     faults = FAULTS
@@ -79,7 +79,7 @@ def main() -> None:
     def verdict_of(model: str, fault: str, options: dict) -> dict:
         os.environ[faultkit.ENV] = fault
         try:
-            record(RecordOptions(out=tgt, replay=refs[model], force=True, **options))
+            record(RecordOptions(out=tgt, replay=refs[model], model=f"{FILES / model}.py:build", force=True, **options))
         finally:
             os.environ.pop(faultkit.ENV, None)
             faultkit.undo_faults()

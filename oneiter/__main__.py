@@ -1,5 +1,5 @@
 """`python -m oneiter` (also what `torchrun -m oneiter` runs)."""
 
-from .cli.main import main
+from oneiter.cli.main import main
 
 main()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import OneIterError
+from oneiter.errors import OneIterError
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
 
@@ -24,7 +24,7 @@ class DemoResult:
     reference: Path
     target: Path
     fault: str
-    result: object  # oneiter.compare.engine.CompareResult
+    result: object  # oneiter.judge.engine.CompareResult
 
     @property
     def named_layer(self) -> str | None:
@@ -47,8 +47,8 @@ def run_demo(
     say: Callable[[str], None] = lambda _msg: None,
 ) -> DemoResult:
     """Record reference and faulty target into `directory` (created; files overwritten) and compare them."""
-    from .compare.engine import compare_files
-    from .recorders.record import RecordOptions, record
+    from oneiter.judge.engine import compare_files
+    from oneiter.record.run import RecordOptions, record
 
     fault = fault or DEFAULT_FAULT.get(model)
     if fault is None:

@@ -1,10 +1,20 @@
 """Typed errors. Anything a user can cause raises `OneIterError`; the CLI prints it as one line and exits 2."""
 
-__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError"]
+from __future__ import annotations
+
+__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "user_code", "user_frame"]
 
 
 class OneIterError(Exception):
-    """A problem with the user's input (file, model, device, option). The message is one line, with the fix."""
+    """A problem with the user's input (file, model, device, option). The message is one line, with the fix.
+
+    `param` names the API parameter the message starts with (`amp must be one of ...`): library errors speak in
+    parameters, and the CLI rewrites that leading name into its flag (`--amp must be one of ...`).
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class FormatError(OneIterError):
@@ -17,3 +27,65 @@ class DeviceError(OneIterError):
 
 class ModelError(OneIterError):
     """A model spec cannot be loaded, or does not follow the model contract."""
+
+
+class UserCodeError(ModelError):
+    """The user's own code (a model builder, a forward, a loss) raised: bad input, not a bug of oneiter."""
+
+
+def _frame_owner(filename: str) -> str:
+    """'oneiter', 'library' (torch, the standard library: never the culprit's own frame) or 'user'."""
+    import os
+    import sysconfig
+
+    path = os.path.abspath(filename)
+    here = os.path.dirname(os.path.abspath(__file__))
+    if path.startswith(here + os.sep):
+        return "oneiter"
+    stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
+    parts = path.split(os.sep)
+    if path.startswith(stdlib + os.sep) and "site-packages" not in parts or "torch" in parts or filename.startswith("<"):
+        return "library"
+    return "user"
+
+
+def user_frame(tb) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost frame of the user's code in a traceback, or None when the error
+    was raised in oneiter's own code (a bug) or nowhere in the user's."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code and (tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        tb = tb.tb_next
+    for filename, line, func in reversed(frames):
+        owner = _frame_owner(filename)
+        if owner == "oneiter" and func in _TRANSPARENT:
+            continue  # oneiter's torch modes pass each op through: an op's error is the caller's
+        if owner == "oneiter":
+            return None
+        if owner == "user":
+            return filename, line, func
+    return None
+
+
+_TRANSPARENT = {"__torch_dispatch__", "__torch_function__"}
+
+
+class user_code:
+    """`with user_code("the model's forward"):` — an exception of the user's own code becomes one `UserCodeError`
+    line naming their frame (exit 2); oneiter's own errors and bugs pass through unchanged."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> "user_code":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or isinstance(exc, OneIterError) or not isinstance(exc, Exception):
+            return False
+        frame = user_frame(tb)
+        if frame is None:
+            return False
+        text = " ".join(str(exc).split())[:300]
+        raise UserCodeError(f"{self.what} raised {type(exc).__name__}: {text} (at {frame[0]}:{frame[1]}, "
+                            f"in {frame[2]}; ONEITER_TRACEBACK=1 shows the traceback)") from exc

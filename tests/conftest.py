@@ -24,7 +24,7 @@ def small_args():
 
 def record_small(out: Path, model: str = "resnet18", **kwargs):
     """Record a small model into `out` through the library API; returns the RecordSummary."""
-    from oneiter.recorders.record import RecordOptions, record
+    from oneiter.record.run import RecordOptions, record
 
     kwargs.setdefault("batch_size", 2)
     if model in SMALL_ARGS:
@@ -69,9 +69,17 @@ def references(tmp_path_factory):
 
 
 def replay(ref: Path, out: Path, **kwargs):
-    """Record a target replaying `ref` through the library API."""
-    from oneiter.recorders.record import RecordOptions, record
+    """Record a target replaying `ref` through the library API. A reference made from a model file is replayed
+    with that file named explicitly, as a user must (a recording never chooses which code runs)."""
+    from oneiter.format.layout import IterationFile
+    from oneiter.record.run import RecordOptions, record
+    from oneiter.runtime.modelspec import is_file_spec
 
+    if "model" not in kwargs:
+        with IterationFile(ref) as f:
+            spec = f.meta.get("model")
+        if isinstance(spec, str) and is_file_spec(spec):
+            kwargs["model"] = spec
     return record(RecordOptions(out=Path(out), replay=Path(ref), **kwargs))
 
 

@@ -1,8 +1,8 @@
-"""`oneiter compare REF TARGET`: the CLI face of `oneiter.compare` — options in, report out, exit code.
+"""`oneiter compare REF TARGET`: the CLI face of `oneiter.judge` — options in, report out, exit code.
 
-Thin on purpose: the work is in `oneiter.compare.engine` (and `report` for output; `ranks` for the files of a
+Thin on purpose: the work is in `oneiter.judge.engine` (and `report` for output; `ranks` for the files of a
 multi-rank run). torch/numpy are imported inside the command so `oneiter --help` stays fast. Exit codes: 0 match,
-1 divergence, 2 bad input.
+1 divergence, 2 bad input, 3 inconclusive (the result's `exit_code`).
 """
 
 from __future__ import annotations
@@ -13,19 +13,31 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..errors import OneIterError
-from .common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
+from oneiter.errors import OneIterError
+from oneiter.cli.common import err, handle_errors, out
 
 __all__ = ["compare", "register"]
 
 HELP = "\n\n".join([
-    "Compare two recordings of one training iteration and name the module call whose own computation differs "
-    "(with local data from `record --replay` or `--against cpu`), else the first entry that diverges.",
-    "Entries are paired by module path, call index and tensor name, and walked in causal order: forward as "
-    "executed, backward as the gradients were computed, then parameter gradients, then updated parameters. "
-    "An entry present on one side only, or with another shape or dtype, is a divergence, never a pass.",
+    "Compare two recordings of one training iteration and name the culprit: the innermost module call whose own "
+    "computation differs by more than its expected noise.",
+    "With local data (the target recorded with `record --replay`, or one file recorded with `--against cpu`), every "
+    "module call was rerun on the reference's inputs, so its own error is measured apart from upstream drift. The "
+    "culprit is the first call, in causal order, whose own error exceeds 4x its expected noise (what the run's "
+    "precision does to a correct computation; --tolerances can change the factor), or that makes NaN/Inf the "
+    "reference does not; the report also lists the chain of calls containing it. Accumulated error outside "
+    "tolerance is drift, not a divergence. When no call is to blame but the loss, a parameter gradient, an updated "
+    "parameter or a call that could not be probed differs more than the precision explains, the verdict is "
+    "DIVERGED (unattributed).",
+    "Without local data (`record --no-isolate`, or two plain recordings) the verdict is the first divergence: the "
+    "first entry outside tolerance in causal order (forward as executed, backward as the gradients were computed, "
+    "then parameter gradients, then updated parameters). Entries are paired by module path, call index and tensor "
+    "name; one present on one side only, with another shape or dtype, or with NaN/Inf elsewhere is a divergence, "
+    "never a pass.",
     "Default tolerances are torch.testing.assert_close's for each dtype (float32: rtol 1.3e-6, atol 1e-5); "
-    "--rtol / --atol replace them. Exit code: 0 match, 1 divergence, 2 bad input.",
+    "--rtol / --atol replace them. The terminal report, --json, --csv, --html and --tensorboard state one verdict. "
+    "Exit code: 0 match, 1 divergence, 2 bad input, 3 inconclusive (local data, but no call's own error could be "
+    "measured).",
     "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
     "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
     "rank and an overall one naming the rank. A rank missing on one side exits 2.",
@@ -56,7 +68,7 @@ JsonOut = Annotated[
 CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry.")]
 Tolerances = Annotated[
     Optional[Path],
-    typer.Option("--tolerances", metavar="FILE", help="Per-device tolerance file (.toml or mmengine .py config)."),
+    typer.Option("--tolerances", metavar="FILE", help="Per-device tolerance file: .toml (data), or an mmengine .py config, which is Python code and is executed."),
 ]
 HtmlOut = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML report.")]
 TbOut = Annotated[
@@ -90,10 +102,11 @@ def compare(
     tolerances: Tolerances = None,
     html_path: HtmlOut = None,
     tb_dir: TbOut = None,
+    suggest: Annotated[bool, typer.Option("--suggest", help="Print the --include that records the first divergence's region in full (after a --level stats screening).")] = False,
 ) -> None:
     """The `compare` command; see HELP."""
-    from ..compare import report
-    from ..compare.ranks import is_ranked
+    from oneiter.report import terminal as report
+    from oneiter.judge.ranks import is_ranked
 
     inputs = (reference,) if target is None else (reference, target)
     outputs = [("--json", json_path), ("--csv", csv_path), ("--html", html_path)]
@@ -113,21 +126,34 @@ def compare(
 
     # with `--json -` stdout carries only the JSON, so the human report moves to stderr
     report.print_report(err if json_to_stdout else out, result, show_all=show_all)
-    _emit_json(json_path, lambda: report.to_json(result))
+    _emit_json(json_path, result.to_json)
     if csv_path is not None:
         report.write_csv(result, csv_path)
         err.print(f"wrote {csv_path}", markup=False)
     if html_path is not None:
-        from ..compare.html_report import write_html
+        from oneiter.report.html import write_html
 
-        write_html(report.to_json(result), html_path)
+        write_html(result, html_path)
         err.print(f"wrote {html_path}", markup=False)
     if tb_dir is not None:
-        from ..compare.tb_report import write_tensorboard
+        from oneiter.report.tensorboard import write_tensorboard
 
         event_file = write_tensorboard(result, tb_dir, result.reference, result.target)
         err.print(f"wrote {event_file} (view: tensorboard --logdir {tb_dir})", markup=False)
-    raise typer.Exit(EXIT_MATCH if result.status == "match" else EXIT_DIVERGED)
+    if suggest:
+        _print_suggestion(result, err if json_to_stdout else out)
+    raise typer.Exit(result.exit_code)
+
+
+def _print_suggestion(result, console) -> None:
+    from oneiter.judge.suggest import suggest_region
+
+    found = suggest_region(result)
+    if found is None:
+        console.print("suggest: nothing diverged, no region to record", markup=False)
+        return
+    for line in found.lines(result.reference, result.target):
+        console.print(line, markup=False)
 
 
 def _emit_json(json_path: Optional[Path], document) -> None:
@@ -145,50 +171,27 @@ def _emit_json(json_path: Optional[Path], document) -> None:
 
 
 def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None, tolerances: Optional[Path] = None):
-    """Build the policies (tolerance file, --atol/--rtol) and compare two files, or judge one --against file."""
-    from ..compare.engine import compare_files, compare_local
+    """`oneiter.compare`, with its notes (a tolerance file for another device) printed once on stderr."""
+    from oneiter.api import compare
 
-    spec, policies = _policies(rtol, atol, tolerances)
-    if target is None:
-        result = compare_local(reference, **policies)
-    else:
-        result = compare_files(reference, target, **policies)
-    _warn_device(spec, [result.meta_target])
+    result = compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
+    for note in result.notes:
+        err.print(f"warning: {note}", markup=False)
     return result
 
 
-def _policies(rtol, atol, tolerances: Optional[Path]) -> tuple[Any, dict]:
-    """The tolerance file (or None) and compare_files' keyword arguments: --rtol/--atol, the file's policy and
-    noise settings."""
-    spec = policy = noise = None
-    if tolerances is not None:
-        from ..compare.tolerance_file import FileTolerance, load_tolerance_file
-
-        spec = load_tolerance_file(tolerances)
-        policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
-    return spec, {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}
-
-
-def _warn_device(spec, metas: list[dict]) -> None:
-    """A tolerance file written for another device type than the target's: say so once, on stderr."""
-    if spec is None:
-        return
-    notes = {spec.device_mismatch(meta.get("device")) for meta in metas} - {None}
-    for note in sorted(notes):
-        err.print(f"warning: {note}", markup=False)
-
-
 def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_path) -> int:
-    """Rank by rank (`oneiter.compare.ranks`): overall verdict, one line per rank, reports; returns the exit code."""
-    from ..compare import ranks
+    """Rank by rank (`oneiter.judge.ranks`): overall verdict, one line per rank, reports; returns the exit code."""
+    from oneiter.api import compare_ranks
+    from oneiter.judge import ranks
 
-    spec, policies = _policies(rtol, atol, tolerances)
-    result = ranks.compare_ranks(reference, target, **policies)
-    _warn_device(spec, [r.meta_target for r in result.results.values()])
+    result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
+    for note in result.notes:
+        err.print(f"warning: {note}", markup=False)
     json_to_stdout = json_path is not None and str(json_path) == "-"
     ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
     _emit_json(json_path, lambda: ranks.to_json(result))
-    return EXIT_MATCH if result.status == "match" else EXIT_DIVERGED
+    return result.exit_code
 
 
 def register(app: typer.Typer) -> None:

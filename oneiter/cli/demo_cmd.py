@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import options as opt
-from .common import err, handle_errors, out
+from oneiter.cli import options as opt
+from oneiter.cli.common import err, handle_errors, out
 
 HELP = """Run the whole loop on the CPU: record a reference, record a bf16 target with one layer broken on purpose
 (5% forward fault), compare, and check that the report names that layer. Exit 0 when it does.
@@ -27,8 +27,8 @@ def demo_command(
     batch_size: opt.BatchSize = 8,
     fault: Annotated[Optional[str], typer.Option("--fault", help="Module path to break (default: a deep layer).")] = None,
 ) -> None:
-    from ..compare.report import print_report
-    from ..demo import run_demo
+    from oneiter.report.terminal import print_report
+    from oneiter.demo import run_demo
 
     demo = run_demo(directory, model=model, batch_size=batch_size, fault=fault, say=err.print)
     print_report(out, demo.result)

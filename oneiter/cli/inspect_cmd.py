@@ -1,6 +1,6 @@
 """`oneiter inspect FILE`: what a recording holds — metadata, then one line per tensor with simple statistics.
 
-Thin layer over `oneiter.compare.summary` (which reads one tensor at a time); numpy and h5py are imported inside
+Thin layer over `oneiter.format.summary` (which reads one tensor at a time); numpy and h5py are imported inside
 the command so `oneiter --help` stays fast.
 """
 
@@ -10,8 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from . import options
-from .common import handle_errors, out
+from oneiter.cli import options
+from oneiter.cli.common import handle_errors, out
 
 __all__ = ["inspect", "register"]
 
@@ -77,8 +77,8 @@ def inspect(file: File, as_json: AsJson = False) -> None:
 
     from rich.text import Text
 
-    from ..compare.report import print_wide
-    from ..compare.summary import summarize_file
+    from oneiter.report.terminal import print_wide
+    from oneiter.format.summary import summarize_file
 
     summary = summarize_file(file)
     if as_json:

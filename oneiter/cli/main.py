@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from . import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
+from oneiter.cli import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
 
 app = typer.Typer(
     name="oneiter",
@@ -14,6 +14,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+def _version(value: bool) -> None:
+    if value:
+        from oneiter import __version__
+
+        typer.echo(f"oneiter {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Find which layer makes a model's training numbers differ between a reference device and a target."""
+
 
 for module in (record_cmd, compare_cmd, inspect_cmd, replay_cmd, models_cmd, demo_cmd):
     module.register(app)

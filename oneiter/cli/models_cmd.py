@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import handle_errors, out
+from oneiter.cli.common import handle_errors, out
 
 HELP = """List the built-in models. Your own: --model path/to/file.py:function (see the README's model contract).
 
@@ -15,7 +15,7 @@ HELP = """List the built-in models. Your own: --model path/to/file.py:function (
 
 
 def models_command() -> None:
-    from ..models import list_models
+    from oneiter.models import list_models
 
     for name, description in list_models():
         out.print(f"{name:<14} {description}")

@@ -10,8 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import options as opt
-from .common import err, fail, handle_errors, out
+from oneiter.cli import options as opt
+from oneiter.cli.common import err, fail, handle_errors, out
 
 HELP = """Profile training iterations with torch.profiler: a gzip Chrome trace per active cycle, op / memory /
 per-module tables and summary.json in the output directory.
@@ -81,8 +81,8 @@ def profile_command(
         return
     if model is None:
         raise fail("--model is required, e.g. oneiter profile --model resnet18 -o prof/")
-    from ..modelspec import parse_model_args
-    from ..profile.runner import ProfileOptions, profile
+    from oneiter.runtime.modelspec import parse_model_args
+    from oneiter.profile.runner import ProfileOptions, profile
 
     options = ProfileOptions(
         model=model, device=device, batch_size=batch_size, seed=seed, dtype=dtype, amp=amp, threads=threads,
@@ -121,7 +121,7 @@ def _progress(title: str):
 
 
 def _report(result, limit: int | None) -> str:
-    from ..profile.tables import format_memory, format_modules, format_ops
+    from oneiter.profile.tables import format_memory, format_modules, format_ops
 
     s, last = result.summary, result.cycles[-1]
     lines = [f"profiled {s['model']} on {s['device']} ({s['dtype']}{', amp ' + s['amp'] if s['amp'] else ''}, "
@@ -153,8 +153,8 @@ def diff_command(
     limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all).")] = 20,
     json_out: Annotated[Optional[Path], _opt("--json", help="Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
 ) -> None:
-    from ..errors import OneIterError
-    from ..profile.diff import DIFF_SORTS, diff_profiles, format_diff
+    from oneiter.errors import OneIterError
+    from oneiter.profile.diff import DIFF_SORTS, diff_profiles, format_diff
 
     if sort not in DIFF_SORTS:
         raise OneIterError(f"--sort must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from .common import err
+from oneiter.cli.common import err
 
 __all__ = ["live_status"]
 

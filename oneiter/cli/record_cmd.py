@@ -1,4 +1,4 @@
-"""`oneiter record`: thin CLI over `oneiter.recorders.record.record`."""
+"""`oneiter record`: thin CLI over `oneiter.record.run.record`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from . import options as opt
-from .common import err, handle_errors
+from oneiter.cli import options as opt
+from oneiter.cli.common import err, handle_errors
 
 HELP = """Record one training iteration (forward, loss, backward, optimizer step) of every module call.
 
@@ -27,7 +27,7 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
 
   torchrun --nproc-per-node 2 -m oneiter record --model resnet18 -o ref.h5   [dim](writes ref.rank0.h5, ref.rank1.h5)[/dim]
 
-  torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1@1 -o tgt.h5
+  torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
 """
 
 
@@ -37,40 +37,42 @@ def record_command(
     device: opt.Device = "cpu",
     replay: Annotated[Optional[Path], typer.Option("--replay", help="Reference recording: start from its weights, buffers and batch.")] = None,
     seed: opt.Seed = 0,
-    batch_size: opt.BatchSize = 8,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
     include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
-    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL][@RANK]: perturb a layer on purpose (demos, tests); @RANK: on that rank only.")] = None,
+    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that torchrun rank only.")] = None,
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun every module call on the reference's inputs and output gradients (local error).")] = True,
     calibrate: Annotated[str, typer.Option("--calibrate", help="Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or 'device' (cheaper: a higher precision on the target device).")] = "cpu",
     against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own inputs.")] = None,
     random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help="With --replay: random ops (dropout masks) take the reference's values.")] = True,
     fallback: Annotated[Optional[str], typer.Option("--fallback", help="REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
+    level: Annotated[str, typer.Option("--level", help="full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a reference, so it can be replayed).")] = "full",
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
 ) -> None:
-    from ..distributed import rank_info
-    from ..modelspec import parse_model_args
-    from ..recorders.record import RecordOptions, record
-    from .progress import live_status
+    from oneiter.runtime.distributed import rank_info
+    from oneiter.runtime.modelspec import parse_model_args
+    from oneiter.record.run import RecordOptions, record
+    from oneiter.cli.progress import live_status
 
     options = RecordOptions(
         out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
         dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
-        random_replay=random_replay, fallback=_split(fallback),
+        random_replay=random_replay, fallback=_split(fallback), level=level,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
+    prefix = f"[rank {info.rank}] " if info.distributed else ""
     status = live_status(f"recording {model or replay}") if info.rank == 0 else nullcontext(lambda *_: None)
     with status as update:
-        summary = record(options, progress=update)
-    prefix = f"[rank {info.rank}] " if info.distributed else ""
+        summary = record(options, progress=update,
+                         notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if info.rank == 0 else None)
     err.print(
         f"{prefix}recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
         f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}",

@@ -1,6 +1,6 @@
 """`oneiter replay FILE --layer PATH`: run one recorded layer alone and check it against the recording.
 
-Thin layer over `oneiter.layer_replay.replay_layer`; torch is imported inside the command so `oneiter --help`
+Thin layer over `oneiter.record.layer_replay.replay_layer`; torch is imported inside the command so `oneiter --help`
 stays fast. Exit codes: 0 every tensor within tolerance, 1 a tensor beyond it, 2 bad input.
 """
 
@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import options as opt
-from .common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
+from oneiter.cli import options as opt
+from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -101,7 +101,7 @@ def print_report(console, result) -> None:
 
 def _check_json_path(path: Optional[Path], recording: Path) -> None:
     """Refuse, before the run, a --json path that is the recording itself or whose folder does not exist."""
-    from ..errors import OneIterError
+    from oneiter.errors import OneIterError
 
     if path is None or str(path) == "-":
         return
@@ -119,11 +119,12 @@ def replay(
     device: opt.Device = "cpu",
     repeat: Repeat = 1,
     json_path: JsonOut = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The model file (path/to/file.py:function) the recording was made from: a recording never picks the code that runs. Built-in models default to the recorded name.")] = None,
 ) -> None:
-    from ..layer_replay import replay_layer
+    from oneiter.record.layer_replay import replay_layer
 
     _check_json_path(json_path, file)
-    result = replay_layer(file, layer, call=call, device=device, repeat=repeat)
+    result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model)
     to_stdout = json_path is not None and str(json_path) == "-"
     print_report(err if to_stdout else out, result)
     if to_stdout:

@@ -1,1 +1,1 @@
-"""integrations"""
+"""`integrations/`: oneiter inside other training frameworks (mmengine hooks; Hugging Face Trainer callback)."""

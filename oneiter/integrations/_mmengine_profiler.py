@@ -28,15 +28,15 @@ from typing import Any, Mapping, Optional, Union
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from ..errors import OneIterError
-from ..profile.module_ranges import ModuleRanges
-from ..profile.quiet import native_output_filtered, quiet_kineto_env
-from ..profile.runner import (
+from oneiter.errors import OneIterError
+from oneiter.profile.module_ranges import ModuleRanges
+from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
+from oneiter.profile.runner import (
     ProfileOptions, activities, CycleExporter, memory_history, option_warnings, overhead, summary_head, sync,
 )  # fmt: skip
-from ..profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
-from ..profile.summary import prepare_out_dir, write_summary
-from ..profile.tables import MEMORY_SORTS
+from oneiter.profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
+from oneiter.profile.summary import prepare_out_dir, write_summary
+from oneiter.profile.tables import MEMORY_SORTS
 
 __all__ = ["OneIterProfilerHook"]
 

@@ -5,31 +5,28 @@ Importing this module registers `OneIterRecordHook` and `OneIterProfilerHook` in
     custom_imports = dict(imports=['oneiter.integrations.mmengine'], allow_failed_imports=False)
     custom_hooks = [dict(type='OneIterRecordHook', iteration=10, out='work_dirs/iter10.h5')]
 
-Where it sits: the hooks are adapters. Recording goes through `recorders.session.RecordingSession` (the one owner
-of the file format and its invariants) and replay through `recorders.reference.check_structure`, so a file
-written here reads, compares and replays like one written by `oneiter record`.
+Where it sits: the hooks are adapters. Recording is an `oneiter.Recorder` around one `train_step` call (the
+same class `oneiter record` and a user's own loop record with), profiling a `profile.session.ProfileSession`, so
+a file written here reads, compares and replays like one written by `oneiter record`.
 
 How the record hook drives one iteration: mmengine has no hook around `train_step` and none on an exception, so
-`before_train_iter` of iteration N shadows `runner.model.train_step` with a wrapper for exactly one call. The
-wrapper opens the session, (with `replay=`) loads the reference's weights, writes `state_before`, seeds torch,
-runs the real `train_step` with the module hooks attached, and writes `state_after` and the loss. Everything is in
-`with` blocks: on an exception every hook handle is removed and no file is left behind. Inside `train_step`:
+`before_train_iter` of iteration N shadows `runner.model.train_step` with a wrapper for exactly one call, which
+runs the real `train_step` inside the Recorder. What the Recorder takes from mmengine:
 
-- the batch is what the data preprocessor delivered: a forward pre-hook on the model stores it (and, with
-  `replay=`, replaces it by the reference's batch first);
-- parameter gradients are read by a step pre-hook on the optimizer, right before the step (or after
-  `train_step` if this iteration does not step, under gradient accumulation);
+- the batch is what the data preprocessor delivered: the Recorder stores the arguments of the model's first
+  forward call (and, with `replay=`, replaces them by the reference's batch first); the preprocessor itself is
+  never captured;
+- parameter gradients are read by a step pre-hook on every optimizer of the `OptimWrapper(Dict)`, right before
+  the step (or when `train_step` returns, if this iteration does not step, under gradient accumulation);
+- autocast is mmengine's own (`AmpOptimWrapper`); the Recorder only notes its dtype;
 - the loss is `outputs['loss']`, the sum `parse_losses` built and backward ran on; every entry of the loss
   dict is in the root attribute `loss_dict` (JSON).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -41,13 +38,12 @@ except ImportError as _err:  # mmengine is optional for oneiter, required here
         f"oneiter.integrations.mmengine needs mmengine ({_err}); install it with `pip install mmengine`"
     ) from _err
 
-from .. import __version__
-from ..errors import OneIterError
-from ..fileformat import IterationFile
-from ..recorders.record import module_selector
-from ..recorders.reference import check_structure
-from ..recorders.session import RecordingSession, atomic_output
-from ._batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.errors import OneIterError
+from oneiter.format.layout import IterationFile
+from oneiter.record.recorder import Recorder, module_selector, regex_list
+from oneiter.record.reference import check_structure
+from oneiter.record.session import check_output
+from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["OneIterRecordHook", "OneIterProfilerHook"]
 
@@ -65,20 +61,8 @@ def _unwrap(model):
 
 def _rank_path(out: Path) -> Path:
     """`run.h5` on a single process; `run.rank<R>.h5` when several ranks would otherwise write the same file."""
-    from mmengine.dist import get_dist_info
-
-    rank, world_size = get_dist_info()
-    return out if world_size <= 1 else out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
-
-
-def _patterns(value, name: str) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"{name} should be None, a regex string or a list of them, but got {value!r}")
+    info = current_rank()
+    return rank_path(out, info.rank, info.world_size)
 
 
 def _optimizers(optim_wrapper) -> list:
@@ -90,7 +74,7 @@ def _optimizers(optim_wrapper) -> list:
     return [optim_wrapper.optimizer]
 
 
-def _amp_dtype(optim_wrapper, device):
+def _amp_dtype(optim_wrapper, device_type: str):
     """The autocast dtype of an AmpOptimWrapper (None when the run is not mixed precision)."""
     import torch
     from mmengine.optim import AmpOptimWrapper
@@ -98,7 +82,7 @@ def _amp_dtype(optim_wrapper, device):
     if not isinstance(optim_wrapper, AmpOptimWrapper):
         return None
     dtype = getattr(optim_wrapper, "cast_dtype", None)
-    return dtype or (torch.bfloat16 if device.type == "cpu" else torch.float16)
+    return dtype or (torch.bfloat16 if device_type == "cpu" else torch.float16)
 
 
 @HOOKS.register_module()
@@ -149,10 +133,9 @@ class OneIterRecordHook(Hook):
         self.iteration = iteration
         self.out = Path(out)
         self.force = bool(force)
-        self.include = _patterns(include, "include")
-        self.exclude = _patterns(exclude, "exclude")
         try:
-            self._user_select = module_selector(self.include, self.exclude)
+            self.include, self.exclude = regex_list(include, "include"), regex_list(exclude, "exclude")
+            module_selector(self.include, self.exclude)
         except OneIterError as err:
             raise ValueError(f"include/exclude should be valid regular expressions, but {err}") from None
         self.replay = None if replay is None else Path(replay)
@@ -167,12 +150,7 @@ class OneIterRecordHook(Hook):
         self.summary: Optional[dict[str, Any]] = None  # file, tensors, bytes, seconds, loss once recorded
 
     def _check_out(self, out: Path) -> None:
-        if out.is_dir():
-            raise ValueError(f"out should be a file name such as '{out / 'iter.h5'}', but got the directory '{out}'")
-        if out.exists() and not self.force:
-            raise FileExistsError(f"out '{out}' already exists; pass force=True to overwrite it")
-        if not out.parent.exists():
-            raise FileNotFoundError(f"the directory of out '{out}' does not exist")
+        check_output(out, self.force)
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
@@ -232,98 +210,37 @@ class OneIterRecordHook(Hook):
 
     # -- the recorded iteration -------------------------------------------------------------------------------------
     def _record(self, runner, train_step, args: tuple, kwargs: dict):
-        import torch
-
-        started = time.perf_counter()
         model = _unwrap(runner.model)
-        out = _rank_path(self.out)
-        device = _device_of(model)
-        with contextlib.ExitStack() as stack:
-            ref = stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None
-            swap = self._load_reference(runner, model, ref) if ref is not None else None
-            tmp = stack.enter_context(atomic_output(out, self.force))
-            param = next(model.parameters(), None)
-            probe_factory, local_kind = self._probe_factory(ref, device, _amp_dtype(runner.optim_wrapper, device),
-                                                            param.dtype if param is not None else None)
-            meta = {**self._meta(runner, model, device), "local": local_kind}
-            session = stack.enter_context(
-                RecordingSession(model, tmp, meta, select=self._select, probe_factory=probe_factory)
-            )
-            optimizers = _optimizers(runner.optim_wrapper)
-            if len(optimizers) == 1:
-                session.bind_optimizer(optimizers[0])
-            session.state_before()
-            if self.seed is not None:
-                torch.manual_seed(self.seed)
-            with session.capture(), _batch_hook(model, session, swap), _grad_hook(runner, session) as grads:
-                outputs = train_step(*args, **kwargs)
-            if not grads["done"]:  # no optimizer step this iteration (gradient accumulation): grads still there
-                session.after_backward()
-                session.param_grads()
-            session.state_after()
+        param = next(model.parameters(), None)
+        amp = _amp_dtype(runner.optim_wrapper, param.device.type if param is not None else "cpu")
+        recorder = Recorder(
+            model, self.out, optimizer=_optimizers(runner.optim_wrapper), replay=self.replay,
+            amp=str(amp) if amp is not None else None, include=self.include, exclude=self.exclude, seed=self.seed,
+            isolate=self.isolate, force=self.force, name=self.model_name, meta=self._meta(runner),
+            manage_autocast=False, skip=[_PREPROCESSOR],
+        )
+        with recorder as rec:
+            outputs = train_step(*args, **kwargs)
             loss, loss_dict = _loss_of(outputs)
-            num_entries, num_bytes = session.finish(loss, {"loss_dict": json.dumps(loss_dict)})
+            rec.loss(loss)
+            rec.note(loss_dict=json.dumps(loss_dict))
+        summary = recorder.summary
         self.summary = {
-            "file": str(out), "num_entries": num_entries, "num_bytes": num_bytes,
-            "seconds": time.perf_counter() - started, "loss": float(loss.detach().float()),
+            "file": str(summary.path), "num_entries": summary.num_entries, "num_bytes": summary.num_bytes,
+            "seconds": summary.seconds, "loss": summary.loss,
         }
         runner.logger.info(
-            f"oneiter: recorded iteration {self.iteration} into {out}: {num_entries} tensors, "
-            f"{num_bytes / 2**20:.1f} MB, {self.summary['seconds']:.2f} s, loss {self.summary['loss']:.6g}"
+            f"oneiter: recorded iteration {self.iteration} into {summary.path}: {summary.num_entries} tensors, "
+            f"{summary.num_bytes / 2**20:.1f} MB, {summary.seconds:.2f} s, loss {summary.loss:.6g}"
             + (f" (replay of {self.replay})" if self.replay else "")
         )
         return outputs
 
-    def _select(self, path: str) -> bool:
-        if path == _PREPROCESSOR or path.startswith(_PREPROCESSOR + "."):
-            return False
-        return self._user_select(path)
-
-    def _load_reference(self, runner, model, ref: IterationFile) -> BatchSwap:
-        """Load the reference's weights and buffers into `model`; return the swap that hands out its batch."""
-        import torch
-
-        check_structure(model, ref)
-        state = {name: ref.tensor(path) for name, path in ref.state().items()}
-        with torch.no_grad():
-            model.load_state_dict(state, strict=True)
-        if any(opt.state for opt in _optimizers(runner.optim_wrapper)):
-            runner.logger.warning(
-                "OneIterRecordHook: the optimizer has state (momentum, moments) that a recording does not hold: "
-                "state_after may differ from the reference's even when every gradient matches"
-            )
-        return BatchSwap(read_batch(ref), ref.path.name)
-
-    def _probe_factory(self, ref: Optional[IterationFile], device, amp_dtype, dtype=None):
-        if ref is None or not self.isolate:
-            return None, ""
-        from ..recorders.probe import make_probe_factory
-
-        return make_probe_factory("teacher_forced", ref, device, amp=amp_dtype, dtype=dtype), "teacher_forced"
-
-    def _meta(self, runner, model, device) -> dict[str, Any]:
-        """The root attributes `oneiter record` writes, filled from the runner, plus `iteration`."""
-        import torch
-
-        from ..devices import device_name
-
-        param = next(model.parameters(), None)
-        optimizers = _optimizers(runner.optim_wrapper)
-        amp = _amp_dtype(runner.optim_wrapper, device)
+    def _meta(self, runner) -> dict[str, Any]:
+        """What only the runner knows, on top of the root attributes the Recorder writes."""
         loader = getattr(runner, "train_dataloader", None)
         return {
-            "model": self.model_name or type(model).__name__, "model_args": "{}",
             "batch_size": int(getattr(loader, "batch_size", 0) or 0), "seed": int(runner.seed),
-            "rng_seed": self.seed, "device": str(device), "device_type": device.type,
-            "device_name": device_name(device),
-            "dtype": str(param.dtype).removeprefix("torch.") if param is not None else "float32",
-            "amp": str(amp).removeprefix("torch.") if amp is not None else None,
-            "optimizer": ",".join(type(o).__name__.lower() for o in optimizers),
-            "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
-            "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "replay_of": str(self.replay) if self.replay else None,
-            "include": json.dumps(self.include), "exclude": json.dumps(self.exclude), "faults": "[]",
             "iteration": self.iteration, "framework": "mmengine", "mmengine_version": _mmengine_version(),
         }
 
@@ -332,13 +249,6 @@ def _mmengine_version() -> str:
     import mmengine
 
     return str(mmengine.__version__)
-
-
-def _device_of(model):
-    import torch
-
-    param = next(model.parameters(), None)
-    return param.device if param is not None else torch.device("cpu")
 
 
 def _loss_of(outputs) -> tuple[Any, dict[str, float]]:
@@ -356,51 +266,5 @@ def _loss_of(outputs) -> tuple[Any, dict[str, float]]:
     return loss, loss_dict
 
 
-@contextlib.contextmanager
-def _batch_hook(model, session: RecordingSession, swap: Optional[BatchSwap]):
-    """Store the batch of the model's first forward call (after swapping in the reference's, with replay).
 
-    Prepended, so it runs before the capture's own pre-hook on the model: that one sees the swapped batch.
-    """
-    seen = []
-
-    def pre_hook(module, args, kwargs):
-        if seen:
-            return None
-        seen.append(True)
-        if swap is not None:
-            args, kwargs = map_call(args, kwargs, swap)
-            swap.check_complete()
-        store_batch(session.sink, args, kwargs)
-        return (args, kwargs) if swap is not None else None
-
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=True)
-    try:
-        yield
-    finally:
-        handle.remove()
-    if swap is not None and not seen:
-        raise OneIterError("replay: the model's forward was never called, so the reference's batch was not used")
-
-
-@contextlib.contextmanager
-def _grad_hook(runner, session: RecordingSession):
-    """Parameter gradients, read once right before the first optimizer step of the iteration."""
-    state = {"done": False}
-
-    def hook(optimizer, args, kwargs):
-        if not state["done"]:
-            state["done"] = True
-            session.after_backward()
-            session.param_grads()
-        return None
-
-    handles = [opt.register_step_pre_hook(hook) for opt in _optimizers(runner.optim_wrapper)]
-    try:
-        yield state
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-from ._mmengine_profiler import OneIterProfilerHook  # noqa: E402,F401  (registers itself in HOOKS)
+from oneiter.integrations._mmengine_profiler import OneIterProfilerHook  # noqa: E402,F401  (registers itself in HOOKS)

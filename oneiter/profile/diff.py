@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .module_ranges import display_path
-from .summary import read_summary
+from oneiter.profile.module_ranges import display_path
+from oneiter.profile.summary import read_summary
 
 __all__ = ["ProfileDiff", "diff_profiles", "format_diff", "DIFF_SORTS"]
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import OneIterError
-from .module_ranges import ModuleRanges
-from .quiet import native_output_filtered, quiet_kineto_env
-from .schedule import DEFAULT_MAX_STEPS, DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
-from .summary import FORMAT, SUMMARY_NAME, check_out_dir, prepare_out_dir, write_summary
-from .tables import MEMORY_SORTS, build_tables, format_memory, format_modules, format_ops
-from .trace import TRACE_SUFFIX, trace_stem, write_trace
+from oneiter.errors import OneIterError
+from oneiter.profile.module_ranges import ModuleRanges
+from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
+from oneiter.profile.schedule import DEFAULT_MAX_STEPS, DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
+from oneiter.profile.summary import FORMAT, SUMMARY_NAME, check_out_dir, prepare_out_dir, write_summary
+from oneiter.profile.tables import MEMORY_SORTS, build_tables, format_memory, format_modules, format_ops
+from oneiter.profile.trace import TRACE_SUFFIX, trace_stem, write_trace
 
 __all__ = [
     "ProfileOptions", "ProfileResult", "profile", "LARGE_TRACE_BYTES", "CycleExporter", "summary_head",
@@ -141,10 +141,10 @@ def profile(options: ProfileOptions, on_step: StepCallback | None = None) -> Pro
 
 
 def _setup(options: ProfileOptions):
-    from ..devices import resolve_device
-    from ..modelspec import load_model
-    from ..precision import apply_dtype, autocast_for
-    from ..training import prepare, set_threads
+    from oneiter.runtime.devices import resolve_device
+    from oneiter.runtime.modelspec import load_model
+    from oneiter.runtime.precision import apply_dtype, autocast_for
+    from oneiter.runtime.training import prepare, set_threads
 
     set_threads(options.threads)
     device = resolve_device(options.device)
@@ -164,7 +164,7 @@ def _rank() -> int:
 def summary_head(options: ProfileOptions, sched: ProfileSchedule, device) -> dict[str, Any]:
     import torch
 
-    from ..devices import device_name
+    from oneiter.runtime.devices import device_name
 
     return {
         "format": FORMAT,
@@ -230,8 +230,8 @@ def sync(device) -> None:
 
 
 def _timed_step(setup, device, amp: str | None) -> float:
-    from ..precision import autocast_for
-    from ..training import train_step
+    from oneiter.runtime.precision import autocast_for
+    from oneiter.runtime.training import train_step
 
     sync(device)
     start = time.perf_counter()

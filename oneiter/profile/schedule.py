@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..errors import OneIterError
+from oneiter.errors import OneIterError
 
 __all__ = ["ScheduleError", "ProfileSchedule", "parse_schedule", "DEFAULT_SCHEDULE", "DEFAULT_MAX_STEPS"]
 

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import FormatError, OneIterError
+from oneiter.errors import FormatError, OneIterError
 
 __all__ = ["SUMMARY_NAME", "FORMAT", "check_out_dir", "prepare_out_dir", "write_summary", "read_summary"]
 

@@ -22,8 +22,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
-from ..errors import OneIterError
-from .module_ranges import FWD, display_path, module_path, split_marker
+from oneiter.errors import OneIterError
+from oneiter.profile.module_ranges import FWD, display_path, module_path, split_marker
 
 __all__ = [
     "MEMORY_SORTS",

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .module_ranges import BWD, FWD, split_marker
+from oneiter.profile.module_ranges import BWD, FWD, split_marker
 
 __all__ = ["TRACE_SUFFIX", "REWRITE_LIMIT", "trace_stem", "write_trace", "read_trace"]
 

@@ -1,0 +1,88 @@
+"""The functions of the public API that read recordings: `oneiter.compare` and `oneiter.inspect`.
+
+(`oneiter.Recorder`, which writes them, lives in `record/recorder.py`.) The CLI's `compare` and `inspect` commands
+call these, so a script gets exactly what the terminal shows: the same rows, verdict and culprit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["compare", "compare_ranks", "inspect"]
+
+
+def compare(
+    reference: str | os.PathLike,
+    target: str | os.PathLike | None = None,
+    *,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+    tolerances: str | os.PathLike | None = None,
+):
+    """Compare two recordings (or judge one `against="cpu"` recording alone when `target` is None).
+
+    `rtol`/`atol` override every entry's tolerance; `tolerances` names a per-device tolerance file (.toml, or an
+    mmengine .py config — a Python file, which is executed). Returns the `CompareResult`::
+
+        result = oneiter.compare("ref.h5", "npu.h5")
+        result.status          # "match", "diverged" or "inconclusive" (local data, but nothing could be judged)
+        result.culprit         # the call whose own computation is to blame: .module .call .phase .tensor .index
+                               # (its row) .ratio .reason; None when no call is
+        result.exit_code       # what `oneiter compare` exits with: 0 match, 1 diverged, 3 inconclusive
+        result.to_json()       # the JSON report: verdict, counts, every row
+        result.verdict_obj     # the whole Verdict: basis, chain, first_divergence, headline, details, counts
+        result.rows, result.notes  # rows in causal order; warnings about the comparison itself
+    """
+    from oneiter.judge.engine import compare_files, compare_local
+
+    spec, policies = _policies(rtol, atol, tolerances)
+    if target is None:
+        result = compare_local(reference, **policies)
+    else:
+        result = compare_files(reference, target, **policies)
+    result.notes = _device_notes(spec, [result.meta_target])
+    return result
+
+
+def compare_ranks(
+    reference: str | os.PathLike,
+    target: str | os.PathLike,
+    *,
+    rtol: Optional[float] = None,
+    atol: Optional[float] = None,
+    tolerances: str | os.PathLike | None = None,
+):
+    """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank."""
+    from oneiter.judge import ranks
+
+    spec, policies = _policies(rtol, atol, tolerances)
+    result = ranks.compare_ranks(reference, target, **policies)
+    result.notes = _device_notes(spec, [r.meta_target for r in result.results.values()])
+    return result
+
+
+def inspect(path: str | os.PathLike):
+    """What one recording holds: its metadata and every tensor with shape, dtype and statistics (`FileSummary`)."""
+    from oneiter.format.summary import summarize_file
+
+    return summarize_file(path)
+
+
+def _policies(rtol, atol, tolerances) -> tuple[Any, dict]:
+    """The tolerance file (or None) and compare_files' keyword arguments: rtol/atol, the file's policy and noise."""
+    spec = policy = noise = None
+    if tolerances is not None:
+        from oneiter.judge.tolerance_file import FileTolerance, load_tolerance_file
+
+        spec = load_tolerance_file(Path(tolerances))
+        policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
+    return spec, {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}
+
+
+def _device_notes(spec, metas: list[dict]) -> list[str]:
+    """A tolerance file written for another device type than the target's: one note per mismatch."""
+    if spec is None:
+        return []
+    return sorted({spec.device_mismatch(meta.get("device")) for meta in metas} - {None})

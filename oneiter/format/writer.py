@@ -1,0 +1,240 @@
+"""The background writer: captured tensors go into a bounded queue and one thread writes them to HDF5.
+
+The training thread only copies a tensor off its device into a slot of a host ring buffer (`HostRing`, one
+`copy_`) and hands it over; conversion and HDF5 writes happen here. The ring is reused slot after slot — the
+writer frees slots in the order they were taken — so its pages are touched once, not once per tensor, and host
+memory stays bounded however large the model is: when the ring is full, the producer waits until the writer has
+caught up. A tensor larger than the ring gets its own host copy, bounded by the same byte budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+from oneiter.errors import OneIterError
+from oneiter.format.layout import FileWriter, tensor_to_numpy
+
+__all__ = ["BackgroundWriter", "DEFAULT_QUEUE_BYTES"]
+
+DEFAULT_QUEUE_BYTES = 512 << 20
+_STOP = object()
+
+
+def _write_error(exc: OSError, path: Path) -> OneIterError:
+    """An OSError of the HDF5 library (its message spans lines) as one line with its cause."""
+    import errno
+    import os
+
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return OneIterError(f"no space left to write the recording in '{Path(path).parent}' "
+                            f"({os.strerror(code)}); nothing was written: free space or write it elsewhere")
+    reason = os.strerror(code) if code else " ".join(str(exc).split())[:300]
+    return OneIterError(f"writing the recording in '{Path(path).parent}' failed: {reason}")
+
+
+class HostRing:
+    """A ring of host memory handed out in FIFO order: `take(nbytes)` waits for room, `give_back` frees the oldest."""
+
+    ALIGN = 64
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._buffer = None  # allocated on first use
+        self._taken: collections.deque = collections.deque()  # (start, size) in the order they were taken
+        self._head = 0
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def take(self, nbytes: int):
+        """(start, size) of a free slot of `nbytes`, waiting for the writer if needed; None if it can never fit."""
+        import torch
+
+        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
+        if size > self.capacity:
+            return None
+        with self._cond:
+            if self._buffer is None:
+                self._buffer = torch.empty(self.capacity, dtype=torch.uint8)
+            while True:
+                start = self._fit(size)
+                if start is not None or self.closed:
+                    break
+                self._cond.wait()
+            if start is None:
+                return None
+            self._taken.append((start, size))
+            self._head = start + size
+            return start, size
+
+    def _fit(self, size: int):
+        if not self._taken:
+            self._head = 0
+            return 0
+        tail = self._taken[0][0]
+        if self._head > tail:  # used: [tail, head); free: [head, capacity) and [0, tail)
+            if self.capacity - self._head >= size:
+                return self._head
+            return 0 if tail >= size else None
+        return self._head if tail - self._head >= size else None  # wrapped: free is [head, tail)
+
+    def view(self, slot, dtype, shape):
+        """The slot as an empty tensor of `dtype` and `shape`."""
+        import torch
+
+        start, _size = slot
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self._buffer[start:start + nbytes].view(dtype).view(shape)
+
+    def give_back(self, slot) -> None:
+        with self._cond:
+            if self._taken and self._taken[0] == slot:
+                self._taken.popleft()
+            else:  # not expected (the writer frees in order); stay correct anyway
+                self._taken.remove(slot)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class BackgroundWriter:
+    """Owns a `FileWriter` on its own thread. Errors raised there resurface in the caller on the next call."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], max_bytes: int = DEFAULT_QUEUE_BYTES):
+        self._file = FileWriter(path, meta)
+        self._queue: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._max_bytes = max_bytes
+        self._error: BaseException | None = None
+        self.ring = HostRing(max_bytes)
+        self.peak_in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="oneiter-writer", daemon=True)
+        self._thread.start()
+
+    # -- producer side (training thread, autograd threads) ----------------------------------------------------------
+    def tensor(self, group: str, name: str, tensor, attrs: dict | None = None) -> None:
+        """Queue a host copy of a tensor (the caller made the copy) for writing as `group/name`."""
+        nbytes = tensor.element_size() * tensor.numel()
+        with self._cond:
+            self._raise_pending()
+            while self._in_flight and self._in_flight + nbytes > self._max_bytes and self._error is None:
+                self._cond.wait()
+            self._in_flight += nbytes
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        self._queue.put(("tensor", group, name, tensor, attrs, nbytes, None))
+
+    def copy(self, group: str, name: str, tensor, attrs: dict | None = None):
+        """Copy `tensor` (any device, any layout) into a ring slot and queue it; returns the host copy (valid
+        until written: keep nothing of it)."""
+        self._raise_pending()
+        source = tensor.detach()
+        if source.is_conj():
+            source = source.resolve_conj()
+        if source.is_neg():
+            source = source.resolve_neg()
+        slot = self.ring.take(source.numel() * source.element_size())
+        if slot is None:  # larger than the ring: a copy of its own
+            import torch
+
+            copy = source.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+            self.tensor(group, name, copy, attrs)
+            return copy
+        copy = self.ring.view(slot, source.dtype, source.shape)
+        copy.copy_(source)
+        self._queue.put(("tensor", group, name, copy, attrs, 0, slot))
+        return copy
+
+    def stats(self, group: str, name: str, stats, dtype_name: str, shape: tuple, attrs: dict | None = None) -> None:
+        """Queue a stats-level entry (`format.stats`): the tensor's statistics and checksum, no data."""
+        self._raise_pending()
+        self._queue.put(("stats", group, name, stats, dtype_name, shape, attrs))
+
+    def link(self, group: str, name: str, target: str) -> None:
+        self._raise_pending()
+        self._queue.put(("link", group, name, target))
+
+    def attrs(self, path: str, attrs: dict[str, Any]) -> None:
+        self._raise_pending()
+        self._queue.put(("attrs", path, attrs))
+
+    def local_table(self, rows: list, unprobed: list, attrs: dict[str, Any]) -> None:
+        self._raise_pending()
+        self._queue.put(("local", rows, unprobed, attrs))
+
+    def close(self, final_attrs: dict[str, Any]) -> tuple[int, int]:
+        """Drain the queue, mark the file complete, close it. Returns (datasets incl. links, tensor bytes)."""
+        self._queue.put(("finish", final_attrs))
+        self._queue.put(_STOP)
+        self._thread.join()
+        self.ring.close()
+        self._raise_pending()
+        return self._file.num_datasets, self._file.num_bytes
+
+    def abort(self) -> None:
+        """Stop without marking the file complete (the caller deletes the temporary file). After a write error
+        the file is first emptied: closing flushes HDF5's metadata, which on a full disk fails inside the library
+        (and has crashed it); with the data's blocks freed, that flush has room."""
+        self._queue.put(_STOP)
+        self._thread.join(timeout=60)
+        self.ring.close()
+        self._file.abort(empty_first=self._error is not None)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- consumer side (writer thread) ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                self._release(item)
+                continue
+            try:
+                self._handle(item)
+            except OSError as exc:  # a full disk, a file size limit: say so in one line, keep the cause
+                self._error = _write_error(exc, self._file.path)
+                self._error.__cause__ = exc
+            except BaseException as exc:  # resurfaces in the producer; keep draining so nobody blocks forever
+                self._error = exc
+            finally:
+                self._release(item)
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "tensor":
+            _, group, name, tensor, attrs, _, _ = item
+            array, dtype_name = tensor_to_numpy(tensor)
+            self._file.write(group, name, array, dtype_name, attrs)
+        elif kind == "stats":
+            self._file.write_stats(*item[1:])
+        elif kind == "link":
+            self._file.link(*item[1:])
+        elif kind == "attrs":
+            self._file.set_attrs(*item[1:])
+        elif kind == "local":
+            self._file.local_table(*item[1:])
+        elif kind == "finish":
+            self._file.finish(item[1])
+
+    def _release(self, item: Any) -> None:
+        if isinstance(item, tuple) and item[0] == "tensor":
+            if item[-1] is not None:
+                self.ring.give_back(item[-1])
+                return
+            with self._cond:
+                self._in_flight -= item[-2]
+                self._cond.notify_all()

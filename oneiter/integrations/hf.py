@@ -1,0 +1,139 @@
+"""Hugging Face `transformers`: a `TrainerCallback` that records one optimizer step of a `Trainer` run.
+
+    from oneiter.integrations.hf import OneIterCallback
+
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[OneIterCallback(step=2, out="ref.h5")])
+    trainer.train()                                           # reference: writes ref.h5 at step 2
+    ...callbacks=[OneIterCallback(step=2, out="npu.h5", replay="ref.h5")]   # target: same weights and batch
+
+Where it sits: an adapter, like the mmengine hook. The step is recorded by an `oneiter.Recorder` opened in
+`on_step_begin` of step `step` (0-based: `state.global_step` when the step begins) and closed in `on_step_end`,
+so the file reads, compares and replays like one `oneiter record` writes. What the Recorder takes from the Trainer:
+
+- the batch is the keyword arguments of the model's first forward call (`input_ids`, `attention_mask`,
+  `labels`, ...), named `kwarg.<name>`; with `replay=` the reference's tensors are put in their place;
+- the loss is the tensor the Trainer's backward runs on (divided by the accumulation steps when there are any);
+- parameter gradients are read right before `optimizer.step()`, after the Trainer's gradient clipping: the
+  gradients the step actually uses;
+- autocast (`bf16=True` / `fp16=True`) is the Trainer's own; the Recorder notes its dtype.
+
+Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call); the optimizer's
+state (AdamW moments) is not in a recording, so replay a step other than 0 with a stateless optimizer
+(`optim="sgd"`) to compare the updated weights too. If the recorded step raises, the Trainer calls no callback:
+`close()` (or the end of training) removes the hooks and the temporary file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+try:
+    from transformers import TrainerCallback
+except ImportError as _err:  # transformers is optional for oneiter, required here
+    raise ImportError(
+        f"oneiter.integrations.hf needs transformers ({_err}); install it with `pip install transformers`"
+    ) from _err
+
+from oneiter.errors import OneIterError
+from oneiter.record.recorder import Recorder, RecordSummary, module_selector, regex_list
+from oneiter.record.session import check_output
+from oneiter.runtime.distributed import current_rank, rank_path
+
+__all__ = ["OneIterCallback"]
+
+PathLike = Union[str, os.PathLike]
+
+
+class OneIterCallback(TrainerCallback):
+    """Record optimizer step `step` (0-based) of a `Trainer` run into `out` (reference, or replay of `replay`).
+
+    Args mirror `oneiter.Recorder` and the mmengine `OneIterRecordHook`: `include`/`exclude` (regexes on module
+    paths), `seed` (`torch.manual_seed` when the step begins; None leaves the RNG alone), `isolate` (with `replay`:
+    judge every call on the reference's values), `force` (overwrite `out`), `model_name` (the file's `model`).
+    After the step, `summary` holds what was written.
+    """
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        out: PathLike,
+        replay: Optional[PathLike] = None,
+        include: Union[str, Sequence[str], None] = None,
+        exclude: Union[str, Sequence[str], None] = None,
+        seed: Optional[int] = 0,
+        isolate: bool = True,
+        force: bool = False,
+        model_name: Optional[str] = None,
+    ):
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise OneIterError(f"step must be a non-negative int, got {step!r}", param="step")
+        if not isinstance(out, (str, os.PathLike)):
+            raise OneIterError(f"out must be a file path, got {out!r}", param="out")
+        self.step, self.out, self.force = step, Path(out), bool(force)
+        self.replay = Path(replay) if replay is not None else None
+        self.include, self.exclude = regex_list(include, "include"), regex_list(exclude, "exclude")
+        module_selector(self.include, self.exclude)
+        if self.replay is not None and not self.replay.is_file():
+            raise OneIterError(f"replay must be an existing recording (.h5), got '{self.replay}'", param="replay")
+        self.seed, self.isolate, self.model_name = seed, bool(isolate), model_name
+        self.summary: Optional[RecordSummary] = None
+        self._recorder: Optional[Recorder] = None
+        self._check_out()
+
+    def _check_out(self) -> None:
+        info = current_rank()
+        check_output(rank_path(self.out, info.rank, info.world_size), self.force)
+
+    # -- Trainer events --------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.gradient_accumulation_steps != 1:
+            raise OneIterError(f"gradient_accumulation_steps must be 1 to record a step (a replay swaps the batch of "
+                               f"one forward call), got {args.gradient_accumulation_steps}",
+                               param="gradient_accumulation_steps")
+        if state.max_steps and self.step >= state.max_steps:
+            raise OneIterError(f"step must be below the run's {state.max_steps} steps, got {self.step}: nothing "
+                               f"would be recorded", param="step")
+        self._check_out()
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step != self.step or self.summary is not None or self._recorder is not None:
+            return
+        amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
+        self._recorder = Recorder(
+            model, self.out, optimizer=_torch_optimizer(optimizer), replay=self.replay, amp=amp,
+            include=self.include, exclude=self.exclude, seed=self.seed, isolate=self.isolate, force=self.force,
+            name=self.model_name, manage_autocast=False, meta=_meta(args, self.step),
+        )
+        self._recorder.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+            self.summary = recorder.summary
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Abandon a step that did not end (the Trainer raised inside it): hooks removed, no file left."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            recorder.__exit__(RuntimeError, RuntimeError("the recorded step did not end"), None)
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` (its step calls the inner one's)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _meta(args, step: int) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "batch_size": int(args.per_device_train_batch_size), "seed": int(args.seed), "iteration": step,
+        "framework": "transformers", "transformers_version": str(transformers.__version__),
+    }

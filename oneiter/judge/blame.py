@@ -1,0 +1,312 @@
+"""Blame: the module call whose *own* computation is wrong, what drift nothing explains, and where NaN/Inf appear.
+
+Sits after the engine's accumulated rows. A target differs from the reference a little in every layer (bf16
+kernels, other accumulation orders), so accumulated error grows with depth and the first entry over a fixed
+tolerance is usually not the broken layer. Recordings made with local data (`record --replay`, teacher forced;
+`record --against cpu`) hold a `/local` table (see `record/probe.py`): for every module call — leaves,
+containers and the model itself — the error of what its own code produced on trustworthy inputs, free of
+upstream drift, and the calibrated noise its precision explains.
+
+A local row is *flagged* when its rel-L2 error exceeds `factor` times its expected noise, where the expected
+noise is the larger of
+- the calibrated noise (`noise_target + noise_reference`: the same code run in the run's precision and in the
+  reference's precision, each against float64 — so a difference in the code itself is never part of it), and
+- a floor of `floor_ulps` unit roundoffs of the tensor's dtype (2^-24 for float32, 2^-8 for bfloat16, ...);
+or when NaN/Inf sit at other positions (or with another sign) than in its reference.
+The **culprit** is the first flagged row in causal order: forward as executed, then backward as computed. Its
+**chain** lists the calls that contain it, innermost first.
+
+**Unattributed divergence.** Probes cannot see everything (a call that could not be rerun, the loss function
+outside the model, the optimizer). So when no row is flagged, the entries no probe covers are checked against
+what the precision explains: parameter gradients, updated parameters and buffers, the loss, the gradient
+entering the model from the loss, and the outputs of unprobed calls. Each may differ by at most `factor` times
+the largest accumulated error of what it was computed from (its call's inputs and output gradients, its
+gradient; the dtype's floor at least), and, when both runs used the same precision, must also be outside the
+dtype's tolerance. One that is not explained makes the run diverge with basis `unattributed`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from oneiter.format.layout import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, split_call_key, split_child_tensor
+from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
+from oneiter.judge.metrics import Metrics
+
+__all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
+           "nan_origin", "unexplained_rows", "loss_unexplained", "PHASE_ORDER"]
+
+PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
+
+
+@dataclass
+class NoisePolicy:
+    """How far above its expected noise a layer's local error may go (per-module overrides from a tolerance file)."""
+
+    factor: float = 4.0
+    """A layer is flagged when local rel-L2 > factor x expected noise."""
+    floor_ulps: float = 1.0
+    """The expected noise is at least this many unit roundoffs of the tensor's dtype."""
+    overrides: list[tuple[str, float]] = field(default_factory=list)
+    """(module glob, factor) pairs; the last matching one wins."""
+    skip: list[str] = field(default_factory=list)
+    """Module globs never flagged (their local error is still shown)."""
+
+    def factor_for(self, module: str) -> float:
+        factor = self.factor
+        for pattern, value in self.overrides:
+            if fnmatch.fnmatchcase(module, pattern):
+                factor = value
+        return factor
+
+    def skipped(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.skip)
+
+    def floor(self, dtype: str) -> float:
+        return self.floor_ulps * unit_roundoff(dtype)
+
+
+@dataclass(frozen=True)
+class LocalMetrics:
+    """The numbers of one local row (what `/local` stores)."""
+
+    num_elements: int
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    num_nan_ref: int
+    num_inf_ref: int
+    num_nan_target: int
+    num_inf_target: int
+    num_mismatch: int
+
+    @property
+    def nonfinite_differs(self) -> bool:
+        """NaN/Inf at other positions or with another sign than in the reference."""
+        return self.num_mismatch > 0
+
+    def as_metrics(self) -> Metrics:
+        """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
+        nan = math.nan
+        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
+                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
+                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
+
+
+@dataclass
+class LocalResult:
+    """The local error of one tensor a module call's own code produced.
+
+    `tensor` is the call's own (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`,
+    `layer1.0.conv2@0:grad_output`); `row_key` is the accumulated entry the same tensor has in the report.
+    """
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    dtype: str
+    seq: int
+    metrics: LocalMetrics
+    calibrated: Optional[float]
+    calibration: str
+    expected: float
+    factor: float
+    flagged: bool
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.module, self.call, self.phase, self.tensor)
+
+    @property
+    def row_key(self) -> tuple[str, int, str, str]:
+        child = split_child_tensor(self.tensor)
+        if child is None:
+            return self.key
+        module, call = split_call_key(child[0])
+        return (module or ROOT_MODULE, call, self.phase, child[1])
+
+    @property
+    def rel_l2(self) -> float:
+        return self.metrics.rel_l2
+
+    @property
+    def ratio(self) -> float:
+        """rel_l2 / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
+        if self.metrics.nonfinite_differs:
+            return math.inf
+        if self.expected:
+            return self.metrics.rel_l2 / self.expected
+        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module, "call": self.call, "tensor": self.tensor,
+            "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
+            "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
+            "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
+        }
+
+    def verdict(self) -> dict[str, Any]:
+        return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
+                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
+                "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}
+
+
+def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
+    """Every row of the target's `/local` table, judged, in causal order."""
+    run = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
+    results = [_judge(row, noise, run) for row in tgt.local_rows()]
+    results.sort(key=lambda r: (PHASE_ORDER.get(r.phase, 9), r.seq))
+    return results
+
+
+def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
+    metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
+                           row.inf, row.mismatch)
+    parts = [v for v in (row.noise_target, row.noise_reference) if not math.isnan(v)]
+    calibrated = sum(parts) if parts else None
+    if calibrated is None:
+        # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
+        # precision (bf16 under --amp bf16), which is then what it is expected to differ by
+        expected = max(noise.floor(row.dtype), noise.floor(run_dtype))
+    else:
+        expected = max(calibrated, noise.floor(row.dtype))
+    factor = noise.factor_for(row.module)
+    error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
+    flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
+    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
+                       row.calibration, expected, factor, flagged)
+
+
+def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
+    """The first flagged row in causal order (results are already ordered)."""
+    return next((r for r in results if r.flagged), None)
+
+
+def culprit_chain(culprit: LocalResult, parents: dict[tuple[str, int], tuple[str, int] | None],
+                  results: list[LocalResult]) -> list[dict[str, Any]]:
+    """The culprit's call, then every call containing it up to the model, with their own local verdict."""
+    worst: dict[tuple[str, int], LocalResult] = {}
+    for r in results:
+        key = (r.module, r.call)
+        if key not in worst or r.ratio > worst[key].ratio:
+            worst[key] = r
+    chain, at, seen = [], (culprit.module, culprit.call), set()
+    while at is not None and at not in seen:
+        seen.add(at)
+        mine = worst.get(at)
+        chain.append({"module": at[0], "call": at[1], "flagged": bool(mine and any(
+            r.flagged for r in results if (r.module, r.call) == at)), "max_ratio": mine.ratio if mine else None})
+        at = parents.get(at)
+    return chain
+
+
+def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[str, int, str, str]]) -> Optional[dict]:
+    """The first module call whose outputs hold NaN/Inf while its inputs do not.
+
+    `counts` maps entry keys to the target's number of non-finite elements, `order` lists the keys in causal
+    order. Forward: outputs vs inputs of a call; backward: grad_input vs grad_output of a call.
+    """
+    inputs: dict[tuple[str, int, str], int] = {}
+    for key in order:
+        module, call, phase, tensor = key
+        if phase in (FORWARD, BACKWARD) and key in counts and _is_input(tensor):
+            inputs[(module, call, phase)] = inputs.get((module, call, phase), 0) + counts[key]
+    for key in order:  # the first non-finite *output* in causal order whose call had finite inputs
+        module, call, phase, tensor = key
+        if phase in (FORWARD, BACKWARD) and counts.get(key) and not _is_input(tensor):
+            if not inputs.get((module, call, phase)):
+                return {"module": module, "call": call, "phase": phase, "tensor": tensor}
+    return None
+
+
+def _is_input(tensor: str) -> bool:
+    """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
+    return tensor.startswith(("input", "kwarg", "grad_output"))
+
+
+# -- unattributed divergence ----------------------------------------------------------------------------------------
+def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
+                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[tuple[int, str]]:
+    """(row index, why) of every entry no probe covers whose difference the precision does not explain.
+
+    `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
+    `covered` the keys of parameter-gradient and optimizer entries that have a local row of their own.
+    """
+    errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+    by_call: dict[tuple[str, int, str], list[float]] = {}
+    for (module, call, phase, tensor), err in errors.items():
+        kind = "in" if _is_input(tensor) else "out"
+        by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
+    everything = max(errors.values(), default=0.0)
+    root_out = max(by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
+    loss_err = _scalar_error(loss)
+
+    def upstream(r) -> Optional[float]:
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return None
+        if r.phase == "param_grad":
+            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k in ("forward.in", "backward.in")
+                       for e in es]
+            return max(sources) if sources else everything
+        if r.phase == "optimizer":
+            grad = errors.get((r.module, 0, "param_grad", r.tensor))
+            if grad is not None:
+                return grad
+            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k == "forward.in" for e in es]
+            return max(sources) if sources else everything
+        if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
+            return max(root_out, loss_err or 0.0)
+        if (r.module, r.call) in unprobed and not _is_input(r.tensor):
+            kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+            return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
+        return None  # covered by a probe
+
+    found = []
+    for i, r in enumerate(rows):
+        if r.metrics is None or r.status not in ("match", "diverged"):
+            continue  # missing/shape/dtype rows are judged as structural divergences
+        if same_precision and r.status != "diverged":
+            continue  # the same precision on both sides: within the dtype's tolerance is explained
+        up = upstream(r)
+        if up is None:
+            continue
+        dtype = r.dtype_target or r.dtype or "float32"
+        # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
+        floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
+        bound = noise.factor_for(r.module) * max(up, floor)
+        if r.metrics.rel_l2 > bound:
+            found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than {noise.factor_for(r.module):g}x what it "
+                             f"was computed from ({up:.2e}) or the precision's floor ({floor:.1e}) explain"))
+    return found
+
+
+def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoisePolicy,
+                     same_precision: bool, dtype: str) -> Optional[str]:
+    """Why the loss differs more than the model's outputs explain (None: it does not)."""
+    err = _scalar_error(loss)
+    if err is None:
+        return None
+    outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
+            and r.phase == FORWARD and not _is_input(r.tensor)]
+    bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
+    tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
+    if err > bound and (not same_precision or err > tolerance):
+        return (f"the loss differs by {err:.2e} (relative), more than the model's outputs explain ({bound:.2e}); "
+                f"code outside the model's forward (the loss function) is not probed")
+    return None
+
+
+def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:
+    a, b = loss.get("reference"), loss.get("target")
+    if a is None or b is None:
+        return None
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(a) if a else math.inf

@@ -1,0 +1,504 @@
+"""The verdict of a comparison, decided once: what every report states about it, and the sentences it states it in.
+
+Sits after the engine and blame (`engine.compare_files` fills a `CompareResult`: rows in causal order, the first
+divergence, local results, the first flagged call, unexplained entries, the NaN/Inf origin) and before every
+writer. The terminal report, JSON and CSV (`report/terminal.py`), the HTML page, TensorBoard and the multi-rank
+summary (`judge/ranks.py`) only lay out what a `Verdict` holds; the rule that decides and the words that say it
+live here and nowhere else, so no two outputs can disagree.
+
+**Status.** `match`, `diverged`, or `inconclusive` (the recording carries local data but not one call's own error
+could be measured: nothing was judged, so it is not a pass; exit code 2, input that cannot be judged).
+
+**Basis** (what the status rests on):
+- `first_divergence`: no local data; the run diverges at the first entry outside tolerance in causal order;
+- `local_error`: each call's own error against its expected noise; the **culprit** is the first call whose own
+  error exceeds it (innermost, in causal order); entries missing on one side, of another shape or dtype, or whose
+  NaN/Inf differ are divergences too; accumulated error outside tolerance alone is *drift*, not a divergence;
+- `unattributed`: local data, no call to blame, but something no probe covers differs beyond what the precision
+  explains (the loss, a parameter gradient, an unprobed call's output).
+
+**Row statuses** follow the same rule as the flags beside them (`settle_rows`): a row whose own local error is
+flagged is `diverged` even inside tolerance; with local data, a row outside tolerance whose own code is within
+noise (and that nothing else explains badly) is `drift`; `match` is inside tolerance and not flagged; missing,
+shape and dtype statuses stay as the engine set them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+if TYPE_CHECKING:  # only for annotations: the engine imports this module
+    from oneiter.judge.blame import LocalResult
+    from oneiter.judge.engine import CompareResult, Row
+
+__all__ = ["Verdict", "Culprit", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows", "render",
+           "EXIT_CODES", "num", "entry_name"]
+
+# inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
+EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
+MEASURED = ("match", "diverged", "drift")  # row statuses of entries both sides hold with one shape and dtype
+HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
+
+
+def num(value: Any) -> Optional[float]:
+    """A number of the verdict or a JSON document as float: "inf"/"nan" strings (JSON has none) back to floats."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def entry_name(item: dict) -> str:
+    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin)."""
+    return f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+
+
+# -- the decision ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Culprit:
+    """The first call whose own code's error exceeds its expected noise, and its row in the report."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    """The call's own tensor (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`)."""
+    index: Optional[int]
+    """Its accumulated row (`#` of the tables); None when the report has no row for that tensor."""
+    local_rel_l2: float
+    expected: float
+    ratio: float
+    calibrated: Optional[float]
+    nan_mismatch: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """`layer3.1.conv2@0 forward output`, as the reports name it."""
+        return entry_name(self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a comparison decided, computed once (`decide`); `as_dict()` is the JSON report's `verdict`."""
+
+    status: str
+    """`match`, `diverged` or `inconclusive`."""
+    basis: str
+    """`local_error`, `unattributed` or `first_divergence` (see the module docstring)."""
+    focus: Optional[str]
+    """What the verdict names: `culprit`, `first divergence`, `structural difference`, `unexplained entry` or
+    `loss`; None on a match."""
+    entry: Optional[dict]
+    """The entry it names: index (its row), module, call, phase, tensor, entry_status, reason and metrics."""
+    culprit: Optional[Culprit]
+    chain: tuple[dict, ...]
+    """The culprit's call and every call containing it, innermost first: module, call, flagged, max_ratio."""
+    culprit_includes: tuple[dict, ...]
+    first_divergence: Optional[dict]
+    """The first entry outside tolerance in causal order (an entry like `entry`); drift when local data decides."""
+    nan_origin: Optional[dict]
+    unprobed: tuple[dict, ...]
+    unexplained: tuple[dict, ...]
+    loss_unexplained: Optional[str]
+    hint: Optional[str]
+    num_entries: int
+    num_matched: int
+    num_drift: int
+    num_diverged: int
+    local_kind: str
+    num_local: int
+    num_local_calls: int
+    num_flagged: int
+    worst_local: Optional[dict]
+    largest_rel_l2: float
+    title: str = ""
+    reason: str = ""
+    details: tuple[str, ...] = ()
+
+    @property
+    def index(self) -> Optional[int]:
+        """The row the verdict names (the culprit's or the divergent entry's); None when it names none."""
+        return self.entry["index"] if self.entry else None
+
+    @property
+    def headline(self) -> str:
+        """The one line every report leads with."""
+        return f"{self.title}: {self.reason}" if self.reason else self.title
+
+    @property
+    def lines(self) -> list[str]:
+        """Headline, then the details (hint, NaN/Inf origin, culprit, basis, chain, unprobed, first divergence)."""
+        return [self.headline, *self.details]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def roles(self, index: int) -> list[str]:
+        """What row `index` is to the verdict: `verdict` (the entry it names), `culprit`, `first_divergence`."""
+        first = self.first_divergence["index"] if self.first_divergence else None
+        culprit = self.culprit.index if self.culprit else None
+        return [name for name, at in (("verdict", self.index), ("culprit", culprit), ("first_divergence", first))
+                if at == index]
+
+    def as_dict(self) -> dict[str, Any]:
+        where = dict(self.entry) if self.entry else {"index": None, **dict.fromkeys(_WHERE)}
+        return {
+            "status": self.status, "basis": self.basis, "focus": self.focus, **where,
+            "headline": self.headline, "details": list(self.details), "hint": self.hint,
+            "culprit": self.culprit.as_dict() if self.culprit else None, "chain": list(self.chain),
+            "culprit_includes": list(self.culprit_includes), "nan_origin": self.nan_origin,
+            "unprobed": list(self.unprobed), "unexplained": list(self.unexplained),
+            "loss_unexplained": self.loss_unexplained, "first_divergence": self.first_divergence,
+            "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
+            "num_diverged": self.num_diverged, "local_kind": self.local_kind, "num_local": self.num_local,
+            "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
+            "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2,
+        }
+
+
+_WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2", "max_abs", "cosine")
+
+
+def settle_rows(result: CompareResult) -> None:
+    """Give every measured row the status its flag implies (see the module docstring); the engine calls it once."""
+    if not result.local_kind:
+        return
+    unexplained = dict(result.unexplained)
+    for i, row in enumerate(result.rows):
+        if row.status not in MEASURED:
+            continue
+        local = result.local_for(row)
+        if local is not None and local.flagged:
+            if row.status == "match":
+                row.reason = f"inside tolerance, but {_own_error(_culprit_numbers(local))}"
+            row.status = "diverged"
+        elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
+            row.status, row.reason = "diverged", unexplained[i]
+        elif row.status == "diverged" and not row.metrics.nonfinite_differs:
+            row.status = "drift"
+
+
+def decide(result: CompareResult) -> Verdict:
+    """The verdict of a settled comparison (`settle_rows` done)."""
+    rows, first = result.rows, result.first_divergence
+    structural = next((i for i, r in enumerate(rows) if r.status not in MEASURED), None)
+    nonfinite = next((i for i, r in enumerate(rows) if r.metrics is not None and r.metrics.nonfinite_differs), None)
+    culprit = _culprit(result)
+    if not result.local_kind:
+        basis, diverged = "first_divergence", first is not None
+    else:
+        blamed = culprit is not None or structural is not None or nonfinite is not None
+        basis = "unattributed" if not blamed and (result.unexplained or result.loss_reason) else "local_error"
+        diverged = blamed or basis == "unattributed"
+    status = "diverged" if diverged else "inconclusive" if result.local_kind and not result.local else "match"
+    focus, entry = _focus(result, status, basis, culprit, structural if structural is not None else nonfinite)
+    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift")}
+    worst = max(result.local, key=lambda r: r.ratio, default=None)
+    verdict = Verdict(
+        status=status, basis=basis, focus=focus, entry=entry, culprit=culprit, chain=tuple(result.chain),
+        culprit_includes=tuple(result.culprit_includes),
+        first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
+        unprobed=tuple(result.unprobed),
+        unexplained=tuple({**_entry(rows, i), "why": why} for i, why in result.unexplained),
+        loss_unexplained=result.loss_reason, hint=_hint(result, basis, entry),
+        num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
+        num_diverged=len(rows) - counts["match"] - counts["drift"], local_kind=result.local_kind,
+        num_local=len(result.local),
+        num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
+        num_flagged=sum(r.flagged for r in result.local),
+        worst_local=None if worst is None else {**dict(zip(_KEY, worst.key)), "ratio": worst.ratio,
+                                                "factor": worst.factor},
+        largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics), default=0.0),
+    )
+    title, reason, details = render(verdict.as_dict())
+    return replace(verdict, title=title, reason=reason, details=tuple(details))
+
+
+_KEY = ("module", "call", "phase", "tensor")
+
+
+def _focus(result: CompareResult, status: str, basis: str, culprit: Optional[Culprit],
+           divergent: Optional[int]) -> tuple[Optional[str], Optional[dict]]:
+    """What the verdict names and that entry: a structural difference first (the runs did not even compute the
+    same things), then the culprit, then a NaN/Inf difference no call is blamed for, an unexplained entry, the
+    loss; without local data the first divergence."""
+    rows = result.rows
+    if status != "diverged":
+        return None, None
+    if basis == "first_divergence":
+        return "first divergence", _entry(rows, result.first_divergence)
+    if divergent is not None and (culprit is None or rows[divergent].status not in MEASURED):
+        kind = "structural difference" if rows[divergent].status not in MEASURED else "NaN/Inf difference"
+        return kind, _entry(rows, divergent)
+    if culprit is not None:
+        c, local = culprit, result.culprit_local
+        return "culprit", {
+            "index": c.index, "module": c.module, "call": c.call, "phase": c.phase, "tensor": c.tensor,
+            "entry_status": "local_error", "reason": c.reason, "rel_l2": c.local_rel_l2,
+            "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine, **_nonfinite_counts(local.metrics)}
+    if result.unexplained:
+        i, why = result.unexplained[0]
+        return "unexplained entry", {**_entry(rows, i), "reason": why}
+    return "loss", {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
+                    "entry_status": "diverged", "reason": result.loss_reason, "rel_l2": None, "max_abs": None,
+                    "cosine": None}
+
+
+def _culprit(result: CompareResult) -> Optional[Culprit]:
+    local = result.culprit_local
+    if local is None:
+        return None
+    key = local.row_key
+    index = next((i for i, r in enumerate(result.rows) if (r.module, r.call, r.phase, r.tensor) == key), None)
+    numbers = _culprit_numbers(local)
+    return Culprit(local.module, local.call, local.phase, local.tensor, index, local.rel_l2, local.expected,
+                   local.ratio, local.calibrated, local.metrics.num_mismatch, _own_error(numbers))
+
+
+def _culprit_numbers(local: LocalResult) -> dict[str, Any]:
+    return {"tensor": local.tensor, "local_rel_l2": local.rel_l2, "expected": local.expected, "ratio": local.ratio,
+            "nan_mismatch": local.metrics.num_mismatch}
+
+
+def _nonfinite_counts(m) -> dict[str, int]:
+    return {k: getattr(m, k) for k in ("num_nan_ref", "num_inf_ref", "num_nan_target", "num_inf_target")}
+
+
+def _entry(rows: list[Row], index: int) -> dict[str, Any]:
+    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use."""
+    row, m = rows[index], rows[index].metrics
+    data = {"index": index, "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
+            "entry_status": row.status, "reason": row.reason}
+    if m is None:
+        return {**data, "rel_l2": None, "max_abs": None, "cosine": None}
+    tol = row.tolerance
+    return {**data, "rel_l2": m.rel_l2, "max_abs": m.max_abs, "cosine": m.cosine, "max_rel": m.max_rel,
+            "frac_out": m.frac_out, "atol": tol.atol if tol else None, "rtol": tol.rtol if tol else None,
+            "need_atol": m.need_atol, "need_rtol": m.need_rtol, **_nonfinite_counts(m)}
+
+
+def _hint(result: CompareResult, basis: str, entry: Optional[dict]) -> Optional[str]:
+    """A divergence no larger than rounding noise (10x rtol) may be no bug at all: say why it may happen."""
+    if basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry):
+        return None
+    rel_l2, rtol = entry["rel_l2"], entry["rtol"]
+    if not rel_l2 <= HINT_RTOLS * rtol:
+        return None
+    threads = result.meta_reference.get("num_threads"), result.meta_target.get("num_threads")
+    cause = (f"the runs used {threads[0]} and {threads[1]} threads, which changes reduction order"
+             if None not in threads and threads[0] != threads[1]
+             else "a different reduction order (threads, kernels) changes results this much")
+    return (f"hint: rel_l2 {rel_l2:.1e} is within {HINT_RTOLS}x rtol {rtol:.1e}, rounding-noise size: {cause}; "
+            f"--rtol/--atol loosen the check")
+
+
+# -- the sentences --------------------------------------------------------------------------------------------------
+class Sentences(NamedTuple):
+    """A verdict in words: `title` (`DIVERGED at ...`), `reason` (the numbers; may be ""), `details` (lines)."""
+
+    title: str
+    reason: str
+    details: list[str]
+
+
+def render(v: dict) -> Sentences:
+    """The words for a verdict dict (`Verdict.as_dict()`, or the `verdict` of a saved JSON report): the terminal,
+    HTML and TensorBoard all print these, so they say the same."""
+    title, reason = _headline(v)
+    return Sentences(title, reason, _details(v))
+
+
+def _headline(v: dict) -> tuple[str, str]:
+    status, basis, n = v.get("status"), v.get("basis"), v.get("num_entries")
+    if status == "match" and basis == "local_error":
+        return _local_match(v)
+    if status == "match":
+        return f"MATCH: all {n} entries within tolerance (largest rel_l2 {num(v.get('largest_rel_l2')) or 0:.2e})", ""
+    if status == "inconclusive":
+        return ("INCONCLUSIVE: no call's own error could be measured",
+                f"the recording has local data but no local result; {len(v.get('unprobed') or [])} calls could not "
+                f"be probed and the {n} entries were only checked for error growth: not a pass")
+    if v.get("entry_status") == "local_error" and v.get("culprit"):
+        c = v["culprit"]
+        return f"DIVERGED: culprit {entry_name(c)}{_at(c)}", _own_error(c)
+    if basis == "unattributed":
+        if v.get("module") is None:
+            return "DIVERGED (unattributed)", f"no call's own code is to blame, but {v.get('reason')}"
+        return (f"DIVERGED (unattributed) at {entry_name(v)}",
+                f"no call's own code is to blame, but this entry's {v.get('reason')}")
+    return f"DIVERGED at {entry_name(v)}", _numbers(v)
+
+
+def _at(item: dict) -> str:
+    return "" if item.get("index") is None else f" (#{item['index']})"
+
+
+def _local_match(v: dict) -> tuple[str, str]:
+    worst = v.get("worst_local") or {}
+    title = f"MATCH: no call's own error exceeds its expected noise x{num(worst.get('factor')) or 4:g}"
+    parts = [f"{v.get('num_local')} tensors judged, highest ratio {num(worst.get('ratio')) or 0:.1f}x at "
+             f"{entry_name(worst)}"]
+    if v.get("num_drift"):
+        parts.append(f"{v['num_drift']} of {v.get('num_entries')} entries are outside tolerance: accumulated "
+                     f"drift, which this verdict does not rest on")
+    if v.get("unprobed"):
+        parts.append(f"{len(v['unprobed'])} calls not probed, judged by error growth only")
+    return title, "; ".join(parts)
+
+
+def _own_error(c: dict) -> str:
+    """Why a call's own result is blamed: its error against its expected noise, or NaN/Inf it made."""
+    if c.get("nan_mismatch"):
+        return (f"{c['nan_mismatch']} NaN/Inf at other positions (or with another sign) than in the reference, "
+                f"given the same inputs")
+    tensor = str(c.get("tensor"))
+    own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
+    return (f"{own} error rel_l2 {_sci(c.get('local_rel_l2'))}, on the reference's inputs, is "
+            f"{num(c.get('ratio')) or 0:.1f}x its expected noise {_sci(c.get('expected'))}")
+
+
+def _sci(value: Any) -> str:
+    v = num(value)
+    return "-" if v is None else f"{v:.2e}"
+
+
+def _nonfinite_differs(e: dict) -> bool:
+    ref = (e.get("num_nan_ref"), e.get("num_inf_ref"))
+    return ref != (e.get("num_nan_target"), e.get("num_inf_target"))
+
+
+def _nan_inf(e: dict) -> str:
+    return f"NaN {e['num_nan_ref']} vs {e['num_nan_target']}, Inf {e['num_inf_ref']} vs {e['num_inf_target']}"
+
+
+def _numbers(e: dict) -> str:
+    """An entry's difference: NaN/Inf counts first when they differ, then the metrics of the finite elements."""
+    if num(e.get("rel_l2")) is None:
+        return f"{str(e.get('entry_status', '')).replace('_', ' ')} ({e.get('reason', '')})"
+    numbers = (f"max_abs {_sci(e.get('max_abs'))} max_rel {_sci(e.get('max_rel'))} rel_l2 {_sci(e.get('rel_l2'))} "
+               f"cosine {num(e.get('cosine')):.6f}")
+    if num(e.get("frac_out")) is not None and num(e.get("atol")) is not None:
+        numbers += (f", {num(e['frac_out']):.2%} of elements outside atol {num(e['atol']):.1e} "
+                    f"rtol {num(e['rtol']):.1e}")
+    if _nonfinite_differs(e) and e.get("num_nan_ref") is not None:
+        return f"{_nan_inf(e)} (reference vs target); finite elements: {numbers}"
+    if num(e.get("need_atol")) is not None:
+        numbers += f" (would pass with atol {num(e['need_atol']):.1e} or rtol {num(e['need_rtol']):.1e})"
+    return numbers
+
+
+def _details(v: dict) -> list[str]:
+    lines = [v["hint"]] if v.get("hint") else []
+    if v.get("nan_origin"):
+        lines.append(f"NaN/Inf origin: {entry_name(v['nan_origin'])} (its inputs are finite)")
+    culprit = v.get("culprit")
+    if culprit and v.get("entry_status") != "local_error":
+        lines.append(f"Culprit: {entry_name(culprit)}{_at(culprit)}: {_own_error(culprit)}")
+    lines.append(_basis_line(v))
+    if v.get("basis") != "first_divergence":
+        lines += _local_lines(v)
+    if v.get("first_divergence") and v.get("basis") != "first_divergence":  # that basis line names it already
+        lines.append(_first_divergence_line(v["first_divergence"]))
+    return lines
+
+
+def _first_divergence_line(first: dict) -> str:
+    """The first entry outside tolerance, labelled as such: with local data it is seldom the culprit."""
+    size = f" (rel_l2 {_sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
+    if _nonfinite_differs(first) and first.get("num_nan_ref") is not None:
+        size = f" ({_nan_inf(first)})"
+    drift = ": accumulated drift, which the verdict does not rest on" if first.get("entry_status") == "drift" else ""
+    return (f"first divergence: #{first.get('index')} {entry_name(first)}{size}, the first entry outside "
+            f"tolerance{drift}")
+
+
+def _basis_line(v: dict) -> str:
+    if v.get("basis") == "first_divergence":
+        at = "" if v.get("index") is None else f", #{v['index']}"
+        return (f"basis: first divergence in causal order{at} (no per-layer local data: record the target with "
+                f"--replay, or --against cpu, to judge each call's own error)")
+    kind = "teacher-forced replay" if v.get("local_kind") == "teacher_forced" else "recomputation on the CPU in float32"
+    return (f"basis: each call's own error ({kind}): {v.get('num_local')} tensors of {v.get('num_local_calls')} calls "
+            f"judged, {v.get('num_flagged')} above their expected noise")
+
+
+def _local_lines(v: dict) -> list[str]:
+    """The culprit's surroundings and what no probe saw."""
+    lines = []
+    if v.get("culprit_includes"):
+        names = ", ".join(f"{u['module']}@{u['call']}" for u in v["culprit_includes"])
+        lines.append(f"the culprit's rerun includes {names}, which could not be probed alone (see below): the "
+                     f"difference may be there")
+    chain = v.get("chain") or []
+    if len(chain) > 1:
+        outer = " < ".join(f"{c['module']}@{c['call']}" for c in chain[1:])
+        within = not any(c["flagged"] for c in chain[1:])
+        lines.append(f"inside: {outer}" + (" (their own code is within noise)" if within else ""))
+    unprobed = v.get("unprobed") or []
+    if unprobed:
+        shown = "; ".join(f"{u['module']}@{u['call']}: {u['reason']}" for u in unprobed[:3])
+        more = f"; {len(unprobed) - 3} more in the JSON report" if len(unprobed) > 3 else ""
+        lines.append(f"not probed ({len(unprobed)} calls, judged by error growth only): {shown}{more}")
+    return lines
+
+
+# -- several ranks --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankedVerdict:
+    """The verdict over the ranks of a torchrun recording: a divergence if any rank diverged, naming the rank whose
+    divergence comes first in causal order (ties: the lowest rank); inconclusive if a rank is and none diverged."""
+
+    status: str
+    rank: Optional[int]
+    num_ranks: int
+    diverged_ranks: tuple[int, ...]
+    headline: str
+    note: Optional[str]
+    """Why other ranks diverge only from param_grad on (DDP averages gradients), when they do."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+
+def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
+    """Combine one Verdict per rank (ascending ranks)."""
+    diverged = tuple(r for r, v in verdicts.items() if v.status == "diverged")
+    inconclusive = [r for r, v in verdicts.items() if v.status == "inconclusive"]
+    total = len(verdicts)
+
+    def position(rank: int) -> tuple:
+        index = verdicts[rank].index
+        return (verdicts[rank].num_entries if index is None else index, rank)
+
+    origin = min(diverged, key=position, default=None)
+    if origin is not None:
+        v = verdicts[origin]
+        where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
+        which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
+        headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
+        return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))
+    if inconclusive:
+        return RankedVerdict("inconclusive", None, total, (), f"INCONCLUSIVE on rank "
+                             f"{', '.join(map(str, inconclusive))} of {total}: no call's own error could be measured",
+                             None)
+    return RankedVerdict("match", None, total, (), f"MATCH on all {total} ranks", None)
+
+
+def _spread_note(verdicts: dict[int, Verdict], origin: int, diverged: tuple[int, ...]) -> Optional[str]:
+    later = [r for r in diverged if r != origin and (verdicts[r].entry or {}).get("phase") in ("param_grad",
+                                                                                               "optimizer")]
+    if not later:
+        return None
+    who = f"rank {later[0]} diverges" if len(later) == 1 else f"ranks {', '.join(map(str, later))} diverge"
+    return (f"note: {who} only from param_grad on: DDP averages gradients across ranks, so rank "
+            f"{origin}'s error reaches every rank's gradients and weights")

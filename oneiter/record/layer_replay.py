@@ -1,0 +1,381 @@
+"""`oneiter replay`: run one recorded layer alone, from its recorded inputs and weights, and judge the result.
+
+Where it sits: reads a recording through `IterationFile` (like compare), rebuilds the model from the file's meta
+like `record --replay` (spec, model_args, batch_size, seed, then the recorded `state_before` bits), takes one
+submodule, and runs that one call again: forward from `forward/input.*`, backward from `backward/grad_output*`.
+Each output, input gradient and (when attributable) parameter gradient is compared with the recorded tensor.
+It is the layer-level analogue of ditorch's `run_op_from_data`: on the recording's device the result should be
+bitwise equal; on another device the error and the time per run show what that one layer costs.
+
+Limits, by design:
+- the layer runs in train mode (as recorded); random layers (dropout) draw from a fresh RNG and do not reproduce;
+- an argument that was neither a tensor nor an int/float/bool/str/None was not recorded: that call cannot run;
+- inputs are recorded contiguous, so a layer that saw channels_last tensors may round differently on accelerators;
+- parameter gradients are compared only when the layer was called once and shares no parameter with another
+  module; a parameter also used functionally elsewhere in the model cannot be detected and would differ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from oneiter.errors import OneIterError
+from oneiter.format.layout import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, call_key, decode, natural_key, tensor_to_numpy
+
+__all__ = ["TensorCheck", "LayerReplayResult", "replay_layer"]
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One replayed tensor against its recording: `output`, `grad_input.0`, `param_grad.weight`, ..."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bitwise: bool
+    max_abs: float
+    rel_l2: float
+    atol: float
+    rtol: float
+    matched: bool
+    """Bitwise equal, or within (atol, rtol) of the recorded tensor's dtype with the same NaN/Inf."""
+
+
+@dataclass
+class LayerReplayResult:
+    """What `replay_layer` found. Times are seconds per timed run, one entry per `repeat` (the judged run is
+    an untimed warm-up)."""
+
+    path: str
+    layer: str
+    call: int
+    class_name: str
+    device: str
+    dtype: str
+    amp: str | None
+    checks: list[TensorCheck] = field(default_factory=list)
+    forward_seconds: list[float] = field(default_factory=list)
+    backward_seconds: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Why a mismatch may be expected (random layers), for the report."""
+
+    @property
+    def key(self) -> str:
+        return call_key(self.layer, self.call)
+
+    @property
+    def matched(self) -> bool:
+        return all(c.matched for c in self.checks)
+
+    @property
+    def bitwise(self) -> bool:
+        return all(c.bitwise for c in self.checks)
+
+    def timing(self) -> dict[str, dict[str, float]]:
+        """{'forward': {'median': s, 'min': s}, 'backward': {...}} over the runs (backward only when run)."""
+        out = {}
+        for phase, seconds in (("forward", self.forward_seconds), ("backward", self.backward_seconds)):
+            if seconds:
+                out[phase] = {"median": statistics.median(seconds), "min": min(seconds)}
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (non-finite errors become null)."""
+        data = asdict(self)
+        for check in data["checks"]:
+            check["shape"] = list(check["shape"])
+            for key in ("max_abs", "rel_l2"):
+                check[key] = check[key] if math.isfinite(check[key]) else None
+        data.update(key=self.key, matched=self.matched, bitwise=self.bitwise, timing=self.timing())
+        return data
+
+
+def replay_layer(
+    path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", repeat: int = 1, dtype: str | None = None,
+    model: str | None = None,
+) -> LayerReplayResult:
+    """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to judge it, then
+    `repeat` timed runs.
+
+    `layer` is a module path from `named_modules()` ("" or "(root)" for the model itself). `dtype` casts the
+    layer and its floating inputs (default: keep the recorded --dtype); a recorded --amp autocast is applied.
+    `model` builds the model: required when the recording was made from a model file (a recording never chooses
+    which code runs); a built-in model's recorded name is used when it is None.
+    """
+    from oneiter.runtime.devices import resolve_device
+    from oneiter.runtime.precision import autocast_for, torch_dtype
+
+    if repeat < 1 or call < 0:
+        raise OneIterError(f"expected --repeat >= 1 and --call >= 0, got --repeat {repeat} --call {call}")
+    layer = "" if layer == ROOT_MODULE else layer
+    dev = resolve_device(device)
+    cast = torch_dtype(dtype) if dtype else None
+    with IterationFile(path) as ref:
+        attrs, num_calls = _find_call(ref, layer, call)
+        module, param_paths = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
+        module = module.to(device=dev, dtype=cast) if cast is not None else module.to(dev)
+        amp = ref.meta.get("amp") or None
+        result = LayerReplayResult(
+            str(path), layer, call, str(attrs.get("class_name", type(module).__name__)), str(dev),
+            dtype or ref.meta.get("dtype") or "float32", amp, notes=_notes(module),
+        )
+        entries = {e.tensor: e.path for e in ref.entries()
+                   if (e.module, e.call) == (layer or ROOT_MODULE, call) and e.phase in (FORWARD, BACKWARD)}
+        runner = _Runner(ref, module, entries, attrs, param_paths, dev, cast, autocast_for(dev, amp))
+        try:  # untimed: a first call pays one-off costs (thread pools, allocator, kernel choice)
+            runner.run(judge=True)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            text = (str(exc).strip().splitlines() or [""])[0]
+            raise OneIterError(f"replaying {result.key} failed: {type(exc).__name__}: {text}") from exc
+        for _ in range(repeat):
+            forward_seconds, backward_seconds = runner.run()
+            result.forward_seconds.append(forward_seconds)
+            if backward_seconds is not None:
+                result.backward_seconds.append(backward_seconds)
+        result.checks, result.notes = runner.checks, result.notes + runner.notes
+    return result
+
+
+def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any], int]:
+    """The group attrs of `layer@call` and the layer's number of calls; a OneIterError naming what exists."""
+    calls: dict[str, dict[int, dict[str, Any]]] = {}
+    for _key, attrs in ref.calls():
+        calls.setdefault(attrs["module"], {})[int(attrs["call"])] = attrs
+    label = layer or ROOT_MODULE
+    if layer not in calls:
+        names = [m or ROOT_MODULE for m in calls]
+        close = difflib.get_close_matches(label, names, n=5, cutoff=0.5)
+        hint = f"close names: {', '.join(close)}" if close else "`oneiter inspect` lists the recorded modules"
+        raise OneIterError(f"'{ref.path.name}' has no recorded module '{label}'; {hint}")
+    if call not in calls[layer]:
+        recorded = ", ".join(str(c) for c in sorted(calls[layer]))
+        raise OneIterError(f"'{label}' has no call {call} in '{ref.path.name}': recorded calls are {recorded}")
+    return calls[layer][call], len(calls[layer])
+
+
+def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: str | None = None):
+    """A private CPU copy of `layer` with the recorded weights, and {`param_grad.<name>`: dataset path} to check.
+
+    Parameter gradients are attributable to this call only when it is the layer's single call (`single_call`)
+    and no parameter is shared with another module."""
+    import torch
+
+    from oneiter.runtime.modelspec import load_model, spec_for_replay
+    from oneiter.runtime.precision import apply_dtype
+    from oneiter.record.reference import load_reference
+
+    meta = ref.meta
+    with torch.random.fork_rng(devices=[]):  # load_model seeds the global RNG: leave the caller's alone
+        bundle = load_model(spec_for_replay(meta.get("model"), model, ref.path.name), int(meta["batch_size"]),
+                            int(meta["seed"]),
+                            json.loads(meta.get("model_args") or "{}"))
+    apply_dtype(bundle, meta.get("dtype") or "float32")  # before loading, so that float64 states load exactly
+    load_reference(bundle, ref)
+    try:
+        module = bundle.model.get_submodule(layer)
+    except AttributeError:
+        raise OneIterError(
+            f"model '{meta['model']}' as built now has no module '{layer}': recorded with another version of it?"
+        ) from None
+    uses: dict[int, int] = {}
+    for _name, param in bundle.model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    param_paths = {}
+    if single_call:
+        grads = ref.state("param_grads")
+        for name, param in module.named_parameters():
+            full = f"{layer}.{name}" if layer else name
+            if param.requires_grad and uses[id(param)] == 1 and full in grads:
+                param_paths[f"param_grad.{name}"] = grads[full]
+    return copy.deepcopy(module).train(), param_paths  # train mode, as recorded (training.prepare)
+
+
+def _notes(module) -> list[str]:
+    import torch
+
+    random = sorted({type(m).__name__ for m in module.modules()
+                     if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0})
+    if not random:
+        return []
+    return [f"contains {', '.join(random)} (p > 0): it draws random numbers, so it is not expected to reproduce"]
+
+
+class _Runner:
+    """Runs the layer once per `run`, timing forward and backward; `run(judge=True)` also sets `checks`."""
+
+    def __init__(self, ref, module, entries, attrs, param_paths, device, cast, autocast):
+        self.ref, self.module, self.entries, self.attrs = ref, module, entries, attrs
+        self.device, self.cast, self.autocast = device, cast, autocast
+        self.params = {f"param_grad.{n}": p for n, p in module.named_parameters() if f"param_grad.{n}" in param_paths}
+        self.param_paths, self.paths = param_paths, {**entries, **param_paths}
+        self.checks: list[TensorCheck] = []
+        self.notes: list[str] = []
+        self.sync = _synchronizer(device)
+        self._cpu: dict[str, Any] = {}
+
+    def _tensor(self, name: str, dtype=None):
+        """A fresh device copy of the recorded tensor `name` (cast floating ones to `dtype` or --dtype)."""
+        if name not in self._cpu:
+            self._cpu[name] = self.ref.tensor(self.entries[name])
+        tensor = self._cpu[name].to(self.device, copy=True)
+        dtype = dtype or self.cast
+        return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+    def _arguments(self) -> tuple[list, dict, dict]:
+        """Fresh args and kwargs for one run, and {grad_input name: leaf} for inputs whose gradient was recorded."""
+        leaves, fed = {}, {}
+        for name in self.entries:
+            if not name.startswith(("input.", "kwarg.")):
+                continue
+            tensor = self._tensor(name)
+            grad_name = f"grad_input.{name.split('.')[1]}"
+            if name.count(".") == 1 and grad_name in self.entries and tensor.is_floating_point():
+                leaves[grad_name] = tensor.requires_grad_(True)
+                tensor = tensor.clone()  # an in-place layer (ReLU(inplace=True)) must not write into a leaf
+            fed[name] = tensor
+        for attr, value in self.attrs.items():
+            if attr.startswith("arg."):  # non-tensor arguments; capture stores None as "None"
+                fed[attr[4:]] = None if value == "None" else value
+        tree = _unflatten(fed)
+        kwargs = {k: _rebuild(v, f"kwarg.{k}") for k, v in tree.get("kwarg", {}).items()}
+        return _rebuild(tree.get("input", {}), "input"), kwargs, leaves
+
+    def run(self, *, judge: bool = False) -> tuple[float, float | None]:
+        """One forward (and backward, when a gradient was recorded); returns their seconds (backward None)."""
+        import torch
+
+        from oneiter.record.capture import flatten
+
+        args, kwargs, leaves = self._arguments()
+        with torch.enable_grad():
+            self.sync()
+            start = time.perf_counter()
+            with self.autocast if self.autocast is not None else contextlib.nullcontext():
+                output = self.module(*args, **kwargs)
+            self.sync()
+            forward_seconds, backward_seconds = time.perf_counter() - start, None
+            outputs = dict(flatten(output, "output"))
+            grad_names = {name[5:]: name for name in self.entries if name.startswith("grad_output")}
+            pairs = [(outputs[o], g) for o, g in grad_names.items() if getattr(outputs.get(o), "requires_grad", False)]
+            targets = {**leaves, **self.params}
+            grads = None
+            if pairs and targets:
+                grad_outputs = [self._tensor(name, out.dtype) for out, name in pairs]
+                self.sync()
+                start = time.perf_counter()
+                grads = torch.autograd.grad([out for out, _ in pairs], list(targets.values()), grad_outputs,
+                                            allow_unused=True)
+                self.sync()
+                backward_seconds = time.perf_counter() - start
+        if judge:
+            self.notes = _derived_outputs(outputs) if grads is not None else []
+            got = {n: v for n, v in outputs.items() if n in self.entries}
+            if grads is not None:
+                got.update({n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(targets.items(), grads)})
+            self.checks = self._judge(got)
+        return forward_seconds, backward_seconds
+
+    def _judge(self, got: dict[str, Any]) -> list[TensorCheck]:
+        """Checks in a stable order: outputs, input gradients, parameter gradients (a missing one never passes)."""
+        ordered = sorted(self.entries, key=natural_key)
+        recorded = [n for head in ("output", "grad_input") for n in ordered if n.startswith(head)]
+        if any(n in got for n in self.param_paths):  # else no backward ran: no parameter gradient to attribute
+            recorded += list(self.param_paths)
+        return [_check(name, self.ref, self.paths[name], got.get(name)) for name in recorded]
+
+
+def _check(name: str, ref: IterationFile, path: str, got) -> TensorCheck:
+    """`got` (a tensor on any device, or None when the replay did not produce it) against the recorded `path`."""
+    from oneiter.judge.metrics import compare_arrays
+    from oneiter.judge.tolerance import default_tolerance, looser
+    from oneiter.record.capture import host_copy
+
+    want_shape, want_dtype = ref.shape_of(path), ref.dtype_of(path)
+    if got is None:
+        return TensorCheck(name, want_shape, want_dtype, False, math.inf, math.inf, 0.0, 0.0, False)
+    array, dtype = tensor_to_numpy(host_copy(got))
+    shape = tuple(array.shape)
+    tol = looser(default_tolerance(want_dtype), default_tolerance(dtype))
+    if shape != want_shape:
+        return TensorCheck(name, shape, dtype, False, math.inf, math.inf, tol.atol, tol.rtol, False)
+    bitwise = dtype == want_dtype and array.tobytes() == np.asarray(ref.raw(path)).tobytes()
+    metrics = compare_arrays(ref.read(path), decode(array, dtype), atol=tol.atol, rtol=tol.rtol)
+    matched = bitwise or not metrics.diverged
+    return TensorCheck(name, shape, dtype, bitwise, metrics.max_abs, metrics.rel_l2, tol.atol, tol.rtol, matched)
+
+
+def _derived_outputs(outputs: dict[str, Any]) -> list[str]:
+    """A note for each output computed from another output of the same call.
+
+    The recorded gradient of an output is its total gradient, including what flowed back through the outputs
+    derived from it; the replay seeds every output with its own, so that part is counted twice."""
+    nodes = {t.grad_fn: n for n, t in outputs.items() if getattr(t, "grad_fn", None) is not None}
+    notes = []
+    for node, name in nodes.items() if len(nodes) > 1 else ():
+        source = _first_reached(node, nodes)
+        if source is not None:
+            notes.append(f"{name} is computed from {source}: recorded output gradients are totals, so input and "
+                         "parameter gradients are not expected to match")
+    return notes
+
+
+def _first_reached(start, targets: dict) -> str | None:
+    """The name of the first node of `targets` upstream of `start` in the autograd graph, or None."""
+    stack, seen = [start], {start}
+    while stack:
+        for parent, _ in stack.pop().next_functions:
+            if parent is None or parent in seen:
+                continue
+            if parent in targets:
+                return targets[parent]
+            seen.add(parent)
+            stack.append(parent)
+    return None
+
+
+def _unflatten(leaves: dict[str, Any]) -> dict[str, Any]:
+    """{'input.0': a, 'input.1.0': b, 'kwarg.m': c} -> {'input': {'0': a, '1': {'0': b}}, 'kwarg': {'m': c}}."""
+    tree: dict[str, Any] = {}
+    for name, value in leaves.items():
+        node = tree
+        *parents, last = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return tree
+
+
+def _rebuild(node: Any, name: str) -> Any:
+    """A nested dict back to what `capture.flatten` flattened: keys 0..n-1 become a list, others stay a dict."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _rebuild(v, f"{name}.{k}") for k, v in node.items()}
+    if not all(k.isdigit() for k in items):
+        return items
+    indices = sorted(int(k) for k in items)
+    if indices != list(range(len(indices))):
+        missing = min(set(range(max(indices) + 1)) - set(indices))
+        raise OneIterError(f"cannot replay: argument '{name}.{missing}' was not recorded "
+                           "(only tensors and int, float, bool, str, None values are)")
+    return [items[str(i)] for i in indices]
+
+
+def _synchronizer(device):
+    """A callable that waits for `device`'s queued work (a no-op on the CPU), so timings measure the kernels."""
+    import torch
+
+    if device.type == "cpu":
+        return lambda: None
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None) or torch.accelerator.synchronize
+    return lambda: sync(device)

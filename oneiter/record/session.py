@@ -1,0 +1,227 @@
+"""A recording session: the writer, the tensor sink and the module hooks for one iteration, in one object.
+
+`record()` (the CLI), the mmengine hook and multi-rank runs all record through this class, so the file format
+and the invariants (inputs before in-place ops, every call kept, numbers unchanged) live in one place.
+
+    with atomic_output(out, force) as tmp, RecordingSession(model, tmp, meta) as session:
+        session.state_before(); session.batch(inputs)
+        with session.capture():
+            ... forward, loss ...; session.phase = "backward"; loss.backward()
+            session.param_grads()
+            optimizer.step()
+        session.state_after(); session.finish(loss)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import socket
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from oneiter.errors import OneIterError
+from oneiter.format.layout import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
+from oneiter.record.capture import ModuleCapture, TensorSink
+from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
+
+__all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
+
+
+class OutputExists(OneIterError, FileExistsError):
+    """The output file exists and overwriting it was not asked for."""
+
+
+def check_output(out: Path, force: bool) -> Path:
+    """Refuse to overwrite an existing file without `force`, and fail early on a missing directory."""
+    out = Path(out)
+    if out.is_dir():
+        raise OneIterError(f"out '{out}' is a directory; give a file name such as {out / 'run.h5'}", param="out")
+    if out.exists() and not out.is_file():
+        raise OneIterError(f"out '{out}' exists and is not a regular file (a device, a pipe, a socket): "
+                           f"give a file name", param="out")
+    if out.exists() and not force:
+        raise OutputExists(f"out '{out}' already exists; pass force=True to overwrite it", param="out")
+    if not out.parent.exists():
+        raise OneIterError(f"out '{out}': its directory '{out.parent}' does not exist", param="out")
+    return out
+
+
+def _temp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-{socket.gethostname()}-"
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Delete temporary files beside `out` left by processes of this host that no longer run (a killed record);
+    returns them. Files of live processes, and of other hosts (a shared filesystem), are left alone."""
+    removed = []
+    prefix = _temp_prefix(out)
+    for path in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = path.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP (how Slurm, Kubernetes and a closed terminal stop a job) raise SystemExit while the
+    block runs, so `finally` clauses delete temporary files; the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextmanager
+def atomic_output(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds, else delete it (also on
+    SIGTERM/SIGHUP). Stale temporary files of killed runs are removed first."""
+    out = check_output(out, force)
+    remove_stale_temps(out)
+    tmp = out.with_name(f"{_temp_prefix(out)}{os.getpid()}")
+    try:
+        with _terminate_as_exit():
+            yield tmp
+        if out.exists() and not force:
+            raise OutputExists(f"out '{out}' appeared while recording; pass force=True to overwrite it", param="out")
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class RecordingSession:
+    """Records one iteration of `model` into `path` (a temporary path: see `atomic_output`)."""
+
+    def __init__(
+        self,
+        model,
+        path: Path,
+        meta: dict[str, Any],
+        *,
+        select: Callable[[str], bool] = lambda _path: True,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        progress: Callable[[str, int], None] | None = None,
+        probe_factory: Callable[[TensorSink], Any] | None = None,
+        keep_values: bool = False,
+        stats_groups: Callable[[str], bool] | None = None,
+    ):
+        """`probe_factory(sink)` makes the local-error probe (`probe.LocalProbe`); `keep_values` keeps every host
+        copy in `sink.keep` (the source of `--against cpu`, which reruns each call after backward);
+        `stats_groups(group)` says which groups hold statistics only (`--level stats`)."""
+        self.model = model
+        self.phase = "forward"
+        self.writer = BackgroundWriter(path, meta, max_bytes=queue_bytes)
+        on_capture = (lambda n: progress(self.phase, n)) if progress else None
+        self.sink = TensorSink(self.writer, on_capture=on_capture, keep={} if keep_values else None,
+                               stats_groups=stats_groups)
+        self.probe = probe_factory(self.sink) if probe_factory else None
+        if self.probe is not None:
+            self.probe.bind(model)
+        self.module_capture = ModuleCapture(model, self.sink, select, self.probe)
+        self.extra_attrs: dict[str, Any] = {}  # more root attributes, written by finish()
+        self._finished = False
+
+    def __enter__(self) -> "RecordingSession":
+        return self
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        self.module_capture.detach()
+        if not self._finished:
+            self.writer.abort()
+
+    @contextmanager
+    def capture(self) -> Iterator[ModuleCapture]:
+        """Module hooks attached for the duration of the block (forward and backward)."""
+        with self.module_capture as capture:
+            yield capture
+
+    def bind_optimizer(self, optimizer) -> None:
+        """The optimizer that steps this iteration: the probe judges its update (teacher forced)."""
+        if self.probe is not None:
+            self.probe.bind(self.model, optimizer)
+
+    def attach_random(self, mode) -> None:
+        """The random-op mode of the iteration (recorder or replayer): calls note which random ops they ran."""
+        self.module_capture.random_count = lambda: mode.num_ops
+        if self.probe is not None and getattr(mode, "recorded", None) is not None:
+            self.probe.random_ops = mode.recorded  # --against cpu: its own values, filled as the run goes
+
+    def after_backward(self, *, step_later: bool = False) -> None:
+        """Backward is done (the optimizer has not stepped): run the probes that needed every value. `step_later`:
+        the optimizer's update is judged by `before_step`, right before it steps."""
+        if self.probe is not None:
+            with self.module_capture.suspended():
+                self.probe.after_backward(step_later=step_later)
+
+    def before_step(self, grads_changed: bool) -> None:
+        """The optimizer is about to step (after `after_backward(step_later=True)`)."""
+        if self.probe is not None:
+            with self.module_capture.suspended():
+                self.probe.before_step(grads_changed=grads_changed)
+
+    def state_before(self) -> None:
+        self._named(STATE_BEFORE, self.model.state_dict(keep_vars=True).items())
+
+    def batch(self, inputs) -> None:
+        for i, tensor in enumerate(inputs):
+            self.sink.put(BATCH, arg_name(i), tensor)
+
+    def param_grads(self) -> None:
+        self.phase = "parameters"
+        grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        self._named(PARAM_GRADS, grads)
+
+    def state_after(self) -> None:
+        self._named(STATE_AFTER, self.model.state_dict(keep_vars=True).items())
+
+    def finish(self, loss, attrs: dict[str, Any] | None = None) -> tuple[int, int]:
+        """Write the loss, mark the file complete and close it. Returns (datasets incl. links, tensor bytes)."""
+        self.sink.put("", LOSS, loss)
+        if self.probe is not None:
+            self.writer.local_table(*self.probe.table(self.module_capture.seqs))
+        final = {"num_calls": self.module_capture.num_calls, "loss": float(loss.detach().float()), **(attrs or {}),
+                 **self.extra_attrs}
+        result = self.writer.close(final)
+        self._finished = True
+        return result
+
+    def _named(self, group: str, named) -> None:
+        names = []
+        for name, tensor in named:
+            # parameters and buffers are never deduplicated: kernels update some buffers (BatchNorm's running
+            # stats) without bumping their version counter
+            self.sink.put(group, name, tensor, dedup=False)
+            names.append(name)
+        self.writer.attrs(group, {"order": names})

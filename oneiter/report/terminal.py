@@ -1,0 +1,222 @@
+"""Presentation of a `CompareResult`: the terminal report, the JSON document and the CSV table.
+
+Sits after the engine (`engine.compare_files`) and the verdict (`judge.verdict`, decided once per result), and
+before the CLI (`oneiter.cli.compare_cmd`), which only chooses where output goes. Nothing here decides anything:
+the terminal report prints the verdict's headline and details, then the rows around the entry the verdict names
+(5 before, 10 after; marked `>`) or, for a match, the rows with the largest relative errors; `show_all` prints
+every row. Numbers are in fixed-width scientific notation so columns line up and diffs of two reports stay
+readable.
+
+Reading a report without local data (ResNet-18, a 5 % error injected into `layer2.0.conv1`'s output, recorded with
+`--no-isolate`)::
+
+    DIVERGED at layer2.0.conv1@0 forward output: max_abs 4.55e-01 max_rel 4.76e-02 rel_l2 5.00e-02 cosine 1.000000,
+    99.98% of elements outside atol 1.0e-05 rtol 1.3e-06 (would pass with atol 4.5e-01 or rtol 5.0e-02)
+    basis: first divergence in causal order, #42 (no per-layer local data: ...)
+    reference ref.h5 (model resnet18, device cpu, dtype float32, num_threads 2, loss 3.476078e+00)
+    target    fwd.h5 (model resnet18, device cpu, dtype float32, num_threads 2, loss 3.476076e+00)
+    entries   486: 204 match, 282 diverged
+       #  entry                              status    nan/inf    max_abs    max_rel     rel_l2     cosine ...
+      41  layer2.0.conv1@0 forward input.0   match                0.00e+00   0.00e+00   0.00e+00   1.000000 ...
+     >42  layer2.0.conv1@0 forward output    diverged             4.55e-01   4.76e-02   5.00e-02   1.000000 ...
+
+Walking the iteration in causal order (forward as executed, backward as the gradients were computed, parameter
+gradients, updated parameters), row 42 is the first tensor outside tolerance: its input matched, its output did
+not, so the layer that produced it (`layer2.0.conv1`, first call) is where to look. Later rows usually diverge as
+a consequence. rel_l2 (error norm / reference norm) says how large the error is; cosine near 1 with a large rel_l2
+means a scale error; `nan/inf` (NaN and Inf counts, reference|target) comes first because the metrics only see
+the finite elements. A `hint:` line follows the verdict when the error is no larger than rounding noise (10x
+rtol), e.g. two runs with different thread counts. With local data (README, "how to read it") the verdict names
+the culprit instead, rows outside tolerance whose own code is within noise are `drift`, and the first divergence
+gets a line of its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from oneiter.judge.engine import CompareResult, Row, nan_inf_text
+
+__all__ = ["to_json", "json_ready", "write_csv", "print_report", "rows_to_show", "print_wide", "BEFORE", "AFTER"]
+
+BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
+
+
+def _safe(text: str) -> str:
+    """Names read from a damaged file can hold undecodable bytes (surrogates): show them escaped, never crash."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _sci(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:9.2e}"
+
+
+# -- JSON / CSV -----------------------------------------------------------------------------------------------------
+def json_ready(value: Any) -> Any:
+    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (float() reads them back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def _row_dict(result: CompareResult, index: int) -> dict[str, Any]:
+    """One row for JSON and CSV: index, key, status, role (what the row is to the verdict), NaN/Inf, metrics."""
+    data = result.rows[index].as_dict()
+    role = " ".join(result.verdict_obj.roles(index))
+    head = {k: data.pop(k) for k in ("module", "call", "phase", "tensor", "status")}
+    return {"index": index, **head, "role": role, **data}
+
+
+def to_json(result: CompareResult) -> dict[str, Any]:
+    """The machine-readable report: verdict, inputs, per-status counts and every row in causal order."""
+    rows = [{**_row_dict(result, i), "local": _local_dict(result, row)} for i, row in enumerate(result.rows)]
+    return json_ready({
+        "verdict": result.verdict(),
+        "reference": result.reference,
+        "target": result.target,
+        "meta": {"reference": result.meta_reference, "target": result.meta_target},
+        "loss": result.loss,
+        "counts": result.counts(),
+        "rows": rows,
+    })
+
+
+def _local_dict(result: CompareResult, row: Row) -> Optional[dict[str, Any]]:
+    local = result.local_for(row)
+    return None if local is None else local.as_dict()
+
+
+def write_csv(result: CompareResult, path: str | Path) -> None:
+    """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
+    the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics."""
+    rows = [_row_dict(result, i) for i in range(len(result.rows))]
+    with open(path, "w", encoding="utf-8", errors="backslashreplace", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])
+        writer.writeheader()
+        for data in rows:
+            for key in ("shape", "shape_target"):
+                data[key] = "" if data[key] is None else "x".join(str(s) for s in data[key]) or "scalar"
+            writer.writerow(data)
+
+
+# -- terminal -------------------------------------------------------------------------------------------------------
+def rows_to_show(result: CompareResult, *, show_all: bool = False) -> tuple[list[int], str]:
+    """Indices of the rows to print and a caption saying what was left out."""
+    num = len(result.rows)
+    if show_all:
+        return list(range(num)), ""
+    verdict = result.verdict_obj
+    k = verdict.index
+    if k is not None:
+        start, stop = max(0, k - BEFORE), min(num, k + AFTER + 1)
+        hidden = num - (stop - start)
+        caption = f"rows {start}-{stop - 1} of {num} around the {verdict.focus}"
+        return list(range(start, stop)), caption + (f"; {hidden} more not shown (--all)" if hidden else "")
+    measured = [i for i, r in enumerate(result.rows) if r.metrics is not None]
+    top = sorted(sorted(measured, key=lambda i: -result.rows[i].metrics.rel_l2)[:TOP])
+    hidden = num - len(top)
+    caption = f"the {len(top)} entries with the largest rel_l2"
+    caption += f"; {hidden} more not shown (--all)" if hidden else ""
+    return top, caption
+
+
+def _dims(shape: Optional[tuple]) -> str:
+    return "-" if shape is None else ("x".join(str(s) for s in shape) or "scalar")
+
+
+def _pair(ref: str, tgt: str) -> str:
+    return ref if ref == tgt else f"{ref}|{tgt}"
+
+
+def _table(result: CompareResult, indices: list[int], caption: str) -> Table:
+    """Columns by importance, left to right: a narrow terminal crops the least useful ones. NaN/Inf counts come
+    first: the value metrics only see the finite elements."""
+    table = Table(caption=caption or None, caption_justify="left", header_style="bold", box=None, pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("entry", overflow="fold", min_width=16)
+    table.add_column("status", no_wrap=True)
+    table.add_column("nan/inf", no_wrap=True)
+    for name in ("max_abs", "max_rel", "rel_l2", "cosine", "out"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=7 if name == "out" else 9)
+    if result.local:
+        for name in ("local", "noise", "ratio"):
+            table.add_column(name, justify="right", no_wrap=True, min_width=9 if name != "ratio" else 6)
+    table.add_column("shape", overflow="fold", min_width=5)
+    table.add_column("dtype", overflow="fold", min_width=7)
+    focus = result.verdict_obj.index
+    for i in indices:
+        cells = _cells(result.rows[i], i)
+        if result.local:
+            local = result.local_for(result.rows[i])
+            cells[9:9] = ["-"] * 3 if local is None else [
+                _sci(local.rel_l2), _sci(local.expected), f"{local.ratio:5.1f}x" + ("!" if local.flagged else " ")]
+        if i == focus:
+            cells[0] = f">{i}"  # visible without colour too (pipes, CI logs)
+        table.add_row(*cells, style=_style(result, i, focus))
+    return table
+
+
+def _cells(row: Row, index: int) -> list[str]:
+    m = row.metrics
+    if row.shape is not None and row.shape_target is not None:
+        shape = _pair(_dims(row.shape), _dims(row.shape_target))
+    else:
+        shape = _dims(row.shape or row.shape_target)
+    dtype = _pair(row.dtype or "-", row.dtype_target or "-")
+    numbers = ["-"] * 5 if m is None else [
+        _sci(m.max_abs), _sci(m.max_rel), _sci(m.rel_l2), f"{m.cosine:9.6f}", f"{m.frac_out:7.2%}"]
+    return [str(index), _safe(row.name), row.status, nan_inf_text(m), *numbers, shape, dtype]
+
+
+def _style(result: CompareResult, index: int, focus: Optional[int]) -> str:
+    if index == focus and result.status != "match":
+        return "bold red"
+    local = result.local_for(result.rows[index]) if result.local else None
+    if local is not None and local.flagged:
+        return "red"
+    return "yellow" if result.rows[index].diverged else ""
+
+
+_SHOWN_META = ("model", "device", "dtype", "amp", "num_threads")
+_STYLES = {"match": "bold green", "diverged": "bold red", "inconclusive": "bold yellow"}
+
+
+def _describe(meta: dict) -> str:
+    return ", ".join(f"{k} {meta[k]}" for k in _SHOWN_META if meta.get(k) not in (None, ""))
+
+
+def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
+    """Verdict, inputs, counts, then the table of the rows that matter."""
+    verdict = result.verdict_obj
+    console.print(Text(_safe(verdict.headline), style=_STYLES[verdict.status]))
+    for line in verdict.details:
+        console.print(Text(_safe(line), style="yellow" if line.startswith(("hint:", "NaN/Inf")) else ""))
+    for label, path, meta in (("reference", result.reference, result.meta_reference),
+                              ("target", result.target, result.meta_target)):
+        loss = result.loss.get(label)
+        loss_text = f", loss {loss:.6e}" if loss is not None else ""
+        console.print(Text(_safe(f"{label:<9} {path} ({_describe(meta)}{loss_text})")))
+    counts = ", ".join(f"{n} {status}" for status, n in result.counts().items() if n)
+    console.print(Text(f"entries   {len(result.rows)}: {counts}"))
+    indices, caption = rows_to_show(result, show_all=show_all)
+    if indices:
+        print_wide(console, _table(result, indices, caption))
+
+
+def print_wide(console: Console, table: Table) -> None:
+    """Print a table; into a file or pipe at its natural width instead of squeezing it into 80 columns."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    Console(file=console.file, width=10_000, highlight=False, color_system=None).print(table)

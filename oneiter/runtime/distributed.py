@@ -1,0 +1,173 @@
+"""Multi-rank runs under torchrun: which rank this is, the process group, per-rank file names, the DDP wrapper.
+
+Where this sits: `record/run.py` asks `rank_info()` first. With one process nothing here touches
+torch.distributed. With several (`torchrun --nproc-per-node N -m oneiter record ... -o run.h5`) each rank
+
+- writes `run.rank<R>.h5` instead of `run.h5` (`rank_path`) and, with `--replay ref.h5`, replays its own
+  `ref.rank<R>.h5` (`replay_path`);
+- joins the default process group with the backend of its device type (`BACKENDS`: gloo on the CPU);
+- builds the model and batch with seed `seed + R`, then runs the iteration through `DistributedDataParallel`
+  (`wrap_ddp`): DDP broadcasts rank 0's parameters and buffers when it wraps the model, so every rank starts
+  from the same weights while its batch and labels are its own; in backward DDP averages the gradients across
+  ranks (allreduce), so the recorded `param_grads` are the averaged ones, equal on every rank.
+
+The recorder hooks the *inner* model, so module paths stay the user's (`layer1.0.conv1`, not
+`module.layer1.0.conv1`); only the call goes through the wrapper. `judge/ranks.py` pairs the files again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from oneiter.errors import OneIterError
+
+__all__ = [
+    "BACKENDS", "RANK_FILE", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path", "init_process_group",
+    "process_group", "local_device", "wrap_ddp",
+]
+
+# device type -> torch.distributed backend; vendor backends (hccl, cncl) come with the plugin that
+# `devices.resolve_device` imports for that device, never before
+BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "mlu": "cncl"}
+
+# `run.rank3.h5` -> stem `run`, rank 3
+RANK_FILE = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>\d+)\.h5$")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the job, from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one rank: per-rank files, a process group and DDP."""
+        return self.world_size > 1
+
+
+def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Read torchrun's variables; absent -> a single process (rank 0 of 1)."""
+    env = os.environ if env is None else env
+    values = {}
+    for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        text = env.get(key, "").strip()
+        try:
+            values[key] = int(text) if text else default
+        except ValueError:
+            raise OneIterError(f"environment variable {key} must be an integer, got '{text}'") from None
+    info = RankInfo(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+    if info.world_size < 1 or not 0 <= info.rank < info.world_size:
+        raise OneIterError(f"expected 0 <= RANK < WORLD_SIZE, got RANK={info.rank} WORLD_SIZE={info.world_size}")
+    return info
+
+
+def current_rank() -> RankInfo:
+    """This process's rank: from an initialized default process group (any launcher), else torchrun's variables."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return RankInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK") or 0))
+    except ImportError:
+        pass
+    return rank_info()
+
+
+def rank_path(out: Path, rank: int, world_size: int) -> Path:
+    """`run.h5` on a single process; `run.rank<R>.h5` when several ranks would otherwise write the same file."""
+    out = Path(out)
+    return out if world_size <= 1 else out.with_name(f"{out.stem}.rank{rank}{out.suffix}")
+
+
+def replay_path(path: Path, info: RankInfo) -> Path:
+    """The reference this rank replays: `ref.h5` itself if it is a file, else `ref.rank<R>.h5` beside it, or the
+    one `*.rank<R>.h5` in a directory."""
+    path = Path(path)
+    if not info.distributed or path.is_file():
+        return path
+    if path.is_dir():
+        found = sorted(p for p in path.glob(f"*.rank{info.rank}.h5") if RANK_FILE.match(p.name))
+        if len(found) != 1:
+            what = "none" if not found else ", ".join(p.name for p in found)
+            raise OneIterError(f"replay {path}: expected one *.rank{info.rank}.h5 in the directory, got {what}", param="replay")
+        return found[0]
+    ranked = rank_path(path, info.rank, info.world_size)
+    if not ranked.is_file():
+        raise OneIterError(f"replay {path}: neither it nor this rank's file '{ranked}' exists", param="replay")
+    return ranked
+
+
+def _backend(device_type: str) -> str:
+    if device_type not in BACKENDS:
+        raise OneIterError(
+            f"multi-rank recording on device type '{device_type}' is not supported: expected one of "
+            f"{', '.join(BACKENDS)}"
+        )
+    return BACKENDS[device_type]
+
+
+def init_process_group(device, info: RankInfo | None = None) -> bool:
+    """Join torchrun's default process group with the backend for `device` (a torch.device).
+
+    Returns True if this call created the group (the caller destroys it), False with one rank or when the
+    group already exists (a launcher owns it).
+    """
+    info = info or rank_info()
+    if not info.distributed:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise OneIterError("this torch build has no torch.distributed: multi-rank recording needs it")
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(_backend(device.type), rank=info.rank, world_size=info.world_size)
+    return True
+
+
+@contextmanager
+def process_group(device, info: RankInfo) -> Iterator[None]:
+    """`init_process_group` for the duration of a block; destroyed at exit if this block created it."""
+    created = init_process_group(device, info)
+    try:
+        yield
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def local_device(device, info: RankInfo):
+    """On an accelerator without an index, rank R of a multi-rank job uses device LOCAL_RANK (and makes it
+    current, as nccl/hccl expect). CPU and explicit indices are returned unchanged."""
+    import torch
+
+    if not info.distributed or device.type == "cpu" or device.index is not None:
+        return device
+    device = torch.device(device.type, info.local_rank)
+    backend = getattr(torch, device.type, None)
+    if hasattr(backend, "set_device"):
+        backend.set_device(device)
+    return device
+
+
+def wrap_ddp(setup):
+    """A `TrainSetup` whose model is `DistributedDataParallel(setup.bundle.model)`: same inputs and optimizer.
+
+    The caller keeps hooking `setup.bundle.model` (the inner module). Wrapping broadcasts rank 0's parameters
+    and buffers to every rank; CPU modules take `device_ids=None`.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = None if setup.device.type == "cpu" else [setup.device]
+    ddp = DistributedDataParallel(setup.bundle.model, device_ids=device_ids)
+    return replace(setup, bundle=replace(setup.bundle, model=ddp))

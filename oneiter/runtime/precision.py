@@ -1,0 +1,55 @@
+"""Precision of a run: the model's storage dtype (`--dtype`) and automatic mixed precision (`--amp`)."""
+
+from __future__ import annotations
+
+from oneiter.errors import OneIterError
+
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype", "autocast_for"]
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
+    "float8_e4m3fn": 2.0**-4, "float8_e4m3fnuz": 2.0**-4, "float8_e5m2": 2.0**-3, "float8_e5m2fnuz": 2.0**-3,
+}
+
+
+def amp_dtype_name(amp) -> str:
+    """The dtype name of an `amp` setting as recordings store it: `bf16`/`bfloat16` -> `bfloat16`,
+    `fp16`/`float16` -> `float16`, anything else (None, "") -> ""."""
+    text = str(amp or "")
+    name = AMP_DTYPES.get(text, text)
+    return name if name in AMP_DTYPES.values() else ""
+
+
+def unit_roundoff(dtype_name: str) -> float:
+    """The unit roundoff of a floating dtype by name (float32's for anything else, integers included)."""
+    return UNIT_ROUNDOFF.get(str(dtype_name).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{name}'")
+    return getattr(torch, name)
+
+
+def apply_dtype(bundle, dtype_name: str) -> None:
+    """Cast the model's floating parameters/buffers and floating inputs to `dtype_name`, in place on the bundle."""
+    dtype = torch_dtype(dtype_name)
+    if dtype_name == "float32":
+        return
+    bundle.model.to(dtype)
+    bundle.inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in bundle.inputs)
+
+
+def autocast_for(device, amp: str | None):
+    """A `torch.autocast` context for `--amp bf16|fp16` on `device`, or None without --amp."""
+    import torch
+
+    if amp is None:
+        return None
+    if amp not in AMP_DTYPES:
+        raise OneIterError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got '{amp}'")
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, AMP_DTYPES[amp]))

@@ -1,0 +1,96 @@
+"""`record --level stats`: statistics and checksums per tensor, compare on them, and `compare --suggest`."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import record_small, replay, run_cli
+from oneiter.format.layout import IterationFile, decode, tensor_to_numpy
+from oneiter.format.stats import array_stats, tensor_stats
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.float16),
+    torch.arange(10), torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.randn(5, 5).t(),
+    torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64),
+])
+def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor):
+    mine = tensor_stats(tensor)
+    raw, dtype = tensor_to_numpy(tensor.contiguous())
+    theirs = array_stats(raw, decode(raw, dtype))
+    assert mine.checksum == theirs.checksum and mine.kind == theirs.kind == "crc32"
+    np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
+
+
+def test_the_checksum_sees_a_moved_nan_and_a_flipped_infinity():
+    a = torch.tensor([1.0, float("nan"), 2.0, float("inf")])
+    moved, flipped = torch.tensor([float("nan"), 1.0, 2.0, float("inf")]), torch.tensor([1.0, float("nan"), 2.0,
+                                                                                          float("-inf")])
+    same = tensor_stats(a.clone())
+    assert tensor_stats(a).checksum == same.checksum
+    assert tensor_stats(moved).checksum != same.checksum and tensor_stats(flipped).checksum != same.checksum
+    assert (tensor_stats(a)["nan"], tensor_stats(a)["inf"]) == (1, 1)
+
+
+@pytest.fixture(scope="module")
+def stats_ref(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stats") / "ref.h5"
+    record_small(out, "resnet18", level="stats")
+    return out
+
+
+def test_a_stats_replay_on_the_same_device_is_bitwise_by_checksum_and_small(stats_ref, tmp_path):
+    tgt = tmp_path / "tgt.h5"
+    replay(stats_ref, tgt, level="stats")
+    with IterationFile(tgt) as f:
+        assert f.level == "stats" and f.local_kind() == ""
+        assert f.is_stats("state_before/conv1.weight") and f.is_stats(f.batch_paths()[0])
+    assert tgt.stat().st_size < 400_000  # resnet18 at 32x32, batch 2: statistics only
+    with IterationFile(stats_ref) as f:  # the reference keeps what a replay needs in full
+        assert not f.is_stats("state_before/conv1.weight") and not f.is_stats(f.batch_paths()[0])
+    res = run_cli("compare", stats_ref, tgt, "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["verdict"]["status"] == "match"
+    assert all(row["max_abs"] == 0 for row in doc["rows"])  # equal checksums: bitwise equal, said as such
+
+
+def test_a_fault_is_the_first_divergence_and_suggest_names_its_region(stats_ref, tmp_path):
+    tgt = tmp_path / "bad.h5"
+    replay(stats_ref, tgt, level="stats", faults=["layer3.1.conv2:forward=0.001"])
+    res = run_cli("compare", stats_ref, tgt, "--suggest", "--json", tmp_path / "r.json")
+    assert res.exit_code == 1
+    verdict = json.loads((tmp_path / "r.json").read_text())["verdict"]
+    assert (verdict["module"], verdict["phase"], verdict["tensor"]) == ("layer3.1.conv2", "forward", "output")
+    assert "from statistics: the L2 norm or sum of |x| differs by" in verdict["reason"]
+    assert "record 'layer3.1' and everything under it in full" in res.stdout
+    assert "--include '^layer3\\.1(\\.|$)'" in res.stdout
+    # the second step: that region in full on both sides names the culprit by local error
+    ref_region, tgt_region = tmp_path / "ref.region.h5", tmp_path / "tgt.region.h5"
+    record_small(ref_region, "resnet18", include=[r"^layer3\.1(\.|$)"])
+    replay(ref_region, tgt_region, include=[r"^layer3\.1(\.|$)"], faults=["layer3.1.conv2:forward=0.001"])
+    from oneiter.judge.engine import compare_files
+
+    verdict = compare_files(ref_region, tgt_region).verdict()
+    assert (verdict["basis"], verdict["module"], verdict["phase"]) == ("local_error", "layer3.1.conv2", "forward")
+
+
+def test_a_full_target_compares_with_a_stats_reference(stats_ref, tmp_path):
+    tgt = tmp_path / "full.h5"
+    replay(stats_ref, tgt)  # full level: local blame is off (the reference has no data), said once
+    with IterationFile(tgt) as f:
+        assert f.level == "full" and f.local_kind() == ""
+    res = run_cli("compare", stats_ref, tgt)
+    assert res.exit_code == 0, res.output
+
+
+def test_reading_data_a_stats_file_does_not_hold_is_one_line(stats_ref, tmp_path):
+    res = run_cli("replay", stats_ref, "--layer", "layer1.0.conv1")
+    assert res.exit_code == 2 and "holds only statistics" in res.stderr
+    res = run_cli("inspect", stats_ref)
+    assert res.exit_code == 0 and "layer1.0.conv1@0" in res.stdout

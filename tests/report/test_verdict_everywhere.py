@@ -1,0 +1,247 @@
+"""One verdict, five writers (issue 9): the terminal report, JSON, CSV, HTML and TensorBoard of one comparison state
+the same status, culprit and first divergence, in the same words.
+
+Real recordings of a small ResNet-18 (the float32 CPU reference of conftest) and three replays made with the CLI:
+bf16 autocast (accumulated drift everywhere, no call to blame: a match), bf16 with a 5 % forward fault in
+`layer3.1.conv2` (the culprit, far after the first divergence) and float32 with an Inf injected into
+`layer2.1.conv1`'s output (a culprit by NaN/Inf, where every value metric of the finite elements is 0).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import html
+import json
+import re
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import run_cli
+from oneiter.judge.engine import compare_files
+from oneiter.judge.verdict import decide
+from oneiter.report.html import render_html
+
+FAULT, INF = "layer3.1.conv2", "layer2.1.conv1"
+REPLAYS = {
+    "bf16": ["--amp", "bf16"],
+    "fault": ["--amp", "bf16", "--inject-fault", f"{FAULT}:forward=0.05"],
+    "inf": ["--inject-fault", f"{INF}:inf"],
+}
+
+
+@pytest.fixture(scope="module")
+def outputs(references, tmp_path_factory):
+    """case -> what each writer wrote for that comparison: terminal text, JSON, CSV rows, HTML page, TB text."""
+    ref, made = references("resnet18"), {}
+    for case, options in REPLAYS.items():
+        folder = tmp_path_factory.mktemp(case)
+        tgt = folder / "tgt.h5"
+        res = run_cli("record", "--replay", ref, *options, "-o", tgt)
+        assert res.exit_code == 0, res.output
+        res = run_cli("compare", ref, tgt, "--json", folder / "r.json", "--csv", folder / "r.csv",
+                      "--html", folder / "r.html", "--tensorboard", folder / "tb")
+        assert res.exit_code == (0 if case == "bf16" else 1), res.output
+        with open(folder / "r.csv", newline="") as fh:
+            table = list(csv.reader(fh))
+        made[case] = {
+            "code": res.exit_code, "terminal": res.stdout, "json": json.loads((folder / "r.json").read_text()),
+            "csv_header": table[0], "csv": [dict(zip(table[0], line)) for line in table[1:]],
+            "html": (folder / "r.html").read_text(encoding="utf-8"), "tb": _tb_text(folder / "tb"),
+            "ref": ref, "tgt": tgt,
+        }
+    return made
+
+
+def _tb_text(folder) -> str:
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc.Tensors("verdict")[0].tensor_proto.string_val[0].decode()
+
+
+def row_index(doc: dict, module: str, phase: str, tensor: str) -> int:
+    return next(r["index"] for r in doc["rows"] if (r["module"], r["call"], r["phase"], r["tensor"]) == (
+        module, 0, phase, tensor))
+
+
+# -- what each writer states ----------------------------------------------------------------------------------------
+def terminal_lines(out: dict) -> list[str]:
+    """The verdict's lines of the terminal report: everything above the `reference` line."""
+    lines = out["terminal"].splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if line.startswith("reference "))]
+
+
+def html_lines(out: dict) -> list[str]:
+    """The banner: the title (h1) and its reason (p.reason) make the headline; one paragraph per detail."""
+    banner = re.search(r"<header class='banner \w+' id='verdict'>(.*?)</header>", out["html"], re.S)[1]
+    title = html.unescape(re.search(r"<h1>(.*?)</h1>", banner)[1])
+    reason = re.search(r"<p class='reason'>(.*?)</p>", banner)
+    details = [html.unescape(p) for p in re.findall(r"<p class='(?:key)?'>(.*?)</p>", banner)]
+    return [f"{title}: {html.unescape(reason[1])}" if reason else title, *details]
+
+
+def tb_lines(out: dict) -> list[str]:
+    """The TensorBoard text: the headline (its title in bold), one paragraph a detail, then the two runs."""
+    headline, *details, _runs = out["tb"].split("\n\n")
+    return [headline.replace("**", "", 2), *details]
+
+
+def stated(lines: list[str]) -> dict:
+    """Status, culprit (module, phase, row) and first divergence (row) as the verdict's sentences state them."""
+    text = "\n".join(lines)
+    culprit = re.search(r"[Cc]ulprit:? (\S+)@\d+ (\w+) \S+ \(#(\d+)\)", text)
+    first = re.search(r"first divergence(?: in causal order,|:) #(\d+)", text)
+    return {"status": lines[0].split(":")[0].split(" ")[0].lower(),
+            "culprit": culprit and (culprit[1], culprit[2], int(culprit[3])), "first": first and int(first[1])}
+
+
+def stated_by_json(doc: dict) -> dict:
+    v = doc["verdict"]
+    c = v["culprit"]
+    return {"status": v["status"], "culprit": c and (c["module"], c["phase"], c["index"]),
+            "first": v["first_divergence"] and v["first_divergence"]["index"]}
+
+
+def stated_by_csv(rows: list[dict]) -> dict:
+    """The `role` column marks the verdict's entry, the culprit and the first divergence."""
+    roles = {role: r for r in rows for role in r["role"].split()}
+    c = roles.get("culprit")
+    return {"status": "diverged" if "verdict" in roles else "match",
+            "culprit": c and (c["module"], c["phase"], int(c["index"])),
+            "first": int(roles["first_divergence"]["index"]) if "first_divergence" in roles else None}
+
+
+def stated_by_html_plot(page: str, status: str) -> dict:
+    culprit = re.search(r'class="mark">culprit #(\d+): (\S+)@\d+ (\w+) ', page)
+    first = re.search(r'class="mark">first divergence #(\d+)<', page)
+    return {"status": status, "culprit": culprit and (culprit[2], culprit[3], int(culprit[1])),
+            "first": first and int(first[1])}
+
+
+EXPECTED = {  # case -> (status, culprit module and phase, or None)
+    "bf16": ("match", None),
+    "fault": ("diverged", (FAULT, "forward")),
+    "inf": ("diverged", (INF, "forward")),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLAYS))
+def test_five_writers_state_one_verdict(case, outputs):
+    out = outputs[case]
+    doc = out["json"]
+    status, culprit = EXPECTED[case]
+    first = row_index(doc, "conv1", "forward", "output") if case != "inf" else row_index(doc, INF, "forward", "output")
+    expected = {"status": status, "first": first,
+                "culprit": culprit and (*culprit, row_index(doc, culprit[0], "forward", "output"))}
+    banner_status = re.search(r"<header class='banner (\w+)'", out["html"])[1]
+    lines = terminal_lines(out)
+    assert lines == html_lines(out) == tb_lines(out) == [doc["verdict"]["headline"], *doc["verdict"]["details"]]
+    assert stated(lines) == expected
+    assert stated_by_json(doc) == expected
+    assert stated_by_csv(out["csv"]) == expected
+    assert stated_by_html_plot(out["html"], banner_status) == expected
+    assert out["code"] == {"match": 0, "diverged": 1}[status]
+    if culprit:  # the terminal's `>` row, the JSON's verdict index and the culprit are one row
+        focus = next(line for line in out["terminal"].splitlines() if line.lstrip().startswith(">"))
+        assert focus.split()[0] == f">{expected['culprit'][2]}" == f">{doc['verdict']['index']}"
+
+
+def test_a_match_on_local_data_says_what_it_rests_on(outputs):
+    out, doc = outputs["bf16"], outputs["bf16"]["json"]
+    v = doc["verdict"]
+    assert v["num_drift"] > 400 and v["num_diverged"] == 0 and v["num_matched"] + v["num_drift"] == v["num_entries"]
+    assert doc["counts"]["drift"] == v["num_drift"] and doc["counts"]["diverged"] == 0
+    title = "MATCH: no call's own error exceeds its expected noise x4"
+    assert v["headline"].startswith(title + ": ")
+    assert (f"{v['num_drift']} of {v['num_entries']} entries are outside tolerance: accumulated drift, which this "
+            f"verdict does not rest on") in v["headline"]
+    for text in (out["terminal"], out["html"], out["tb"]):
+        assert title in text and "within tolerance (largest" not in text  # never "all N entries within tolerance"
+    assert f"{len(doc['rows'])} entries: {v['num_matched']} match, {v['num_drift']} drift" in out["html"]
+    assert f"entries   {len(doc['rows'])}: {v['num_matched']} match, {v['num_drift']} drift" in out["terminal"]
+
+
+def test_culprit_and_first_divergence_are_labelled_apart(outputs):
+    out, doc = outputs["fault"], outputs["fault"]["json"]
+    culprit, first = doc["verdict"]["culprit"]["index"], doc["verdict"]["first_divergence"]["index"]
+    assert first < culprit
+    assert f"culprit #{culprit}: {FAULT}@0 forward output" in out["html"]
+    assert f"first divergence #{first}<" in out["html"] and f"first divergence #{culprit}" not in out["html"]
+    assert f"rows {culprit - 5}-{culprit + 10} of {len(doc['rows'])} around the culprit" in out["terminal"]
+    assert f"of {len(doc['rows'])} rows around the culprit (#{culprit})" in out["html"]
+    assert doc["rows"][first]["role"] == "first_divergence" and doc["rows"][culprit]["role"] == "verdict culprit"
+
+
+@pytest.mark.parametrize("case", list(REPLAYS))
+def test_a_row_status_never_contradicts_its_flag(case, outputs, tmp_path):
+    out, doc = outputs[case], outputs[case]["json"]
+    flagged = []
+    for row, line in zip(doc["rows"], out["csv"]):
+        assert line["status"] == row["status"]
+        local = row["local"]
+        if local and local["flagged"]:
+            flagged.append((row["module"], row["phase"]))
+            assert row["status"] == "diverged", row
+        elif row["status"] == "diverged":  # not flagged: only NaN/Inf that differ make it a divergence here
+            assert (row["num_nan_ref"], row["num_inf_ref"]) != (row["num_nan_target"], row["num_inf_target"]), row
+        elif row["status"] == "drift":
+            assert row["num_out"] > 0, row
+        else:
+            assert row["status"] == "match" and row["num_out"] == 0, row
+    # the culprit's own forward, backward and weight gradient; its containers' own code is within noise
+    layer = {"fault": FAULT, "inf": INF}.get(case)
+    assert flagged == ([] if layer is None else [(layer, "forward"), (layer, "backward"), (layer, "param_grad")])
+    # the same in the terminal table: a flagged ratio (`!`) only beside `diverged`
+    res = run_cli("compare", out["ref"], out["tgt"], "--all")
+    table = [line.split() for line in res.stdout.splitlines() if re.match(r"\s*>?\d+\s", line)]
+    assert len(table) == len(doc["rows"])
+    for cells, row in zip(table, doc["rows"]):
+        assert cells[4] == row["status"]  # after #, module@call, phase, tensor
+        assert any(c.endswith("x!") for c in cells) == bool(row["local"] and row["local"]["flagged"]), cells
+
+
+def test_an_inf_row_shows_its_inf_count_first(outputs):
+    out, doc = outputs["inf"], outputs["inf"]["json"]
+    i = row_index(doc, INF, "forward", "output")
+    row = doc["rows"][i]
+    assert (row["status"], row["nan_inf"], row["max_abs"], row["rel_l2"]) == ("diverged", "Inf 0|1", 0.0, 0.0)
+    assert row["local"]["ratio"] == "inf" and row["local"]["flagged"]  # not a clean-looking 0.0x
+    # CSV: the NaN/Inf column comes before every metric
+    header = out["csv_header"]
+    assert header.index("nan_inf") == header.index("status") + 2 < header.index("max_abs")
+    assert out["csv"][i]["nan_inf"] == "Inf 0|1"
+    # terminal: right after the status, before max_abs; the local ratio reads inf, flagged
+    line = next(line for line in out["terminal"].splitlines() if line.lstrip().startswith(f">{i} "))
+    assert re.search(rf">{i}\s+{re.escape(INF)}@0 forward output\s+diverged\s+Inf 0\|1\s+0\.00e\+00", line)
+    assert "infx!" in line
+    # HTML: the cell after the status
+    tr = re.search(rf"<tr class='[^']*' data-name='{re.escape(INF)}@0 forward output'[^>]*>(.*?)</tr>", out["html"])
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", tr[1])
+    assert cells[2:4] == ["diverged", "Inf 0|1"]
+    assert doc["verdict"]["headline"] == (f"DIVERGED: culprit {INF}@0 forward output (#{i}): 1 NaN/Inf at other "
+                                          f"positions (or with another sign) than in the reference, given the same "
+                                          f"inputs")
+
+
+def test_local_data_with_no_local_result_is_inconclusive_not_a_match(outputs):
+    out = outputs["bf16"]
+    result = compare_files(out["ref"], out["tgt"])
+    assert result.status == "match" and result.exit_code == 0
+    empty = dataclasses.replace(result, local=[], culprit_local=None, chain=[], unexplained=[], loss_reason=None)
+    verdict = decide(empty)
+    assert (verdict.status, verdict.exit_code) == ("inconclusive", 2)
+    assert verdict.headline.startswith("INCONCLUSIVE: no call's own error could be measured: ")
+    assert "class='banner inconclusive'" in render_html(empty)
+
+
+def test_the_public_api_reads_the_same_verdict(outputs):
+    import oneiter
+
+    out = outputs["fault"]
+    result = oneiter.compare(out["ref"], out["tgt"])
+    doc = out["json"]
+    assert (result.culprit.module, result.culprit.phase, result.culprit.index) == (
+        FAULT, "forward", doc["verdict"]["culprit"]["index"])
+    assert result.exit_code == 1 and result.verdict() == result.verdict_obj.as_dict()
+    assert json.loads(json.dumps(result.to_json())) == doc

@@ -96,6 +96,27 @@ def _torch_checksum(t) -> tuple[int, int]:
     return _wrap(total), _wrap(weighted)
 
 
+def _wrap(value: int) -> int:
+    """A Python int reduced to the int64 it wraps to (the checksum's sums wrap in int64 on every side)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _numpy_checksum(data: np.ndarray) -> tuple[int, int]:
+    """`sum64` of stored bytes, equal to `_torch_checksum` of the tensor they came from (bfloat16 is stored as
+    uint16 bits and read here as int16, as the device reads it)."""
+    if np.iscomplexobj(data):
+        data = data.view(data.real.dtype)
+    words = np.ascontiguousarray(data).reshape(-1).view(_INT_OF_SIZE[data.dtype.itemsize])
+    total = weighted = 0
+    for start in range(0, words.size, _CHUNK):
+        w = words[start:start + _CHUNK].astype(np.int64)
+        pos = np.arange(start, start + w.size, dtype=np.int64) % _MOD + 1
+        with np.errstate(over="ignore"):
+            total += int(w.sum())
+            weighted += int((w * pos).sum())
+    return _wrap(total), _wrap(weighted)
+
+
 def array_stats(raw: np.ndarray, decoded: np.ndarray, kind: str = "crc32") -> Stats:
     """The same statistics from a full entry: `raw` as stored (bfloat16 as uint16 bits), `decoded` as numbers;
     `kind` picks the checksum to compute (the other side's)."""

@@ -32,7 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from oneiter.format.layout import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, split_call_key, split_child_tensor
+from oneiter.format.layout import (BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, is_input, split_call_key,
+                                   split_child_tensor)
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 from oneiter.judge.metrics import Metrics
 
@@ -214,19 +215,14 @@ def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[s
     inputs: dict[tuple[str, int, str], int] = {}
     for key in order:
         module, call, phase, tensor = key
-        if phase in (FORWARD, BACKWARD) and key in counts and _is_input(tensor):
+        if phase in (FORWARD, BACKWARD) and key in counts and is_input(tensor):
             inputs[(module, call, phase)] = inputs.get((module, call, phase), 0) + counts[key]
     for key in order:  # the first non-finite *output* in causal order whose call had finite inputs
         module, call, phase, tensor = key
-        if phase in (FORWARD, BACKWARD) and counts.get(key) and not _is_input(tensor):
+        if phase in (FORWARD, BACKWARD) and counts.get(key) and not is_input(tensor):
             if not inputs.get((module, call, phase)):
                 return {"module": module, "call": call, "phase": phase, "tensor": tensor}
     return None
-
-
-def _is_input(tensor: str) -> bool:
-    """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
-    return tensor.startswith(("input", "kwarg", "grad_output"))
 
 
 # -- unattributed divergence ----------------------------------------------------------------------------------------
@@ -240,7 +236,7 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
     errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
     by_call: dict[tuple[str, int, str], list[float]] = {}
     for (module, call, phase, tensor), err in errors.items():
-        kind = "in" if _is_input(tensor) else "out"
+        kind = "in" if is_input(tensor) else "out"
         by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
     everything = max(errors.values(), default=0.0)
     root_out = max(by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
@@ -261,7 +257,7 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
             return max(sources) if sources else everything
         if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
             return max(root_out, loss_err or 0.0)
-        if (r.module, r.call) in unprobed and not _is_input(r.tensor):
+        if (r.module, r.call) in unprobed and not is_input(r.tensor):
             kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
             return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
         return None  # covered by a probe
@@ -292,7 +288,7 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
     if err is None:
         return None
     outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
-            and r.phase == FORWARD and not _is_input(r.tensor)]
+            and r.phase == FORWARD and not is_input(r.tensor)]
     bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
     tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
     if err > bound and (not same_precision or err > tolerance):

@@ -27,12 +27,11 @@ import contextlib
 import math
 import functools
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from oneiter.errors import FormatError, OneIterError
-from oneiter.format.layout import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, seq_kind,
+from oneiter.format.layout import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, natural_key, seq_kind,
                           split_call_key)
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.judge.blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
@@ -203,11 +202,6 @@ _KIND_RANK = {"input": 0, "output": 1, "grad_output": 0, "grad_input": 1}
 _NO_ANCHOR = (-1, 0, 0, ())
 
 
-def _natural(name: str) -> tuple:
-    """`input.10` after `input.2`."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.]", name))
-
-
 def _positions(f: IterationFile) -> dict[tuple[str, int], int]:
     """(module, call) -> execution position."""
     return {(attrs.get("module"), int(attrs.get("call", 0))): i for i, (_, attrs) in enumerate(f.calls())}
@@ -220,8 +214,8 @@ def _sort_key(entry: Entry, positions: dict) -> tuple:
         pos = positions.get((entry.module, entry.call), 0)
         tie = pos if entry.phase == "forward" else -pos  # without seq attrs: backward runs calls in reverse
         kind = _KIND_RANK.get(seq_kind(entry.tensor), 2)
-        return (rank, entry.seq, tie, kind, _natural(entry.tensor))
-    return (rank, entry.seq, 0, 0, _natural(entry.tensor))
+        return (rank, entry.seq, tie, kind, natural_key(entry.tensor))
+    return (rank, entry.seq, 0, 0, natural_key(entry.tensor))
 
 
 def causal_pairs(

@@ -25,7 +25,6 @@ shape and dtype statuses stay as the engine set them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 

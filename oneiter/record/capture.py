@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, grad_name, seq_kind
+from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, grad_name, group_path, seq_kind
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
 
@@ -73,7 +73,7 @@ class TensorSink:
 
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
             return
-        path = f"{group}/{name}"
+        path = group_path(group, name)
         with self._lock:
             hit = self._seen.get(id(tensor))
             if dedup and hit is not None and hit[0]() is tensor and hit[1] == tensor._version:

@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oneiter.errors import FormatError, OneIterError
-from oneiter.format.layout import RANDOM
+from oneiter.format.layout import RANDOM, group_path
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",
@@ -131,7 +131,7 @@ class RandomRecorder(TorchDispatchMode):
                 tensor = tensor.ne(0)  # bernoulli draws are 0 or 1: bool is exact and 4x smaller
             attrs = {"op": str(func), "index": index, "output": i}
             self.sink.put(self.group, name, tensor, attrs, dedup=False)
-            paths.append(f"{self.group}/{name}")
+            paths.append(group_path(self.group, name))
         self.recorded.append(RecordedOp(index, str(func), tuple(paths), tuple(tuple(v.shape) for v in values)))
 
     def __exit__(self, exc_type, exc, tb):
@@ -168,7 +168,7 @@ def recorded_random_ops(iteration_file) -> list[RecordedOp]:
         head, _, out = name.partition(".")
         op = dset.attrs["op"]
         op = op.decode() if isinstance(op, bytes) else str(op)
-        outputs.setdefault(int(head), []).append((int(out or 0), f"{RANDOM}/{name}", tuple(dset.shape), op))
+        outputs.setdefault(int(head), []).append((int(out or 0), group_path(RANDOM, name), tuple(dset.shape), op))
     ops = []
     for index in sorted(outputs):
         outs = sorted(outputs[index])

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BACKWARD, FORWARD, child_tensor, grad_name, tensor_path
+from oneiter.format.layout import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
@@ -228,7 +228,7 @@ class Rerunner:
     def reference_state(self, name: str):
         """state_before/<name> of the source (None when it has no such entry), read once."""
         if name not in self._state:
-            path = f"state_before/{name}"
+            path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import h5py
 import numpy as np
 import pytest
 import torch
@@ -25,6 +24,24 @@ def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor):
     theirs = array_stats(raw, decode(raw, dtype))
     assert mine.checksum == theirs.checksum and mine.kind == theirs.kind == "crc32"
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.arange(10),
+    torch.tensor([2**62, -2**63, 2**63 - 1, 7]), torch.tensor([True, False, True]), torch.randn(2, 3).to(torch.cfloat),
+])
+def test_the_accelerator_checksum_computed_on_the_device_equals_the_one_from_stored_bytes(tensor):
+    """`sum64` is what a stats file recorded on an accelerator holds; a full file's bytes must give the same two
+    numbers (int64 wrap-around included), or a full file could never be proved bitwise equal to it."""
+    from oneiter.format.stats import _torch_checksum
+
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+    on_device = _torch_checksum(t.contiguous())
+    raw, dtype = tensor_to_numpy(tensor.contiguous())
+    from_bytes = array_stats(raw, decode(raw, dtype), kind="sum64")
+    assert from_bytes.kind == "sum64" and from_bytes.checksum == on_device
+    moved = t.flatten().roll(1).reshape(t.shape)
+    assert _torch_checksum(moved.contiguous()) != on_device or bool((moved == t).all())
 
 
 def test_the_checksum_sees_a_moved_nan_and_a_flipped_infinity():

@@ -1,18 +1,28 @@
-"""Benchmark record/compare on a built-in model (default: resnet18, batch 8, 224x224), each step in its own process.
+"""Every recorder figure of issue 11 in one run: plain iteration, full and stats record, replay with and without
+isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model.
 
-    python bench/bench_record.py [--model resnet18] [--batch-size 8] [--dir /tmp/oneiter-bench]
+    python bench/bench_record.py                      # everything (~10 min on 2 cores)
+    python bench/bench_record.py --quick              # the resnet18 table only
+    python bench/bench_record.py --model llama_tiny --batch-size 4
 
-Prints: plain iteration seconds (median of 3 after a warm-up, and the cold first one), record seconds (the whole `record()` call: model
-build, one iteration with capture, file written and renamed; `import torch` excluded, ~2 s), file bytes, peak RSS of the
-plain and of the recording process, the replay's record seconds without and with isolated (teacher-forced)
-per-layer reruns, and compare seconds. Peak RSS is each child's own ru_maxrss, so it includes
-torch itself (~0.3 GB).
+Each measurement runs in its own fresh interpreter (`import torch` and the model build are outside the clock), so
+peak RSS is that process's own ru_maxrss (it includes torch itself, ~0.3 GB). "Iteration" seconds are one
+training iteration (forward, loss, backward, optimizer step); for a recording they include every tensor copy,
+the statistics, and the file written, closed and renamed. Before the measured iteration each process runs one
+forward and backward without an optimizer step (kernels and allocator warm, weights unchanged), as a training
+job that is recorded at step N is warm; `plain` is the median of 3 warm iterations. `first` columns are the
+same process's cold figure for reference.
+
+Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
+datasets (median of 3), so the target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,24 +31,56 @@ PLAIN = """
 import json, statistics, time, torch
 from oneiter.runtime.modelspec import load_model
 from oneiter.runtime.training import prepare, train_step
-bundle = load_model({model!r}, {batch}, 0, {{}})
-setup = prepare(bundle, torch.device("cpu"))
+setup = prepare(load_model({model!r}, {batch}, 0, {args!r}), torch.device("cpu"))
 times = []
 for _ in range(4):
     t0 = time.perf_counter(); train_step(setup); times.append(time.perf_counter() - t0)
-print(json.dumps({{"plain_seconds": statistics.median(times[1:]), "plain_first_iteration_seconds": times[0]}}))
+params = sum(p.numel() for p in setup.bundle.model.parameters())
+print(json.dumps({{"seconds": statistics.median(times[1:]), "first": times[0], "params": params}}))
 """
 
 RECORD = """
-import json, time
+import json, time, torch
 from pathlib import Path
-import torch  # imported before the clock starts, as the plain measurement does
-from oneiter.record import capture, randomness, recorder, session  # imported before the clock starts
-from oneiter.record.run import RecordOptions, record
+from oneiter.record.recorder import Recorder
+import h5py
+from oneiter.record import capture, probe, randomness, rerun, session  # imported before the clock starts
+from oneiter.format import layout, stats, writer
+from oneiter.judge import blame, metrics
+from oneiter.runtime.modelspec import load_model
+from oneiter.runtime.training import prepare, train_step
+setup = prepare(load_model({model!r}, {batch}, 0, {args!r}), torch.device("cpu"))
+model = setup.bundle.model
+setup.bundle.loss_fn(model(*setup.inputs)).backward()  # warm: kernels and allocator; no step, weights unchanged
+setup.optimizer.zero_grad(set_to_none=True)
+replay = {replay!r}
 t0 = time.perf_counter()
-s = record(RecordOptions(out=Path({out!r}), model={model!r}, batch_size={batch}, force=True{extra}))
-print(json.dumps({{"record_seconds": time.perf_counter() - t0, "iteration_seconds_in_record": s.seconds,
-                  "file_bytes": s.file_bytes, "tensor_bytes": s.num_bytes, "entries": s.num_entries}}))
+with Recorder(model, Path({out!r}), optimizer=setup.optimizer, replay=replay and Path(replay), isolate={isolate!r},
+              level={level!r}, force=True) as rec:
+    batch = rec.inputs(*setup.inputs)
+    setup.inputs = batch if len(setup.inputs) != 1 else (batch,)
+    train_step(setup)
+seconds = time.perf_counter() - t0
+s = rec.summary
+print(json.dumps({{"seconds": seconds, "bytes": s.file_bytes, "tensor_bytes": s.num_bytes, "entries": s.num_entries}}))
+"""
+
+BANDWIDTH = """
+import json, os, statistics, time
+import h5py, numpy as np
+total, path = {total}, {path!r}
+block = np.random.default_rng(0).standard_normal(16 << 20, dtype=np.float32)  # 64 MB
+times = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    with h5py.File(path, "w") as f:
+        left, i = total, 0
+        while left > 0:
+            n = min(block.size, max(1, left // 4))
+            f.create_dataset(str(i), data=block[:n]); left -= n * 4; i += 1
+    times.append(time.perf_counter() - t0)
+    os.unlink(path)
+print(json.dumps({{"seconds": statistics.median(times), "bytes_per_second": total / statistics.median(times)}}))
 """
 
 COMPARE = """
@@ -46,9 +88,8 @@ import json, time
 from oneiter.judge.engine import compare_files
 t0 = time.perf_counter()
 r = compare_files({a!r}, {b!r})
-print(json.dumps({{"compare_seconds": time.perf_counter() - t0, "status": r.status}}))
+print(json.dumps({{"seconds": time.perf_counter() - t0, "status": r.status}}))
 """
-
 
 PEAK = """
 import resource
@@ -56,13 +97,96 @@ print(json.dumps({"peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 """
 
 
-def run_child(code: str) -> tuple[dict, float]:
-    """Run `code` in a fresh interpreter; returns its JSON result and its own peak RSS in MB."""
+def run_child(code: str) -> dict:
+    """Run `code` in a fresh interpreter; its JSON result plus its own peak RSS (`rss_mb`)."""
     proc = subprocess.run([sys.executable, "-c", code + PEAK], capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"benchmark step failed:\n{proc.stderr}")
     *_, result, peak = proc.stdout.strip().splitlines()
-    return json.loads(result), json.loads(peak)["peak_kb"] / 1024
+    return {**json.loads(result), "rss_mb": json.loads(peak)["peak_kb"] / 1024}
+
+
+def record(work: Path, name: str, model: str, batch: int, args: dict, *, level="full", replay=None,
+           isolate=True) -> dict:
+    out = work / name
+    return {**run_child(RECORD.format(model=model, batch=batch, args=args, out=str(out), level=level,
+                                      replay=replay and str(replay), isolate=isolate)), "path": out}
+
+
+def table(rows: list[tuple], header: tuple) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def model_table(work: Path, model: str, batch: int, args: dict) -> dict:
+    """The issue's table for one model and batch; returns the figures."""
+    plain = run_child(PLAIN.format(model=model, batch=batch, args=args))
+    full = record(work, "ref.h5", model, batch, args)
+    bw = run_child(BANDWIDTH.format(total=full["bytes"], path=str(work / "bandwidth.h5")))
+    stats = record(work, "ref_stats.h5", model, batch, args, level="stats")
+    stats_replay = record(work, "tgt_stats.h5", model, batch, args, level="stats", replay=full["path"])
+    replay = record(work, "tgt.h5", model, batch, args, replay=full["path"])
+    plain_replay = record(work, "tgt_plain.h5", model, batch, args, replay=full["path"], isolate=False)
+    cmp_full = run_child(COMPARE.format(a=str(full["path"]), b=str(replay["path"])))
+    cmp_stats = run_child(COMPARE.format(a=str(stats["path"]), b=str(stats_replay["path"])))
+    cmp_bytes = full["bytes"] + replay["bytes"]
+    p = plain["seconds"]
+    print(f"\n{model} batch {batch} {args or ''}: {plain['params'] / 1e6:.1f} M parameters "
+          f"(plain cold first iteration {plain['first']:.2f} s)")
+    rows = [
+        ("plain training iteration", f"{p:.3f}", "1.00x", "-", f"{plain['rss_mb']:,.0f} MB"),
+        ("record (full)", f"{full['seconds']:.3f}", f"{full['seconds'] / p:.2f}x", mb(full["bytes"]),
+         f"{full['rss_mb']:,.0f} MB"),
+        ("record --level stats", f"{stats['seconds']:.3f}", f"{stats['seconds'] / p:.2f}x", mb(stats["bytes"]),
+         f"{stats['rss_mb']:,.0f} MB"),
+        ("record --level stats --replay", f"{stats_replay['seconds']:.3f}", f"{stats_replay['seconds'] / p:.2f}x",
+         mb(stats_replay["bytes"]), f"{stats_replay['rss_mb']:,.0f} MB"),
+        ("record --replay (isolation, default)", f"{replay['seconds']:.3f}", f"{replay['seconds'] / p:.2f}x",
+         mb(replay["bytes"]), f"{replay['rss_mb']:,.0f} MB"),
+        ("record --replay --no-isolate", f"{plain_replay['seconds']:.3f}", f"{plain_replay['seconds'] / p:.2f}x",
+         mb(plain_replay["bytes"]), f"{plain_replay['rss_mb']:,.0f} MB"),
+        (f"h5py write of {mb(full['bytes'])} (page cache)", f"{bw['seconds']:.3f}", "", "", ""),
+        ("compare full ref vs replay", f"{cmp_full['seconds']:.3f}", "", mb(cmp_bytes), f"{cmp_full['rss_mb']:,.0f} MB"),
+        ("compare stats ref vs stats replay", f"{cmp_stats['seconds']:.3f}", "", mb(stats["bytes"] + stats_replay["bytes"]),
+         f"{cmp_stats['rss_mb']:,.0f} MB"),
+    ]
+    table(rows, ("", "seconds", "x plain", "bytes", "peak RSS"))
+    bound = 1.25 * (p + full["bytes"] / bw["bytes_per_second"])
+    print("  targets:")
+    print(f"    stats <= 1.3x plain: {stats['seconds'] / p:.2f}x; file <= 2 MB: {mb(stats['bytes'])} (reference, "
+          f"weights and batch in full), {mb(stats_replay['bytes'])} (replay)")
+    print(f"    full record <= 1.25 x (plain + bytes / {bw['bytes_per_second'] / 1e9:.2f} GB/s) = {bound:.3f} s: "
+          f"{full['seconds']:.3f} s ({full['seconds'] / bound:.2f} of the bound)")
+    print(f"    replay with isolation <= 2.5 x record: {replay['seconds'] / full['seconds']:.2f}x")
+    print(f"    compare >= 1 GB/s: {cmp_bytes / cmp_full['seconds'] / 1e9:.2f} GB/s, RSS {cmp_full['rss_mb']:,.0f} MB")
+    print(f"    record peak RSS - plain peak RSS: {full['rss_mb'] - plain['rss_mb']:,.0f} MB "
+          f"(writer queue bound 512 MB)")
+    for r in (full, stats, stats_replay, replay, plain_replay):
+        r["path"].unlink(missing_ok=True)
+    return {"plain": plain, "full": full, "stats": stats, "replay": replay, "bandwidth": bw, "compare": cmp_full}
+
+
+def scaling(work: Path, model: str, batches: list[int]) -> None:
+    print(f"\nscaling, {model}, full record:")
+    rows, xs, ys = [], [], []
+    for b in batches:
+        plain = run_child(PLAIN.format(model=model, batch=b, args={}))
+        r = record(work, f"scale{b}.h5", model, b, {})
+        r["path"].unlink(missing_ok=True)
+        rows.append((b, f"{plain['seconds']:.3f}", f"{r['seconds']:.3f}", mb(r["bytes"]), f"{plain['rss_mb']:,.0f} MB",
+                     f"{r['rss_mb']:,.0f} MB", f"{r['rss_mb'] - plain['rss_mb']:+,.0f} MB"))
+        xs.append(r["bytes"])
+        ys.append(r["seconds"] - plain["seconds"])
+    table(rows, ("batch", "plain s", "record s", "bytes", "plain RSS", "record RSS", "record - plain"))
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    print(f"  slope of (record - plain) seconds vs bytes: {slope * 1e9:.3f} s per GB "
+          f"({1 / slope / 1e9:.2f} GB/s effective)")
 
 
 def main() -> None:
@@ -70,28 +194,19 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dir", default="/tmp/oneiter-bench")
+    parser.add_argument("--quick", action="store_true", help="the first model's table only")
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--large", default='{"dim": 1024, "num_layers": 8, "vocab_size": 8192, "num_heads": 16}',
+                        help="llama_tiny model_args of the >=100M-parameter model (JSON)")
     args = parser.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
-    results: dict = {"model": args.model, "batch_size": args.batch_size}
-
-    plain, plain_mb = run_child(PLAIN.format(model=args.model, batch=args.batch_size))
-    results.update(plain, plain_peak_rss_mb=round(plain_mb))
-    ref, tgt = str(work / "ref.h5"), str(work / "tgt.h5")
-    rec, rec_mb = run_child(RECORD.format(out=ref, model=args.model, batch=args.batch_size, extra=""))
-    results.update(rec, record_peak_rss_mb=round(rec_mb))
-    plain_replay = str(work / "tgt_no_isolate.h5")
-    rep, _ = run_child(RECORD.format(out=plain_replay, model=args.model, batch=args.batch_size,
-                                     extra=f", replay=Path({ref!r}), isolate=False"))
-    results["replay_no_isolate_record_seconds"] = rep["record_seconds"]
-    rep, rep_mb = run_child(RECORD.format(out=tgt, model=args.model, batch=args.batch_size,
-                                          extra=f", replay=Path({ref!r})"))
-    results.update(replay_isolate_record_seconds=rep["record_seconds"], replay_isolate_file_bytes=rep["file_bytes"],
-                   replay_isolate_peak_rss_mb=round(rep_mb))
-    cmp_, cmp_mb = run_child(COMPARE.format(a=ref, b=tgt))
-    results.update(cmp_, compare_peak_rss_mb=round(cmp_mb))
-    for key, value in results.items():
-        print(f"{key:>28}: {value:.3f}" if isinstance(value, float) else f"{key:>28}: {value}")
+    print(f"{os.cpu_count()} cores, torch threads default; files in {work}")
+    model_table(work, args.model, args.batch_size, {})
+    if args.quick:
+        return
+    scaling(work, args.model, [int(b) for b in args.batches.split(",")])
+    model_table(work, "llama_tiny", 4, json.loads(args.large))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from oneiter.errors import OneIterError
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
 
 DEFAULT_FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
+# smaller images than the models' 224 default: the demo's two files stay a few hundred MB (bench/bench_record.py)
+DEMO_ARGS = {"resnet18": {"image_size": 96}, "mobilenet_v2": {"image_size": 96}}
 
 
 @dataclass
@@ -56,8 +58,10 @@ def run_demo(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     ref, tgt = directory / "reference.h5", directory / "target.h5"
-    say(f"1/3 reference: {model}, batch {batch_size}, cpu float32 -> {ref}")
-    s = record(RecordOptions(out=ref, model=model, batch_size=batch_size, force=True))
+    args = DEMO_ARGS.get(model, {})
+    size = f", {args['image_size']}x{args['image_size']} images" if "image_size" in args else ""
+    say(f"1/3 reference: {model}, batch {batch_size}{size}, cpu float32 -> {ref}")
+    s = record(RecordOptions(out=ref, model=model, batch_size=batch_size, model_args=args, force=True))
     say(f"    {s.num_calls} module calls, {s.file_bytes / 1e6:.0f} MB, {s.seconds:.1f} s")
     say(f"2/3 target: replay on cpu{' with ' + amp + ' autocast' if amp else ''}, 5% forward fault in {fault} -> {tgt}")
     s = record(RecordOptions(out=tgt, replay=ref, amp=amp, faults=[f"{fault}:forward=0.05"], force=True))

@@ -67,8 +67,9 @@ def tensor_stats(tensor) -> Stats:
         x = x[torch.isfinite(x)]
     if x.numel():
         low, high = torch.aminmax(x)
-        parts = [low.to(acc), high.to(acc), x.sum(dtype=acc) / x.numel(), torch.linalg.vector_norm(x, dtype=acc),
-                 x.abs().sum(dtype=acc)]
+        finite_sum = total if nan is None else x.sum(dtype=acc)  # one pass fewer when all values are finite
+        parts = [low.to(acc), high.to(acc), finite_sum / x.numel(), torch.linalg.vector_norm(x, dtype=acc),
+                 torch.linalg.vector_norm(x, ord=1, dtype=acc)]  # sum |x| without materializing |x|
         low, high, mean, l2, abs_sum = torch.stack(parts).tolist()
     else:
         low = high = mean = math.nan

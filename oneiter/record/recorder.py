@@ -59,9 +59,10 @@ class RecordSummary:
     num_entries: int
     num_bytes: int
     file_bytes: int
-    seconds: float
+    seconds: float  # the Recorder block (iteration, capture, writes); record() makes it its whole call
     loss: float
     num_calls: int
+    iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
 
 
 def module_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[str], bool]:
@@ -304,6 +305,7 @@ class Recorder:
             self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started,
             float(self._loss.float()), self.session.module_capture.num_calls,
         )
+        self.summary.iteration_seconds = self.summary.seconds
 
     # -- what the loop calls -----------------------------------------------------------------------------------------
     def inputs(self, *args, **kwargs):

@@ -42,7 +42,7 @@ def compare(
         result = compare_local(reference, **policies)
     else:
         result = compare_files(reference, target, **policies)
-    result.notes = _device_notes(spec, [result.meta_target])
+    result.notes = [*result.notes, *_device_notes(spec, [result.meta_target])]
     return result
 
 
@@ -59,7 +59,7 @@ def compare_ranks(
 
     spec, policies = _policies(rtol, atol, tolerances)
     result = ranks.compare_ranks(reference, target, **policies)
-    result.notes = _device_notes(spec, [r.meta_target for r in result.results.values()])
+    result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
     return result
 
 

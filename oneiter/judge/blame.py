@@ -168,8 +168,11 @@ def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
 def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
                            row.inf, row.mismatch)
-    parts = [v for v in (row.noise_target, row.noise_reference) if not math.isnan(v)]
-    calibrated = sum(parts) if parts else None
+    stored = (row.noise_target, row.noise_reference)
+    parts = [v for v in stored if math.isfinite(v) and v >= 0]
+    # NaN means "not calibrated" (the error was within one unit roundoff); an infinite or negative noise is no
+    # measurement at all and must not excuse any error: both fall back to the floor below, never to "anything goes"
+    calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
     if calibrated is None:
         # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
         # precision (bf16 under --amp bf16), which is then what it is expected to differ by
@@ -226,6 +229,9 @@ def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[s
 
 
 # -- unattributed divergence ----------------------------------------------------------------------------------------
+GROSS = 1.0  # an accumulated rel_l2 this large (the error is as large as the tensor) is never drift
+
+
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
                      loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[tuple[int, str]]:
     """(row index, why) of every entry no probe covers whose difference the precision does not explain.
@@ -262,12 +268,31 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
             return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
         return None  # covered by a probe
 
+    def inputs(r) -> float:
+        """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
+        if r.phase == "optimizer":
+            grad = errors.get((r.module, 0, "param_grad", r.tensor), 0.0)
+            return max(grad, *by_call.get((r.module, 0, "forward.in"), [0.0]))
+        if r.phase == "param_grad":
+            return max((e for (m, _c, k), es in by_call.items() if m == r.module and k in ("forward.in", "backward.in")
+                        for e in es), default=0.0)
+        kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+        return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
+
     found = []
     for i, r in enumerate(rows):
         if r.metrics is None or r.status not in ("match", "diverged"):
             continue  # missing/shape/dtype rows are judged as structural divergences
         if same_precision and r.status != "diverged":
             continue  # the same precision on both sides: within the dtype's tolerance is explained
+        if r.status == "diverged" and r.metrics.rel_l2 >= GROSS and not is_input(r.tensor):
+            # as far off as the tensor is large, from inputs that are close: no rounding drift does this, whatever
+            # the local rows say (they cover the call's own code; this value did not come out of it)
+            source = inputs(r)
+            if source * noise.factor_for(r.module) < GROSS:
+                found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e}: the value is off by as much as the tensor is large "
+                                 f"while what it was computed from is within {source:.2e}"))
+                continue
         up = upstream(r)
         if up is None:
             continue

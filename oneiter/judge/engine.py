@@ -30,6 +30,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, natural_key, seq_kind,
                           split_call_key)
@@ -38,7 +40,7 @@ from oneiter.judge.blame import (LocalResult, NoisePolicy, culprit_chain, find_c
                     nan_origin, unexplained_rows)
 from oneiter.judge.metrics import Metrics, compare_arrays
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
-from oneiter.judge.verdict import Culprit, Verdict, decide, settle_rows
+from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, decide, settle_rows
 
 __all__ = [
     "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",
@@ -261,6 +263,57 @@ def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
             )
 
 
+def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
+    """A replay must start where the reference started: same optimizer, batch and state_before (bitwise, after the
+    cast to the target's dtype when it ran in another one). Raise FormatError ("bad replay") when it did not — its
+    rows would compare two different iterations; return a note when the target is no replay at all."""
+    if not tgt.meta.get("replay_of"):
+        return (f"'{tgt.path}' is not a replay (recorded without --replay): its weights, batch and random values are "
+                f"its own, so entries may differ from the batch on; record the target with --replay {ref.path}")
+    opt_ref, opt_tgt = str(ref.meta.get("optimizer") or ""), str(tgt.meta.get("optimizer") or "")
+    if opt_ref and opt_tgt and opt_ref != opt_tgt:
+        raise FormatError(f"bad replay: the reference ran optimizer '{opt_ref}', the target '{opt_tgt}': a replay "
+                          f"must run the reference's optimizer (record --optimizer {opt_ref})")
+    ref_batch, tgt_batch = ref.batch_paths(), tgt.batch_paths()
+    if len(ref_batch) != len(tgt_batch):
+        raise FormatError(f"bad replay: the reference's batch has {len(ref_batch)} tensors, the target's "
+                          f"{len(tgt_batch)}: the target did not run on the reference's batch")
+    pairs = list(zip(ref_batch, tgt_batch))
+    state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
+    pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
+    for ref_path, tgt_path in pairs:
+        if not _same_start(ref, tgt, ref_path, tgt_path):
+            raise FormatError(
+                f"bad replay: the target's {tgt_path} differs from the reference's, so it did not start from this "
+                f"reference's weights and batch (was it replayed from another file? its replay_of is "
+                f"'{tgt.meta.get('replay_of')}'); record the target again with --replay {ref.path}")
+    return None
+
+
+def _same_start(ref: IterationFile, tgt: IterationFile, ref_path: str, tgt_path: str) -> bool:
+    """Whether the target's copy of a reference tensor is the reference's, bit for bit (cast to the target's dtype
+    when it differs; statistics files by checksum)."""
+    if ref.shape_of(ref_path) != tgt.shape_of(tgt_path):
+        return False
+    dtype_ref, dtype_tgt = ref.dtype_of(ref_path), tgt.dtype_of(tgt_path)
+    if tgt.is_stats(tgt_path) or ref.is_stats(ref_path):
+        if dtype_ref != dtype_tgt:
+            return True  # a checksum of another dtype proves nothing either way
+        theirs = tgt.stats_of(tgt_path) if tgt.is_stats(tgt_path) else None
+        kind = theirs.kind if theirs is not None else "crc32"
+        mine = ref.stats_of(ref_path, kind)
+        return mine.checksum == (theirs or tgt.stats_of(tgt_path, mine.kind)).checksum
+    if dtype_ref == dtype_tgt:
+        a, b = ref.raw(ref_path), tgt.raw(tgt_path)
+        return a.dtype == b.dtype and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                                                     np.ascontiguousarray(b).view(np.uint8))
+    import torch
+
+    cast = ref.tensor(ref_path).to(getattr(torch, dtype_tgt))
+    mine = tgt.tensor(tgt_path)
+    return bool(cast.view(torch.uint8).equal(mine.contiguous().view(torch.uint8))) if cast.dtype == mine.dtype else False
+
+
 def _model_id(spec) -> str:
     """A model's identity across machines: a built-in name, or `file.py:function` without the file's folder."""
     text = str(spec or "")
@@ -336,7 +389,7 @@ def _shape(shape: Optional[tuple]) -> str:
 
 def _reason(m: Metrics, tol: Tolerance) -> str:
     if math.isnan(m.max_abs) and m.num_out:  # judged from `--level stats` statistics
-        return (f"from statistics: the L2 norm or sum of |x| differs by {m.rel_l2:.2e} relative, above rtol "
+        return (f"{STATS_REASON}: the L2 norm or sum of |x| differs by {m.rel_l2:.2e} relative, above rtol "
                 f"{tol.rtol:.1e} (the elementwise error and local blame need a full recording)")
     parts = []
     if m.num_out:
@@ -439,6 +492,8 @@ def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFi
         result.unexplained = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss,
                                               covered=covered, amp=amp_dtype_name(tgt.meta.get("amp")))
         result.loss_reason = loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
+    elif not result.local_kind and ref is not None:
+        result.loss_reason = _loss_outside(result.loss, policy, _loss_dtype(tgt))
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
@@ -446,6 +501,19 @@ def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFi
     if any(row.metrics is not None and row.metrics.nonfinite_differs for row in result.rows):
         result.nan_origin = nan_origin(counts, list(counts))
     settle_rows(result)
+
+
+def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> Optional[str]:
+    """Without local data the loss is judged like any entry: outside its dtype's tolerance (or NaN on one side only)
+    is a divergence even when every recorded tensor matches (the loss function is code outside the model)."""
+    a, b = loss.get("reference"), loss.get("target")
+    if a is None or b is None or a == b or (math.isnan(a) and math.isnan(b)):
+        return None
+    tol = policy(Entry("", 0, "loss", "loss", LOSS, 0), dtype)
+    if math.isnan(a) or math.isnan(b) or abs(a - b) > tol.atol + tol.rtol * abs(a):
+        return (f"the loss differs: {a:.6e} vs {b:.6e}, outside atol {tol.atol:.1e} rtol {tol.rtol:.1e} "
+                f"({dtype})")
+    return None
 
 
 def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:
@@ -485,6 +553,7 @@ def reading(*paths: str | os.PathLike):
 
 def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolicy) -> CompareResult:
     check_compatible(ref, tgt)
+    note = check_replay(ref, tgt)
     pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), _positions(ref), _positions(tgt))
     if not pairs:
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
@@ -495,6 +564,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         reference=str(ref.path), target=str(tgt.path),
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
+        notes=[note] if note else [],
     )
 
 

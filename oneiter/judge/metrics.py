@@ -177,7 +177,12 @@ def _identical(a: np.ndarray, b: np.ndarray, num_elements: int) -> Metrics | Non
 
 
 def compare_arrays(ref: np.ndarray, target: np.ndarray, *, atol: float, rtol: float, chunk: int = CHUNK) -> Metrics:
-    """All metrics of `target` against `ref` (same number of elements), judged with `atol` and `rtol`."""
+    """All metrics of `target` against `ref` (same number of elements), judged with `atol` and `rtol`.
+
+    Integers and booleans are judged exactly: an element is out when it differs at all (float64 cannot tell 2**60
+    from 2**60 + 1); the other metrics are still computed in float64 to show how far off they are."""
+    if np.asarray(ref).dtype.kind in "iub" and np.asarray(target).dtype.kind in "iub":
+        return _compare_integers(np.asarray(ref).reshape(-1), np.asarray(target).reshape(-1), chunk)
     a, b = flat_numbers(ref), flat_numbers(target)
     if a.size != b.size:
         raise ValueError(f"compare_arrays needs equal sizes, got {a.size} and {b.size}")
@@ -190,3 +195,20 @@ def compare_arrays(ref: np.ndarray, target: np.ndarray, *, atol: float, rtol: fl
     for start in range(0, a.size, chunk):
         acc.add(a[start:start + chunk], b[start:start + chunk])
     return acc.result(a.size)
+
+
+def _compare_integers(a: np.ndarray, b: np.ndarray, chunk: int) -> Metrics:
+    if a.size != b.size:
+        raise ValueError(f"compare_arrays needs equal sizes, got {a.size} and {b.size}")
+    differ = 0
+    for start in range(0, a.size, chunk):
+        pa, pb = a[start:start + chunk], b[start:start + chunk]
+        if pa.dtype.kind == "b" or pb.dtype.kind == "b":
+            pa, pb = pa.astype(np.int8), pb.astype(np.int8)
+        differ += int(np.count_nonzero(pa != pb))  # numpy compares int64 with uint64 exactly (no float detour)
+    if differ == 0:
+        return Metrics(a.size, 0.0, 0.0, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+    shown = compare_arrays(a.astype(np.float64), b.astype(np.float64), atol=0.0, rtol=0.0, chunk=chunk)
+    need = 1.0 if shown.max_abs == 0 else shown.need_atol  # apart by less than float64 resolves
+    return Metrics(a.size, max(shown.max_abs, 1.0), shown.max_rel, shown.rel_l2, shown.cosine, differ,
+                   differ / a.size, need, math.inf, 0, 0, 0, 0)

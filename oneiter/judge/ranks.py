@@ -162,7 +162,8 @@ def compare_ranks(
                 results[rank] = future.result()
             except OneIterError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from None
-    return RankedResult(str(reference), str(target), results)
+    notes = sorted({f"rank {rank}: {note}" for rank, r in results.items() for note in r.notes})
+    return RankedResult(str(reference), str(target), results, notes)
 
 
 # -- output ---------------------------------------------------------------------------------------------------------

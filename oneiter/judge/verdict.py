@@ -193,7 +193,7 @@ def decide(result: CompareResult) -> Verdict:
     nonfinite = next((i for i, r in enumerate(rows) if r.metrics is not None and r.metrics.nonfinite_differs), None)
     culprit = _culprit(result)
     if not result.local_kind:
-        basis, diverged = "first_divergence", first is not None
+        basis, diverged = "first_divergence", first is not None or bool(result.loss_reason)
     else:
         blamed = culprit is not None or structural is not None or nonfinite is not None
         basis = "unattributed" if not blamed and (result.unexplained or result.loss_reason) else "local_error"
@@ -233,7 +233,7 @@ def _focus(result: CompareResult, status: str, basis: str, culprit: Optional[Cul
     rows = result.rows
     if status != "diverged":
         return None, None
-    if basis == "first_divergence":
+    if basis == "first_divergence" and result.first_divergence is not None:
         return "first divergence", _entry(rows, result.first_divergence)
     if divergent is not None and (culprit is None or rows[divergent].status not in MEASURED):
         kind = "structural difference" if rows[divergent].status not in MEASURED else "NaN/Inf difference"
@@ -285,9 +285,13 @@ def _entry(rows: list[Row], index: int) -> dict[str, Any]:
             "need_atol": m.need_atol, "need_rtol": m.need_rtol, **_nonfinite_counts(m)}
 
 
+STATS_REASON = "from statistics"  # how the engine starts the reason of an entry judged from `--level stats` data
+
+
 def _hint(result: CompareResult, basis: str, entry: Optional[dict]) -> Optional[str]:
     """A divergence no larger than rounding noise (10x rtol) may be no bug at all: say why it may happen."""
-    if basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry):
+    if (basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry)
+            or str(entry.get("reason") or "").startswith(STATS_REASON)):  # a statistics bound is no rounding size
         return None
     rel_l2, rtol = entry["rel_l2"], entry["rtol"]
     if not rel_l2 <= HINT_RTOLS * rtol:
@@ -334,6 +338,8 @@ def _headline(v: dict) -> tuple[str, str]:
             return "DIVERGED (unattributed)", f"no call's own code is to blame, but {v.get('reason')}"
         return (f"DIVERGED (unattributed) at {entry_name(v)}",
                 f"no call's own code is to blame, but this entry's {v.get('reason')}")
+    if v.get("focus") == "loss":
+        return "DIVERGED at the loss", str(v.get("reason") or "")
     return f"DIVERGED at {entry_name(v)}", _numbers(v)
 
 
@@ -383,6 +389,8 @@ def _numbers(e: dict) -> str:
     """An entry's difference: NaN/Inf counts first when they differ, then the metrics of the finite elements."""
     if num(e.get("rel_l2")) is None:
         return f"{str(e.get('entry_status', '')).replace('_', ' ')} ({e.get('reason', '')})"
+    if str(e.get("reason") or "").startswith(STATS_REASON):  # `--level stats`: no elementwise numbers exist
+        return str(e["reason"])
     numbers = (f"max_abs {_sci(e.get('max_abs'))} max_rel {_sci(e.get('max_rel'))} rel_l2 {_sci(e.get('rel_l2'))} "
                f"cosine {num(e.get('cosine')):.6f}")
     if num(e.get("frac_out")) is not None and num(e.get("atol")) is not None:

@@ -47,6 +47,9 @@ _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq
                    "seq_grad_input")
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random")
 _TABLES = ("local", "unprobed", "stats")
+# torch dtypes stored as the numpy type of the same name (the others are raw bits: `layout._RAW_BITS`)
+_NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                "uint64", "bool", "complex64", "complex128"}
 _RANDOM_NAME = re.compile(r"\d+(\.\d+)?")
 _BATCH_NAME = re.compile(r"input\.\d+")
 
@@ -332,11 +335,10 @@ def _check_dataset(dset, full: str, path) -> None:
         raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name (string)", name)
     if name in _RAW_BITS:
         expected = np.dtype(_RAW_BITS[name])
+    elif name in _NUMPY_NAMED:
+        expected = np.dtype(name)
     else:
-        try:
-            expected = np.dtype(name)
-        except TypeError:
-            raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name", name) from None
+        raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name", name)
     if expected != dtype:
         raise _fail(path, f"'/{full}': attribute 'dtype' says {name}, which is stored as {expected}, but the data "
                           f"is {dtype}")

@@ -45,18 +45,19 @@ class Mutation:
         return self.category == "scale_values"
 
 
-@dataclasses.dataclass(repr=False)
 class Pair:
-    ref: Path
-    target: Path
-    plain: Path
-    datasets: dict[str, list[str]]  # base -> dataset paths (hard links listed under each name)
-    groups: dict[str, list[str]]  # base -> group paths ("" the root)
-    attrs: dict[str, list[tuple[str, str]]]  # base -> (object path, attribute name)
-    judged: dict[str, list[str]]  # base -> tensor datasets compare judges (forward, backward, param_grads, ...)
-    data: dict[str, bytes]  # base -> file bytes
+    """The recordings and what is in them: `datasets`, `groups` ("" the root), `attrs` ((object path, name)),
+    `judged` (what compare judges) per base ("target", "plain"), and each base file's bytes in `data`."""
 
-    def __repr__(self) -> str:
+    def __init__(self, ref: Path, target: Path, plain: Path):
+        self.ref, self.target, self.plain = ref, target, plain
+        self.datasets: dict[str, list[str]] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.attrs: dict[str, list[tuple[str, str]]] = {}
+        self.judged: dict[str, list[str]] = {}
+        self.data: dict[str, bytes] = {}
+
+    def __repr__(self) -> str:  # hypothesis prints it in a failure report: not the file bytes
         return f"Pair({self.ref.parent})"
 
 
@@ -90,7 +91,7 @@ def make_pair(folder: Path) -> Pair:
     _record(ref)
     _record(target, replay=ref)
     _record(plain)
-    pair = Pair(ref, target, plain, {}, {}, {}, {}, {})
+    pair = Pair(ref, target, plain)
     for base, path in (("target", target), ("plain", plain)):
         datasets, groups, attrs = [], [""], [("", name) for name in h5py.File(path).attrs]
         with h5py.File(path, "r") as f:

@@ -30,7 +30,7 @@ def compare(
         result.status          # "match", "diverged" or "inconclusive" (local data, but nothing could be judged)
         result.culprit         # the call whose own computation is to blame: .module .call .phase .tensor .index
                                # (its row) .ratio .reason; None when no call is
-        result.exit_code       # what `oneiter compare` exits with: 0 match, 1 diverged, 3 inconclusive
+        result.exit_code       # what `oneiter compare` exits with: 0 match, 1 diverged, 2 inconclusive
         result.to_json()       # the JSON report: verdict, counts, every row
         result.verdict_obj     # the whole Verdict: basis, chain, first_divergence, headline, details, counts
         result.rows, result.notes  # rows in causal order; warnings about the comparison itself

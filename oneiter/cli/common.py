@@ -2,8 +2,10 @@
 
 Exit codes across oneiter: 0 success / match, 1 divergence found, 2 bad input (file, model, device, option,
 an error in the user's own model code) — including recordings `compare` cannot judge (`inconclusive`: local
-data, but no call's own error could be measured; `judge.verdict.EXIT_CODES`) — and 3 an internal error.
-Set ONEITER_TRACEBACK=1 to see the full traceback instead of the one-line error.
+data, but no call's own error could be measured; `judge.verdict.EXIT_CODES`) — and 3 an internal error (a bug
+of oneiter: any other exception). Each error is one line on stderr; set ONEITER_TRACEBACK=1 to print the full
+traceback before it (the exit code stays the same). A closed output pipe (`oneiter compare a b | head`) is not
+an error: the command exits quietly with the code of what it had decided (`set_outcome`), else 0.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
+import traceback
 from typing import Callable
 
 import typer
@@ -18,18 +22,57 @@ from rich.console import Console
 
 from oneiter.errors import OneIterError
 
-__all__ = ["out", "err", "handle_errors", "EXIT_MATCH", "EXIT_DIVERGED", "EXIT_BAD_INPUT"]
+__all__ = ["out", "err", "handle_errors", "set_outcome", "terminal_text", "EXIT_MATCH", "EXIT_DIVERGED",
+           "EXIT_BAD_INPUT", "EXIT_INTERNAL", "ISSUES"]
 
-EXIT_MATCH, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_MATCH, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+ISSUES = "the oneiter issue tracker"
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+class OutputConsole(Console):
+    """A rich Console whose closed output pipe raises BrokenPipeError for `handle_errors` to turn into the
+    command's exit code (rich's own `on_broken_pipe` exits with 1, which would read as a divergence)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(32, "the reader of the output went away")
 
 
-def fail(message: str) -> typer.Exit:
-    """Print a one-line error to stderr and return the Exit(2) to raise."""
-    err.print(f"[bold red]error:[/] {message}", markup=True)
-    return typer.Exit(EXIT_BAD_INPUT)
+out = OutputConsole(highlight=False, soft_wrap=True)
+err = OutputConsole(stderr=True, highlight=False, soft_wrap=True)
+
+
+def terminal_text(text: str) -> str:
+    """`report.terminal.safe_text`: text from a file with control characters shown as visible escapes."""
+    from oneiter.report.terminal import safe_text
+
+    return safe_text(text)
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> typer.Exit:
+    """Print a one-line error to stderr and return the Exit(code) to raise."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(terminal_text(message))}", markup=True)
+    return typer.Exit(code)
+
+
+_outcome: list[int] = []
+
+
+def set_outcome(code: int) -> None:
+    """The exit code a command has decided on (compare's verdict) before it prints: used if the output pipe closes."""
+    _outcome[:] = [code]
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout is gone: point stdout at /dev/null so later writes and the final flush don't fail
+    (the recipe of the Python docs, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file descriptor (tests' runners)
+        pass
 
 
 # API parameter -> the CLI flag that sets it, where the names differ (otherwise `--` + the name, dashed)
@@ -45,19 +88,61 @@ def cli_message(exc: BaseException) -> str:
     return re.sub(r"\b([a-z][a-z_]*)=True\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 
-def handle_errors(func: Callable) -> Callable:
-    """Map known user errors (OneIterError, OSError on user files) to one line on stderr and exit code 2."""
+def _pass_through() -> tuple[type, ...]:
+    """What commands raise on purpose for typer to handle: Exit (the exit code), Abort, usage errors."""
+    import typer.exceptions
 
+    kinds: list[type] = [typer.Exit, typer.Abort, typer.exceptions.TyperException]
+    try:
+        import click
+
+        kinds += [click.exceptions.Exit, click.exceptions.Abort, click.ClickException]
+    except ImportError:  # typer >= 0.2x vendors click
+        pass
+    return tuple(kinds)
+
+
+_PASS_THROUGH = _pass_through()
+
+
+def internal_message(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:300]
+    return (f"internal error: {type(exc).__name__}: {text} — please report it at {ISSUES}; "
+            f"ONEITER_TRACEBACK=1 shows the traceback")
+
+
+def handle_errors(func: Callable) -> Callable:
+    """Map errors to exit codes: user errors (OneIterError, OSError on user files) to one line on stderr and 2,
+    anything else (a bug) to one line and 3, a closed stdout pipe to a quiet exit (see the module docstring)."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        _outcome.clear()
         try:
             return func(*args, **kwargs)
-        except (OneIterError, OSError) as exc:
-            if os.environ.get("ONEITER_TRACEBACK"):
+        except _PASS_THROUGH:
+            raise  # typer.Exit (a command's own exit code), usage errors: typer reports them
+        except BrokenPipeError:
+            _quiet_stdout()
+            raise typer.Exit(_outcome[0] if _outcome else EXIT_MATCH) from None
+        except SystemExit as exc:  # a plain rich Console's on_broken_pipe
+            if not isinstance(exc.__context__, BrokenPipeError):
                 raise
-            raise fail(cli_message(exc)) from None
+            _quiet_stdout()
+            raise typer.Exit(_outcome[0] if _outcome else EXIT_MATCH) from None
         except KeyboardInterrupt:
             err.print("interrupted")
             raise typer.Exit(130) from None
+        except (OneIterError, OSError) as exc:
+            _traceback()
+            raise fail(cli_message(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a bug of oneiter: exit 3, never a bare traceback
+            _traceback()
+            raise fail(internal_message(exc), EXIT_INTERNAL) from None
 
     return wrapper
+
+
+def _traceback() -> None:
+    if os.environ.get("ONEITER_TRACEBACK"):
+        err.file.write(traceback.format_exc())
+        err.file.flush()

@@ -2,7 +2,8 @@
 
 Thin on purpose: the work is in `oneiter.judge.engine` (and `report` for output; `ranks` for the files of a
 multi-rank run). torch/numpy are imported inside the command so `oneiter --help` stays fast. Exit codes: 0 match,
-1 divergence, 2 bad input, 3 inconclusive (the result's `exit_code`).
+1 divergence, 2 bad input or inconclusive (the result's `exit_code`), 3 an internal error. Report files are
+written atomically (`report.atomic`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from oneiter.errors import OneIterError
-from oneiter.cli.common import err, handle_errors, out
+from oneiter.cli.common import err, handle_errors, out, set_outcome, terminal_text
 
 __all__ = ["compare", "register"]
 
@@ -36,8 +37,8 @@ HELP = "\n\n".join([
     "never a pass.",
     "Default tolerances are torch.testing.assert_close's for each dtype (float32: rtol 1.3e-6, atol 1e-5); "
     "--rtol / --atol replace them. The terminal report, --json, --csv, --html and --tensorboard state one verdict. "
-    "Exit code: 0 match, 1 divergence, 2 bad input, 3 inconclusive (local data, but no call's own error could be "
-    "measured).",
+    "Exit code: 0 match, 1 divergence, 2 bad input or inconclusive (local data, but no call's own error could be "
+    "measured), 3 an internal error (please report it).",
     "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
     "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
     "rank and an overall one naming the rank. A rank missing on one side exits 2.",
@@ -123,6 +124,7 @@ def compare(
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, json_path))
 
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
+    set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
 
     # with `--json -` stdout carries only the JSON, so the human report moves to stderr
     report.print_report(err if json_to_stdout else out, result, show_all=show_all)
@@ -153,7 +155,7 @@ def _print_suggestion(result, console) -> None:
         console.print("suggest: nothing diverged, no region to record", markup=False)
         return
     for line in found.lines(result.reference, result.target):
-        console.print(line, markup=False)
+        console.print(terminal_text(line), markup=False)
 
 
 def _emit_json(json_path: Optional[Path], document) -> None:
@@ -166,7 +168,9 @@ def _emit_json(json_path: Optional[Path], document) -> None:
     if str(json_path) == "-":
         out.out(text, highlight=False)
         return
-    Path(json_path).write_text(text + "\n", encoding="utf-8")
+    from oneiter.report.atomic import write_text_atomic
+
+    write_text_atomic(json_path, text + "\n")  # whole or not at all: never a 0-byte report
     err.print(f"wrote {json_path}", markup=False)
 
 
@@ -176,7 +180,7 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
 
     result = compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     for note in result.notes:
-        err.print(f"warning: {note}", markup=False)
+        err.print(f"warning: {terminal_text(note)}", markup=False)
     return result
 
 
@@ -186,8 +190,9 @@ def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_a
     from oneiter.judge import ranks
 
     result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
+    set_outcome(result.exit_code)
     for note in result.notes:
-        err.print(f"warning: {note}", markup=False)
+        err.print(f"warning: {terminal_text(note)}", markup=False)
     json_to_stdout = json_path is not None and str(json_path) == "-"
     ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
     _emit_json(json_path, lambda: ranks.to_json(result))

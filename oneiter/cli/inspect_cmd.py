@@ -29,11 +29,6 @@ File = options.RecordingFile
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of the table.")]
 
 
-def _safe(text: str) -> str:
-    """Names from a damaged file may hold undecodable bytes: print them escaped."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _num(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:10.3e}"
 
@@ -50,6 +45,8 @@ def _header(summary) -> list[str]:
 def _table(summary):
     from rich.table import Table
 
+    from oneiter.report.terminal import cell
+
     table = Table(header_style="bold", box=None, pad_edge=False)
     for name in ("#", "module@call", "phase", "tensor", "shape", "dtype"):
         table.add_column(name, no_wrap=name != "module@call", overflow="fold")
@@ -59,9 +56,9 @@ def _table(summary):
     for i, t in enumerate(summary.tensors):
         shape = "x".join(str(s) for s in t.shape) or "scalar"
         bad = f"{t.num_nan}/{t.num_inf}" if (t.num_nan or t.num_inf) else ""
-        table.add_row(str(i), _safe(f"{t.module}@{t.call}"), t.phase, _safe(t.tensor), shape, t.dtype,
-                      _num(t.min), _num(t.max), _num(t.mean), _num(t.std), bad,
-                      style="yellow" if bad else "")
+        cells = (str(i), f"{t.module}@{t.call}", t.phase, t.tensor, shape, t.dtype,
+                 _num(t.min), _num(t.max), _num(t.mean), _num(t.std), bad)
+        table.add_row(*(cell(c) for c in cells), style="yellow" if bad else "")  # file text: never markup
     return table
 
 
@@ -77,7 +74,7 @@ def inspect(file: File, as_json: AsJson = False) -> None:
 
     from rich.text import Text
 
-    from oneiter.report.terminal import print_wide
+    from oneiter.report.terminal import print_wide, safe_text
     from oneiter.format.summary import summarize_file
 
     summary = summarize_file(file)
@@ -85,7 +82,7 @@ def inspect(file: File, as_json: AsJson = False) -> None:
         out.out(json.dumps(_as_json(summary), indent=1, default=str), highlight=False)
         return
     for line in _header(summary):
-        out.print(Text(_safe(line)))
+        out.print(Text(safe_text(line)))
     print_wide(out, _table(summary))
 
 

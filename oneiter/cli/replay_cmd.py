@@ -56,6 +56,8 @@ def _sci(value: float) -> str:
 def _table(result):
     from rich.table import Table
 
+    from oneiter.report.terminal import cell
+
     table = Table(header_style="bold", box=None, pad_edge=False)
     table.add_column("tensor", overflow="fold", min_width=8)
     for name in ("shape", "dtype", "bitwise"):
@@ -64,18 +66,23 @@ def _table(result):
         table.add_column(name, justify="right", no_wrap=True)
     for c in result.checks:
         shape = "x".join(str(s) for s in c.shape) or "scalar"
-        table.add_row(c.name, shape, c.dtype, "yes" if c.bitwise else "no", _sci(c.max_abs), _sci(c.rel_l2),
-                      style="" if c.matched else "bold red")
+        cells = (c.name, shape, c.dtype, "yes" if c.bitwise else "no", _sci(c.max_abs), _sci(c.rel_l2))
+        table.add_row(*(cell(x) for x in cells), style="" if c.matched else "bold red")  # file text: never markup
     return table
 
 
 def _verdict(result) -> str:
-    where = f"{result.key} ({result.class_name}) on {result.device}"
+    """The verdict line, in rich markup: the names in it come from the file, so they are escaped."""
+    from rich.markup import escape
+
+    from oneiter.report.terminal import safe_text
+
+    where = escape(safe_text(f"{result.key} ({result.class_name}) on {result.device}"))
     num = len(result.checks)
     if not num:
         return f"nothing to check: {where} has no recorded output or gradient tensor"
     if not result.matched:
-        names = ", ".join(c.name for c in result.checks if not c.matched)
+        names = escape(safe_text(", ".join(c.name for c in result.checks if not c.matched)))
         return f"[bold red]DIVERGED[/]: {where}: beyond tolerance: {names}"
     if result.bitwise:
         return f"[bold green]match[/]: {where} reproduces its {num} recorded tensors bitwise"
@@ -94,8 +101,10 @@ def print_report(console, result) -> None:
     console.print(_verdict(result), markup=True)
     if result.checks:
         console.print(_table(result))
+    from oneiter.report.terminal import safe_text
+
     for note in result.notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(f"note: {safe_text(note)}", markup=False)
     console.print(_timing_line(result), markup=False)
 
 
@@ -130,7 +139,9 @@ def replay(
     if to_stdout:
         out.out(json.dumps(result.as_dict(), indent=1), highlight=False)
     elif json_path is not None:
-        json_path.write_text(json.dumps(result.as_dict(), indent=1) + "\n", encoding="utf-8")
+        from oneiter.report.atomic import write_text_atomic
+
+        write_text_atomic(json_path, json.dumps(result.as_dict(), indent=1) + "\n")
         err.print(f"wrote {json_path}")
     raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
 

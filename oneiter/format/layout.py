@@ -58,6 +58,16 @@ _RAW_BITS = {
 }
 
 
+def check_name(name: str, what: str) -> None:
+    """Refuse, at record time, a module path or tensor name holding '/': HDF5 would read it as nested groups and
+    the recording could not be read back (a ModuleDict key or a dict output key such as 'a/b')."""
+    if "/" in name:
+        from oneiter.errors import OneIterError
+
+        raise OneIterError(f"cannot record {what} '{name}': it contains '/', which HDF5 reads as a group separator; "
+                           f"rename the ModuleDict or dict key")
+
+
 def call_key(module: str, call: int) -> str:
     """`layer1.0.conv1@0`: the group name of a module call, and the key reports use."""
     return f"{module or ROOT_MODULE}@{call}"
@@ -270,33 +280,36 @@ class IterationFile:
     def __init__(self, path: str | os.PathLike):
         import h5py
 
+        from oneiter.format import validate
+
         self.path = Path(path)
-        if not self.path.exists():
-            raise FormatError(f"'{self.path}' does not exist")
-        if self.path.is_dir():
-            raise FormatError(f"'{self.path}' is a directory, expected a .h5 file written by `oneiter record`")
+        validate.check_path(self.path)  # a FIFO or a device is refused before anything opens it
         try:
             self.file = h5py.File(self.path, "r")
         except OSError as exc:
             if not h5py.is_hdf5(self.path):
                 raise FormatError(f"'{self.path}' is not an HDF5 file") from None
             raise FormatError(f"'{self.path}' cannot be read: truncated or corrupt HDF5 ({_first_line(exc)})") from None
-        self.meta = {k: _plain(v) for k, v in self.file.attrs.items()}
-        self._validate()
+        try:
+            self.meta = validate.read_attrs(self.file, "the root group", self.path)
+            self._validate()
+        except BaseException:
+            self.close()
+            raise
 
     def _validate(self) -> None:
-        if self.meta.get("schema") != SCHEMA:
-            self.close()
-            raise FormatError(f"'{self.path}' is an HDF5 file but not a oneiter recording (schema attribute missing)")
-        if int(self.meta.get("schema_version", 0)) > SCHEMA_VERSION:
-            self.close()
-            raise FormatError(
-                f"'{self.path}' has schema version {self.meta['schema_version']}, this oneiter reads up to "
-                f"{SCHEMA_VERSION}: upgrade oneiter"
-            )
-        if not self.meta.get("complete"):
-            self.close()
-            raise FormatError(f"'{self.path}' is incomplete: the run that wrote it did not finish")
+        """Everything a reader relies on, checked once here (`format/validate.py`, docs/format.md "Reading
+        untrusted files"): root attributes, then every link and dataset of the file, then the /stats table."""
+        from oneiter.format import validate
+
+        validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
+        validate.check_tree(self.file, self.path)
+        try:
+            self.stats_index
+        except FormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a damaged row
+            raise FormatError(f"'{self.path}': the /{STATS} table cannot be read ({_first_line(exc)})") from None
 
     def __enter__(self) -> "IterationFile":
         return self
@@ -314,12 +327,12 @@ class IterationFile:
     def dtype_of(self, path: str) -> str:
         if path in self.stats_index:
             return self.stats_index[path][1]
-        return _plain(self.file[path].attrs["dtype"])
+        return _plain(self._dataset(path).attrs["dtype"])
 
     def shape_of(self, path: str) -> tuple[int, ...]:
         if path in self.stats_index:
             return self.stats_index[path][2]
-        return tuple(self.file[path].shape)
+        return tuple(self._dataset(path).shape)
 
     @property
     def stats_index(self) -> dict[str, tuple]:
@@ -332,6 +345,8 @@ class IterationFile:
             if table is not None:
                 for row in table[()]:
                     shape = tuple(int(s) for s in _plain(row["shape"]).split(",") if s)
+                    if any(s < 0 for s in shape):
+                        raise ValueError(f"negative dimension in shape '{_plain(row['shape'])}'")
                     stats = Stats([row[n] for n in FIELDS], (row["checksum0"], row["checksum1"]),
                                   _plain(row["checksum_kind"]))
                     self._stats_index[_plain(row["path"])] = (stats, _plain(row["dtype"]), shape)
@@ -339,7 +354,7 @@ class IterationFile:
 
     def dataset_id(self, path: str):
         """Identity of what is stored at `path`: equal for two names hard-linked to one dataset."""
-        return ("stats", path) if path in self.stats_index else self.file[path].id
+        return ("stats", path) if path in self.stats_index else self._dataset(path).id
 
     def is_stats(self, path: str) -> bool:
         """A stats-level entry (`record --level stats`): statistics and a checksum, no tensor data."""
@@ -365,8 +380,15 @@ class IterationFile:
         if path in self.stats_index:
             raise FormatError(f"'{self.path}' holds only statistics for '{path}' (recorded with --level stats): "
                               f"this needs a full recording")
-        dset = self.file[path]
+        dset = self._dataset(path)
         return dset[()] if dset.shape == () else dset[...]
+
+    def _dataset(self, path: str):
+        """The h5py dataset at `path` (checked by `validate` when the file was opened); missing: a FormatError."""
+        dset = self.file.get(path)
+        if dset is None:
+            raise FormatError(f"'{self.path}' holds no '{path}': the file is damaged")
+        return dset
 
     def read(self, path: str) -> np.ndarray:
         """The tensor as numbers numpy can compute with (bfloat16 decoded to float32, exactly)."""
@@ -524,7 +546,7 @@ def _table_dtype(fields) -> np.dtype:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, bytes):
-        return value.decode()
+        return value.decode("utf-8", "backslashreplace")
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):

@@ -35,7 +35,7 @@ from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import CompareResult, compare_files
 from oneiter.judge.verdict import RankedVerdict, decide_ranked
-from oneiter.report.terminal import json_ready, print_report
+from oneiter.report.terminal import json_ready, print_report, safe_text
 
 __all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks", "print_ranked", "to_json"]
 
@@ -174,14 +174,14 @@ def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = Fal
     """Overall verdict, one line per rank, then the full report of each rank that did not match (every rank with
     show_all)."""
     overall = ranked.verdict_obj
-    console.print(Text(overall.headline, style="bold " + _STYLES[overall.status]))
+    console.print(Text(safe_text(overall.headline), style="bold " + _STYLES[overall.status]))
     for rank, result in ranked.results.items():
-        console.print(Text(f"rank {rank:<3} {result.verdict_obj.headline}", style=_STYLES[result.status]))
+        console.print(Text(safe_text(f"rank {rank:<3} {result.verdict_obj.headline}"), style=_STYLES[result.status]))
     if overall.note:
-        console.print(Text(overall.note, style="yellow"))
+        console.print(Text(safe_text(overall.note), style="yellow"))
     for rank, result in ranked.results.items():
         if show_all or result.status != "match":
-            console.print(Text(f"\n-- rank {rank}: {result.reference} vs {result.target} --", style="bold"))
+            console.print(Text("\n" + safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --"), style="bold"))
             print_report(console, result, show_all=show_all)
 
 

@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, grad_name, group_path, seq_kind
+from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, check_name, grad_name, group_path, seq_kind
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
 
@@ -73,6 +73,7 @@ class TensorSink:
 
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
             return
+        check_name(name, f"'{group}' entry")
         path = group_path(group, name)
         with self._lock:
             hit = self._seen.get(id(tensor))
@@ -176,6 +177,7 @@ class ModuleCapture:
         for path, module in self.model.named_modules():
             if not self.select(path):
                 continue
+            check_name(path, "module")
             self._names[id(module)] = path
             self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))

@@ -3,4 +3,5 @@
 - `terminal.py`    the terminal report, JSON and CSV
 - `html.py`        the self-contained HTML page
 - `tensorboard.py` TensorBoard curves and histograms
+- `atomic.py`      report files written whole or not at all (temporary file + rename)
 """

@@ -386,8 +386,10 @@ def render_html(result: Union[CompareResult, Document]) -> str:
 
 def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path]) -> Path:
     """Write the report page for `result_json` (the dict of `report.to_json`, or a CompareResult) to `path`."""
+    from oneiter.report.atomic import write_text_atomic
+
     path = Path(path)
-    path.write_text(render_html(result_json), encoding="utf-8")
+    write_text_atomic(path, render_html(result_json))  # whole or not at all
     return path
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,14 +45,34 @@ from rich.text import Text
 
 from oneiter.judge.engine import CompareResult, Row, nan_inf_text
 
-__all__ = ["to_json", "json_ready", "write_csv", "print_report", "rows_to_show", "print_wide", "BEFORE", "AFTER"]
+__all__ = ["to_json", "json_ready", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
+           "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
 
 
-def _safe(text: str) -> str:
-    """Names read from a damaged file can hold undecodable bytes (surrogates): show them escaped, never crash."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+# C0 and C1 control characters (ESC starts colour and cursor sequences, CR overprints a line), DEL, line and
+# paragraph separators and the bidirectional overrides that reorder what a terminal shows
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape_char(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: object) -> str:
+    """Text read from a file (module names, attributes, paths) as the terminal should show it: control characters
+    as visible escapes (`\\x1b[31m` prints as those six characters, not as red) and undecodable bytes as
+    `\\udcxx`; never crashes. Rich markup in it (`[bold]`) must still not be parsed: print it as a `Text`, with
+    `markup=False`, or through `rich.markup.escape`."""
+    text = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return _CONTROL.sub(_escape_char, text)
+
+
+def cell(text: object) -> Text:
+    """A table cell holding file text: a `Text` (a plain `str` cell would be parsed as rich markup)."""
+    return Text(safe_text(text))
 
 
 def _sci(value: Optional[float]) -> str:
@@ -100,8 +121,10 @@ def _local_dict(result: CompareResult, row: Row) -> Optional[dict[str, Any]]:
 def write_csv(result: CompareResult, path: str | Path) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
     the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics."""
+    from oneiter.report.atomic import atomic_output
+
     rows = [_row_dict(result, i) for i in range(len(result.rows))]
-    with open(path, "w", encoding="utf-8", errors="backslashreplace", newline="") as fh:
+    with atomic_output(path, errors="backslashreplace", newline="") as fh:  # whole or not at all
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])
         writer.writeheader()
         for data in rows:
@@ -163,7 +186,7 @@ def _table(result: CompareResult, indices: list[int], caption: str) -> Table:
                 _sci(local.rel_l2), _sci(local.expected), f"{local.ratio:5.1f}x" + ("!" if local.flagged else " ")]
         if i == focus:
             cells[0] = f">{i}"  # visible without colour too (pipes, CI logs)
-        table.add_row(*cells, style=_style(result, i, focus))
+        table.add_row(*(cell(c) for c in cells), style=_style(result, i, focus))
     return table
 
 
@@ -176,7 +199,7 @@ def _cells(row: Row, index: int) -> list[str]:
     dtype = _pair(row.dtype or "-", row.dtype_target or "-")
     numbers = ["-"] * 5 if m is None else [
         _sci(m.max_abs), _sci(m.max_rel), _sci(m.rel_l2), f"{m.cosine:9.6f}", f"{m.frac_out:7.2%}"]
-    return [str(index), _safe(row.name), row.status, nan_inf_text(m), *numbers, shape, dtype]
+    return [str(index), row.name, row.status, nan_inf_text(m), *numbers, shape, dtype]
 
 
 def _style(result: CompareResult, index: int, focus: Optional[int]) -> str:
@@ -199,14 +222,14 @@ def _describe(meta: dict) -> str:
 def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
     """Verdict, inputs, counts, then the table of the rows that matter."""
     verdict = result.verdict_obj
-    console.print(Text(_safe(verdict.headline), style=_STYLES[verdict.status]))
+    console.print(Text(safe_text(verdict.headline), style=_STYLES[verdict.status]))
     for line in verdict.details:
-        console.print(Text(_safe(line), style="yellow" if line.startswith(("hint:", "NaN/Inf")) else ""))
+        console.print(Text(safe_text(line), style="yellow" if line.startswith(("hint:", "NaN/Inf")) else ""))
     for label, path, meta in (("reference", result.reference, result.meta_reference),
                               ("target", result.target, result.meta_target)):
         loss = result.loss.get(label)
         loss_text = f", loss {loss:.6e}" if loss is not None else ""
-        console.print(Text(_safe(f"{label:<9} {path} ({_describe(meta)}{loss_text})")))
+        console.print(Text(safe_text(f"{label:<9} {path} ({_describe(meta)}{loss_text})")))
     counts = ", ".join(f"{n} {status}" for status, n in result.counts().items() if n)
     console.print(Text(f"entries   {len(result.rows)}: {counts}"))
     indices, caption = rows_to_show(result, show_all=show_all)
@@ -219,4 +242,4 @@ def print_wide(console: Console, table: Table) -> None:
     if console.is_terminal:
         console.print(table)
         return
-    Console(file=console.file, width=10_000, highlight=False, color_system=None).print(table)
+    type(console)(file=console.file, width=10_000, highlight=False, color_system=None).print(table)

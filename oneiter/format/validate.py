@@ -1,0 +1,363 @@
+"""Reading untrusted recordings safely: the checks `IterationFile` runs before anything reads a file.
+
+A recording may come from anywhere (a colleague, a bug report, a CI artifact), so opening one must never read
+another file, hang, allocate without bound or fail with a traceback. `IterationFile.__init__` (the one door every
+reader goes through: compare, inspect, replay, `record --replay`, the mmengine hook) calls, in order:
+
+- `check_path`: the path is a regular file (a FIFO would block `open` forever, a device read without end);
+- `check_root_attrs`: `schema`, `schema_version` (an int this version reads), `complete` (the boolean True) and
+  the type of every other root attribute a reader uses;
+- `check_tree`: every link in the file, walked without following any first: no external links, soft links only
+  to a dataset inside the file, no second link to a group (so no cycles), no committed datatypes; every dataset
+  stored in the file itself (no external raw storage, no virtual dataset, only HDF5's built-in filters) and
+  holding the bytes its shape says (a chunked dataset of 2**33 unwritten elements is refused, not read as
+  gigabytes of fill value); tensors numeric with a `dtype` attribute that matches their stored type; tables
+  with their columns; call groups with typed attributes.
+
+Every refusal is a `FormatError`: one line naming the file, the object or attribute, what was expected and what
+was found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from typing import Any
+
+import numpy as np
+
+from oneiter.errors import FormatError
+
+__all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION"]
+
+# HDF5's own filters (deflate, shuffle, fletcher32, szip, nbit, scaleoffset) and h5py's built-in lzf: never a plugin
+# (HDF5 loads unknown filters as shared libraries from its plugin path)
+_BUILTIN_FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
+MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many times its stored bytes (+ 1 MiB)
+
+_INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration")
+_STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version")
+_JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
+               "fallback_counts": dict}
+_CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu")}
+_CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
+                   "seq_grad_input")
+_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random")
+_TABLES = ("local", "unprobed", "stats")
+# torch dtypes stored as the numpy type of the same name (the others are raw bits: `layout._RAW_BITS`)
+_NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                "uint64", "bool", "complex64", "complex128"}
+_RANDOM_NAME = re.compile(r"\d+(\.\d+)?")
+_BATCH_NAME = re.compile(r"input\.\d+")
+
+
+def _fail(path, text: str) -> FormatError:
+    return FormatError(f"'{path}': {text}")
+
+
+def shown(value: Any) -> str:
+    """A value found in a file, for a message: short, one line, with its type."""
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+# -- before opening -------------------------------------------------------------------------------------------------
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_path(path) -> None:
+    """Refuse what is not a regular file before anything opens it: opening a FIFO blocks until a writer comes."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise FormatError(f"'{path}' does not exist") from None
+    except OSError as exc:
+        raise FormatError(f"'{path}' cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise FormatError(f"'{path}' is a directory, expected a .h5 file written by `oneiter record`")
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise FormatError(f"'{path}' is {kind}, expected a regular .h5 file written by `oneiter record`")
+
+
+# -- attributes -----------------------------------------------------------------------------------------------------
+def read_attrs(obj, where: str, path) -> dict[str, Any]:
+    """The attributes of an HDF5 object as plain Python values; an unreadable one is a one-line FormatError."""
+    from oneiter.format.layout import _plain
+
+    values = {}
+    try:
+        names = list(obj.attrs.keys())
+    except Exception as exc:  # noqa: BLE001 - h5py raises OSError, TypeError, ... on damaged attribute headers
+        raise _fail(path, f"the attributes of {where} cannot be read ({_first_line(exc)})") from None
+    for name in names:
+        try:
+            values[name] = _plain(obj.attrs[name])
+        except Exception as exc:  # noqa: BLE001
+            raise _fail(path, f"attribute '{name}' of {where} cannot be read ({_first_line(exc)})") from None
+    return values
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(path, where: str, name: str, wanted: str, value) -> FormatError:
+    return _fail(path, f"{where}attribute '{name}': expected {wanted}, got {shown(value)}")
+
+
+def check_root_attrs(meta: dict[str, Any], path, supported: int, schema: str) -> None:
+    """The root attributes every reader relies on, with their types; the order decides which message a file that
+    is wrong in several ways gets (not a oneiter file, too new, incomplete, then the rest)."""
+    if meta.get("schema") != schema:
+        raise FormatError(f"'{path}' is an HDF5 file but not a oneiter recording (schema attribute missing)")
+    version = meta.get("schema_version")
+    if "schema_version" not in meta:
+        raise _fail(path, f"root attribute 'schema_version' is missing (expected an integer from 1 to {supported})")
+    if not _is_int(version) or version < 1:
+        raise _expect(path, "root ", "schema_version", f"an integer from 1 to {supported}", version)
+    if version > supported:
+        raise FormatError(f"'{path}' has schema version {version}, this oneiter reads up to {supported}: "
+                          f"upgrade oneiter")
+    complete = meta.get("complete")
+    if complete is False or "complete" not in meta:
+        raise FormatError(f"'{path}' is incomplete: the run that wrote it did not finish")
+    if complete is not True:
+        raise _expect(path, "root ", "complete", "the boolean True (a finished recording)", complete)
+    for name in _INT_ATTRS:
+        if name in meta and not _is_int(meta[name]):
+            raise _expect(path, "root ", name, "an integer", meta[name])
+    for name in ("batch_size", "num_calls", "num_threads", "num_random_ops", "rank"):
+        if name in meta and meta[name] < 0:
+            raise _expect(path, "root ", name, "an integer >= 0", meta[name])
+    if "world_size" in meta and meta["world_size"] < 1:
+        raise _expect(path, "root ", "world_size", "an integer >= 1", meta["world_size"])
+    if "rng_seed" in meta and not (_is_int(meta["rng_seed"]) or meta["rng_seed"] == ""):
+        raise _expect(path, "root ", "rng_seed", "an integer or \"\"", meta["rng_seed"])
+    for name in _STR_ATTRS:
+        if name in meta and not isinstance(meta[name], str):
+            raise _expect(path, "root ", name, "a string", meta[name])
+    for name, choices in _CHOICES.items():
+        if name in meta and meta[name] not in choices:
+            raise _expect(path, "root ", name, " or ".join(f"'{c}'" for c in choices), meta[name])
+    if "random_replay" in meta and not isinstance(meta["random_replay"], bool):
+        raise _expect(path, "root ", "random_replay", "a boolean", meta["random_replay"])
+    if "loss" in meta and (not isinstance(meta["loss"], (int, float)) or isinstance(meta["loss"], bool)):
+        raise _expect(path, "root ", "loss", "a number", meta["loss"])
+    for name, kind in _JSON_ATTRS.items():
+        value = meta.get(name)
+        if value in (None, ""):
+            continue
+        try:
+            parsed = json.loads(value) if isinstance(value, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, kind):
+            raise _expect(path, "root ", name, f"a JSON {'object' if kind is dict else 'list'} string", value)
+
+
+def _check_call_attrs(attrs: dict[str, Any], key: str, path) -> None:
+    where = f"call group '{key}' "
+    for name in ("module", "call"):
+        if name not in attrs:
+            raise _fail(path, f"{where}has no attribute '{name}'")
+    for name in ("module", "parent", "class_name"):
+        if name in attrs and not isinstance(attrs[name], str):
+            raise _expect(path, where, name, "a string", attrs[name])
+    if not _is_int(attrs["call"]) or attrs["call"] < 0:
+        raise _expect(path, where, "call", "an integer >= 0", attrs["call"])
+    for name in _CALL_INT_ATTRS:
+        if name in attrs and not _is_int(attrs[name]):
+            raise _expect(path, where, name, "an integer", attrs[name])
+
+
+# -- the tree -------------------------------------------------------------------------------------------------------
+def check_tree(file, path) -> None:
+    """Walk every link of the open h5py file, link objects first (nothing followed before it is checked)."""
+    import h5py
+
+    seen_groups = {file.id}
+    seen_datasets: set = set()
+    stack = [("", file)]
+    while stack:
+        where, group = stack.pop()
+        try:
+            names = list(group.keys())
+        except Exception as exc:  # noqa: BLE001
+            raise _fail(path, f"group '/{where}' cannot be listed ({_first_line(exc)}); the file is damaged") from None
+        for name in names:
+            full = f"{where}/{name}" if where else name
+            try:
+                link = group.get(name, getlink=True)
+            except Exception as exc:  # noqa: BLE001
+                raise _fail(path, f"link '/{full}' cannot be read ({_first_line(exc)})") from None
+            if isinstance(link, h5py.ExternalLink):
+                raise _fail(path, f"'/{full}' is an external link to '{link.filename}' (path '{link.path}'): "
+                                  f"a recording never refers to other files")
+            if isinstance(link, h5py.SoftLink):
+                obj = _soft_target(group, name, full, link.path, path)
+            elif isinstance(link, h5py.HardLink):
+                try:
+                    obj = group.get(name)
+                except Exception as exc:  # noqa: BLE001
+                    raise _fail(path, f"'/{full}' cannot be opened ({_first_line(exc)}); the file is damaged") from None
+            else:
+                raise _fail(path, f"'/{full}' is a user-defined link ({type(link).__name__}): not in a recording")
+            if isinstance(obj, h5py.Group):
+                if obj.id in seen_groups:
+                    raise _fail(path, f"'/{full}' is a second link to a group already in the file (a cycle?): "
+                                      f"a recording links only datasets")
+                seen_groups.add(obj.id)
+                _check_group(obj, full, path)
+                stack.append((full, obj))
+            elif isinstance(obj, h5py.Dataset):
+                if obj.id not in seen_datasets:
+                    seen_datasets.add(obj.id)
+                    _check_storage(obj, full, path)
+                _check_dataset(obj, full, path)
+            else:
+                raise _fail(path, f"'/{full}' is a {type(obj).__name__}, expected a group or a dataset")
+
+
+def _soft_target(group, name: str, full: str, target: str, path):
+    """The dataset a soft link names; refused when it dangles or names a group (which could close a cycle)."""
+    import h5py
+
+    try:
+        obj = group.get(name)
+    except Exception:  # noqa: BLE001 - a chain of soft links longer than HDF5 allows, or a loop
+        obj = None
+    if obj is None:
+        raise _fail(path, f"'/{full}' is a soft link to '{target}', which does not exist in the file")
+    if not isinstance(obj, h5py.Dataset):
+        raise _fail(path, f"'/{full}' is a soft link to '{target}', a {type(obj).__name__}: a recording's links "
+                          f"name datasets only")
+    return obj
+
+
+def _check_group(group, full: str, path) -> None:
+    """Groups where the layout has groups; call groups' attributes."""
+    parts = full.split("/")
+    top = parts[0]
+    if top in (*_TABLES, "loss"):
+        raise _fail(path, f"'/{full}' is a group, expected a dataset")
+    if top in _TENSOR_GROUPS and len(parts) > 1:
+        raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
+    if top == "calls":
+        if len(parts) == 2:
+            module, at, call = parts[1].rpartition("@")
+            if not at or not call.isdigit():
+                raise _fail(path, f"'/{full}': expected a call group named <module>@<call>")
+            _check_call_attrs(read_attrs(group, f"'/{full}'", path), parts[1], path)
+        elif len(parts) == 3 and parts[2] not in ("forward", "backward", "local"):  # local: version 1, unread
+            raise _fail(path, f"'/{full}': expected 'forward' or 'backward' in a call group, got '{parts[2]}'")
+        elif len(parts) > 3:
+            raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
+    if top in ("state_before", "param_grads", "state_after") and len(parts) == 1:
+        order = read_attrs(group, f"'/{full}'", path).get("order")
+        if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
+            raise _expect(path, f"group '/{full}' ", "order", "a list of strings", order)
+    if top == "random" and len(parts) == 1:
+        num_ops = read_attrs(group, f"'/{full}'", path).get("num_ops", 0)
+        if not _is_int(num_ops) or num_ops < 0:
+            raise _expect(path, f"group '/{full}' ", "num_ops", "an integer >= 0", num_ops)
+
+
+def _check_storage(dset, full: str, path) -> None:
+    """Data stored in this file only, by built-in filters, with as many bytes as the shape says."""
+    import h5py
+
+    try:
+        plist = dset.id.get_create_plist()
+        if dset.is_virtual or plist.get_layout() == h5py.h5d.VIRTUAL:
+            raise _fail(path, f"'/{full}' is a virtual dataset (its data lives in other files): not in a recording")
+        if plist.get_external_count() > 0:
+            target = plist.get_external(0)[0]
+            target = target.decode("utf-8", "backslashreplace") if isinstance(target, bytes) else target
+            raise _fail(path, f"'/{full}' keeps its data in the external file '{target}': a recording stores "
+                              f"every tensor inside itself")
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        unknown = [f for f in filters if f not in _BUILTIN_FILTERS]
+        if unknown:
+            raise _fail(path, f"'/{full}' needs HDF5 filter {unknown[0]}, not a built-in one: refused (a plugin "
+                              f"would run code)")
+        logical = int(dset.size) * int(dset.id.get_type().get_size())
+        stored = int(dset.id.get_storage_size())
+    except FormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(path, f"'/{full}' cannot be read ({_first_line(exc)}); the file is damaged") from None
+    if not filters and stored < logical:
+        raise _fail(path, f"'/{full}' has shape {tuple(dset.shape)} ({logical} bytes) but stores {stored} bytes: "
+                          f"a sparse or truncated dataset")
+    if filters and logical > MAX_EXPANSION * stored + 2**20:
+        raise _fail(path, f"'/{full}' would expand from {stored} stored bytes to {logical}: refused")
+
+
+def _check_dataset(dset, full: str, path) -> None:
+    """Tensors: numeric, with a `dtype` attribute matching the stored type; tables: their columns."""
+    from oneiter.format.layout import _RAW_BITS
+
+    parts = full.split("/")
+    top = parts[0]
+    tensor = (top == "loss" and len(parts) == 1) or (top in _TENSOR_GROUPS and len(parts) == 2) or \
+        (top == "calls" and len(parts) == 4 and parts[2] in ("forward", "backward"))
+    if top == "calls" and len(parts) < 4:
+        raise _fail(path, f"'/{full}' is a dataset, expected a group")
+    if top in _TENSOR_GROUPS and len(parts) == 1:
+        raise _fail(path, f"'/{full}' is a dataset, expected a group")
+    try:
+        dtype = dset.dtype
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(path, f"'/{full}' has an HDF5 type numpy cannot read ({_first_line(exc)})") from None
+    if top in _TABLES and len(parts) == 1:
+        _check_table(dset, dtype, full, path)
+        return
+    if not tensor:
+        return
+    if dtype.names is not None or dtype.kind not in "biufc":
+        raise _fail(path, f"'/{full}': expected a numeric tensor dataset, got HDF5 type {dtype}")
+    if top == "batch" and not _BATCH_NAME.fullmatch(parts[1]):
+        raise _fail(path, f"'/{full}': expected a batch tensor named input.<i>")
+    if top == "random" and not _RANDOM_NAME.fullmatch(parts[1]):
+        raise _fail(path, f"'/{full}': expected a random op named <index> or <index>.<output>")
+    attrs = read_attrs(dset, f"'/{full}'", path)
+    if top == "random" and not isinstance(attrs.get("op"), str):
+        raise _expect(path, f"dataset '/{full}' ", "op", "a string", attrs.get("op"))
+    name = attrs.get("dtype")
+    if not isinstance(name, str):
+        raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name (string)", name)
+    if name in _RAW_BITS:
+        expected = np.dtype(_RAW_BITS[name])
+    elif name in _NUMPY_NAMED:
+        expected = np.dtype(name)
+    else:
+        raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name", name)
+    if expected != dtype:
+        raise _fail(path, f"'/{full}': attribute 'dtype' says {name}, which is stored as {expected}, but the data "
+                          f"is {dtype}")
+
+
+def _check_table(dset, dtype, full: str, path) -> None:
+    from oneiter.format.layout import LOCAL_FIELDS, UNPROBED_FIELDS, _stats_fields
+    from oneiter.format.stats import FIELDS
+
+    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": _stats_fields(FIELDS)}[full]
+    if dtype.names is None or len(dset.shape) != 1:
+        raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {tuple(dset.shape)}")
+    kinds = {"str": "OSU", "i8": "iu", "f8": "f"}
+    for name, kind in fields:
+        if name not in dtype.names or dtype[name].kind not in kinds[kind]:
+            got = dtype[name] if name in dtype.names else "no such column"
+            raise _fail(path, f"'/{full}': column '{name}': expected {kind}, got {got}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -564,7 +564,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         reference=str(ref.path), target=str(tgt.path),
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
-        notes=[note] if note else [],
+        notes=[note] if note and first is not None else [],  # two equal recordings need no explaining
     )
 
 

@@ -76,7 +76,8 @@ def cell(text: object) -> Text:
 
 
 def _sci(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:9.2e}"
+    """A metric; "-" where it was not measured (None, or NaN: a stats-level entry has no elementwise numbers)."""
+    return "-" if value is None or value != value else f"{value:9.2e}"
 
 
 # -- JSON / CSV -----------------------------------------------------------------------------------------------------
@@ -198,7 +199,8 @@ def _cells(row: Row, index: int) -> list[str]:
         shape = _dims(row.shape or row.shape_target)
     dtype = _pair(row.dtype or "-", row.dtype_target or "-")
     numbers = ["-"] * 5 if m is None else [
-        _sci(m.max_abs), _sci(m.max_rel), _sci(m.rel_l2), f"{m.cosine:9.6f}", f"{m.frac_out:7.2%}"]
+        _sci(m.max_abs), _sci(m.max_rel), _sci(m.rel_l2), "-" if m.cosine != m.cosine else f"{m.cosine:9.6f}",
+        f"{m.frac_out:7.2%}"]
     return [str(index), row.name, row.status, nan_inf_text(m), *numbers, shape, dtype]
 
 

@@ -72,7 +72,7 @@ def profile_command(
     with_flops: Annotated[bool, _opt("--with-flops", help="Estimate FLOPs of matmul/conv ops.")] = False,
     memory_sort: Annotated[str, _opt("--memory-sort", help="Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
     module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help="Forward/backward ranges per module path (the module table).")] = True,
-    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help="Also time as many unprofiled steps, report the ratio.")] = True,
+    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help="Also time unprofiled steps (as many as recorded, at least 5) and report the ratio of median step times, or that the machine is too noisy to tell.")] = True,
     max_steps: Annotated[int, _opt("--max-steps", help="Refuse schedules that need more training steps than this.")] = 100,
     limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
     force: opt.Force = False,
@@ -131,8 +131,7 @@ def _report(result, limit: int | None) -> str:
                      f"({cycle['trace_json_bytes'] / 2**20:.1f} MiB JSON, written in {cycle['export_seconds']:.2f} s)")  # fmt: skip
     if result.overhead:
         o = result.overhead
-        lines.append(f"overhead: {o['ratio']:.2f}x (fastest recorded step {o['profiled_step_s'] * 1000:.1f} ms, "
-                     f"fastest unprofiled {o['unprofiled_step_s'] * 1000:.1f} ms, {o['num_steps']} steps each)")  # fmt: skip
+        lines.append(f"overhead: {o['verdict']}")
     device = s["device"] != "cpu"
     lines += ["", f"== ops (last cycle, steps {last['steps']}) ==", format_ops(last["ops"], limit, device=device)]
     if s["options"]["profile_memory"]:

@@ -1,8 +1,8 @@
 """`OneIterProfilerHook`: profile a Runner's training iterations with the exports of `oneiter profile`.
 
 Where it sits: the mmengine counterpart of `profile/runner.py`, imported (and so registered) by
-`oneiter.integrations.mmengine`. It reuses that library whole: the schedule (`profile/schedule.py`), the one trace
-handler (`runner.CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and
+`oneiter.integrations.mmengine`. Both drive one `profile.session.ProfileSession` (profiler, clock, overhead), so it
+reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`runner.CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and
 `summary.json`), the per-module ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice
 when both a TensorBoard trace and `json_trace_path` are configured, and torch refuses the second export
 ("RuntimeError: Trace is already saved"); here the handler writes one gzipped Chrome trace, which TensorBoard's
@@ -10,8 +10,9 @@ profiler plugin, Perfetto and chrome://tracing all open.
 
 Steps: schedule step 0 is the first training iteration of this run (`first_iter` in summary.json; nonzero after
 a resume); the profiler starts in `before_train`, steps after every iteration and stops as soon as the schedule is
-done, so the rest of training runs unprofiled. The next as many iterations as were recorded are timed without the
-profiler, for the profiled/unprofiled ratio (`overhead` in summary.json) that `oneiter profile` reports.
+done, so the rest of training runs unprofiled. The next iterations (as many as were recorded, at least 5) are
+timed without the profiler, for the overhead (`overhead` in summary.json: ratio of medians, spreads, or "machine
+too noisy to tell") that `oneiter profile` reports.
 
 Limits: mmengine calls no hook when training raises, so after an exception the profiler and the module ranges
 (observation only: they never change a value) stay on the model of that failed run.
@@ -19,9 +20,7 @@ Limits: mmengine calls no hook when training raises, so after an exception the p
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -29,11 +28,7 @@ from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
 from oneiter.errors import OneIterError
-from oneiter.profile.module_ranges import ModuleRanges
-from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
-from oneiter.profile.runner import (
-    ProfileOptions, activities, CycleExporter, memory_history, option_warnings, overhead, summary_head, sync,
-)  # fmt: skip
+from oneiter.profile.runner import ProfileOptions
 from oneiter.profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
 from oneiter.profile.summary import prepare_out_dir, write_summary
 from oneiter.profile.tables import MEMORY_SORTS
@@ -106,74 +101,63 @@ class OneIterProfilerHook(Hook):
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.model_name = model_name
         self.summary: Optional[dict[str, Any]] = None  # summary.json's content once profiling started
-        self._prof = None
-        self._stack: Optional[contextlib.ExitStack] = None
-        self._ranges: Optional[ModuleRanges] = None
+        self.session = None  # the ProfileSession, from before_train on
         self._device = None
-        self._step = 0
-        self._started = 0.0
-        self._active: list[float] = []  # wall time of each recorded step
-        self._plain: Optional[list[float]] = None  # wall time of unprofiled steps after the profiler stopped
+        self._timing_unprofiled = False  # after the profiler stopped: timing plain steps for the overhead
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
+        from oneiter.profile.session import ProfileSession
+
         remaining = runner.max_iters - runner.iter
         if self.schedule.num_steps > remaining:
             raise ValueError(
                 f"schedule should fit in the training run, but {self.schedule} needs {self.schedule.num_steps} "
                 f"iterations and only {remaining} remain: its active window would never be reached"
             )
-        quiet_kineto_env()
         model = _unwrap(runner.model)
         options = self._options(runner, model)
         out_dir = prepare_out_dir(Path(options.out_dir), options.force)
-        module_info = {p: (type(m).__name__, not any(True for _ in m.children())) for p, m in model.named_modules()}
-        self.summary = summary_head(options, self.schedule, self._device)
-        self.summary.update(first_iter=runner.iter, framework="mmengine")
-        self.summary["warnings"] += option_warnings(options, self.schedule, len(module_info))
-        exporter = CycleExporter(options, self.schedule, out_dir, self.summary,
-                                  module_info if options.module_ranges else {})  # fmt: skip
-        self._start(runner, model, options, exporter)
+        self.session = ProfileSession(model, options, self.schedule, self._device, out_dir,
+                                      extra={"first_iter": runner.iter, "framework": "mmengine"})
+        self.summary = self.session.summary
+        self.session.start()
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if self._prof is not None or self._plain is not None:
-            sync(self._device)
-            self._started = time.perf_counter()
+        if self.session is not None and (self.session.profiling or self._timing_unprofiled):
+            self.session.begin_step()
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._prof is not None:
-            sync(self._device)
-            seconds = time.perf_counter() - self._started
-            if self.schedule.phase(self._step) == "active":
-                self._active.append(seconds)
-            with native_output_filtered():
-                self._prof.step()  # the trace handler runs in here after the last step of each active window
-            self._step += 1
-            if self._step >= self.schedule.num_steps:
+        session = self.session
+        if session is None:
+            return
+        if session.profiling:
+            session.end_step()
+            if session.done:
                 self._stop(runner)
-        elif self._plain is not None:
-            sync(self._device)
-            self._plain.append(time.perf_counter() - self._started)
-            if len(self._plain) >= len(self._active):
-                self.summary["overhead"] = overhead(self._active, self._plain)
-                self._plain = None
-                write_summary(self.out_dir, self.summary)
+        elif self._timing_unprofiled:
+            session.end_unprofiled_step()
+            if len(session.unprofiled) >= session.unprofiled_wanted:
+                self._timing_unprofiled = False
+                session.finish()
 
     def after_train(self, runner) -> None:
-        if self._prof is not None:
-            self.summary["warnings"].append(
-                f"training ended after {self._step} of the schedule's {self.schedule.num_steps} steps: "
+        session = self.session
+        if session is not None and session.profiling:
+            session.summary["warnings"].append(
+                f"training ended after {session.step} of the schedule's {self.schedule.num_steps} steps: "
                 "cycles not finished have no trace"
             )
             self._stop(runner)
-        if self._plain is not None:
-            self.summary["notes"].append("training ended before as many unprofiled steps as profiled ones ran: "
-                                         "no overhead measurement")  # fmt: skip
-            self._plain = None
-            write_summary(self.out_dir, self.summary)
+        if session is not None and self._timing_unprofiled:
+            session.summary["notes"].append(
+                f"training ended after {len(session.unprofiled)} of {session.unprofiled_wanted} unprofiled steps: "
+                "the overhead rests on those")
+            self._timing_unprofiled = False
+            session.finish()
 
     def after_run(self, runner) -> None:
-        if self._prof is not None:
+        if self.session is not None and self.session.profiling:
             self._stop(runner)
 
     # -- profiler lifetime ------------------------------------------------------------------------------------------
@@ -197,39 +181,14 @@ class OneIterProfilerHook(Hook):
             measure_overhead=True, **self.flags,
         )  # fmt: skip
 
-    def _start(self, runner, model, options: ProfileOptions, exporter) -> None:
-        import torch.profiler
-
-        self._prof = torch.profiler.profile(
-            activities=activities(self._device), schedule=self.schedule.torch_schedule(), on_trace_ready=exporter,
-            record_shapes=options.record_shapes, profile_memory=options.profile_memory,
-            with_stack=options.with_stack, with_flops=options.with_flops,
-        )  # fmt: skip
-        self._stack = contextlib.ExitStack()
-        if options.module_ranges:
-            self._ranges = self._stack.enter_context(ModuleRanges(model))
-        self._stack.enter_context(memory_history(self._device, options.profile_memory))
-        self._step, self._active, self._plain = 0, [], None
-        with native_output_filtered():
-            self._prof.start()
-
     def _stop(self, runner) -> None:
-        prof, self._prof = self._prof, None
-        try:
-            with native_output_filtered():
-                prof.stop()
-        finally:
-            self._stack.close()
-        if self._ranges is not None and self._ranges.num_unfinished:
-            self.summary["warnings"].append(
-                f"{self._ranges.num_unfinished} module backward call(s) had autograd nodes that never ran "
-                "(outputs not reaching the loss); their backward time runs to the end of the backward pass"
-            )
-        self._plain = [] if self._active else None
-        write_summary(self.out_dir, self.summary)
-        traces = [c["trace"] for c in self.summary["cycles"]]
-        runner.logger.info(f"oneiter: profiled {len(traces)} cycle(s) into {self.out_dir}: {', '.join(traces)}")
-        for warning in self.summary["warnings"]:
+        session = self.session
+        session.stop()
+        self._timing_unprofiled = session.unprofiled_wanted > 0
+        write_summary(session.out_dir, session.summary)  # the traces are complete; the overhead comes later
+        traces = [c["trace"] for c in session.summary["cycles"]]
+        runner.logger.info(f"oneiter: profiled {len(traces)} cycle(s) into {session.out_dir}: {', '.join(traces)}")
+        for warning in session.summary["warnings"]:
             runner.logger.warning(f"oneiter profile: {warning}")
 
 

@@ -5,13 +5,13 @@ reads the ranges back from the profiler's events and `trace.write_trace` draws t
 torch.profiler's own module names (`nn.Module: Conv2d_0`) say neither where a module sits nor which backward work
 is its; these ranges do.
 
-Forward: a forward pre-hook opens the range `oneiter.fwd::<path>` (the root module is `(model)`), a forward hook
+Forward: a forward pre-hook opens the range `oneiter.fwd::<path>` (the root module is `(root)`, as in recordings), a forward hook
 (registered `always_call`, so an exception closes it too) closes it. Every call of a module gets its own range;
 the table sums them.
 
 Backward: in the forward hook, the autograd nodes created during this call (sequence number between the pre-hook
 and the hook, reachable from the outputs) each get a node pre-hook and post-hook. The first node of the call to
-run emits the marker `oneiter.bwd.begin::<path>#<call>`, the last one to finish emits `oneiter.bwd.end::...`.
+run emits the marker `oneiter.bwd.begin::<path>@<call>` (call N of that module in the step, as recordings name it), the last one to finish emits `oneiter.bwd.end::...`.
 Markers, not a range: autograd hooks run *inside* the engine's `autograd::engine::evaluate_function` events, so a
 range opened in one node and closed in another would straddle those events, break the nesting of the trace and
 steal their child ops (inflating their self time). `trace.py` turns each marker pair into a span.
@@ -31,6 +31,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from oneiter.format.layout import ROOT_MODULE, call_key
+
 __all__ = [
     "FWD", "BWD", "BWD_BEGIN", "BWD_END", "ROOT", "ModuleRanges", "display_path", "module_path", "split_marker",
 ]
@@ -48,11 +50,11 @@ def split_marker(name: str) -> tuple[str, str] | None:
     if name.startswith(BWD_END):
         return "end", name[len(BWD_END):]
     return None
-ROOT = "(model)"  # how tables show the root module, whose path in `named_modules()` is ""
+ROOT = ROOT_MODULE  # how tables show the root module (path "" in `named_modules()`): the recordings' name
 
 
 def display_path(path: str) -> str:
-    """A module path as range names and tables show it: the root module ("") as `(model)`."""
+    """A module path as range names and tables show it: the root module ("") as `(root)`."""
     return path or ROOT
 
 
@@ -157,12 +159,12 @@ class ModuleRanges:
         self.backward = backward and self._next_seq is not None
         self._range = _range_class()
         self._handles: list = []
-        self._stack: list[tuple[str, Any, int]] = []  # open forward calls: (path, range, first sequence number)
+        self._stack: list[tuple[str, Any, int, int]] = []  # open forward calls: (path, range, first seq, call index)
         self._nodes: dict[int, tuple[Any, _NodeHooks]] = {}  # this forward's hooked nodes, kept alive until it ends
         self._node_handles: list = []
         self._open: dict[str, _BackwardCall] = {}
         self._callback_queued = False
-        self._num_calls = 0
+        self._calls_of: dict[str, int] = {}  # path -> forward calls so far in this step: `path@N` is call N
 
     def __enter__(self) -> "ModuleRanges":
         self.install()
@@ -194,10 +196,13 @@ class ModuleRanges:
     def _pre(self, path: str, module, args) -> None:
         if not self._stack:  # a new outermost forward: the previous step's nodes and handles are gone
             self._node_handles.clear()
+            self._calls_of.clear()
+        call = self._calls_of.get(path, 0)
+        self._calls_of[path] = call + 1
         first_seq = self._next_seq() if self.backward else 0
         rf = self._range(FWD + display_path(path))
         rf.__enter__()
-        self._stack.append((path, rf, first_seq))
+        self._stack.append((path, rf, first_seq, call))
 
     def _post(self, path: str, module, args, output) -> None:
         index = len(self._stack) - 1
@@ -205,25 +210,25 @@ class ModuleRanges:
             index -= 1
         if index < 0:
             return
-        for _, rf, _ in reversed(self._stack[index:]):
+        for _, rf, _, _ in reversed(self._stack[index:]):
             rf.__exit__(None, None, None)
-        first_seq = self._stack[index][2]
+        first_seq, call = self._stack[index][2], self._stack[index][3]
         del self._stack[index:]
         import torch
 
         if self.backward and output is not None and torch.is_grad_enabled():
-            self._watch_backward(path, first_seq, output)
+            self._watch_backward(path, call, first_seq, output)
         if not self._stack:
             self._nodes.clear()
 
     # backward ------------------------------------------------------------------------------------------------
-    def _watch_backward(self, path: str, first_seq: int, output) -> None:
+    def _watch_backward(self, path: str, call_index: int, first_seq: int, output) -> None:
         roots = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
         nodes = _nodes_created_between(roots, first_seq, self._next_seq()) if roots else []
         if not nodes:
             return
-        self._num_calls += 1
-        call = _BackwardCall(f"{display_path(path)}#{self._num_calls}", remaining=len(nodes))
+        # `path@N`: call N of that module in this step, the name a recording gives the same call (`format.layout`)
+        call = _BackwardCall(call_key(path, call_index), remaining=len(nodes))
         for node in nodes:
             entry = self._nodes.get(id(node))
             if entry is None:

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from oneiter.errors import OneIterError
-from oneiter.profile.module_ranges import ModuleRanges
 from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
 from oneiter.profile.schedule import DEFAULT_MAX_STEPS, DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
 from oneiter.profile.summary import FORMAT, SUMMARY_NAME, check_out_dir, prepare_out_dir, write_summary
@@ -30,7 +28,7 @@ from oneiter.profile.trace import TRACE_SUFFIX, trace_stem, write_trace
 
 __all__ = [
     "ProfileOptions", "ProfileResult", "profile", "LARGE_TRACE_BYTES", "CycleExporter", "summary_head",
-    "option_warnings", "activities", "memory_history", "overhead", "sync",
+    "option_warnings", "activities", "memory_history", "sync",
 ]
 
 LARGE_TRACE_BYTES = 100 * 2**20  # JSON size above which chrome://tracing gets sluggish
@@ -118,26 +116,25 @@ StepCallback = Callable[[int, int, str], None]  # (step, num_steps, phase)
 
 def profile(options: ProfileOptions, on_step: StepCallback | None = None) -> ProfileResult:
     """Profile `options.model`'s training iterations; write traces, tables and summary.json to `options.out_dir`."""
+    from oneiter.profile.session import ProfileSession
+
     sched = parse_schedule(options.schedule)
     sched.check_budget(options.max_steps)
     check_out_dir(Path(options.out_dir), options.force)  # before the (slow) model build; created only after it
     quiet_kineto_env()
     setup, device = _setup(options)
     out_dir = prepare_out_dir(Path(options.out_dir), options.force)
-    model = setup.bundle.model
-    module_info = {p: (type(m).__name__, not any(True for _ in m.children())) for p, m in model.named_modules()}
-    summary = summary_head(options, sched, device)
-    summary["warnings"] += option_warnings(options, sched, len(module_info))
-    exporter = CycleExporter(options, sched, out_dir, summary, module_info if options.module_ranges else {})
+    session = ProfileSession(setup.bundle.model, options, sched, device, out_dir)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        active_times = _profiled_run(setup, device, options, sched, exporter, on_step)
+        _profiled_run(setup, options, session, on_step)
     for message in dict.fromkeys(str(w.message).strip() for w in caught):
-        summary["warnings"].append(message)
-    if options.measure_overhead:
-        summary["overhead"] = overhead(active_times, _unprofiled_times(setup, device, options.amp, len(active_times)))
-    write_summary(out_dir, summary)
-    return ProfileResult(out_dir, summary)
+        session.summary["warnings"].append(message)
+    for _ in range(session.unprofiled_wanted):
+        session.begin_step()
+        _step(setup, device, options.amp)
+        session.end_unprofiled_step()
+    return ProfileResult(out_dir, session.finish())
 
 
 def _setup(options: ProfileOptions):
@@ -229,15 +226,11 @@ def sync(device) -> None:
             sync()
 
 
-def _timed_step(setup, device, amp: str | None) -> float:
+def _step(setup, device, amp: str | None) -> None:
     from oneiter.runtime.precision import autocast_for
     from oneiter.runtime.training import train_step
 
-    sync(device)
-    start = time.perf_counter()
     train_step(setup, autocast=autocast_for(device, amp))
-    sync(device)
-    return time.perf_counter() - start
 
 
 @contextlib.contextmanager
@@ -255,64 +248,22 @@ def memory_history(device, enabled: bool):
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
-def _profiled_run(setup, device, options, sched: ProfileSchedule, exporter, on_step) -> list[float]:
-    """Run `sched.num_steps` iterations under the profiler; return the wall times of the recorded ones."""
-    import torch.profiler
-
-    prof = torch.profiler.profile(
-        activities=activities(device), schedule=sched.torch_schedule(), on_trace_ready=exporter,
-        record_shapes=options.record_shapes, profile_memory=options.profile_memory,
-        with_stack=options.with_stack, with_flops=options.with_flops,
-    )  # fmt: skip
-    ranges = ModuleRanges(setup.bundle.model) if options.module_ranges else contextlib.nullcontext()
-    times: list[float] = []
-    with ranges, memory_history(device, options.profile_memory):
-        with native_output_filtered():
-            prof.start()
-        failed = True
-        try:
-            for step in range(sched.num_steps):
-                with native_output_filtered():
-                    seconds = _timed_step(setup, device, options.amp)
-                    prof.step()  # the trace handler runs in here after the last step of each active window
-                if sched.phase(step) == "active":
-                    times.append(seconds)
-                if on_step is not None:
-                    on_step(step, sched.num_steps, sched.phase(step))
-            failed = False
-        finally:
-            with native_output_filtered(), contextlib.ExitStack() as stack:
-                if failed:  # do not hide the original error behind one from stopping the profiler
-                    stack.enter_context(contextlib.suppress(Exception))
-                prof.stop()
-    if isinstance(ranges, ModuleRanges) and ranges.num_unfinished:
-        exporter.summary["warnings"].append(
-            f"{ranges.num_unfinished} module backward call(s) had autograd nodes that never ran "
-            "(outputs not reaching the loss); their backward time runs to the end of the backward pass"
-        )
-    return times
-
-
-def _unprofiled_times(setup, device, amp: str | None, count: int) -> list[float]:
-    return [_timed_step(setup, device, amp) for _ in range(count)]
-
-
-def overhead(profiled: list[float], unprofiled: list[float]) -> dict[str, Any] | None:
-    """Ratio of the fastest recorded step to the fastest unprofiled one: the minimum is the estimate least
-    disturbed by other load on the machine (as `timeit` reports); means are kept beside it."""
-    if not profiled or not unprofiled:
-        return None
-    fastest_prof, fastest_plain = min(profiled), min(unprofiled)
-    return {
-        "num_steps": len(profiled),
-        "profiled_step_s": round(fastest_prof, 6),
-        "unprofiled_step_s": round(fastest_plain, 6),
-        "ratio": round(fastest_prof / fastest_plain, 4) if fastest_plain > 0 else None,
-        "profiled_mean_s": round(sum(profiled) / len(profiled), 6),
-        "unprofiled_mean_s": round(sum(unprofiled) / len(unprofiled), 6),
-        "measured": "fastest recorded training step (trace export excluded) over the fastest of as many "
-        "unprofiled steps run right after",
-    }
+def _profiled_run(setup, options, session, on_step) -> None:
+    """Run the schedule's iterations under the session's profiler."""
+    session.start()
+    failed = True
+    try:
+        while not session.done:
+            step = session.step
+            with native_output_filtered():
+                session.begin_step()
+                _step(setup, session.device, options.amp)
+                session.end_step()
+            if on_step is not None:
+                on_step(step, session.schedule.num_steps, session.schedule.phase(step))
+        failed = False
+    finally:
+        session.stop(failed=failed)
 
 
 class CycleExporter:

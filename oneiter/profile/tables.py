@@ -178,7 +178,7 @@ def _module_intervals(events) -> dict[tuple[str, str], list[tuple[int, float, fl
             label = marker[1]
             begin = begins.pop(label, None)
             if begin is not None:
-                path = module_path(label.rpartition("#")[0])
+                path = module_path(label.rpartition("@")[0])
                 out[("bwd", path)].append((begin.thread, begin.time_range.start, evt.time_range.start))
     return out
 

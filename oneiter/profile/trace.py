@@ -101,7 +101,7 @@ def _backward_spans(data: dict) -> int:
             label = marker[1]
             begin = begins.pop(label, None)
             if begin is not None:
-                path, _, call = label.rpartition("#")
+                path, _, call = label.rpartition("@")
                 spans.append({
                     "ph": "X", "cat": "user_annotation", "name": BWD + path,
                     "pid": begin["pid"], "tid": begin["tid"], "ts": begin["ts"],

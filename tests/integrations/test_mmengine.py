@@ -165,7 +165,8 @@ def test_profiler_hook_writes_one_trace_per_cycle(tmp_path):
     summary = read_summary(out_dir)
     assert len(summary["cycles"]) == 1 and summary["cycles"][0]["steps"] == [1]
     assert summary["framework"] == "mmengine" and summary["first_iter"] == 0
-    assert summary["overhead"] is not None and summary["overhead"]["num_steps"] == 1
+    o = summary["overhead"]  # one recorded step: a ratio would be noise, and it says so
+    assert (o["num_profiled"], o["ratio"]) == (1, None) and "too few" in o["verdict"]
     modules = {row["path"]: row for row in summary["cycles"][0]["modules"]}
     assert all(modules[m]["fwd_calls"] == 1 and modules[m]["bwd_calls"] == 1 for m in ("conv", "bn", "fc"))
     names = {e.get("name", "") for e in read_trace(traces[0])["traceEvents"]}

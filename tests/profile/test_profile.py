@@ -122,8 +122,35 @@ def test_cli_prints_tables_overhead_and_the_cpu_note_once(fp32_cli):
     for heading in ("== ops", "== memory", "== leaf modules", "overhead:"):
         assert heading in result.stdout
     summary = read_summary(out)
-    assert summary["overhead"]["num_steps"] == 2 and summary["overhead"]["ratio"] > 0
+    o = summary["overhead"]
+    assert (o["num_profiled"], o["num_unprofiled"]) == (2, 5) and o["unprofiled_median_s"] > 0
+    assert f"overhead: {o['verdict']}" in result.stdout
+    assert o["ratio"] is None if o["unprofiled_spread"] > 0.25 else o["ratio"] > 0
     assert summary["cycles"][0]["profiler_steps"] == [2, 3]
+
+
+def test_overhead_is_a_ratio_of_medians_or_says_the_machine_is_too_noisy():
+    from oneiter.profile.session import overhead
+
+    quiet = overhead([0.12, 0.11, 0.13], [0.10, 0.10, 0.11, 0.10, 0.09])
+    assert quiet["ratio"] == pytest.approx(0.12 / 0.10) and quiet["verdict"].startswith("1.20x (median 120.0 ms")
+    assert quiet["unprofiled_spread"] == pytest.approx(0.2)
+    noisy = overhead([0.12, 0.11], [0.10, 0.30, 0.05, 0.10, 0.11])  # the plain steps alone vary by 250 %
+    assert noisy["ratio"] is None and noisy["verdict"].startswith("machine too noisy to tell: unprofiled steps vary")
+    few = overhead([0.0005], [0.0073, 0.0070, 0.0071])  # one profiled step is no figure (the 0.07x of old)
+    assert few["ratio"] is None and "too few" in few["verdict"]
+    assert overhead([], [0.1]) is None and overhead([0.1, 0.1], [])["ratio"] is None
+
+
+def test_backward_spans_name_the_root_and_call_n_of_each_module_as_recordings_do(fp32_cli):
+    out, _ = fp32_cli
+    events = trace_events(sorted(out.glob("*.pt.trace.json.gz"))[0])
+    calls: dict[str, set] = {}
+    for e in events:
+        if e.get("name", "").startswith("oneiter.bwd::"):
+            calls.setdefault(e["name"].removeprefix("oneiter.bwd::"), set()).add(e["args"]["call"])
+    assert calls["(root)"] == {0} and calls["layer1.0.conv1"] == {0}
+    assert calls["layer1.0.relu"] == {0, 1}  # ResNet's shared ReLU: calls 0 and 1 of that module, every step
 
 
 def test_every_resnet18_leaf_has_forward_and_backward_time(fp32_cli):

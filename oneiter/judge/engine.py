@@ -466,6 +466,9 @@ def _nonfinite_count(array) -> int:
 
 def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFile, policy, noise: NoisePolicy) -> None:
     """Local errors, culprit and its chain, unattributed drift and NaN/Inf origin."""
+    if tgt.local_kind() and not tgt.has(LOCAL):  # the recorder always writes the table (maybe empty) with the attr
+        raise FormatError(f"'{tgt.path}' says it holds per-call local data (local = '{tgt.local_kind()}') but its "
+                          f"/local table is missing: the file is damaged; record the target again")
     result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
     result.local = local_results(tgt, noise) if result.local_kind else []
     result.culprit_local = culprit = find_culprit(result.local)

@@ -144,3 +144,10 @@ def test_stored_noise_never_excuses_a_local_error(pair, tmp_path, value):
     bad = _mutate(pair / "tgt.h5", tmp_path / "noise.h5", edit)
     result = oneiter.compare(pair / "ref.h5", bad)
     assert result.status == "diverged" and result.culprit is not None
+
+
+def test_local_data_that_was_deleted_is_damage_not_a_skip(pair, tmp_path):
+    bad = _mutate(pair / "tgt.h5", tmp_path / "nolocal.h5", lambda f: f.__delitem__("local"))
+    res = run_cli("compare", pair / "ref.h5", bad)
+    assert res.exit_code == 2 and "its /local table is missing: the file is damaged" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

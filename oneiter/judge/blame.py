@@ -229,7 +229,17 @@ def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[s
 
 
 # -- unattributed divergence ----------------------------------------------------------------------------------------
-GROSS = 1.0  # an accumulated rel_l2 this large (the error is as large as the tensor) is never drift
+# Accumulated errors no rounding drift produces from inputs that are close (below 1/factor), per phase. Measured on
+# the clean bf16/fp16 runs of the test models (tiny shapes: BatchNorm over 2x512x1x1): backward gradients reach
+# rel_l2 70 with a cosine of -0.07 (BatchNorm's backward amplifies), so backward tensors get no such rule; a forward
+# output 10x off, a parameter gradient pointing the other way, or an updated weight as far from the reference's as
+# it is large, are no drift. Buffers (BatchNorm's running mean, near zero) are not held to it.
+GROSS = {"forward": (10.0, 1.0), "param_grad": (1.5, -0.9), "optimizer": (1.0, 1.0)}  # phase: (rel_l2 >=, cosine <=)
+
+
+def _gross(r) -> bool:
+    limit = GROSS.get(r.phase)
+    return limit is not None and r.metrics.rel_l2 >= limit[0] and r.metrics.cosine <= limit[1]
 
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
@@ -285,13 +295,14 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
             continue  # missing/shape/dtype rows are judged as structural divergences
         if same_precision and r.status != "diverged":
             continue  # the same precision on both sides: within the dtype's tolerance is explained
-        if r.status == "diverged" and r.metrics.rel_l2 >= GROSS and not is_input(r.tensor):
-            # as far off as the tensor is large, from inputs that are close: no rounding drift does this, whatever
-            # the local rows say (they cover the call's own code; this value did not come out of it)
+        trained = r.phase != "optimizer" or (r.module, 0, "param_grad", r.tensor) in errors  # not a buffer
+        if r.status == "diverged" and trained and _gross(r) and not is_input(r.tensor):
+            # far off (see GROSS), from inputs that are close: no rounding drift does this, whatever the local rows
+            # say (they cover each call's own code; this value did not come out of it)
             source = inputs(r)
-            if source * noise.factor_for(r.module) < GROSS:
-                found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e}: the value is off by as much as the tensor is large "
-                                 f"while what it was computed from is within {source:.2e}"))
+            if source * noise.factor_for(r.module) < 1.0:
+                found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine {r.metrics.cosine:.2f}): far beyond what "
+                                 f"it was computed from (within {source:.2e}) and what rounding drift does"))
                 continue
         up = upstream(r)
         if up is None:

@@ -178,8 +178,10 @@ def _check_call_attrs(attrs: dict[str, Any], key: str, path) -> None:
 
 
 # -- the tree -------------------------------------------------------------------------------------------------------
-def check_tree(file, path) -> None:
-    """Walk every link of the open h5py file, link objects first (nothing followed before it is checked)."""
+def check_tree(file, path, dtypes: dict | None = None) -> None:
+    """Walk every link of the open h5py file, link objects first (nothing followed before it is checked).
+    `dtypes` (optional) receives each tensor dataset's checked `dtype` attribute by path, so readers need not
+    read it again."""
     import h5py
 
     seen_groups = {file.id}
@@ -220,7 +222,7 @@ def check_tree(file, path) -> None:
                 if obj.id not in seen_datasets:
                     seen_datasets.add(obj.id)
                     _check_storage(obj, full, path)
-                _check_dataset(obj, full, path)
+                _check_dataset(obj, full, path, dtypes)
             else:
                 raise _fail(path, f"'/{full}' is a {type(obj).__name__}, expected a group or a dataset")
 
@@ -300,7 +302,7 @@ def _check_storage(dset, full: str, path) -> None:
         raise _fail(path, f"'/{full}' would expand from {stored} stored bytes to {logical}: refused")
 
 
-def _check_dataset(dset, full: str, path) -> None:
+def _check_dataset(dset, full: str, path, dtypes: dict | None = None) -> None:
     """Tensors: numeric, with a `dtype` attribute matching the stored type; tables: their columns."""
     from oneiter.format.layout import _RAW_BITS
 
@@ -342,6 +344,8 @@ def _check_dataset(dset, full: str, path) -> None:
     if expected != dtype:
         raise _fail(path, f"'/{full}': attribute 'dtype' says {name}, which is stored as {expected}, but the data "
                           f"is {dtype}")
+    if dtypes is not None:
+        dtypes[full] = name
 
 
 def _check_table(dset, dtype, full: str, path) -> None:

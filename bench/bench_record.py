@@ -1,5 +1,5 @@
 """Every recorder figure of issue 11 in one run: plain iteration, full and stats record, replay with and without
-isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model.
+isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model (118 M: llama_tiny dim 1024, 8 layers).
 
     python bench/bench_record.py                      # everything (~10 min on 2 cores)
     python bench/bench_record.py --quick              # the resnet18 table only

@@ -13,6 +13,9 @@ from oneiter.format.layout import IterationFile, decode, tensor_to_numpy
 from oneiter.format.stats import array_stats, tensor_stats
 
 
+_SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the same ones every run
+
+
 @pytest.mark.parametrize("tensor", [
     torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.float16),
     torch.arange(10), torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.randn(5, 5).t(),

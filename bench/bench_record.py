@@ -13,7 +13,8 @@ forward and backward without an optimizer step (kernels and allocator warm, weig
 job that is recorded at step N is warm; `plain` is the median of 3 warm iterations. `first` columns are the
 same process's cold figure for reference.
 
-Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
+Every step starts after `os.sync()` (outside the clock), so no step's writes are throttled by an earlier step's
+dirty pages. Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
 datasets (median of 3), so the target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
 """
 
@@ -72,6 +73,7 @@ total, path = {total}, {path!r}
 block = np.random.default_rng(0).standard_normal(16 << 20, dtype=np.float32)  # 64 MB
 times = []
 for _ in range(3):
+    os.sync()  # outside the clock: no earlier write's dirty pages throttle this one
     t0 = time.perf_counter()
     with h5py.File(path, "w") as f:
         left, i = total, 0
@@ -98,7 +100,11 @@ print(json.dumps({"peak_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
 
 def run_child(code: str) -> dict:
-    """Run `code` in a fresh interpreter; its JSON result plus its own peak RSS (`rss_mb`)."""
+    """Run `code` in a fresh interpreter; its JSON result plus its own peak RSS (`rss_mb`). Dirty pages of earlier
+    steps are flushed first (`os.sync`, outside the clock): otherwise the kernel throttles a step's writes to disk
+    speed once a few GB of earlier recordings wait in the page cache, and the figures depend on the order of
+    the steps."""
+    os.sync()
     proc = subprocess.run([sys.executable, "-c", code + PEAK], capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"benchmark step failed:\n{proc.stderr}")

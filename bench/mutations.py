@@ -2,7 +2,7 @@
 
     python bench/mutations.py [--examples 200] [--timeout 20] [--dir /tmp/oneiter-mutations]
 
-Uses the generators of tests/format/mutants.py (the ones tests/format/test_mutations.py runs in-process, 1,020
+Uses the generators of tests/format/mutants.py (the ones tests/format/test_mutations.py runs in-process, 1,045
 examples in all) with `--examples` per category, and checks every mutant in a forked child, so that a crash of
 the HDF5 library (a signal) or a hang inside C code is counted rather than taking the run down. Per mutant:
 `compare REF MUTANT`, `inspect MUTANT` and the replay read path (`mutants.check`). Prints one row per category:

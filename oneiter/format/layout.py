@@ -406,7 +406,8 @@ class IterationFile:
         return to_torch(self.raw(path), self.dtype_of(path))
 
     def has(self, path: str) -> bool:
-        return path in self.file or path in self.stats_index
+        # every tensor dataset was seen by the validation walk: a dict lookup, not an HDF5 link traversal
+        return path in self._dtypes or path in self.stats_index or path in self.file
 
     def attrs(self, path: str) -> dict[str, Any]:
         """The attributes of a group or dataset, as plain Python values ({} if it does not exist)."""

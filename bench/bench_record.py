@@ -1,7 +1,7 @@
 """Every recorder figure of issue 11 in one run: plain iteration, full and stats record, replay with and without
 isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model (118 M: llama_tiny dim 1024, 8 layers).
 
-    python bench/bench_record.py                      # everything (~10 min on 2 cores)
+    python bench/bench_record.py                      # everything (~25 min on 2 cores; --repeat 1: ~10 min)
     python bench/bench_record.py --quick              # the resnet18 table only
     python bench/bench_record.py --model llama_tiny --batch-size 4
 
@@ -13,8 +13,10 @@ forward and backward without an optimizer step (kernels and allocator warm, weig
 job that is recorded at step N is warm; `plain` is the median of 3 warm iterations. `first` columns are the
 same process's cold figure for reference.
 
-Every step starts after `os.sync()` (outside the clock), so no step's writes are throttled by an earlier step's
-dirty pages. Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
+Every step runs `--repeat` times (3 by default), each in a fresh process, and the median is shown with the range
+[min-max]: on a shared 2-core VM one run of the same step varies by +-30 %. Every run starts after `os.sync()`
+(outside the clock) and with its output file removed, so no run's writes are throttled by an earlier run's dirty
+pages or pay for replacing an existing file (ext4 flushes a file renamed over another). Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
 datasets (median of 3), so the target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
 """
 
@@ -112,11 +114,34 @@ def run_child(code: str) -> dict:
     return {**json.loads(result), "rss_mb": json.loads(peak)["peak_kb"] / 1024}
 
 
+REPEAT = 3  # --repeat: fresh processes per step; the median run is reported, with the range of all
+
+
+def measure(code: str, out: Path | None = None) -> dict:
+    """`code` run REPEAT times (each a fresh process, `out` removed first so no run overwrites another's file);
+    the run of median seconds, with `spread` (min, max) of all and the largest peak RSS."""
+    runs = []
+    for _ in range(REPEAT):
+        if out is not None:
+            out.unlink(missing_ok=True)
+        runs.append(run_child(code))
+    runs.sort(key=lambda r: r["seconds"])
+    best = dict(runs[len(runs) // 2])
+    best["spread"] = (runs[0]["seconds"], runs[-1]["seconds"])
+    best["rss_mb"] = max(r["rss_mb"] for r in runs)
+    return best
+
+
+def secs(r: dict) -> str:
+    low, high = r.get("spread", (r["seconds"], r["seconds"]))
+    return f"{r['seconds']:.3f}" + (f" [{low:.2f}-{high:.2f}]" if REPEAT > 1 else "")
+
+
 def record(work: Path, name: str, model: str, batch: int, args: dict, *, level="full", replay=None,
            isolate=True) -> dict:
     out = work / name
-    return {**run_child(RECORD.format(model=model, batch=batch, args=args, out=str(out), level=level,
-                                      replay=replay and str(replay), isolate=isolate)), "path": out}
+    return {**measure(RECORD.format(model=model, batch=batch, args=args, out=str(out), level=level,
+                                    replay=replay and str(replay), isolate=isolate), out), "path": out}
 
 
 def table(rows: list[tuple], header: tuple) -> None:
@@ -131,34 +156,34 @@ def mb(n: float) -> str:
 
 def model_table(work: Path, model: str, batch: int, args: dict) -> dict:
     """The issue's table for one model and batch; returns the figures."""
-    plain = run_child(PLAIN.format(model=model, batch=batch, args=args))
+    plain = measure(PLAIN.format(model=model, batch=batch, args=args))
     full = record(work, "ref.h5", model, batch, args)
     bw = run_child(BANDWIDTH.format(total=full["bytes"], path=str(work / "bandwidth.h5")))
     stats = record(work, "ref_stats.h5", model, batch, args, level="stats")
     stats_replay = record(work, "tgt_stats.h5", model, batch, args, level="stats", replay=full["path"])
     replay = record(work, "tgt.h5", model, batch, args, replay=full["path"])
     plain_replay = record(work, "tgt_plain.h5", model, batch, args, replay=full["path"], isolate=False)
-    cmp_full = run_child(COMPARE.format(a=str(full["path"]), b=str(replay["path"])))
-    cmp_stats = run_child(COMPARE.format(a=str(stats["path"]), b=str(stats_replay["path"])))
+    cmp_full = measure(COMPARE.format(a=str(full["path"]), b=str(replay["path"])))
+    cmp_stats = measure(COMPARE.format(a=str(stats["path"]), b=str(stats_replay["path"])))
     cmp_bytes = full["bytes"] + replay["bytes"]
     p = plain["seconds"]
     print(f"\n{model} batch {batch} {args or ''}: {plain['params'] / 1e6:.1f} M parameters "
           f"(plain cold first iteration {plain['first']:.2f} s)")
     rows = [
-        ("plain training iteration", f"{p:.3f}", "1.00x", "-", f"{plain['rss_mb']:,.0f} MB"),
-        ("record (full)", f"{full['seconds']:.3f}", f"{full['seconds'] / p:.2f}x", mb(full["bytes"]),
+        ("plain training iteration", secs(plain), "1.00x", "-", f"{plain['rss_mb']:,.0f} MB"),
+        ("record (full)", secs(full), f"{full['seconds'] / p:.2f}x", mb(full["bytes"]),
          f"{full['rss_mb']:,.0f} MB"),
-        ("record --level stats", f"{stats['seconds']:.3f}", f"{stats['seconds'] / p:.2f}x", mb(stats["bytes"]),
+        ("record --level stats", secs(stats), f"{stats['seconds'] / p:.2f}x", mb(stats["bytes"]),
          f"{stats['rss_mb']:,.0f} MB"),
-        ("record --level stats --replay", f"{stats_replay['seconds']:.3f}", f"{stats_replay['seconds'] / p:.2f}x",
+        ("record --level stats --replay", secs(stats_replay), f"{stats_replay['seconds'] / p:.2f}x",
          mb(stats_replay["bytes"]), f"{stats_replay['rss_mb']:,.0f} MB"),
-        ("record --replay (isolation, default)", f"{replay['seconds']:.3f}", f"{replay['seconds'] / p:.2f}x",
+        ("record --replay (isolation, default)", secs(replay), f"{replay['seconds'] / p:.2f}x",
          mb(replay["bytes"]), f"{replay['rss_mb']:,.0f} MB"),
-        ("record --replay --no-isolate", f"{plain_replay['seconds']:.3f}", f"{plain_replay['seconds'] / p:.2f}x",
+        ("record --replay --no-isolate", secs(plain_replay), f"{plain_replay['seconds'] / p:.2f}x",
          mb(plain_replay["bytes"]), f"{plain_replay['rss_mb']:,.0f} MB"),
         (f"h5py write of {mb(full['bytes'])} (page cache)", f"{bw['seconds']:.3f}", "", "", ""),
-        ("compare full ref vs replay", f"{cmp_full['seconds']:.3f}", "", mb(cmp_bytes), f"{cmp_full['rss_mb']:,.0f} MB"),
-        ("compare stats ref vs stats replay", f"{cmp_stats['seconds']:.3f}", "", mb(stats["bytes"] + stats_replay["bytes"]),
+        ("compare full ref vs replay", secs(cmp_full), "", mb(cmp_bytes), f"{cmp_full['rss_mb']:,.0f} MB"),
+        ("compare stats ref vs stats replay", secs(cmp_stats), "", mb(stats["bytes"] + stats_replay["bytes"]),
          f"{cmp_stats['rss_mb']:,.0f} MB"),
     ]
     table(rows, ("", "seconds", "x plain", "bytes", "peak RSS"))
@@ -181,7 +206,7 @@ def scaling(work: Path, model: str, batches: list[int]) -> None:
     print(f"\nscaling, {model}, full record:")
     rows, xs, ys = [], [], []
     for b in batches:
-        plain = run_child(PLAIN.format(model=model, batch=b, args={}))
+        plain = measure(PLAIN.format(model=model, batch=b, args={}))
         r = record(work, f"scale{b}.h5", model, b, {})
         r["path"].unlink(missing_ok=True)
         rows.append((b, f"{plain['seconds']:.3f}", f"{r['seconds']:.3f}", mb(r["bytes"]), f"{plain['rss_mb']:,.0f} MB",
@@ -204,7 +229,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--large", default='{"dim": 1024, "num_layers": 8, "vocab_size": 8192, "num_heads": 16}',
                         help="llama_tiny model_args of the >=100M-parameter model (JSON)")
+    parser.add_argument("--repeat", type=int, default=3, help="fresh processes per measured step "
+                        "(the median is reported, with the range of all)")
     args = parser.parse_args()
+    global REPEAT
+    REPEAT = max(1, args.repeat)
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} cores, torch threads default; files in {work}")

@@ -96,6 +96,11 @@ class _Cached:
     def clear(self) -> None:
         self._seen.clear()
 
+    def uncached(self, path: str):
+        """A read that is not remembered: what only the optimizer rows read, once per parameter, would otherwise
+        stay in memory for the whole model at once."""
+        return self._seen[path] if path in self._seen else self.inner.tensor(path)
+
 
 class _Sums:
     """Per site: the running sum of each parameter's gradient contributions (float64, on the CPU), and the last
@@ -371,7 +376,7 @@ class LocalProbe:
         """The gradient the judged sum is compared with: the reference's (teacher forced) or this run's .grad."""
         if self.kind == "teacher_forced":
             path = group_path(PARAM_GRADS, name)
-            return self.source.tensor(path) if self.source.has(path) else None
+            return self.source.uncached(path) if self.source.has(path) else None
         return None if param.grad is None else param.grad.detach().to(_CPU)
 
     def _param_noise(self, name: str, records: list[CallRecord], fields: dict) -> None:
@@ -466,7 +471,11 @@ class LocalProbe:
         path = group_path(STATE_AFTER, name)
         if before is None or not self.source.has(path):
             return None
-        return self.source.tensor(path).to(torch.float64) - before.to(torch.float64)
+        return self.source.uncached(path).to(torch.float64) - before.to(torch.float64)
+
+
+def _read_once(source, path: str):
+    return source.uncached(path) if isinstance(source, _Cached) else source.tensor(path)
 
 
 def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
@@ -485,7 +494,7 @@ def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
             device = p.device if site.live else site.device
             q = before.to(device, dtype, copy=True)
             if rerunner.source.has(grad_path):
-                q.grad = rerunner.source.tensor(grad_path).to(device, dtype, copy=True)
+                q.grad = _read_once(rerunner.source, grad_path).to(device, dtype, copy=True)
             params.append(q)
             tensors[name] = q
         options = {k: v for k, v in group.items() if k != "params"}

@@ -97,8 +97,8 @@ class _Cached:
         self._seen.clear()
 
     def uncached(self, path: str):
-        """A read that is not remembered: what only the optimizer rows read, once per parameter, would otherwise
-        stay in memory for the whole model at once."""
+        """A read that is not remembered: the parameter-gradient and optimizer rows read each parameter's
+        gradient and state_after once; cached, they would stay in memory for the whole model at once."""
         return self._seen[path] if path in self._seen else self.inner.tensor(path)
 
 

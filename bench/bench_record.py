@@ -16,8 +16,9 @@ same process's cold figure for reference.
 Every step runs `--repeat` times (3 by default), each in a fresh process, and the median is shown with the range
 [min-max]: on a shared 2-core VM one run of the same step varies by +-30 %. Every run starts after `os.sync()`
 (outside the clock) and with its output file removed, so no run's writes are throttled by an earlier run's dirty
-pages or pay for replacing an existing file (ext4 flushes a file renamed over another). Page-cache bandwidth is measured in the same run by writing the full recording's byte count with h5py in 64 MB
-datasets (median of 3), so the target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
+pages or pay for replacing an existing file (ext4 flushes a file renamed over another). Page-cache bandwidth is
+measured in the same run by writing the full recording's byte count with h5py in 64 MB datasets (median of 3),
+so the target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def measure(code: str, out: Path | None = None) -> dict:
 
 
 def secs(r: dict) -> str:
-    low, high = r.get("spread", (r["seconds"], r["seconds"]))
+    low, high = r["spread"]
     return f"{r['seconds']:.3f}" + (f" [{low:.2f}-{high:.2f}]" if REPEAT > 1 else "")
 
 

@@ -474,10 +474,6 @@ class LocalProbe:
         return self.source.uncached(path).to(torch.float64) - before.to(torch.float64)
 
 
-def _read_once(source, path: str):
-    return source.uncached(path) if isinstance(source, _Cached) else source.tensor(path)
-
-
 def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
     """A copy of `opt` over fresh tensors holding the reference's weights and gradients, stepped once at `site`;
     returns the updated weights by canonical name."""
@@ -494,7 +490,7 @@ def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
             device = p.device if site.live else site.device
             q = before.to(device, dtype, copy=True)
             if rerunner.source.has(grad_path):
-                q.grad = _read_once(rerunner.source, grad_path).to(device, dtype, copy=True)
+                q.grad = rerunner.source.uncached(grad_path).to(device, dtype, copy=True)  # the probe's _Cached
             params.append(q)
             tensors[name] = q
         options = {k: v for k, v in group.items() if k != "params"}

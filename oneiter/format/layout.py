@@ -188,6 +188,28 @@ class FileWriter:
         self.num_bytes += array.nbytes
         return f"{group}/{name}"
 
+    def reserve(self, group: str, name: str, array: np.ndarray, dtype_name: str, attrs: dict | None = None) -> int:
+        """Create `group/name` for `array` with its storage allocated now and return the file offset of its bytes
+        (the caller writes them there); -1 for an empty array (nothing to write)."""
+        import h5py
+
+        grp = self.file.require_group(group) if group else self.file
+        if array.size == 0 or array.ndim == 0:  # HDF5 gives these no offset to write at: written here
+            dset = grp.create_dataset(name, data=array)
+            offset = -1
+        else:
+            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+            dset = grp.create_dataset(name, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
+            offset = dset.id.get_offset()
+        dset.attrs["dtype"] = dtype_name
+        if attrs:
+            dset.attrs.update(_clean_attrs(attrs))
+        self.num_datasets += 1
+        self.num_bytes += array.nbytes
+        return offset
+
     def write_stats(self, group: str, name: str, stats, dtype_name: str, shape: tuple, attrs: dict | None) -> None:
         """A stats-level entry: a row of the `/stats` table (written by `finish`), no dataset of its own — a few
         hundred bytes per entry instead of an HDF5 object header each."""
@@ -364,15 +386,14 @@ class IterationFile:
         """A stats-level entry (`record --level stats`): statistics and a checksum, no tensor data."""
         return path in self.stats_index
 
-    def stats_of(self, path: str, kind: str = "crc32"):
-        """The entry's `format.stats.Stats`: stored (stats level) or computed from its data (full level, with a
-        checksum of `kind`: the other side's)."""
+    def stats_of(self, path: str):
+        """The entry's `format.stats.Stats`: stored (stats level) or computed from its data (full level)."""
         from oneiter.format.stats import array_stats
 
         if path in self.stats_index:
             return self.stats_index[path][0]
         raw = self.raw(path)
-        return array_stats(raw, decode(raw, self.dtype_of(path)), kind)
+        return array_stats(raw, decode(raw, self.dtype_of(path)))
 
     @property
     def level(self) -> str:

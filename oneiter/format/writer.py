@@ -1,17 +1,29 @@
-"""The background writer: captured tensors go into a bounded queue and one thread writes them to HDF5.
+"""The background writer: captured tensors reach the HDF5 file with one copy each, off the training thread's back
+where that pays.
 
-The training thread only copies a tensor off its device into a slot of a host ring buffer (`HostRing`, one
-`copy_`) and hands it over; conversion and HDF5 writes happen here. The ring is reused slot after slot — the
-writer frees slots in the order they were taken — so its pages are touched once, not once per tensor, and host
-memory stays bounded however large the model is: when the ring is full, the producer waits until the writer has
-caught up. A tensor larger than the ring gets its own host copy, bounded by the same byte budget.
+CPU tensors (`direct`, the default) are written by the calling thread straight from their memory into the file:
+the writer creates the dataset with its storage allocated at once (`FileWriter.reserve`) and the bytes go there
+with `os.pwrite`, the GIL released — one copy, into the page cache, and no host buffer at all. On a CPU the
+training and the copy share the same cores either way, so a second copy through a buffer only costs more (a
+recording of resnet18 batch 8: 1.2-1.4 s instead of 1.3-1.8 s, and 512 MB less peak memory; `bench/`).
+
+Tensors on an accelerator are copied off the device into a slot of a host ring buffer (`HostRing`, one `copy_`)
+and handed to a writer thread, so the device keeps computing while the file is written. The ring is reused slot
+after slot — the writer frees slots in the order they were taken — so its pages are touched once, not once per
+tensor, and host memory stays bounded however large the model is: when the ring is full, the producer waits until
+the writer has caught up. A tensor larger than the ring gets its own host copy, bounded by the same byte budget.
+Everything else (links, attributes, statistics rows, the tables) goes through the writer thread's queue; the
+`FileWriter` is used under one lock by both threads.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
+
+import numpy as np
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +122,7 @@ class HostRing:
 class BackgroundWriter:
     """Owns a `FileWriter` on its own thread. Errors raised there resurface in the caller on the next call."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], max_bytes: int = DEFAULT_QUEUE_BYTES):
+    def __init__(self, path: Path, meta: dict[str, Any], max_bytes: int = DEFAULT_QUEUE_BYTES, direct: bool = True):
         self._file = FileWriter(path, meta)
         self._queue: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
@@ -118,6 +130,9 @@ class BackgroundWriter:
         self._max_bytes = max_bytes
         self._error: BaseException | None = None
         self.ring = HostRing(max_bytes)
+        self.direct = direct
+        self._file_lock = threading.Lock()  # the FileWriter is used by this thread and by the writer thread
+        self._fd = os.open(path, os.O_WRONLY) if direct else -1
         self.peak_in_flight = 0
         self._thread = threading.Thread(target=self._run, name="oneiter-writer", daemon=True)
         self._thread.start()
@@ -143,6 +158,8 @@ class BackgroundWriter:
             source = source.resolve_conj()
         if source.is_neg():
             source = source.resolve_neg()
+        if self.direct and source.device.type == "cpu":
+            return self._write_direct(group, name, source.contiguous(), attrs)
         slot = self.ring.take(source.numel() * source.element_size())
         if slot is None:  # larger than the ring: a copy of its own
             import torch
@@ -154,6 +171,23 @@ class BackgroundWriter:
         copy.copy_(source)
         self._queue.put(("tensor", group, name, copy, attrs, 0, slot))
         return copy
+
+    def _write_direct(self, group: str, name: str, source, attrs: dict | None):
+        """A contiguous CPU tensor written by this thread at the offset its dataset was given (module docstring)."""
+        self._raise_pending()
+        array, dtype_name = tensor_to_numpy(source)
+        try:
+            with self._file_lock:
+                offset = self._file.reserve(group, name, array, dtype_name, attrs)
+            if offset >= 0:
+                view = memoryview(array.reshape(-1).view(np.uint8))
+                while view:
+                    written = os.pwrite(self._fd, view, offset)
+                    view, offset = view[written:], offset + written
+        except OSError as exc:  # a full disk, a file size limit: one line with the cause, as on the writer thread
+            self._error = _write_error(exc, self._file.path)
+            raise self._error from exc
+        return source
 
     def stats(self, group: str, name: str, stats, dtype_name: str, shape: tuple, attrs: dict | None = None) -> None:
         """Queue a stats-level entry (`format.stats`): the tensor's statistics and checksum, no data."""
@@ -178,6 +212,7 @@ class BackgroundWriter:
         self._queue.put(_STOP)
         self._thread.join()
         self.ring.close()
+        self._close_fd()
         self._raise_pending()
         return self._file.num_datasets, self._file.num_bytes
 
@@ -188,7 +223,13 @@ class BackgroundWriter:
         self._queue.put(_STOP)
         self._thread.join(timeout=60)
         self.ring.close()
+        self._close_fd()
         self._file.abort(empty_first=self._error is not None)
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -204,7 +245,8 @@ class BackgroundWriter:
                 self._release(item)
                 continue
             try:
-                self._handle(item)
+                with self._file_lock:
+                    self._handle(item)
             except OSError as exc:  # a full disk, a file size limit: say so in one line, keep the cause
                 self._error = _write_error(exc, self._file.path)
                 self._error.__cause__ = exc

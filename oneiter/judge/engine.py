@@ -299,10 +299,8 @@ def _same_start(ref: IterationFile, tgt: IterationFile, ref_path: str, tgt_path:
     if tgt.is_stats(tgt_path) or ref.is_stats(ref_path):
         if dtype_ref != dtype_tgt:
             return True  # a checksum of another dtype proves nothing either way
-        theirs = tgt.stats_of(tgt_path) if tgt.is_stats(tgt_path) else None
-        kind = theirs.kind if theirs is not None else "crc32"
-        mine = ref.stats_of(ref_path, kind)
-        return mine.checksum == (theirs or tgt.stats_of(tgt_path, mine.kind)).checksum
+        mine, theirs = ref.stats_of(ref_path), tgt.stats_of(tgt_path)
+        return mine.kind == theirs.kind and mine.checksum == theirs.checksum
     if dtype_ref == dtype_tgt:
         a, b = ref.raw(ref_path), tgt.raw(tgt_path)
         return a.dtype == b.dtype and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
@@ -365,9 +363,7 @@ class _Judge:
             if self.ref.is_stats(re_.path) or self.tgt.is_stats(te.path):  # `--level stats` on either side
                 from oneiter.format.stats import compare_stats
 
-                kind = self.tgt.stats_of(te.path).kind if self.tgt.is_stats(te.path) else "crc32"
-                ref_stats = self.ref.stats_of(re_.path, kind)
-                metrics = compare_stats(ref_stats, self.tgt.stats_of(te.path, ref_stats.kind), atol=tol.atol,
+                metrics = compare_stats(self.ref.stats_of(re_.path), self.tgt.stats_of(te.path), atol=tol.atol,
                                         rtol=tol.rtol)
             else:
                 metrics = compare_arrays(self.ref.read(re_.path), self.tgt.read(te.path), atol=tol.atol,

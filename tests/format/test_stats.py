@@ -10,6 +10,7 @@ import torch
 
 from conftest import record_small, replay, run_cli
 from oneiter.format.layout import IterationFile, decode, tensor_to_numpy
+from oneiter.format import stats
 from oneiter.format.stats import array_stats, tensor_stats
 
 
@@ -25,26 +26,51 @@ def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor):
     mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.contiguous())
     theirs = array_stats(raw, decode(raw, dtype))
-    assert mine.checksum == theirs.checksum and mine.kind == theirs.kind == "crc32"
+    assert mine.checksum == theirs.checksum and mine.kind == theirs.kind == "rowcol32"
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("chunk", [stats.CHUNK, 4 * stats.ROW])  # one chunk; many chunks, a partial last row
 @pytest.mark.parametrize("tensor", [
-    torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.arange(10),
-    torch.tensor([2**62, -2**63, 2**63 - 1, 7]), torch.tensor([True, False, True]), torch.randn(2, 3).to(torch.cfloat),
+    torch.randn(5000), torch.randn(3000).to(torch.bfloat16)[1:], torch.arange(7000),
+    torch.tensor([2**62, -2**63, 2**63 - 1, 7] * 999), torch.rand(9001) > 0.5, torch.randn(2, 3000).to(torch.cfloat),
+    torch.randn(70, 90, dtype=torch.float64).t(), torch.tensor([1.0, float("nan"), float("inf"), -2.0] * 3000),
 ])
-def test_the_accelerator_checksum_computed_on_the_device_equals_the_one_from_stored_bytes(tensor):
-    """`sum64` is what a stats file recorded on an accelerator holds; a full file's bytes must give the same two
-    numbers (int64 wrap-around included), or a full file could never be proved bitwise equal to it."""
-    from oneiter.format.stats import _torch_checksum
-
-    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-    on_device = _torch_checksum(t.contiguous())
+def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_stored_bytes(tensor, chunk, monkeypatch):
+    """`rowcol32` is what a stats file holds on every device; a full file's bytes must give the same two numbers
+    (int32 and int64 wrap-around included), chunk by chunk or at once, or a full file could never be proved bitwise
+    equal to it. A bfloat16 view at an odd offset is not int32-aligned in memory: it is copied first."""
+    monkeypatch.setattr(stats, "CHUNK", chunk)
+    mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.contiguous())
-    from_bytes = array_stats(raw, decode(raw, dtype), kind="sum64")
-    assert from_bytes.kind == "sum64" and from_bytes.checksum == on_device
+    theirs = array_stats(raw, decode(raw, dtype))
+    assert mine.kind == theirs.kind == "rowcol32" and mine.checksum == theirs.checksum
+    np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-5, equal_nan=True)
+    t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
     moved = t.flatten().roll(1).reshape(t.shape)
-    assert _torch_checksum(moved.contiguous()) != on_device or bool((moved == t).all())
+    assert tensor_stats(moved).checksum != mine.checksum or bool((moved == t).all())
+
+
+def test_the_checksum_sees_one_changed_bit_and_two_swapped_words_anywhere():
+    """A flipped bit in any word and a swap of two different words change it, in the same row, the same column,
+    or neither; the same tensor gives the same checksum with 1 or 2 threads."""
+    base = torch.randn(4 * stats.ROW + 5)
+    same = tensor_stats(base).checksum
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert tensor_stats(base.clone()).checksum == same
+    finally:
+        torch.set_num_threads(threads)
+    for i in (0, 17, stats.ROW, 4 * stats.ROW + 4):
+        for bit in (0, 22, 31):
+            flipped = base.clone()
+            flipped.view(torch.int32)[i] ^= 1 << bit if bit < 31 else -(1 << 31)
+            assert tensor_stats(flipped).checksum != same, (i, bit)
+    for i, j in ((0, 1), (3, stats.ROW + 3), (5, 2 * stats.ROW + 9), (0, 4 * stats.ROW + 4)):
+        swapped = base.clone()
+        swapped[[i, j]] = base[[j, i]]
+        assert tensor_stats(swapped).checksum != same, (i, j)
 
 
 def test_the_checksum_sees_a_moved_nan_and_a_flipped_infinity():

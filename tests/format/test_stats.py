@@ -22,7 +22,8 @@ _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the
     torch.arange(10), torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.randn(5, 5).t(),
     torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64),
 ])
-def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor):
+def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkeypatch):
+    monkeypatch.setattr(stats, "SMALL", 0)  # torch's reductions, as on a device (numpy's: the test below)
     mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.contiguous())
     theirs = array_stats(raw, decode(raw, dtype))
@@ -30,17 +31,20 @@ def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor):
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("small", [0, stats.SMALL])  # torch's reductions; numpy's for small CPU tensors
 @pytest.mark.parametrize("chunk", [stats.CHUNK, 4 * stats.ROW])  # one chunk; many chunks, a partial last row
 @pytest.mark.parametrize("tensor", [
     torch.randn(5000), torch.randn(3000).to(torch.bfloat16)[1:], torch.arange(7000),
     torch.tensor([2**62, -2**63, 2**63 - 1, 7] * 999), torch.rand(9001) > 0.5, torch.randn(2, 3000).to(torch.cfloat),
     torch.randn(70, 90, dtype=torch.float64).t(), torch.tensor([1.0, float("nan"), float("inf"), -2.0] * 3000),
 ])
-def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_stored_bytes(tensor, chunk, monkeypatch):
+def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_stored_bytes(tensor, chunk, small,
+                                                                                       monkeypatch):
     """`rowcol32` is what a stats file holds on every device; a full file's bytes must give the same two numbers
     (int32 and int64 wrap-around included), chunk by chunk or at once, or a full file could never be proved bitwise
     equal to it. A bfloat16 view at an odd offset is not int32-aligned in memory: it is copied first."""
     monkeypatch.setattr(stats, "CHUNK", chunk)
+    monkeypatch.setattr(stats, "SMALL", small)
     mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.contiguous())
     theirs = array_stats(raw, decode(raw, dtype))
@@ -51,9 +55,10 @@ def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_store
     assert tensor_stats(moved).checksum != mine.checksum or bool((moved == t).all())
 
 
-def test_the_checksum_sees_one_changed_bit_and_two_swapped_words_anywhere():
+def test_the_checksum_sees_one_changed_bit_and_two_swapped_words_anywhere(monkeypatch):
     """A flipped bit in any word and a swap of two different words change it, in the same row, the same column,
-    or neither; the same tensor gives the same checksum with 1 or 2 threads."""
+    or neither; the same tensor gives the same checksum with 1 or 2 threads (torch's reductions)."""
+    monkeypatch.setattr(stats, "SMALL", 0)
     base = torch.randn(4 * stats.ROW + 5)
     same = tensor_stats(base).checksum
     threads = torch.get_num_threads()

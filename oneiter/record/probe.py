@@ -101,10 +101,14 @@ class _Cached:
         gradient and state_after once; cached, they would stay in memory for the whole model at once."""
         return self._seen[path] if path in self._seen else self.inner.tensor(path)
 
+    def cached(self, path: str) -> bool:
+        """Whether `uncached(path)` hands out the remembered tensor (shared: copy before changing it)."""
+        return path in self._seen
+
 
 class _Sums:
-    """Per site: the running sum of each parameter's gradient contributions (float64, on the CPU), and the last
-    value each changed buffer took."""
+    """Per site: the running sum of each parameter's gradient contributions (on the CPU: a single contribution as
+    it is, from the second on in float64), and the last value each changed buffer took."""
 
     def __init__(self) -> None:
         self.sums: dict[str, dict[str, Any]] = {}
@@ -112,8 +116,8 @@ class _Sums:
     def add(self, site: str, run: RunResult) -> None:
         mine = self.sums.setdefault(site, {})
         for name, grad in run.param_grads.items():
-            grad = grad.detach().to(_CPU, torch.float64)
-            mine[name] = grad if name not in mine else mine[name] + grad
+            grad = grad.detach().to(_CPU)  # most parameters have one contributing call: no float64 copy of those
+            mine[name] = grad if name not in mine else mine[name].to(torch.float64) + grad
         for name, value in run.buffers.items():
             mine[name] = value.detach().to(_CPU)
 
@@ -430,11 +434,12 @@ class LocalProbe:
             return
         rows = []
         for name, after in judged.items():
-            delta = self._reference_delta(name)
+            wide = torch.promote_types(after.dtype, torch.float32)  # nearby floats subtract exactly there
+            delta = self._reference_delta(name, wide)
             if delta is None:
                 continue
-            before = self.rerunner.reference_state(name).to(_CPU, torch.float64)
-            fields = self._row("optimizer", _leaf(name), delta, after.to(_CPU, torch.float64) - before)
+            before = self.rerunner.reference_state(name).to(_CPU, wide)
+            fields = self._row("optimizer", _leaf(name), delta, after.to(_CPU, wide) - before)
             fields["dtype"] = _dtype_name(after.dtype)
             rows.append((name, fields))
         if any(self._needs_noise(f) for _, f in rows):
@@ -466,12 +471,15 @@ class LocalProbe:
             fields["noise_reference"] = rel_l2(deltas["high"], deltas["reference"])
             fields["calibration"] = "cpu"
 
-    def _reference_delta(self, name: str):
+    def _reference_delta(self, name: str, wide):
+        """The reference's update of a parameter, computed in `wide` or the reference's wider dtype."""
         before = self.rerunner.reference_state(name)
         path = group_path(STATE_AFTER, name)
         if before is None or not self.source.has(path):
             return None
-        return self.source.uncached(path).to(torch.float64) - before.to(torch.float64)
+        after = self.source.uncached(path)
+        wide = torch.promote_types(wide, torch.promote_types(after.dtype, before.dtype))
+        return after.to(wide) - before.to(wide)
 
 
 def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
@@ -490,7 +498,8 @@ def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
             device = p.device if site.live else site.device
             q = before.to(device, dtype, copy=True)
             if rerunner.source.has(grad_path):
-                q.grad = rerunner.source.uncached(grad_path).to(device, dtype, copy=True)  # the probe's _Cached
+                source = rerunner.source  # the probe's _Cached: a fresh read is ours, a remembered one is shared
+                q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
             params.append(q)
             tensors[name] = q
         options = {k: v for k, v in group.items() if k != "params"}

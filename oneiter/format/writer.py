@@ -4,8 +4,9 @@ where that pays.
 CPU tensors (`direct`, the default) are written by the calling thread straight from their memory into the file:
 the writer creates the dataset with its storage allocated at once (`FileWriter.reserve`) and the bytes go there
 with `os.pwrite`, the GIL released — one copy, into the page cache, and no host buffer at all. On a CPU the
-training and the copy share the same cores either way, so a second copy through a buffer only costs more (a
-recording of resnet18 batch 8: 1.2-1.4 s instead of 1.3-1.8 s, and 512 MB less peak memory; `bench/`).
+training and the copy share the same cores either way, so a second copy through a buffer only costs more
+(resnet18 batch 8, 6 interleaved pairs: 1.17-1.40 s, median 1.23, instead of 1.28-1.38 s, median 1.32; peak
+memory over the plain iteration +226 MB instead of +379 MB in `bench/bench_record.py`).
 
 Tensors on an accelerator are copied off the device into a slot of a host ring buffer (`HostRing`, one `copy_`)
 and handed to a writer thread, so the device keeps computing while the file is written. The ring is reused slot
@@ -22,10 +23,10 @@ import collections
 import os
 import queue
 import threading
-
-import numpy as np
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import FileWriter, tensor_to_numpy
@@ -150,8 +151,8 @@ class BackgroundWriter:
         self._queue.put(("tensor", group, name, tensor, attrs, nbytes, None))
 
     def copy(self, group: str, name: str, tensor, attrs: dict | None = None):
-        """Copy `tensor` (any device, any layout) into a ring slot and queue it; returns the host copy (valid
-        until written: keep nothing of it)."""
+        """Write `tensor` (any device, any layout): a CPU tensor at once by this thread (`direct`), any other copied
+        into a ring slot and queued. Returns the host data written (valid until written: keep nothing of it)."""
         self._raise_pending()
         source = tensor.detach()
         if source.is_conj():

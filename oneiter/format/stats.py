@@ -70,13 +70,16 @@ def tensor_stats(tensor) -> Stats:
         t = torch.view_as_real(t)
     flat = t.contiguous().reshape(-1)
     numel = flat.numel()
+    if numel == 0:
+        return Stats(_EMPTY, (0, 0))
     words = flat.view(torch.uint8)
     if words.storage_offset() % 4:
         words = words.clone()  # int32 words must be aligned
     floating = flat.is_floating_point()
     acc = torch.float64 if flat.dtype == torch.float64 or not floating else torch.float32
-    step = CHUNK // flat.element_size()
-    scratch = _scratch(flat.dtype if floating else torch.float64, flat.device, min(step, numel))
+    step = CHUNK // flat.element_size()  # a chunk's bytes are whole checksum rows
+    scratch = (_scratch(flat.dtype, flat.device, min(step, numel)) if floating else  # integers: float64, not kept
+               torch.empty(min(step, numel), dtype=torch.float64, device=flat.device))
     checksum = _Checksum(flat.device)
     size, parts = flat.element_size(), []
     for start in range(0, numel, step):

@@ -20,7 +20,8 @@ _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the
 @pytest.mark.parametrize("tensor", [
     torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.float16),
     torch.arange(10), torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.randn(5, 5).t(),
-    torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64),
+    torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64), torch.zeros(0, 3),
+    torch.tensor([float("nan")] * 3), torch.arange(3000, dtype=torch.int8),
 ])
 def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkeypatch):
     monkeypatch.setattr(stats, "SMALL", 0)  # torch's reductions, as on a device (numpy's: the test below)

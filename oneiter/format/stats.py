@@ -61,6 +61,8 @@ def tensor_stats(tensor) -> Stats:
     import torch
 
     t = tensor.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugate/negative views: the values, as a copy would hold them
+        t = t.resolve_conj().resolve_neg()
     if t.device.type == "cpu" and t.numel() * t.element_size() <= SMALL:  # numpy: a tenth of torch's op overhead
         from oneiter.format.layout import decode, tensor_to_numpy
 

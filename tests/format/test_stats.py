@@ -21,12 +21,12 @@ _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the
     torch.randn(1000), torch.randn(3, 5).to(torch.bfloat16), torch.randn(4, 6).to(torch.float16),
     torch.arange(10), torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.randn(5, 5).t(),
     torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64), torch.zeros(0, 3),
-    torch.tensor([float("nan")] * 3), torch.arange(3000, dtype=torch.int8),
+    torch.tensor([float("nan")] * 3), torch.arange(3000, dtype=torch.int8), torch.randn(4, dtype=torch.cfloat).conj(),
 ])
 def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkeypatch):
     monkeypatch.setattr(stats, "SMALL", 0)  # torch's reductions, as on a device (numpy's: the test below)
     mine = tensor_stats(tensor)
-    raw, dtype = tensor_to_numpy(tensor.contiguous())
+    raw, dtype = tensor_to_numpy(tensor.resolve_conj().contiguous())  # as the writer stores it
     theirs = array_stats(raw, decode(raw, dtype))
     assert mine.checksum == theirs.checksum and mine.kind == theirs.kind == "rowcol32"
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
@@ -47,7 +47,7 @@ def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_store
     monkeypatch.setattr(stats, "CHUNK", chunk)
     monkeypatch.setattr(stats, "SMALL", small)
     mine = tensor_stats(tensor)
-    raw, dtype = tensor_to_numpy(tensor.contiguous())
+    raw, dtype = tensor_to_numpy(tensor.resolve_conj().contiguous())  # as the writer stores it
     theirs = array_stats(raw, decode(raw, dtype))
     assert mine.kind == theirs.kind == "rowcol32" and mine.checksum == theirs.checksum
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-5, equal_nan=True)

@@ -19,8 +19,8 @@ Every step runs `--repeat` times (3 by default), each in a fresh process, and th
 pages or pay for replacing an existing file (ext4 flushes a file renamed over another). Page-cache bandwidth is
 measured in the same run by writing the full recording's byte count with h5py in 64 MB datasets (median of 3,
 whose later writes reuse the page cache's pages freed by the earlier ones; the first write is shown too: when it
-lands on memory this VM never touched it is up to 10x slower, 1.60 s instead of 0.155 s for 731 MB), so the target "record <= 1.25 x (plain + bytes / bandwidth)" is
-judged on this machine.
+lands on memory this VM never touched it is up to 10x slower, 1.60 s instead of 0.155 s for 731 MB), so the
+target "record <= 1.25 x (plain + bytes / bandwidth)" is judged on this machine.
 """
 
 from __future__ import annotations

@@ -180,12 +180,7 @@ class FileWriter:
 
     def write(self, group: str, name: str, array: np.ndarray, dtype_name: str, attrs: dict | None = None) -> str:
         grp = self.file.require_group(group) if group else self.file
-        dset = grp.create_dataset(name, data=array)
-        dset.attrs["dtype"] = dtype_name
-        if attrs:
-            dset.attrs.update(_clean_attrs(attrs))
-        self.num_datasets += 1
-        self.num_bytes += array.nbytes
+        self._describe(grp.create_dataset(name, data=array), array, dtype_name, attrs)
         return f"{group}/{name}"
 
     def reserve(self, group: str, name: str, array: np.ndarray, dtype_name: str, attrs: dict | None = None) -> int:
@@ -203,12 +198,16 @@ class FileWriter:
             dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
             dset = grp.create_dataset(name, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
             offset = dset.id.get_offset()
+        self._describe(dset, array, dtype_name, attrs)
+        return offset
+
+    def _describe(self, dset, array: np.ndarray, dtype_name: str, attrs: dict | None) -> None:
+        """A new tensor dataset's attributes (its torch dtype, the caller's) and the writer's counts."""
         dset.attrs["dtype"] = dtype_name
         if attrs:
             dset.attrs.update(_clean_attrs(attrs))
         self.num_datasets += 1
         self.num_bytes += array.nbytes
-        return offset
 
     def write_stats(self, group: str, name: str, stats, dtype_name: str, shape: tuple, attrs: dict | None) -> None:
         """A stats-level entry: a row of the `/stats` table (written by `finish`), no dataset of its own — a few

@@ -171,12 +171,14 @@ def _numpy_checksum(data: np.ndarray) -> tuple[int, int]:
     """`rowcol32` of stored bytes (bfloat16 stored as uint16 bits), equal to the device's for the same bytes."""
     b = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     full = b.size // (4 * ROW) * (4 * ROW)
-    if full < b.size:
-        b = np.concatenate([b, np.zeros(4 * ROW - (b.size - full), np.uint8)])
-    w = b.view(np.int32).reshape(-1, ROW)
+    blocks = [b[:full].view(np.int32).reshape(-1, ROW)]
+    if full < b.size:  # the last, partial row: zero-padded (a copy of that row only)
+        tail = np.zeros(4 * ROW, np.uint8)
+        tail[:b.size - full] = b[full:]
+        blocks.append(tail.view(np.int32).reshape(1, ROW))
     with np.errstate(over="ignore"):
-        cols = w.sum(0, dtype=np.int32).astype(np.int64)
-        rows = w.sum(1, dtype=np.int32).astype(np.int64)
+        cols = sum(w.sum(0, dtype=np.int32) for w in blocks).astype(np.int64)
+        rows = np.concatenate([w.sum(1, dtype=np.int32) for w in blocks]).astype(np.int64)
         a = (cols * (np.arange(ROW, dtype=np.int64) * 2 + 1)).sum()
         c = (rows * (np.arange(rows.size, dtype=np.int64) * 2 + 1)).sum()
     return int(a), int(c)

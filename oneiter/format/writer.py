@@ -175,7 +175,6 @@ class BackgroundWriter:
 
     def _write_direct(self, group: str, name: str, source, attrs: dict | None):
         """A contiguous CPU tensor written by this thread at the offset its dataset was given (module docstring)."""
-        self._raise_pending()
         array, dtype_name = tensor_to_numpy(source)
         try:
             with self._file_lock:

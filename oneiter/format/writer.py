@@ -13,8 +13,8 @@ and handed to a writer thread, so the device keeps computing while the file is w
 after slot — the writer frees slots in the order they were taken — so its pages are touched once, not once per
 tensor, and host memory stays bounded however large the model is: when the ring is full, the producer waits until
 the writer has caught up. A tensor larger than the ring gets its own host copy, bounded by the same byte budget.
-Everything else (links, attributes, statistics rows, the tables) goes through the writer thread's queue; the
-`FileWriter` is used under one lock by both threads.
+Links, statistics rows and the tables go through the writer thread's queue; groups' attributes are merged in
+memory and written when the file closes. The `FileWriter` is used under one lock by both threads.
 """
 
 from __future__ import annotations
@@ -133,6 +133,8 @@ class BackgroundWriter:
         self.ring = HostRing(max_bytes)
         self.direct = direct
         self._file_lock = threading.Lock()  # the FileWriter is used by this thread and by the writer thread
+        self._attrs: dict[str, dict[str, Any]] = {}  # group path -> attributes, written by close()
+        self._attrs_lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY) if direct else -1
         self.peak_in_flight = 0
         self._thread = threading.Thread(target=self._run, name="oneiter-writer", daemon=True)
@@ -199,15 +201,24 @@ class BackgroundWriter:
         self._queue.put(("link", group, name, target))
 
     def attrs(self, path: str, attrs: dict[str, Any]) -> None:
+        """Set attributes of the group `path`. They are merged in memory and written once, by `close`: HDF5 takes
+        ~0.5 ms per call group's attributes, and on the writer thread during the iteration that cost is paid
+        twice, in GIL contention with the hooks (resnet18 stats-level record: 0.1 s of 0.8 s)."""
         self._raise_pending()
-        self._queue.put(("attrs", path, attrs))
+        with self._attrs_lock:
+            self._attrs.setdefault(path, {}).update(attrs)
 
     def local_table(self, rows: list, unprobed: list, attrs: dict[str, Any]) -> None:
         self._raise_pending()
         self._queue.put(("local", rows, unprobed, attrs))
 
     def close(self, final_attrs: dict[str, Any]) -> tuple[int, int]:
-        """Drain the queue, mark the file complete, close it. Returns (datasets incl. links, tensor bytes)."""
+        """Drain the queue, write the groups' attributes, mark the file complete, close it. Returns (datasets incl.
+        links, tensor bytes)."""
+        with self._attrs_lock:
+            merged, self._attrs = self._attrs, {}
+        for path, attrs in merged.items():
+            self._queue.put(("attrs", path, attrs))
         self._queue.put(("finish", final_attrs))
         self._queue.put(_STOP)
         self._thread.join()

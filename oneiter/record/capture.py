@@ -68,11 +68,24 @@ class TensorSink:
     def put(self, group: str, name: str, tensor, attrs: dict | None = None, *, dedup: bool = True) -> None:
         """Queue `tensor` as `group/name`. `dedup=False` for parameters and buffers: a kernel may update a buffer
         in place without bumping its version counter (BatchNorm's running stats), so version equality is only
-        trusted for activations and gradients."""
+        trusted for activations and gradients.
+
+        The copy and the statistics run outside the iteration's dispatch modes (random-op recording, op
+        fallback): they are not the model's ops, and each of their ops would otherwise pass through a Python
+        `__torch_dispatch__` (0.1-0.3 ms more per tensor; 0.06 s of a resnet18 stats-level record)."""
         import torch
 
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
             return
+        if torch._C._len_torch_dispatch_stack():
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                self._put(group, name, tensor, attrs, dedup)
+        else:
+            self._put(group, name, tensor, attrs, dedup)
+
+    def _put(self, group: str, name: str, tensor, attrs: dict | None, dedup: bool) -> None:
         check_name(name, f"'{group}' entry")
         path = group_path(group, name)
         with self._lock:

@@ -165,7 +165,11 @@ def tensor_to_numpy(tensor) -> tuple[np.ndarray, str]:
 
 
 class FileWriter:
-    """Writes one recording; used from a single (the writer) thread. Complete only after `finish`."""
+    """Writes one recording; used from a single (the writer) thread. Complete only after `finish`.
+
+    Per dataset HDF5 costs more than the bytes of a small tensor (~140 us through h5py's high-level API), so the
+    hot path keeps its groups open, creates datasets and their `dtype` attribute with the low-level API from cached
+    property lists and types, and makes hard links by path without opening the target."""
 
     def __init__(self, path: Path, meta: dict[str, Any]):
         import h5py
@@ -175,12 +179,28 @@ class FileWriter:
         self.file.attrs.update(_clean_attrs({**meta, "schema": SCHEMA, "schema_version": SCHEMA_VERSION}))
         self.file.attrs["complete"] = False
         self._stats: dict[str, tuple] = {}  # path -> (Stats, dtype name, shape), until finish
+        self._groups: dict[str, Any] = {"": self.file}  # open groups by path
+        self._types: dict[np.dtype, Any] = {}  # numpy dtype -> HDF5 type id
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)  # contiguous, allocated at once, never filled
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        dcpl.set_obj_track_times(False)  # as h5py's create_dataset: no timestamps, identical files
+        self._dcpl = dcpl
+        self._str_type = h5py.h5t.py_create(h5py.string_dtype("utf-8"), logical=True)
+        self._scalar = h5py.h5s.create(h5py.h5s.SCALAR)
         self.num_datasets = 0
         self.num_bytes = 0
 
+    def _group(self, path: str):
+        """The group at `path` (created with its parents if needed), kept open."""
+        grp = self._groups.get(path)
+        if grp is None:
+            grp = self._groups[path] = self.file.require_group(path)
+        return grp
+
     def write(self, group: str, name: str, array: np.ndarray, dtype_name: str, attrs: dict | None = None) -> str:
-        grp = self.file.require_group(group) if group else self.file
-        self._describe(grp.create_dataset(name, data=array), array, dtype_name, attrs)
+        dset = self._group(group).create_dataset(name, data=array)
+        self._describe(dset.id, array, dtype_name, attrs)
         return f"{group}/{name}"
 
     def reserve(self, group: str, name: str, array: np.ndarray, dtype_name: str, attrs: dict | None = None) -> int:
@@ -188,24 +208,27 @@ class FileWriter:
         (the caller writes them there); -1 for an empty array (nothing to write)."""
         import h5py
 
-        grp = self.file.require_group(group) if group else self.file
+        grp = self._group(group)
         if array.size == 0 or array.ndim == 0:  # HDF5 gives these no offset to write at: written here
-            dset = grp.create_dataset(name, data=array)
+            dsid = grp.create_dataset(name, data=array).id
             offset = -1
         else:
-            dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-            dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-            dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-            dset = grp.create_dataset(name, shape=array.shape, dtype=array.dtype, dcpl=dcpl)
-            offset = dset.id.get_offset()
-        self._describe(dset, array, dtype_name, attrs)
+            tid = self._types.get(array.dtype)
+            if tid is None:
+                tid = self._types[array.dtype] = h5py.h5t.py_create(array.dtype)
+            dsid = h5py.h5d.create(grp.id, name.encode(), tid, h5py.h5s.create_simple(array.shape), dcpl=self._dcpl)
+            offset = dsid.get_offset()
+        self._describe(dsid, array, dtype_name, attrs)
         return offset
 
-    def _describe(self, dset, array: np.ndarray, dtype_name: str, attrs: dict | None) -> None:
+    def _describe(self, dsid, array: np.ndarray, dtype_name: str, attrs: dict | None) -> None:
         """A new tensor dataset's attributes (its torch dtype, the caller's) and the writer's counts."""
-        dset.attrs["dtype"] = dtype_name
+        import h5py
+
+        h5py.h5a.create(dsid, b"dtype", self._str_type, self._scalar).write(
+            np.array(dtype_name, dtype=h5py.string_dtype()))
         if attrs:
-            dset.attrs.update(_clean_attrs(attrs))
+            h5py.Dataset(dsid).attrs.update(_clean_attrs(attrs))
         self.num_datasets += 1
         self.num_bytes += array.nbytes
 
@@ -222,11 +245,11 @@ class FileWriter:
         if target in self._stats:  # a stats entry: its row again, under the new name
             self._stats[group_path(group, name)] = self._stats[target]
         else:
-            (self.file.require_group(group) if group else self.file)[name] = self.file[target]
+            self._group(group).id.links.create_hard(name.encode(), self.file.id, target.encode())
         self.num_datasets += 1
 
     def set_attrs(self, path: str, attrs: dict[str, Any]) -> None:
-        self.file.require_group(path).attrs.update(_clean_attrs(attrs))
+        self._group(path).attrs.update(_clean_attrs(attrs))
 
     def local_table(self, rows: list[LocalRow], unprobed: list[tuple[str, int, str]], attrs: dict[str, Any]) -> None:
         """`/local` (one row per judged tensor) and `/unprobed` (module, call, reason), with the probe's attrs."""

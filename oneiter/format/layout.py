@@ -334,6 +334,9 @@ class IterationFile:
             if not h5py.is_hdf5(self.path):
                 raise FormatError(f"'{self.path}' is not an HDF5 file") from None
             raise FormatError(f"'{self.path}' cannot be read: truncated or corrupt HDF5 ({_first_line(exc)})") from None
+        from oneiter.format.mapped import MappedReader
+
+        self._mapped = MappedReader(self.path)
         try:
             self.meta = validate.read_attrs(self.file, "the root group", self.path)
             self._validate()
@@ -363,6 +366,9 @@ class IterationFile:
         self.close()
 
     def close(self) -> None:
+        mapped = getattr(self, "_mapped", None)
+        if mapped is not None:
+            mapped.close()
         try:
             self.file.close()
         except Exception:
@@ -428,7 +434,10 @@ class IterationFile:
             raise FormatError(f"'{self.path}' holds only statistics for '{path}' (recorded with --level stats): "
                               f"this needs a full recording")
         dset = self._dataset(path)
-        return dset[()] if dset.shape == () else dset[...]
+        if dset.shape == ():
+            return dset[()]
+        array = self._mapped.array(dset, f"'{self.path}': '{path}'")  # the page cache's pages, not a copy
+        return dset[...] if array is None else array
 
     def _dataset(self, path: str):
         """The h5py dataset at `path` (checked by `validate` when the file was opened); missing: a FormatError."""

@@ -286,6 +286,14 @@ class Recorder:
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        try:
+            self._finish(stack, exc_type, exc, tb)
+        finally:
+            # what the block needed (the session, its probe's caches of reference tensors, the random modes,
+            # the open reference) goes now: a loop that records again must not hold the previous recording's
+            self.session = self._modes = self.ref = self._swap = None
+
+    def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
         self._end_autocast()
         if exc_type is not None:  # every hook removed; atomic_output deletes the temporary file
             stack.__exit__(exc_type, exc, tb)

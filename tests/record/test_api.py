@@ -71,6 +71,44 @@ def test_replay_through_the_api_loads_weights_and_batch_and_matches(tmp_path):
         assert f.attrs["local"] == "teacher_forced" and f.attrs["replay_of"] == str(ref)
 
 
+def test_a_finished_block_keeps_only_its_summary(tmp_path, resnet_ref):
+    """A loop that records again must not hold the previous recording's session, probe caches of reference
+    tensors, modes or open reference file."""
+    import weakref
+
+    bundle = _resnet()
+    opt = build_optimizer("sgd", bundle.model.parameters())
+    with oneiter.Recorder(bundle.model, tmp_path / "tgt.h5", optimizer=opt, replay=resnet_ref) as rec:
+        probe, ref = weakref.ref(rec.session.probe), rec.ref
+        bundle.loss_fn(bundle.model(rec.inputs(*bundle.inputs))).backward()
+        opt.step()
+    assert rec.summary.num_calls == 76
+    assert (rec.session, rec.ref, rec._modes, rec._swap) == (None, None, None, None)
+    assert probe() is None  # nothing else held it
+    assert not ref.file.id.valid  # the reference's HDF5 file is closed
+
+
+def test_the_recorder_own_ops_never_reach_a_dispatch_mode(tmp_path):
+    """The statistics and copies of what is captured run outside every dispatch mode: neither oneiter's random
+    recorder nor a mode of the user's (a FLOP counter, a tracer) sees them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    bundle = _resnet()
+    with Seen() as seen:
+        _loop(bundle.model, bundle.inputs, bundle.loss_fn, tmp_path / "s.h5", level="stats")
+    assert "convolution" in seen.ops  # the model's own ops are seen
+    assert not {"aminmax", "linalg_vector_norm"} & seen.ops  # tensor_stats' are not
+
+
 def test_a_model_file_fault_in_a_user_loop_is_named(tmp_path, monkeypatch):
     sys.path.insert(0, str(MODEL_FILES))
     try:

@@ -63,6 +63,10 @@ def tensor_stats(tensor) -> Stats:
     t = tensor.detach()
     if t.is_conj() or t.is_neg():  # lazy conjugate/negative views: the values, as a copy would hold them
         t = t.resolve_conj().resolve_neg()
+    if t.device.type == "cpu" and KERNEL.use:
+        found = _kernel_stats(t)
+        if found is not None:
+            return found
     if t.device.type == "cpu" and t.numel() * t.element_size() <= SMALL:  # numpy: a tenth of torch's op overhead
         from oneiter.format.layout import decode, tensor_to_numpy
 
@@ -100,6 +104,61 @@ def tensor_stats(tensor) -> Stats:
     if not math.isfinite(total):  # NaN or Inf (or a float32 sum that overflowed): count, then finite values only
         values = _with_non_finite(flat)
     return Stats(values, checksum.value())
+
+
+def _kernel_stats(t) -> Stats | None:
+    """The C kernel's one pass (`_statskernel.c`) for a CPU float32, float64 or bfloat16 tensor (complex ones as
+    their real pairs); None for any other, or when the kernel was not built."""
+    import torch
+
+    kernel, kinds = KERNEL.load()
+    if kernel is None:
+        return None
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    kind = kinds.get(t.dtype)
+    if kind is None or t.numel() == 0:
+        return None
+    t = t.contiguous()
+    numel = t.numel()
+    low, high, total, sumsq, abs_sum, nan, inf, finite, *checksum = kernel.reduce(t.data_ptr(), numel, kind)
+    if not finite:
+        return Stats([numel, math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf], checksum)
+    return Stats([numel, low, high, total / finite, math.sqrt(sumsq), abs_sum, nan, inf], checksum)
+
+
+class _Kernel:
+    """The optional C kernel, loaded on first use: built at install when a C compiler is there; without it (or
+    with `use` False) CPU tensors are reduced like any other, with torch (numpy for small ones)."""
+
+    def __init__(self) -> None:
+        self.use = True
+        self._loaded = None
+
+    def load(self):
+        if self._loaded is None:
+            self._loaded = None, {}
+            import sys
+
+            if sys.byteorder == "little":  # rowcol32 reads little-endian words; the kernel reads native ones
+                try:
+                    from oneiter.format import _statskernel
+                except ImportError:
+                    pass
+                else:  # without its vectorized path (no AVX2: not x86-64) torch's reductions are faster
+                    if not _statskernel.simd():
+                        return self._loaded
+                    import torch
+
+                    self._loaded = _statskernel, {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+        return self._loaded
+
+    @property
+    def available(self) -> bool:
+        return self.load()[0] is not None
+
+
+KERNEL = _Kernel()
 
 
 def _scratch(dtype, device, numel: int):

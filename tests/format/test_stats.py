@@ -23,8 +23,10 @@ _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the
     torch.tensor([True, False, True]), torch.tensor(3.5), torch.randn(2, 3, dtype=torch.float64), torch.zeros(0, 3),
     torch.tensor([float("nan")] * 3), torch.arange(3000, dtype=torch.int8), torch.randn(4, dtype=torch.cfloat).conj(),
 ])
-def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])  # the CPU's C kernel where it applies; torch's reductions
+def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, kernel, monkeypatch):
     monkeypatch.setattr(stats, "SMALL", 0)  # torch's reductions, as on a device (numpy's: the test below)
+    monkeypatch.setattr(stats.KERNEL, "use", kernel)
     mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.resolve_conj().contiguous())  # as the writer stores it
     theirs = array_stats(raw, decode(raw, dtype))
@@ -32,6 +34,7 @@ def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkey
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("small", [0, stats.SMALL])  # torch's reductions; numpy's for small CPU tensors
 @pytest.mark.parametrize("chunk", [stats.CHUNK, 4 * stats.ROW])  # one chunk; many chunks, a partial last row
 @pytest.mark.parametrize("tensor", [
@@ -39,13 +42,14 @@ def test_statistics_on_the_device_equal_those_of_the_stored_array(tensor, monkey
     torch.tensor([2**62, -2**63, 2**63 - 1, 7] * 999), torch.rand(9001) > 0.5, torch.randn(2, 3000).to(torch.cfloat),
     torch.randn(70, 90, dtype=torch.float64).t(), torch.tensor([1.0, float("nan"), float("inf"), -2.0] * 3000),
 ])
-def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_stored_bytes(tensor, chunk, small,
+def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_stored_bytes(tensor, chunk, small, kernel,
                                                                                        monkeypatch):
     """`rowcol32` is what a stats file holds on every device; a full file's bytes must give the same two numbers
     (int32 and int64 wrap-around included), chunk by chunk or at once, or a full file could never be proved bitwise
     equal to it. A bfloat16 view at an odd offset is not int32-aligned in memory: it is copied first."""
     monkeypatch.setattr(stats, "CHUNK", chunk)
     monkeypatch.setattr(stats, "SMALL", small)
+    monkeypatch.setattr(stats.KERNEL, "use", kernel)
     mine = tensor_stats(tensor)
     raw, dtype = tensor_to_numpy(tensor.resolve_conj().contiguous())  # as the writer stores it
     theirs = array_stats(raw, decode(raw, dtype))
@@ -54,6 +58,27 @@ def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_store
     t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
     moved = t.flatten().roll(1).reshape(t.shape)
     assert tensor_stats(moved).checksum != mine.checksum or bool((moved == t).all())
+
+
+def test_the_c_kernel_is_built_and_takes_cpu_floats_in_one_pass(monkeypatch):
+    """The install builds the kernel here (gcc is on every machine of this project); it answers for float32,
+    float64, bfloat16 and complex CPU tensors (whatever their size), and leaves every other dtype to torch/numpy."""
+    assert stats.KERNEL.available
+    calls = []
+    kernel, _ = stats.KERNEL.load()
+    monkeypatch.setattr(stats.KERNEL, "_loaded", (type("Spy", (), {"reduce": staticmethod(
+        lambda *a: calls.append(a[2]) or kernel.reduce(*a))})(), stats.KERNEL.load()[1]))
+    for t in (torch.randn(3), torch.randn(5000, dtype=torch.float64), torch.randn(70).to(torch.bfloat16),
+              torch.randn(4, dtype=torch.cfloat), torch.arange(9), torch.randn(8).half()):
+        tensor_stats(t)
+    assert calls == [0, 1, 2, 0]
+    big = torch.randn(3, 1000, 1001)  # rows of the checksum and lanes of the statistics both end mid-way
+    big[1, 2, 3], big[2, 0, 0] = float("nan"), float("-inf")
+    mine = tensor_stats(big)
+    raw, dtype = tensor_to_numpy(big)
+    theirs = array_stats(raw, decode(raw, dtype))
+    assert mine.checksum == theirs.checksum and mine["nan"] == 1 and mine["inf"] == 1
+    np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-12)  # float64 lanes: as exact as numpy's
 
 
 def test_the_checksum_sees_one_changed_bit_and_two_swapped_words_anywhere(monkeypatch):

@@ -10,10 +10,15 @@ read as little-endian int32 words in rows of `ROW` (1024) words; the column sums
 wrapping in int32, give `sum(c_j·(2j+1))` and `sum(r_i·(2i+1))`, wrapping in int64. One changed word always
 changes both (odd weights: no wrap-around cancels them); other changes collide only by coincidence. Equal
 checksums (with equal shape and dtype) are taken as bitwise equal; a moved NaN or a flipped sign changes them. It
-costs two integer reductions of each chunk (`CHUNK` bytes) right after its statistics, while it is in cache: the
-whole of `tensor_stats` reads 720 MB of float32 in ~0.11 s on 2 cores, where a CRC-32 alone took 0.17 s
-(`python bench/bench_stats.py`). CPU tensors of at most `SMALL` bytes are reduced with numpy (`array_stats`),
-which costs a tenth of torch's per-op overhead.
+costs two integer reductions of each chunk (`CHUNK` bytes) right after its statistics, while it is in cache.
+
+Three paths compute the same numbers (tests hold each to the stored bytes): on an x86-64 CPU with AVX2, CPU
+float32, float64 and bfloat16 tensors (and complex ones as their real pairs) go through the C kernel
+`_statskernel.c`, built at install when a C compiler is there: one pass, one thread, sums in float64 (720 MB of
+float32 in 0.11 s, 6.5 GB/s, against 0.21 s for the torch path on the same machine: `python
+bench/bench_stats.py`). Any other tensor is reduced by torch where it lives, `CHUNK` bytes at a time; CPU tensors
+of at most `SMALL` bytes that the kernel does not take are reduced with numpy (`array_stats`), which costs a tenth
+of torch's per-op overhead.
 
 How two stats entries are judged (`compare_stats`): equal checksums → bitwise equal, a match; otherwise the
 relative error of the L2 norm and of the sum of |x| (each a lower bound of the elementwise relative L2 error,

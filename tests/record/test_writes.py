@@ -42,8 +42,10 @@ def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(tmp_path, limit_mb):
 
 def test_sigterm_removes_the_temporary_file(tmp_path):
     out = tmp_path / "out.h5"
-    proc = subprocess.Popen([sys.executable, *_RECORD[:-2], "-b", "8", "--model-arg", "image_size=64", "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # large enough that the iteration is still running when the signal lands (~1.5 s of recording after the
+    # temporary file appears; batch 8 at 64x64 once finished in between)
+    proc = subprocess.Popen([sys.executable, *_RECORD[:-2], "-b", "16", "--model-arg", "image_size=160", "-o",
+                             str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.h5.tmp-*")) and time.monotonic() < deadline:
         time.sleep(0.05)

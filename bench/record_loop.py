@@ -44,8 +44,9 @@ def main() -> None:
     start = {k: v.clone() for k, v in model.state_dict().items()}
     inputs = setup.inputs
     for run in range(args.runs):
-        model.load_state_dict(start)
+        model.load_state_dict(start)  # the same iteration again: weights, gradients, optimizer state (momentum)
         setup.optimizer.zero_grad(set_to_none=True)
+        setup.optimizer.state.clear()
         setup.inputs = inputs
         args.out.unlink(missing_ok=True)
         os.sync()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import MODEL_FILES, run_cli
 
 _RECORD = ["-m", "oneiter", "record", "--model", "resnet18", "--model-arg", "image_size=32", "-b", "2"]
 
@@ -41,15 +41,18 @@ def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(tmp_path, limit_mb):
 
 
 def test_sigterm_removes_the_temporary_file(tmp_path):
-    out = tmp_path / "out.h5"
-    # large enough that the iteration is still running when the signal lands (~1.5 s of recording after the
-    # temporary file appears; batch 8 at 64x64 once finished in between)
-    proc = subprocess.Popen([sys.executable, *_RECORD[:-2], "-b", "16", "--model-arg", "image_size=160", "-o",
-                             str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """The model file's forward announces itself and waits, so the signal lands inside the iteration, with the
+    temporary file open, however fast or loaded the machine (a timed window once closed before the signal came)."""
+    out, ready = tmp_path / "out.h5", tmp_path.parent / f"{tmp_path.name}.ready"
+    env = {**os.environ, "ONEITER_TEST_READY": str(ready)}
+    proc = subprocess.Popen([sys.executable, "-m", "oneiter", "record", "--model", f"{MODEL_FILES / 'waits.py'}:build",
+                             "-b", "4", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.h5.tmp-*")) and time.monotonic() < deadline:
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert list(tmp_path.glob(".out.h5.tmp-*")), "the record never started writing"
+    assert ready.exists(), f"the model never ran: {proc.stderr.read() if proc.poll() is not None else 'timeout'}"
+    assert list(tmp_path.glob(".out.h5.tmp-*")), "the record was not writing"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []

@@ -195,10 +195,10 @@ static void tail_values(Acc *a, const unsigned char *p, size_t from, size_t n, i
     }
 }
 
-static void row_values(Acc *a, const unsigned char *p, size_t n, int kind) {
+static void row_values(Acc *a, const unsigned char *p, size_t n, int kind, int vectorized) {
     size_t whole = 0;
 #if HAVE_SIMD
-    if (simd()) {
+    if (vectorized) {
         whole = n / 16 * 16;
         if (kind == F64)
             pd_values(a, p, whole);
@@ -209,9 +209,9 @@ static void row_values(Acc *a, const unsigned char *p, size_t n, int kind) {
     tail_values(a, p, whole, n, kind);
 }
 
-static void add_row(Check *c, const uint32_t *w) {
+static void add_row(Check *c, const uint32_t *w, int vectorized) {
 #if HAVE_SIMD
-    if (simd()) {
+    if (vectorized) {
         check_row_avx2(c, w);
         return;
     }
@@ -242,13 +242,15 @@ static void finite_pass(const unsigned char *p, size_t numel, int kind, double o
     counts[0] = nan, counts[1] = inf, counts[2] = finite;
 }
 
-/* reduce(address, numel, kind) -> (low, high, sum, sumsq, abs_sum, nan, inf, finite, check0, check1) */
+/* reduce(address, numel, kind[, vectorized]) -> (low, high, sum, sumsq, abs_sum, nan, inf, finite, check0, check1);
+   vectorized=False takes the portable scalar path (the tests compare both) */
 static PyObject *reduce(PyObject *self, PyObject *args) {
     unsigned long long address;
     Py_ssize_t numel;
-    int kind;
-    if (!PyArg_ParseTuple(args, "Kni", &address, &numel, &kind))
+    int kind, vectorized = 1;
+    if (!PyArg_ParseTuple(args, "Kni|p", &address, &numel, &kind, &vectorized))
         return NULL;
+    vectorized = vectorized && simd();
     if (numel <= 0 || kind < F32 || kind > BF16) {
         PyErr_SetString(PyExc_ValueError, "reduce: expected numel > 0 and kind 0 (float32), 1 (float64), 2 (bfloat16)");
         return NULL;
@@ -274,18 +276,18 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
     for (; offset + ROW_BYTES <= nbytes; offset += ROW_BYTES) {
         const unsigned char *row = p + offset;
         if ((uintptr_t)row % 4 == 0) {
-            add_row(&check, (const uint32_t *)row);
+            add_row(&check, (const uint32_t *)row, vectorized);
         } else {
             memcpy(words, row, ROW_BYTES);
-            add_row(&check, words);
+            add_row(&check, words, vectorized);
         }
-        row_values(&acc, row, per_row, kind);
+        row_values(&acc, row, per_row, kind, vectorized);
     }
     if (offset < nbytes) { /* the last, partial row: zero-padded for the checksum */
         memset(words, 0, ROW_BYTES);
         memcpy(words, p + offset, nbytes - offset);
-        add_row(&check, words);
-        row_values(&acc, p + offset, (nbytes - offset) / size, kind);
+        add_row(&check, words, vectorized);
+        row_values(&acc, p + offset, (nbytes - offset) / size, kind, vectorized);
     }
     double sum = 0, sumsq = 0, abs_sum = 0, low = INFINITY, high = -INFINITY;
     for (int k = 0; k < LANES; k++) {
@@ -310,7 +312,8 @@ static PyObject *simd_available(PyObject *self, PyObject *unused) { return PyBoo
 static PyMethodDef methods[] = {
     {"simd", simd_available, METH_NOARGS, "simd() -> whether the vectorized (AVX2+FMA) path runs on this CPU"},
     {"reduce", reduce, METH_VARARGS,
-     "reduce(address, numel, kind) -> (low, high, sum, sumsq, abs_sum, nan, inf, finite, check0, check1)"},
+     "reduce(address, numel, kind[, vectorized]) -> (low, high, sum, sumsq, abs_sum, nan, inf, finite, check0, "
+     "check1)"},
     {NULL, NULL, 0, NULL},
 };
 

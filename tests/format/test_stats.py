@@ -81,6 +81,19 @@ def test_the_c_kernel_is_built_and_takes_cpu_floats_in_one_pass(monkeypatch):
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-12)  # float64 lanes: as exact as numpy's
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_c_kernel_portable_path_equals_its_vectorized_one(dtype):
+    """`reduce(..., vectorized=False)`: the scalar loops a CPU without AVX2 would run give the same checksum and
+    statistics (to float64 summation order) as the AVX2 path, on rows that end mid-lane, an odd offset and NaN."""
+    kernel, kinds = stats.KERNEL.load()
+    base = torch.randn(5 * 1024 + 13, dtype=torch.float64).to(dtype)
+    for t in (base, base[1:], torch.cat([base[:7], torch.tensor([float("nan")], dtype=dtype), base[7:]])):
+        fast = kernel.reduce(t.data_ptr(), t.numel(), kinds[dtype])
+        slow = kernel.reduce(t.data_ptr(), t.numel(), kinds[dtype], False)
+        assert fast[5:] == slow[5:]  # counts and checksum, exactly
+        np.testing.assert_allclose(fast[:5], slow[:5], rtol=1e-12)
+
+
 def test_the_checksum_sees_one_changed_bit_and_two_swapped_words_anywhere(monkeypatch):
     """A flipped bit in any word and a swap of two different words change it, in the same row, the same column,
     or neither; the same tensor gives the same checksum with 1 or 2 threads (torch's reductions)."""

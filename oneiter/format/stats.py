@@ -127,9 +127,15 @@ def _kernel_stats(t) -> Stats | None:
     t = t.contiguous()
     numel = t.numel()
     low, high, total, sumsq, abs_sum, nan, inf, finite, *checksum = kernel.reduce(t.data_ptr(), numel, kind)
+    return Stats(_values(numel, nan, inf, finite, low, high, total, math.sqrt(sumsq), abs_sum), checksum)
+
+
+def _values(numel: int, nan: int, inf: int, finite: int = 0, low=0.0, high=0.0, total=0.0, l2=0.0,
+            abs_sum=0.0) -> list:
+    """A stats row (FIELDS order) from reductions over the `finite` finite values; none finite: no min, max or mean."""
     if not finite:
-        return Stats([numel, math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf], checksum)
-    return Stats([numel, low, high, total / finite, math.sqrt(sumsq), abs_sum, nan, inf], checksum)
+        return [numel, math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf]
+    return [numel, low, high, total / finite, l2, abs_sum, nan, inf]
 
 
 class _Kernel:
@@ -141,26 +147,30 @@ class _Kernel:
         self._loaded = None
 
     def load(self):
+        """(the extension module, torch dtype -> its kind), or (None, {}) where it is not to be used."""
         if self._loaded is None:
-            self._loaded = None, {}
-            import sys
-
-            if sys.byteorder == "little":  # rowcol32 reads little-endian words; the kernel reads native ones
-                try:
-                    from oneiter.format import _statskernel
-                except ImportError:
-                    pass
-                else:  # without its vectorized path (no AVX2: not x86-64) torch's reductions are faster
-                    if not _statskernel.simd():
-                        return self._loaded
-                    import torch
-
-                    self._loaded = _statskernel, {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+            self._loaded = _load_kernel()
         return self._loaded
 
     @property
     def available(self) -> bool:
         return self.load()[0] is not None
+
+
+def _load_kernel():
+    import sys
+
+    if sys.byteorder != "little":  # rowcol32 reads little-endian words; the kernel reads native ones
+        return None, {}
+    try:
+        from oneiter.format import _statskernel
+    except ImportError:  # not built (no C compiler at install)
+        return None, {}
+    if not _statskernel.simd():  # without its vectorized path (no AVX2: not x86-64) torch's reductions are faster
+        return None, {}
+    import torch
+
+    return _statskernel, {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
 
 
 KERNEL = _Kernel()
@@ -190,11 +200,11 @@ def _with_non_finite(flat) -> list:
     nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
     x = x[finite]
     if not x.numel():
-        return [flat.numel(), math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf]
+        return _values(flat.numel(), nan, inf)
     low, high = torch.aminmax(x)
     low, high, total, l2, abs_sum = torch.stack([low, high, x.sum(), torch.linalg.vector_norm(x),
                                                  x.abs().sum()]).tolist()
-    return [flat.numel(), low, high, total / x.numel(), l2, abs_sum, nan, inf]
+    return _values(flat.numel(), nan, inf, x.numel(), low, high, total, l2, abs_sum)
 
 
 class _Checksum:

@@ -53,44 +53,24 @@ print(json.dumps({{"seconds": statistics.median(times[1:]), "first": times[0], "
 """
 
 RECORD = """
-import json, os, statistics, time, torch
+import json, statistics, sys
 from pathlib import Path
-from oneiter.record.recorder import Recorder
+sys.path.insert(0, {bench!r})
 import h5py
 from oneiter.record import capture, probe, randomness, rerun, session  # imported before the clock starts
 from oneiter.format import layout, stats, writer
 from oneiter.judge import blame, metrics
-from oneiter.runtime.modelspec import load_model
-from oneiter.runtime.training import prepare, train_step
-setup = prepare(load_model({model!r}, {batch}, 0, {args!r}), torch.device("cpu"))
-model = setup.bundle.model
-setup.bundle.loss_fn(model(*setup.inputs)).backward()  # warm: kernels and allocator; no step, weights unchanged
-setup.optimizer.zero_grad(set_to_none=True)
-start = str(Path({out!r}).with_suffix(".start.pt"))  # on disk: a copy in memory would count in the peak RSS
-torch.save(model.state_dict(), start)
-replay, out, inputs, times = {replay!r}, Path({out!r}), setup.inputs, []
-for run in range({runs}):  # later runs: the same process, warm (pages of the previous output recycled)
-    if run:  # the same iteration again: weights, gradients and the optimizer's state (momentum) as they were
-        model.load_state_dict(torch.load(start))
-        setup.optimizer.zero_grad(set_to_none=True)
-        setup.optimizer.state.clear()
-        out.unlink(missing_ok=True)
-        os.sync()
-    setup.inputs = inputs
-    t0 = time.perf_counter()
-    with Recorder(model, out, optimizer=setup.optimizer, replay=replay and Path(replay), isolate={isolate!r},
-                  level={level!r}, force=True) as rec:
-        batch = rec.inputs(*setup.inputs)
-        setup.inputs = batch if len(setup.inputs) != 1 else (batch,)
-        train_step(setup)
-    times.append(time.perf_counter() - t0)
-    if not run:  # the fresh process's own peak: later runs' would add the previous run's leftovers
+from record_loop import prepared, records
+setup = prepared({model!r}, {batch}, {args!r})
+times = []
+for seconds, summary in records(setup, Path({out!r}), {runs}, replay={replay!r} and Path({replay!r}),
+                                isolate={isolate!r}, level={level!r}):
+    times.append(seconds)
+    if len(times) == 1:  # the fresh process's own peak: later runs' would add the previous run's leftovers
         first_rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-os.unlink(start)
-s = rec.summary
 warm = statistics.median(times[1:]) if len(times) > 1 else None
-print(json.dumps({{"seconds": times[0], "warm": warm, "bytes": s.file_bytes, "tensor_bytes": s.num_bytes,
-                  "entries": s.num_entries, "first_rss_kb": first_rss}}))
+print(json.dumps({{"seconds": times[0], "warm": warm, "bytes": summary.file_bytes, "tensor_bytes": summary.num_bytes,
+                  "entries": summary.num_entries, "first_rss_kb": first_rss}}))
 """
 
 BANDWIDTH = """
@@ -172,8 +152,9 @@ def record(work: Path, name: str, model: str, batch: int, args: dict, *, level="
     """One record per fresh process (`seconds`); with `runs` > 1 the same process records again, and `warm` is
     the median of those later records."""
     out = work / name
-    return {**measure(RECORD.format(model=model, batch=batch, args=args, out=str(out), level=level,
-                                    replay=replay and str(replay), isolate=isolate, runs=runs), out), "path": out}
+    return {**measure(RECORD.format(bench=str(Path(__file__).resolve().parent), model=model, batch=batch, args=args,
+                                    out=str(out), level=level, replay=replay and str(replay), isolate=isolate,
+                                    runs=runs), out), "path": out}
 
 
 def warm_secs(r: dict) -> str:

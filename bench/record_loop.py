@@ -19,6 +19,53 @@ import time
 from pathlib import Path
 
 
+def prepared(model: str, batch_size: int, model_args: dict):
+    """The model's training setup on the CPU, warm: one forward and backward ran (kernels and allocator), no
+    optimizer step (the weights are unchanged)."""
+    import torch
+
+    from oneiter.runtime.modelspec import load_model
+    from oneiter.runtime.training import prepare
+
+    setup = prepare(load_model(model, batch_size, 0, model_args), torch.device("cpu"))
+    setup.bundle.loss_fn(setup.bundle.model(*setup.inputs)).backward()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return setup
+
+
+def records(setup, out: Path, runs: int, **recorder_kwargs):
+    """Record `setup`'s iteration `runs` times into `out`, yielding each record's (seconds, summary). Before each
+    (outside the clock) the same iteration is restored — weights, gradients, the optimizer's state (momentum) —
+    the previous output removed and `os.sync()` run. The starting weights wait on disk: a copy in memory would
+    count in the process's peak RSS."""
+    import torch
+
+    from oneiter.record.recorder import Recorder
+    from oneiter.runtime.training import train_step
+
+    model, inputs = setup.bundle.model, setup.inputs
+    start = out.with_suffix(".start.pt")
+    torch.save(model.state_dict(), start)
+    try:
+        for run in range(runs):
+            if run:
+                model.load_state_dict(torch.load(start))
+                setup.optimizer.zero_grad(set_to_none=True)
+                setup.optimizer.state.clear()
+            setup.inputs = inputs
+            out.unlink(missing_ok=True)
+            os.sync()
+            t0 = time.perf_counter()
+            with Recorder(model, out, optimizer=setup.optimizer, force=True, **recorder_kwargs) as rec:
+                batch = rec.inputs(*setup.inputs)
+                setup.inputs = batch if len(inputs) != 1 else (batch,)
+                train_step(setup)
+            yield time.perf_counter() - t0, rec.summary
+    finally:
+        setup.inputs = inputs
+        start.unlink(missing_ok=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18")
@@ -31,34 +78,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/oneiter-record-loop.h5"))
     args = parser.parse_args()
 
-    import torch
+    from oneiter.runtime.training import train_step
 
-    from oneiter.record.recorder import Recorder
-    from oneiter.runtime.modelspec import load_model
-    from oneiter.runtime.training import prepare, train_step
-
-    setup = prepare(load_model(args.model, args.batch_size, 0, json.loads(args.model_args)), torch.device("cpu"))
-    model = setup.bundle.model
-    setup.bundle.loss_fn(model(*setup.inputs)).backward()  # warm: kernels and allocator; weights unchanged
-    setup.optimizer.zero_grad(set_to_none=True)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    inputs = setup.inputs
-    for run in range(args.runs):
-        model.load_state_dict(start)  # the same iteration again: weights, gradients, optimizer state (momentum)
-        setup.optimizer.zero_grad(set_to_none=True)
-        setup.optimizer.state.clear()
-        setup.inputs = inputs
-        args.out.unlink(missing_ok=True)
-        os.sync()
-        t0 = time.perf_counter()
-        with Recorder(model, args.out, optimizer=setup.optimizer, replay=args.replay, isolate=not args.no_isolate,
-                      level=args.level, force=True) as rec:
-            batch = rec.inputs(*setup.inputs)
-            setup.inputs = batch if len(inputs) != 1 else (batch,)
-            train_step(setup)
-        print(f"record {run + 1}: {time.perf_counter() - t0:.3f} s, {rec.summary.file_bytes / 1e6:,.1f} MB",
-              flush=True)
-    setup.inputs = inputs
+    setup = prepared(args.model, args.batch_size, json.loads(args.model_args))
+    runs = records(setup, args.out, args.runs, replay=args.replay, isolate=not args.no_isolate, level=args.level)
+    for run, (seconds, summary) in enumerate(runs):
+        print(f"record {run + 1}: {seconds:.3f} s, {summary.file_bytes / 1e6:,.1f} MB", flush=True)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()

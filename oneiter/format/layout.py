@@ -350,8 +350,7 @@ class IterationFile:
         from oneiter.format import validate
 
         validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
-        self._dtypes: dict[str, str] = {}
-        validate.check_tree(self.file, self.path, self._dtypes)
+        self._tree = validate.check_tree(self.file, self.path)
         try:
             self.stats_index
         except FormatError:
@@ -378,15 +377,15 @@ class IterationFile:
     def dtype_of(self, path: str) -> str:
         if path in self.stats_index:
             return self.stats_index[path][1]
-        cache = self.__dict__.setdefault("_dtypes", {})  # attribute reads cost ~60 us each in h5py
-        if path not in cache:
-            cache[path] = _plain(self._dataset(path).attrs["dtype"])
-        return cache[path]
+        stored = self._dataset(path)
+        if stored.name is None:
+            raise FormatError(f"'{self.path}': '{path}' is not a tensor")
+        return stored.name
 
     def shape_of(self, path: str) -> tuple[int, ...]:
         if path in self.stats_index:
             return self.stats_index[path][2]
-        return tuple(self._dataset(path).shape)
+        return self._dataset(path).shape
 
     @property
     def stats_index(self) -> dict[str, tuple]:
@@ -408,7 +407,7 @@ class IterationFile:
 
     def dataset_id(self, path: str):
         """Identity of what is stored at `path`: equal for two names hard-linked to one dataset."""
-        return ("stats", path) if path in self.stats_index else self._dataset(path).id
+        return ("stats", path) if path in self.stats_index else self._dataset(path).addr
 
     def is_stats(self, path: str) -> bool:
         """A stats-level entry (`record --level stats`): statistics and a checksum, no tensor data."""
@@ -433,18 +432,19 @@ class IterationFile:
         if path in self.stats_index:
             raise FormatError(f"'{self.path}' holds only statistics for '{path}' (recorded with --level stats): "
                               f"this needs a full recording")
-        dset = self._dataset(path)
-        if dset.shape == ():
-            return dset[()]
-        array = self._mapped.array(dset, f"'{self.path}': '{path}'")  # the page cache's pages, not a copy
-        return dset[...] if array is None else array
+        stored = self._dataset(path)
+        array = self._mapped.array(stored, f"'{self.path}': '{path}'")  # the page cache's pages, not a copy
+        if array is not None:
+            return array
+        dset = self.file[path]
+        return dset[()] if stored.shape == () else dset[...]
 
     def _dataset(self, path: str):
-        """The h5py dataset at `path` (checked by `validate` when the file was opened); missing: a FormatError."""
-        dset = self.file.get(path)
-        if dset is None:
+        """What the validation walk saw of the dataset at `path` (`validate.Stored`); missing: a FormatError."""
+        stored = self._tree.datasets.get(path)
+        if stored is None:
             raise FormatError(f"'{self.path}' holds no '{path}': the file is damaged")
-        return dset
+        return stored
 
     def read(self, path: str) -> np.ndarray:
         """The tensor as numbers numpy can compute with (bfloat16 decoded to float32, exactly)."""
@@ -458,13 +458,14 @@ class IterationFile:
         return to_torch(self.raw(path), self.dtype_of(path))
 
     def has(self, path: str) -> bool:
-        # every tensor dataset was seen by the validation walk: a dict lookup, not an HDF5 link traversal
-        return path in self._dtypes or path in self.stats_index or path in self.file
+        # every link was seen by the validation walk: a dict lookup, not an HDF5 link traversal
+        return path in self._tree.datasets or path in self.stats_index or path in self._tree.groups
 
     def attrs(self, path: str) -> dict[str, Any]:
         """The attributes of a group or dataset, as plain Python values ({} if it does not exist)."""
-        obj = self.file.get(path)
-        return {} if obj is None else {k: _plain(v) for k, v in obj.attrs.items()}
+        if path in self._tree.datasets:
+            return dict(self._tree.datasets[path].attrs)
+        return dict(self._tree.groups[path][0]) if path in self._tree.groups else {}
 
     def local_kind(self) -> str:
         """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""
@@ -501,16 +502,14 @@ class IterationFile:
         return [f"{BATCH}/{n}" for n in names]
 
     def _named(self, group_name: str) -> dict[str, str]:
-        group = self.file.get(group_name)
-        if group is None:
+        if group_name not in self._tree.groups:
             return {}
-        order = list(group.attrs.get("order", [])) or self._names_in(group_name)
+        order = list(self._tree.groups[group_name][0].get("order", [])) or self._names_in(group_name)
         return {str(n): f"{group_name}/{n}" for n in order}
 
     def _names_in(self, group_name: str) -> list[str]:
         """Entry names directly in a group: its datasets, and its rows of `/stats`."""
-        group = self.file.get(group_name)
-        names = list(group.keys()) if group is not None else []
+        names = list(self._tree.groups[group_name][1]) if group_name in self._tree.groups else []
         if self.stats_index:
             prefix = group_name + "/"
             names += [p[len(prefix):] for p in self.stats_index if p.startswith(prefix) and "/" not in p[len(prefix):]]
@@ -520,9 +519,8 @@ class IterationFile:
     def calls(self) -> list[tuple[str, dict[str, Any]]]:
         """(call key, attrs) in execution order."""
         if getattr(self, "_calls", None) is None:  # read once: every reader walks the calls several times
-            group = self.file.get(CALLS)
-            items = [] if group is None else [(k, {a: _plain(v) for a, v in group[k].attrs.items()})
-                                              for k in group.keys()]
+            keys = self._tree.groups[CALLS][1] if CALLS in self._tree.groups else []
+            items = [(k, self._tree.groups[f"{CALLS}/{k}"][0]) for k in keys]
             self._calls = sorted(items, key=lambda kv: kv[1].get("exec_index", 0))
         return [(key, dict(attrs)) for key, attrs in self._calls]
 

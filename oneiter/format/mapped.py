@@ -66,22 +66,16 @@ class MappedReader:
         if fd >= 0:
             os.close(fd)
 
-    def array(self, dset, where: str):
-        """The dataset's data as a writable (copy-on-write) numpy array over a mapping, or None when it does not
-        qualify (then read it through h5py)."""
-        import h5py
-
-        dtype = dset.dtype
-        if self._fd < 0 or dtype.kind not in "biufc" or not dtype.isnative:
+    def array(self, stored, where: str):
+        """A dataset's data as a writable (copy-on-write) numpy array over a mapping, or None when it does not
+        qualify (then read it through h5py). `stored`: what the validation walk saw of it (`validate.Stored`:
+        `offset` is set only for contiguous, unfiltered, allocated data)."""
+        dtype, offset = stored.dtype, stored.offset
+        if self._fd < 0 or offset is None or dtype.kind not in "biufc" or not dtype.isnative:
             return None
-        nbytes = dset.size * dtype.itemsize
+        count = int(np.prod(stored.shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
         if nbytes < _MIN_BYTES:
-            return None
-        plist = dset.id.get_create_plist()
-        if plist.get_layout() != h5py.h5d.CONTIGUOUS or plist.get_nfilters() or plist.get_external_count():
-            return None
-        offset = dset.id.get_offset()
-        if offset is None:
             return None
         if offset + nbytes > self._size:
             raise FormatError(f"{where}: its data ends at byte {offset + nbytes}, past the end of the file "
@@ -93,4 +87,4 @@ class MappedReader:
             return None
         buffer = (ctypes.c_char * length).from_address(addr)
         weakref.finalize(buffer, _LIBC.munmap, addr, length)
-        return np.frombuffer(buffer, dtype=dtype, count=dset.size, offset=offset - start).reshape(dset.shape)
+        return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset - start).reshape(stored.shape)

@@ -11,6 +11,7 @@ import pytest
 from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile
 from oneiter.format.mapped import MappedReader
+from oneiter.format.validate import check_tree
 
 
 def _mappings() -> int:
@@ -69,11 +70,11 @@ def test_a_mapping_is_released_with_the_last_array_viewing_it(resnet_ref):
 
 def test_data_past_the_end_of_the_file_is_refused_not_mapped(resnet_ref):
     with h5py.File(resnet_ref) as plain:
-        dset = plain["state_before/layer4.1.conv2.weight"]
+        stored = check_tree(plain, resnet_ref).datasets["state_before/layer4.1.conv2.weight"]
         reader = MappedReader(resnet_ref)
-        reader._size = dset.id.get_offset() + dset.nbytes - 1  # as if the file were cut inside this dataset
+        reader._size = stored.offset + 512 * 512 * 9 * 4 - 1  # as if the file were cut inside this dataset
         with pytest.raises(FormatError, match="past the end of the file"):
-            reader.array(dset, "that dataset")
+            reader.array(stored, "that dataset")
         reader.close()
 
 
@@ -87,7 +88,50 @@ def test_chunked_compressed_small_and_foreign_order_datasets_are_left_to_h5py(tm
         f.create_dataset("contiguous", data=data)
     reader = MappedReader(path)
     with h5py.File(path) as f:
-        for name in ("chunked", "small", "big_endian"):
-            assert reader.array(f[name], name) is None, name
-        assert reader.array(f["contiguous"], "contiguous").tobytes() == data.tobytes()
+        tree = check_tree(f, path)
+    assert tree.datasets["chunked"].offset is None  # the walk gives only contiguous, unfiltered data an offset
+    for name in ("chunked", "small", "big_endian"):
+        assert reader.array(tree.datasets[name], name) is None, name
+    assert reader.array(tree.datasets["contiguous"], "contiguous").tobytes() == data.tobytes()
     reader.close()
+
+
+def test_readers_answer_from_the_validation_walk_not_from_hdf5(resnet_ref):
+    """Opening a file walks it once (`validate.check_tree`); links, attributes, shapes, dtypes, identities and the
+    mapped reads of large tensors come from what the walk kept. Any lookup through h5py here fails the test."""
+    with IterationFile(resnet_ref) as f:
+        real = f.file
+
+        class NoLookups:
+            def __getattr__(self, name):
+                raise AssertionError(f"h5py asked for {name}")
+
+            def __getitem__(self, key):
+                raise AssertionError(f"h5py asked for {key}")
+
+            def __contains__(self, key):
+                raise AssertionError(f"h5py asked for {key}")
+
+        f.file = NoLookups()
+        try:
+            entries = list(f.entries())
+            calls = f.calls()
+            state = f.state()
+            weight = state["layer4.1.conv2.weight"]
+            assert f.dtype_of(weight) == "float32" and f.shape_of(weight) == (512, 512, 3, 3)
+            assert f.raw(weight).tobytes() == real[weight][()].tobytes()
+            assert f.has(weight) and f.has("calls") and not f.has("calls/nothing")
+            assert f.attrs(weight) == {"dtype": "float32"}
+            assert f.attrs(f"calls/{calls[0][0]}")["exec_index"] == 0
+            order = sorted(real["calls"].keys(), key=lambda k: real["calls"][k].attrs["exec_index"])
+            assert [name for name, _ in calls] == order
+            assert f.dataset_id(weight) == f.dataset_id(weight) != f.dataset_id(state["layer4.1.conv1.weight"])
+        finally:
+            f.file = real
+        assert len(entries) > 100
+        # two names hard-linked to one dataset (an output that is the next call's input) share one identity
+        by_id = {}
+        for entry in entries:
+            by_id.setdefault(f.dataset_id(entry.path), []).append(entry.path)
+        linked = [paths for paths in by_id.values() if len(paths) > 1]
+        assert linked and all(real[p[0]].id == real[p[1]].id for p in linked)

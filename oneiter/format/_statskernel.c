@@ -313,6 +313,94 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
                          (long long)(int64_t)check.rows);
 }
 
+/* -- pair sums: judging one tensor against another (record/rerun.py `tensor_stats`) ---------------------------
+ * For two float32 or two float64 arrays a (the reference) and b: sum a^2, sum b^2, sum (a-b)^2, sum a*b and
+ * max |a-b|, each accumulated in float64 (a - b is exact in float64 for float32 inputs). One pass reads each
+ * array once; torch's path makes a - b and reads the arrays five times. NaN/Inf show as a non-finite total:
+ * the caller then takes its careful path. */
+typedef struct {
+    double aa, bb, dd, ab, maxd;
+} PairSums;
+
+static void pair_scalar(PairSums *s, const unsigned char *pa, const unsigned char *pb, size_t from, size_t n,
+                        int kind) {
+    for (size_t i = from; i < n; i++) {
+        double a = value_at(pa, i, kind), b = value_at(pb, i, kind), d = a - b;
+        s->aa += a * a, s->bb += b * b, s->dd += d * d, s->ab += a * b;
+        double m = fabs(d);
+        s->maxd = m > s->maxd || isnan(m) ? m : s->maxd;
+    }
+}
+
+#if HAVE_SIMD
+__attribute__((target("avx2"))) static inline double hsum(__m256d v) {
+    double t[4];
+    _mm256_storeu_pd(t, v);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+/* 8 elements per step: float32 as 2x4 doubles, float64 as 2 loads; n a multiple of 8 */
+__attribute__((target("avx2,fma"))) static void pair_avx2(PairSums *s, const unsigned char *pa,
+                                                           const unsigned char *pb, size_t n, int kind) {
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    __m256d aa = _mm256_setzero_pd(), bb = aa, dd = aa, ab = aa, maxd = aa;
+    __m256d aa2 = aa, bb2 = aa, dd2 = aa, ab2 = aa;
+    for (size_t i = 0; i < n; i += 8) {
+        __m256d a0, a1, b0, b1;
+        if (kind == F32) {
+            __m256 va = _mm256_loadu_ps((const float *)(pa + 4 * i)), vb = _mm256_loadu_ps((const float *)(pb + 4 * i));
+            a0 = _mm256_cvtps_pd(_mm256_castps256_ps128(va)), a1 = _mm256_cvtps_pd(_mm256_extractf128_ps(va, 1));
+            b0 = _mm256_cvtps_pd(_mm256_castps256_ps128(vb)), b1 = _mm256_cvtps_pd(_mm256_extractf128_ps(vb, 1));
+        } else {
+            a0 = _mm256_loadu_pd((const double *)(pa + 8 * i)), a1 = _mm256_loadu_pd((const double *)(pa + 8 * i + 32));
+            b0 = _mm256_loadu_pd((const double *)(pb + 8 * i)), b1 = _mm256_loadu_pd((const double *)(pb + 8 * i + 32));
+        }
+        __m256d d0 = _mm256_sub_pd(a0, b0), d1 = _mm256_sub_pd(a1, b1);
+        aa = _mm256_fmadd_pd(a0, a0, aa), aa2 = _mm256_fmadd_pd(a1, a1, aa2);
+        bb = _mm256_fmadd_pd(b0, b0, bb), bb2 = _mm256_fmadd_pd(b1, b1, bb2);
+        dd = _mm256_fmadd_pd(d0, d0, dd), dd2 = _mm256_fmadd_pd(d1, d1, dd2);
+        ab = _mm256_fmadd_pd(a0, b0, ab), ab2 = _mm256_fmadd_pd(a1, b1, ab2);
+        /* NaN in d reaches dd (the caller's careful path), so max may ignore it */
+        maxd = _mm256_max_pd(_mm256_andnot_pd(sign, d0), maxd);
+        maxd = _mm256_max_pd(_mm256_andnot_pd(sign, d1), maxd);
+    }
+    s->aa += hsum(aa) + hsum(aa2), s->bb += hsum(bb) + hsum(bb2), s->dd += hsum(dd) + hsum(dd2);
+    s->ab += hsum(ab) + hsum(ab2);
+    double t[4];
+    _mm256_storeu_pd(t, maxd);
+    for (int k = 0; k < 4; k++)
+        s->maxd = t[k] > s->maxd ? t[k] : s->maxd;
+}
+#endif
+
+/* pair(address_a, address_b, numel, kind[, vectorized]) -> (sum a^2, sum b^2, sum (a-b)^2, sum a*b, max |a-b|) */
+static PyObject *pair(PyObject *self, PyObject *args) {
+    unsigned long long address_a, address_b;
+    Py_ssize_t numel;
+    int kind, vectorized = 1;
+    if (!PyArg_ParseTuple(args, "KKni|p", &address_a, &address_b, &numel, &kind, &vectorized))
+        return NULL;
+    vectorized = vectorized && simd();
+    if (numel < 0 || (kind != F32 && kind != F64)) {
+        PyErr_SetString(PyExc_ValueError, "pair: expected numel >= 0 and kind 0 (float32) or 1 (float64)");
+        return NULL;
+    }
+    const unsigned char *pa = (const unsigned char *)(uintptr_t)address_a;
+    const unsigned char *pb = (const unsigned char *)(uintptr_t)address_b;
+    PairSums s = {0, 0, 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    size_t whole = 0;
+#if HAVE_SIMD
+    if (vectorized) {
+        whole = (size_t)numel / 8 * 8;
+        pair_avx2(&s, pa, pb, whole, kind);
+    }
+#endif
+    pair_scalar(&s, pa, pb, whole, (size_t)numel, kind);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("ddddd", s.aa, s.bb, s.dd, s.ab, s.maxd);
+}
+
 static PyObject *simd_available(PyObject *self, PyObject *unused) { return PyBool_FromLong(simd()); }
 
 static PyMethodDef methods[] = {
@@ -320,6 +408,8 @@ static PyMethodDef methods[] = {
     {"reduce", reduce, METH_VARARGS,
      "reduce(address, numel, kind[, vectorized]) -> (low, high, sum, sumsq, abs_sum, nan, inf, finite, check0, "
      "check1)"},
+    {"pair", pair, METH_VARARGS,
+     "pair(address_a, address_b, numel, kind[, vectorized]) -> (sum a^2, sum b^2, sum (a-b)^2, sum a*b, max |a-b|)"},
     {NULL, NULL, 0, NULL},
 };
 

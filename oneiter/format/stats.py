@@ -33,7 +33,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["FIELDS", "CHECKSUM", "tensor_stats", "array_stats", "compare_stats", "Stats"]
+__all__ = ["FIELDS", "CHECKSUM", "tensor_stats", "array_stats", "compare_stats", "pair_sums", "Stats", "KERNEL"]
 
 FIELDS = ("numel", "min", "max", "mean", "l2", "abs_sum", "nan", "inf")
 CHECKSUM = "rowcol32"
@@ -174,6 +174,21 @@ def _load_kernel():
 
 
 KERNEL = _Kernel()
+
+
+def pair_sums(a, b) -> tuple[float, float, float, float, float] | None:
+    """(sum a^2, sum b^2, sum (a-b)^2, sum a*b, max |a-b|) of two contiguous CPU tensors of one dtype (float32 or
+    float64), accumulated in float64 by the C kernel in one pass over each; a NaN or Inf makes a total non-finite.
+    None where the kernel does not apply (not built, switched off, another dtype or device): the caller reduces
+    with torch. Judging a rerun against its reference (`record/rerun.py`) runs on this."""
+    if not KERNEL.use or a.dtype != b.dtype or a.numel() != b.numel():
+        return None
+    kernel, kinds = KERNEL.load()
+    kind = kinds.get(a.dtype)
+    if kernel is None or kind not in (0, 1) or a.device.type != "cpu" or b.device.type != "cpu" \
+            or not a.is_contiguous() or not b.is_contiguous():
+        return None
+    return kernel.pair(a.data_ptr(), b.data_ptr(), a.numel(), kind)
 
 
 def _scratch(dtype, device, numel: int):

@@ -29,6 +29,7 @@ import torch
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
+from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
@@ -486,11 +487,19 @@ def _pair(reference, value):
 def tensor_stats(reference, value) -> dict:
     """Local metrics of `value` against `reference`; NaN/Inf judged by position and sign.
 
-    Computed in the wider of the two dtypes (float32 at least): differences of nearby floats are exact there,
-    and norms accumulate in float64 on the slow path only (a tensor holding NaN/Inf, or |x| near overflow)."""
+    Computed in the wider of the two dtypes (float32 at least): differences of nearby floats are exact there.
+    On the CPU the C kernel (`format.stats.pair_sums`) reads both once and sums in float64; elsewhere torch's
+    reductions run, in the working dtype. A tensor holding NaN/Inf (or |x| near overflow) takes the careful path,
+    in float64."""
     a, b = _pair(reference, value)
-    d = a - b
-    norm_a, norm_b, diff = (torch.linalg.vector_norm(t).item() for t in (a, b, d))
+    sums = pair_sums(a, b)  # the C kernel: one pass, float64 sums
+    if sums is not None:
+        norm_a, norm_b, diff = (math.sqrt(s) for s in sums[:3])
+        dot, max_abs = sums[3], sums[4]
+    else:
+        d = a - b
+        norm_a, norm_b, diff = (torch.linalg.vector_norm(t).item() for t in (a, b, d))
+        dot = max_abs = None
     counts = {"nan_ref": 0, "inf_ref": 0, "nan": 0, "inf": 0, "mismatch": 0}
     if not all(math.isfinite(x) for x in (norm_a, norm_b, diff)):
         return _careful_stats(a.double(), b.double())
@@ -498,10 +507,14 @@ def tensor_stats(reference, value) -> dict:
     if diff == 0:
         cosine = 1.0
     elif norm_a and norm_b:
-        cosine = max(-1.0, min(1.0, torch.dot(a, b).item() / (norm_a * norm_b)))
+        dot = torch.dot(a, b).item() if dot is None else dot
+        cosine = max(-1.0, min(1.0, dot / (norm_a * norm_b)))
     else:
         cosine = 0.0
-    max_abs = torch.linalg.vector_norm(d, ord=math.inf).item() if diff else 0.0
+    if not diff:
+        max_abs = 0.0
+    elif max_abs is None:
+        max_abs = torch.linalg.vector_norm(d, ord=math.inf).item()
     return {"numel": int(a.numel()), "rel_l2": rel, "max_abs": max_abs, "cosine": cosine, **counts}
 
 
@@ -532,7 +545,11 @@ def rel_l2(reference, value) -> float:
     if tuple(reference.shape) != tuple(value.shape):
         return math.inf
     a, b = _pair(reference, value)
-    norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
+    sums = pair_sums(a, b)
+    if sums is not None:
+        norm, diff = math.sqrt(sums[0]), math.sqrt(sums[2])
+    else:
+        norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
     if not (math.isfinite(norm) and math.isfinite(diff)):
         a, b = a.double(), b.double()
         keep = torch.isfinite(a) & torch.isfinite(b)

@@ -305,6 +305,7 @@ class _Forcing:
         self._alive: list = []
         self.origin: dict[int, tuple] = {}  # id of a forced output -> (child record, output name)
         self._saved: list = []
+        self._calls: list[_ForcedCall] = []
 
     def __enter__(self):
         for module in self.modules.values():
@@ -324,6 +325,12 @@ class _Forcing:
             for n, value in hooks.items():
                 setattr(module, n, value)
         self._saved.clear()
+        # each stand-in's autograd node holds its _ForcedCall, which held this object and so the stand-in's own
+        # outputs (whose grad_fn is that node): a cycle through C++ that Python's collector cannot see, which kept
+        # every rerun's tensors alive (~0.7 GB per resnet18 replay). The rerun's backward has run: cut it.
+        for info in self._calls:
+            info.forcing, info.values = None, []
+        self._calls.clear()
         if exc_type is None:
             left = [c.key for q in self.queues.values() for c in q]
             if left:
@@ -356,6 +363,7 @@ class _Forcing:
         if grad_slots:
             info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
                                [v for _, v in grad_slots])
+            self._calls.append(info)
             results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
             for (name, _), value in zip(grad_slots, results):
                 outs[name] = value
@@ -379,7 +387,7 @@ class _Forcing:
 
 @dataclass
 class _ForcedCall:
-    forcing: _Forcing
+    forcing: _Forcing | None  # None once the rerun is over (`_Forcing.__exit__`)
     child: CallRecord
     input_names: list
     output_names: list

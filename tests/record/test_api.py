@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 
@@ -86,6 +87,11 @@ def test_a_finished_block_keeps_only_its_summary(tmp_path, resnet_ref):
     assert (rec.session, rec.ref, rec._modes, rec._swap) == (None, None, None, None)
     assert probe() is None  # nothing else held it
     assert not ref.file.id.valid  # the reference's HDF5 file is closed
+    # nor the reruns' tensors: a forced child's autograd node once held them in a cycle the collector cannot see
+    gc.collect()
+    left = [o for o in gc.get_objects() if type(o).__name__ in ("_Forcing", "_ForcedCall")]
+    assert [o for o in left if type(o).__name__ == "_Forcing"] == []
+    assert all(o.forcing is None and o.values == [] for o in left)
 
 
 def test_the_recorder_own_ops_never_reach_a_dispatch_mode(tmp_path):

@@ -378,9 +378,10 @@ class IterationFile:
         if path in self.stats_index:
             return self.stats_index[path][1]
         stored = self._dataset(path)
-        if stored.name is None:
-            raise FormatError(f"'{self.path}': '{path}' is not a tensor")
-        return stored.name
+        name = stored.name or stored.attrs.get("dtype")  # checked for every tensor; elsewhere as it is
+        if not isinstance(name, str):
+            raise FormatError(f"'{self.path}': '{path}' is not a tensor (no 'dtype' attribute)")
+        return name
 
     def shape_of(self, path: str) -> tuple[int, ...]:
         if path in self.stats_index:

@@ -20,6 +20,10 @@ bench/bench_stats.py`). Any other tensor is reduced by torch where it lives, `CH
 of at most `SMALL` bytes that the kernel does not take are reduced with numpy (`array_stats`), which costs a tenth
 of torch's per-op overhead.
 
+The same kernel also judges a replay's reruns (`pair_sums`, used by `record/rerun.py`): the sums of a^2, b^2,
+(a-b)^2 and a*b and max |a-b| of two CPU float32/float64 tensors in one pass over each, in float64 (a 6.4 MB
+pair: 0.5 ms, against 3.3 ms for torch's five reductions and the difference tensor).
+
 How two stats entries are judged (`compare_stats`): equal checksums → bitwise equal, a match; otherwise the
 relative error of the L2 norm and of the sum of |x| (each a lower bound of the elementwise relative L2 error,
 by the triangle inequality) against the entry's rtol, and NaN/Inf counts. The elementwise error itself, and

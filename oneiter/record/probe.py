@@ -427,23 +427,28 @@ class LocalProbe:
             return
         names = {id(p): n for n, p in self.model.named_parameters()}
         order = {n: i for i, n in enumerate(names.values())}
-        try:
-            judged = _step(opt, names, self.rerunner, self._optimizer_site("target"))
-        except Exception as err:
-            self.unprobed.append(("(optimizer)", 0, f"could not be rerun: {type(err).__name__}: {_first_line(err)}"))
-            return
         rows = []
-        for name, after in judged.items():
-            wide = torch.promote_types(after.dtype, torch.float32)  # nearby floats subtract exactly there
-            delta = self._reference_delta(name, wide)
-            if delta is None:
-                continue
-            before = self.rerunner.reference_state(name).to(_CPU, wide)
-            fields = self._row("optimizer", _leaf(name), delta, after.to(_CPU, wide) - before)
-            fields["dtype"] = _dtype_name(after.dtype)
-            rows.append((name, fields))
-        if any(self._needs_noise(f) for _, f in rows):
-            self._optimizer_noise(opt, names, rows)
+        for chunk in _step_chunks(opt):
+            try:
+                judged = _step(opt, names, self.rerunner, self._optimizer_site("target"), chunk)
+            except Exception as err:
+                self.unprobed.append(("(optimizer)", 0,
+                                      f"could not be rerun: {type(err).__name__}: {_first_line(err)}"))
+                return
+            mine = []
+            for name, after in judged.items():
+                wide = torch.promote_types(after.dtype, torch.float32)  # nearby floats subtract exactly there
+                delta = self._reference_delta(name, wide)
+                if delta is None:
+                    continue
+                before = self.rerunner.reference_state(name).to(_CPU, wide)
+                fields = self._row("optimizer", _leaf(name), delta, after.to(_CPU, wide) - before)
+                fields["dtype"] = _dtype_name(after.dtype)
+                mine.append((name, fields))
+            del judged
+            if any(self._needs_noise(f) for _, f in mine):
+                self._optimizer_noise(opt, names, mine, chunk)
+            rows.extend(mine)
         for name, fields in rows:
             self.rows.append(({"module": _owner(name), "call": 0, **fields}, order.get(name, _LATE)))
 
@@ -457,9 +462,10 @@ class LocalProbe:
             return Site("low", _CPU, live=False, cast="live", autocast=None, params="reference", trusted=True)
         return Site("reference", _CPU, live=False, cast="source", autocast=None, params="reference", trusted=True)
 
-    def _optimizer_noise(self, opt, names: dict, rows: list) -> None:
+    def _optimizer_noise(self, opt, names: dict, rows: list, chunk: set[int] | None) -> None:
         try:
-            steps = {s: _step(opt, names, self.rerunner, self._optimizer_site(s)) for s in ("high", "low", "reference")}
+            steps = {s: _step(opt, names, self.rerunner, self._optimizer_site(s), chunk)
+                     for s in ("high", "low", "reference")}
         except Exception as err:
             for _, fields in rows:
                 fields["calibration"] = f"failed: {type(err).__name__}: {_first_line(err)}"[:200]
@@ -482,13 +488,45 @@ class LocalProbe:
         return after.to(wide) - before.to(wide)
 
 
-def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
-    """A copy of `opt` over fresh tensors holding the reference's weights and gradients, stepped once at `site`;
-    returns the updated weights by canonical name."""
+# torch's optimizers whose step updates each parameter from its own gradient and state only: a copy of one over a
+# few of the parameters steps them exactly as over all of them (single-tensor, foreach and fused alike)
+_PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop",
+                  "Rprop")
+_STEP_BYTES = 64 << 20  # parameters per shadow step of such an optimizer
+
+
+def _step_chunks(opt) -> list[set[int] | None]:
+    """The parameters (by id) of each shadow step: for torch's per-parameter optimizers, chunks of about
+    `_STEP_BYTES` (the copies of weights, gradients and optimizer state of a chunk are freed before the next, so a
+    7B model's optimizer rows need a chunk's memory, not a second copy of the model and its state); for any other
+    optimizer (LBFGS, one of the user's, a subclass: its step may couple parameters) one step over all (None)."""
+    import torch.optim
+
+    kind = type(opt)
+    if kind.__name__ not in _PER_PARAMETER or getattr(torch.optim, kind.__name__, None) is not kind:
+        return [None]
+    chunks: list[set[int]] = [set()]
+    size = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            nbytes = p.numel() * p.element_size()
+            if chunks[-1] and size + nbytes > _STEP_BYTES:
+                chunks.append(set())
+                size = 0
+            chunks[-1].add(id(p))
+            size += nbytes
+    return chunks
+
+
+def _step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int] | None = None) -> dict:
+    """A copy of `opt` over fresh tensors holding the reference's weights and gradients (of the parameters in
+    `chunk`, or all), stepped once at `site`; returns the updated weights by canonical name."""
     groups, tensors = [], {}
     for group in opt.param_groups:
         params = []
         for p in group["params"]:
+            if chunk is not None and id(p) not in chunk:
+                continue
             name = names.get(id(p))
             before = rerunner.reference_state(name) if name else None
             grad_path = group_path(PARAM_GRADS, name)
@@ -502,6 +540,8 @@ def _step(opt, names: dict, rerunner: Rerunner, site: Site) -> dict:
                 q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
             params.append(q)
             tensors[name] = q
+        if not params:
+            continue
         options = {k: v for k, v in group.items() if k != "params"}
         if not site.live:
             options.update({k: False for k in ("foreach", "fused", "capturable") if options.get(k)})

@@ -1,4 +1,5 @@
-/* The statistics level's CPU kernel: every statistic and the rowcol32 checksum of a tensor in one pass.
+/* The statistics level's CPU kernel: every statistic and the rowcol32 checksum of a tensor in one pass; and, for
+ * judging a replay's reruns, the sums of a pair of tensors in one pass (`pair`, at the end of this file).
  *
  * Where this sits: `format/stats.py` `tensor_stats` calls `reduce` for contiguous CPU float32, float64 and
  * bfloat16 tensors when this extension was built (it is optional: without a C compiler, torch's chunked

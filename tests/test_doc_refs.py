@@ -1,0 +1,36 @@
+"""Every file and oneiter module that a docstring, a comment or a doc names exists (tools/check_refs.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("check_refs", ROOT / "tools" / "check_refs.py")
+check_refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_refs)
+
+
+def test_every_named_file_and_module_exists():
+    problems = [p for source in check_refs.sources() for p in check_refs.check_text(check_refs.prose(source), source)]
+    assert problems == []
+
+
+def test_the_check_flags_a_missing_page_a_missing_module_and_a_missing_name():
+    source = ROOT / "oneiter" / "judge" / "engine.py"
+    text = ("See docs/nowhere.md and `format.nowhere`.\n"
+            "`judge.verdict.no_such_function` and [a link](docs/gone.md#x)\n"
+            "Fine: docs/blame.md, `judge.verdict.decide`, `oneiter.format.stats`, `torch.cuda`, my_model.py\n")
+    problems = check_refs.check_text(text, source)
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "'docs/nowhere.md': no such file",
+        "'format.nowhere': no such module or name in oneiter",
+        "'docs/gone.md': no such file",
+        "'judge.verdict.no_such_function': no such module or name in oneiter",
+    ]
+
+
+def test_only_docstrings_and_comments_of_python_files_are_prose(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""Module docs name docs/a.md."""\nX = "t.toml"  # a comment names docs/b.md\n')
+    assert check_refs.prose(module).split("\n")[:2] == [" Module docs name docs/a.md.", " # a comment names docs/b.md"]

@@ -1,4 +1,4 @@
-"""Every recorder figure of issue 11 in one run: plain iteration, full and stats record, replay with and without
+"""Every recorder figure in one run: plain iteration, full and stats record, replay with and without
 isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model (118 M: llama_tiny dim 1024, 8 layers).
 
     python bench/bench_record.py                      # everything (~25 min on 2 cores; --repeat 1: ~10 min)
@@ -172,7 +172,7 @@ def mb(n: float) -> str:
 
 
 def model_table(work: Path, model: str, batch: int, args: dict) -> dict:
-    """The issue's table for one model and batch; returns the figures."""
+    """One model and batch: every figure of the table; returns them."""
     plain = measure(PLAIN.format(model=model, batch=batch, args=args))
     full = record(work, "ref.h5", model, batch, args, runs=3)
     bw = run_child(BANDWIDTH.format(total=full["bytes"], path=str(work / "bandwidth.h5")))

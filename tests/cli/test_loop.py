@@ -1,4 +1,4 @@
-"""The record -> replay -> compare loop end to end, on every built-in model (issue 2's acceptance list)."""
+"""The record -> replay -> compare loop end to end, on every built-in model, with its exit codes."""
 
 from __future__ import annotations
 

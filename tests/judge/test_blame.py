@@ -1,4 +1,4 @@
-"""Blame under mixed precision (issue 3): the layer whose own computation is wrong, not the first drifting one."""
+"""Blame under mixed precision: the layer whose own computation is wrong, not the first drifting one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Blame on model code nobody on this project wrote, with the fault inside the model's code (issue 8).
+"""Blame on model code nobody on this project wrote, with the fault inside the model's code.
 
 Tiny Hugging Face models from random configs (Llama: keyword-called layers and functional attention; GPT-2:
 dropout, eager attention, the loss computed inside the model) and a CNN with functional code in its own

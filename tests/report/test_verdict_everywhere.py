@@ -1,4 +1,4 @@
-"""One verdict, five writers (issue 9): the terminal report, JSON, CSV, HTML and TensorBoard of one comparison state
+"""One verdict, five writers: the terminal report, JSON, CSV, HTML and TensorBoard of one comparison state
 the same status, culprit and first divergence, in the same words.
 
 Real recordings of a small ResNet-18 (the float32 CPU reference of conftest) and three replays made with the CLI:

@@ -83,12 +83,15 @@ class InputGradTracker:
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         stack = [n for n in stack if _seq(n) > pending.watermark]
         found: dict[str, list] = defaultdict(list)
-        seen: set[int] = set()
+        # Python wrappers of autograd nodes are made on access and die with their last reference, and CPython
+        # gives a new object the address (id) of one just freed: an id of a node no longer held could name the
+        # next node visited, which the walk would then skip as seen. Holding every visited node keeps ids unique.
+        seen: dict[int, Any] = {}
         while stack:
             node = stack.pop()
             if id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             for slot, (nxt, nr) in enumerate(node.next_functions):
                 if nxt is None:
                     continue

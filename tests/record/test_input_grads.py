@@ -1,0 +1,68 @@
+"""A module call's gradient w.r.t. its input is the sum over every consumer inside the call, found by walking the
+autograd graph; the walk must find each consumer whatever the Python wrappers of the nodes it visits do."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from oneiter.record.input_grads import InputGradTracker, _Pending
+
+
+class _Node:
+    """A stand-in for a C++ autograd node as Python sees it: `next_functions` hands out wrappers made on access,
+    which die with their last reference (torch's wrappers do too), unless one is still alive somewhere."""
+
+    _live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __init__(self, graph: dict, name: str):
+        self.graph, self.name = graph, name
+
+    @classmethod
+    def of(cls, graph: dict, name: str) -> _Node:
+        node = cls._live.get((id(graph), name))
+        if node is None:
+            node = cls(graph, name)
+            cls._live[(id(graph), name)] = node
+        return node
+
+    def _sequence_nr(self) -> int:
+        return self.graph[self.name][0]
+
+    @property
+    def next_functions(self):
+        return tuple((_Node.of(self.graph, nxt), 0) for nxt in self.graph[self.name][1])
+
+
+def test_every_consumer_of_a_residual_blocks_input_is_found_when_node_wrappers_are_freed_and_reallocated():
+    # out = x + fc2(relu(fc1(x))): the input x (node "x", made before the call) feeds the add and fc1
+    graph = {"x": (1, []), "add": (15, ["x", "fc2"]), "fc2": (14, ["relu"]), "relu": (11, ["fc1"]),
+             "fc1": (10, ["x"])}
+    target = _Node.of(graph, "x")
+    pending = _Pending({(id(target), 0): ["input.0"]}, [target], watermark=7)
+
+    class Out(torch.Tensor):  # the call's output: its grad_fn is a fresh wrapper, as a tensor's is
+        @property
+        def grad_fn(self):
+            return _Node.of(graph, "add")
+
+    tracker = InputGradTracker()
+    found = tracker._consumers(pending, [torch.empty(0).as_subclass(Out)])
+    assert sorted((node.name, slot) for node, slot in found["input.0"]) == [("add", 0), ("fc1", 0)]
+
+
+def test_a_residual_blocks_recorded_input_gradient_sums_both_paths():
+    block_in = torch.randn(4, 8, requires_grad=True)
+    fc1, fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    x = block_in * 2  # made before the call: its node is the edge the call's input came from
+    tracker = InputGradTracker()
+    pending = tracker.start([("input.0", x)])
+    out = x + fc2(torch.relu(fc1(x)))
+    got = {}
+    tracker.finish(pending, [out], lambda name, grad: got.setdefault(name, grad.clone()))
+    seed = torch.randn_like(out)
+    (expected,) = torch.autograd.grad(out, x, seed, retain_graph=True)
+    out.backward(seed)
+    tracker.remove()
+    assert torch.equal(got["input.0"], expected)

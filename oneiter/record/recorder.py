@@ -125,8 +125,9 @@ class Recorder:
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
 
-    The keywords from `out` to `level` but the callbacks become one checked `RecordOptions` (`self.options`);
-    `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase` (`self.phase`).
+    `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
+    (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
+    (`self.phase`).
     """
 
     def __init__(

@@ -28,7 +28,7 @@ from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_repla
 from oneiter.runtime.precision import DTYPES, apply_dtype
 from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step
 
-__all__ = ["SpecOptions", "RecordOptions", "RecordSummary", "record", "check_output", "module_selector"]
+__all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 OptimizerName = Literal["sgd", "adamw"]

@@ -47,9 +47,12 @@ import json, time
 from pathlib import Path
 import torch
 try:
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions as RecordOptions, record
 except ImportError:  # an older checkout (before/after figures)
-    from oneiter.recorders.record import RecordOptions, record
+    try:
+        from oneiter.record.run import RecordOptions, record
+    except ImportError:
+        from oneiter.recorders.record import RecordOptions, record
 kwargs = {kwargs}
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), force=True, **kwargs))

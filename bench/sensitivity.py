@@ -58,7 +58,7 @@ def main() -> None:
     import faultkit
 
     from oneiter.judge.engine import compare_files
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions, record
 
     args.dir.mkdir(parents=True, exist_ok=True)
     faults = FAULTS
@@ -73,13 +73,13 @@ def main() -> None:
     os.environ.pop(faultkit.ENV, None)
     for model in models:
         refs[model] = args.dir / f"{model}_ref.h5"
-        record(RecordOptions(out=refs[model], model=f"{FILES / model}.py:build", batch_size=2, force=True))
+        record(SpecOptions(out=refs[model], model=f"{FILES / model}.py:build", batch_size=2, force=True))
     tgt = args.dir / "target.h5"
 
     def verdict_of(model: str, fault: str, options: dict) -> dict:
         os.environ[faultkit.ENV] = fault
         try:
-            record(RecordOptions(out=tgt, replay=refs[model], model=f"{FILES / model}.py:build", force=True, **options))
+            record(SpecOptions(out=tgt, replay=refs[model], model=f"{FILES / model}.py:build", force=True, **options))
         finally:
             os.environ.pop(faultkit.ENV, None)
             faultkit.undo_faults()

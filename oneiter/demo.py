@@ -50,7 +50,7 @@ def run_demo(
 ) -> DemoResult:
     """Record reference and faulty target into `directory` (created; files overwritten) and compare them."""
     from oneiter.judge.engine import compare_files
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions, record
 
     fault = fault or DEFAULT_FAULT.get(model)
     if fault is None:
@@ -61,10 +61,10 @@ def run_demo(
     args = DEMO_ARGS.get(model, {})
     size = f", {args['image_size']}x{args['image_size']} images" if "image_size" in args else ""
     say(f"1/3 reference: {model}, batch {batch_size}{size}, cpu float32 -> {ref}")
-    s = record(RecordOptions(out=ref, model=model, batch_size=batch_size, model_args=args, force=True))
+    s = record(SpecOptions(out=ref, model=model, batch_size=batch_size, model_args=args, force=True))
     say(f"    {s.num_calls} module calls, {s.file_bytes / 1e6:.0f} MB, {s.seconds:.1f} s")
     say(f"2/3 target: replay on cpu{' with ' + amp + ' autocast' if amp else ''}, 5% forward fault in {fault} -> {tgt}")
-    s = record(RecordOptions(out=tgt, replay=ref, amp=amp, faults=[f"{fault}:forward=0.05"], force=True))
+    s = record(SpecOptions(out=tgt, replay=ref, amp=amp, faults=[f"{fault}:forward=0.05"], force=True))
     say(f"    {s.num_calls} module calls, {s.file_bytes / 1e6:.0f} MB, {s.seconds:.1f} s")
     say("3/3 compare")
     return DemoResult(ref, tgt, fault, compare_files(ref, tgt))

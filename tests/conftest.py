@@ -24,12 +24,12 @@ def small_args():
 
 def record_small(out: Path, model: str = "resnet18", **kwargs):
     """Record a small model into `out` through the library API; returns the RecordSummary."""
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions, record
 
     kwargs.setdefault("batch_size", 2)
     if model in SMALL_ARGS:
         kwargs.setdefault("model_args", dict(SMALL_ARGS[model]))
-    return record(RecordOptions(out=Path(out), model=model, **kwargs))
+    return record(SpecOptions(out=Path(out), model=model, **kwargs))
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +72,7 @@ def replay(ref: Path, out: Path, **kwargs):
     """Record a target replaying `ref` through the library API. A reference made from a model file is replayed
     with that file named explicitly, as a user must (a recording never chooses which code runs)."""
     from oneiter.format.layout import IterationFile
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions, record
     from oneiter.runtime.modelspec import is_file_spec
 
     if "model" not in kwargs:
@@ -80,7 +80,7 @@ def replay(ref: Path, out: Path, **kwargs):
             spec = f.meta.get("model")
         if isinstance(spec, str) and is_file_spec(spec):
             kwargs["model"] = spec
-    return record(RecordOptions(out=Path(out), replay=Path(ref), **kwargs))
+    return record(SpecOptions(out=Path(out), replay=Path(ref), **kwargs))
 
 
 FAULT_ENV = "ONEITER_TEST_FAULT"

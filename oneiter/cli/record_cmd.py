@@ -56,10 +56,10 @@ def record_command(
 ) -> None:
     from oneiter.runtime.distributed import rank_info
     from oneiter.runtime.modelspec import parse_model_args
-    from oneiter.record.run import RecordOptions, record
+    from oneiter.record.run import SpecOptions, record
     from oneiter.cli.progress import live_status
 
-    options = RecordOptions(
+    options = SpecOptions(
         out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
         dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,

@@ -26,6 +26,7 @@ state (AdamW moments) is not in a recording, so replay a step other than 0 with 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -37,7 +38,8 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
     ) from _err
 
 from oneiter.errors import OneIterError
-from oneiter.record.recorder import Recorder, RecordSummary, module_selector, regex_list
+from oneiter.record.options import RecordOptions
+from oneiter.record.recorder import Recorder, RecordSummary
 from oneiter.record.session import check_output
 from oneiter.runtime.distributed import current_rank, rank_path
 
@@ -72,20 +74,21 @@ class OneIterCallback(TrainerCallback):
             raise OneIterError(f"step must be a non-negative int, got {step!r}", param="step")
         if not isinstance(out, (str, os.PathLike)):
             raise OneIterError(f"out must be a file path, got {out!r}", param="out")
-        self.step, self.out, self.force = step, Path(out), bool(force)
-        self.replay = Path(replay) if replay is not None else None
-        self.include, self.exclude = regex_list(include, "include"), regex_list(exclude, "exclude")
-        module_selector(self.include, self.exclude)
+        self.step = step
+        # the Trainer enters autocast itself; its dtype is known when the step begins (`on_step_begin`)
+        self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
+                                     exclude=exclude, seed=seed, isolate=isolate, force=force, name=model_name,
+                                     manage_autocast=False)
+        self.out, self.replay = self.options.out, self.options.replay
         if self.replay is not None and not self.replay.is_file():
             raise OneIterError(f"replay must be an existing recording (.h5), got '{self.replay}'", param="replay")
-        self.seed, self.isolate, self.model_name = seed, bool(isolate), model_name
         self.summary: Optional[RecordSummary] = None
         self._recorder: Optional[Recorder] = None
         self._check_out()
 
     def _check_out(self) -> None:
         info = current_rank()
-        check_output(rank_path(self.out, info.rank, info.world_size), self.force)
+        check_output(rank_path(self.out, info.rank, info.world_size), self.options.force)
 
     # -- Trainer events --------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -102,11 +105,8 @@ class OneIterCallback(TrainerCallback):
         if state.global_step != self.step or self.summary is not None or self._recorder is not None:
             return
         amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
-        self._recorder = Recorder(
-            model, self.out, optimizer=_torch_optimizer(optimizer), replay=self.replay, amp=amp,
-            include=self.include, exclude=self.exclude, seed=self.seed, isolate=self.isolate, force=self.force,
-            name=self.model_name, manage_autocast=False, meta=_meta(args, self.step),
-        )
+        options = replace(self.options, amp=amp, meta=_meta(args, self.step))
+        self._recorder = Recorder.from_options(model, options, optimizer=_torch_optimizer(optimizer))
         self._recorder.__enter__()
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -40,7 +41,8 @@ except ImportError as _err:  # mmengine is optional for oneiter, required here
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.record.recorder import Recorder, module_selector, regex_list
+from oneiter.record.options import RecordOptions
+from oneiter.record.recorder import Recorder
 from oneiter.record.reference import check_structure
 from oneiter.record.session import check_output
 from oneiter.runtime.distributed import current_rank, rank_path
@@ -131,26 +133,23 @@ class OneIterRecordHook(Hook):
         if model_name is not None and not isinstance(model_name, str):
             raise TypeError(f"model_name should be a str or None, but got {model_name!r}")
         self.iteration = iteration
-        self.out = Path(out)
-        self.force = bool(force)
-        try:
-            self.include, self.exclude = regex_list(include, "include"), regex_list(exclude, "exclude")
-            module_selector(self.include, self.exclude)
+        try:  # mmengine's convention: ValueError/TypeError in its own wording
+            # autocast is mmengine's own (AmpOptimWrapper); the data preprocessor's output is the batch
+            self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
+                                         exclude=exclude, seed=seed, isolate=isolate, force=force, name=model_name,
+                                         manage_autocast=False, skip=(_PREPROCESSOR,))
         except OneIterError as err:
             raise ValueError(f"include/exclude should be valid regular expressions, but {err}") from None
-        self.replay = None if replay is None else Path(replay)
+        self.out, self.replay = self.options.out, self.options.replay
         if self.replay is not None and not self.replay.is_file():
             raise FileNotFoundError(f"replay should be an existing recording (.h5), but got '{self.replay}'")
-        self.seed = seed
-        self.model_name = model_name
-        self.isolate = bool(isolate)
         self._check_out(_rank_path(self.out))
         self._wrapped = None  # the model whose train_step is shadowed, until that call starts
         self._previous: Any = _ABSENT  # the instance attribute train_step had before (a compiled one), if any
         self.summary: Optional[dict[str, Any]] = None  # file, tensors, bytes, seconds, loss once recorded
 
     def _check_out(self, out: Path) -> None:
-        check_output(out, self.force)
+        check_output(out, self.options.force)
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
@@ -213,12 +212,8 @@ class OneIterRecordHook(Hook):
         model = _unwrap(runner.model)
         param = next(model.parameters(), None)
         amp = _amp_dtype(runner.optim_wrapper, param.device.type if param is not None else "cpu")
-        recorder = Recorder(
-            model, self.out, optimizer=_optimizers(runner.optim_wrapper), replay=self.replay,
-            amp=str(amp) if amp is not None else None, include=self.include, exclude=self.exclude, seed=self.seed,
-            isolate=self.isolate, force=self.force, name=self.model_name, meta=self._meta(runner),
-            manage_autocast=False, skip=[_PREPROCESSOR],
-        )
+        options = replace(self.options, amp=str(amp) if amp is not None else None, meta=self._meta(runner))
+        recorder = Recorder.from_options(model, options, optimizer=_optimizers(runner.optim_wrapper))
         with recorder as rec:
             outputs = train_step(*args, **kwargs)
             loss, loss_dict = _loss_of(outputs)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, check_name, grad_name, group_path, seq_kind
+from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
 
@@ -99,8 +100,6 @@ class TensorSink:
                 ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
                 self._seen[key] = (ref, tensor._version, path)
                 if self.stats_groups is not None and self.stats_groups(group):
-                    from oneiter.format.stats import tensor_stats
-
                     dtype_name = str(tensor.dtype).removeprefix("torch.")
                     stats = tensor_stats(tensor)
                     self.writer.stats(group, name, stats, dtype_name, tuple(tensor.shape), attrs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oneiter.errors import OneIterError
+from oneiter.record import trusted
 
 __all__ = ["Fault", "parse_fault", "attach_faults"]
 
@@ -71,8 +72,6 @@ def attach_faults(model, faults: list[Fault]) -> list:
 
 
 def _hook_for(fault: Fault):
-    from oneiter.record import trusted
-
     def hook(_module, _args, output):
         if trusted.active():  # a fault stands for a wrong device kernel: trusted recomputations do not have it
             return None

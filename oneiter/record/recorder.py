@@ -32,23 +32,32 @@ Errors raised here name the parameter (`amp`, `replay`), never a CLI flag: the C
 
 from __future__ import annotations
 
+import enum
 import json
 import os
+import shutil
 import sys
 import time
+import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from oneiter import __version__
 from oneiter.errors import OneIterError
+from oneiter.format.layout import BATCH, LOSS, RANDOM, STATE_BEFORE, IterationFile
+from oneiter.format.writer import DEFAULT_QUEUE_BYTES
+from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
+from oneiter.record.reference import load_state
+from oneiter.record.session import RecordingSession, atomic_output, check_output
+from oneiter.runtime.devices import device_name
+from oneiter.runtime.distributed import current_rank, rank_path, replay_path
+from oneiter.runtime.precision import autocast_for
 
-__all__ = ["Recorder", "RecordSummary", "module_selector", "regex_list", "CALIBRATIONS"]
-
-CALIBRATIONS = ("cpu", "device")
-LEVELS = ("full", "stats")
-_AMP_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-              "fp16": "fp16", "float16": "fp16", "torch.float16": "fp16"}
+__all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
+           "LEVELS"]
 
 
 @dataclass
@@ -65,44 +74,28 @@ class RecordSummary:
     iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
 
 
-def module_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[str], bool]:
-    """A predicate on module paths: matches any `include` regex (all if none) and no `exclude` regex."""
-    import re
+class Phase(enum.IntEnum):
+    """Where the recorded iteration is. It only moves forward, along `_MOVES`; what an event does depends on it
+    alone (a second backward, a later forward or a second step find the phase past theirs and do nothing)."""
 
-    patterns = {}
-    for param, values in (("include", include), ("exclude", exclude)):
-        try:
-            patterns[param] = [re.compile(p) for p in values]
-        except re.error as err:
-            raise OneIterError(f"{param} has a bad regular expression: {err}", param=param) from None
-    inc, exc = patterns["include"], patterns["exclude"]
-
-    def select(path: str) -> bool:
-        if inc and not any(p.search(path) for p in inc):
-            return False
-        return not any(p.search(path) for p in exc)
-
-    return select
+    IDLE = 0  # constructed, the block not entered
+    OPEN = 1  # inside the block: hooks attached, no batch yet
+    FORWARD = 2  # the batch is taken (rec.inputs, or the model's first call): forward runs
+    BACKWARD = 3  # the first backward began: autocast ended, the loss is known
+    GRADS = 4  # parameter gradients read: random/fallback modes closed, deferred probes run
+    STEPPED = 5  # the optimizer's first step began: its update judged
+    CLOSED = 6  # the block ended
 
 
-def _amp_name(amp) -> str | None:
-    if amp is None:
-        return None
-    name = _AMP_NAMES.get(str(amp))
-    if name is None:
-        raise OneIterError(f"amp must be one of bf16, fp16 (or None), got {amp!r}", param="amp")
-    return name
-
-
-def regex_list(value, param: str) -> list[str]:
-    """None, one regex string or a list of them, as a list (checked)."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise OneIterError(f"{param} must be None, a regex string or a list of them, got {value!r}", param=param)
+# each phase, and the phases it may be entered from (the only place the order of an iteration is written down)
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.OPEN: frozenset({Phase.IDLE}),
+    Phase.FORWARD: frozenset({Phase.OPEN}),
+    Phase.BACKWARD: frozenset({Phase.FORWARD}),
+    Phase.GRADS: frozenset({Phase.FORWARD, Phase.BACKWARD}),  # no backward seen: read at the step or the end
+    Phase.STEPPED: frozenset({Phase.GRADS}),
+    Phase.CLOSED: frozenset(Phase) - {Phase.CLOSED},
+}
 
 
 class Recorder:
@@ -131,6 +124,10 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
+
+    `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
+    (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
+    (`self.phase`).
     """
 
     def __init__(
@@ -159,84 +156,71 @@ class Recorder:
         queue_bytes: int | None = None,
         level: str = "full",
     ):
-        import torch
+        _check_model(model)
+        options = RecordOptions(
+            out=out, replay=replay, amp=amp, include=include, exclude=exclude, seed=seed, isolate=isolate,
+            calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
+            name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
+            queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level,
+        )
+        self._setup(model, options, optimizer, progress, notify)
 
-        if not isinstance(model, torch.nn.Module):
-            raise OneIterError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
-        if not isinstance(out, (str, os.PathLike)):
-            raise OneIterError(f"out must be a file path (str or PathLike), got {out!r}", param="out")
-        if replay is not None and not isinstance(replay, (str, os.PathLike)):
-            raise OneIterError(f"replay must be a recording's path, got {replay!r}", param="replay")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise OneIterError(f"seed must be an int or None, got {seed!r}", param="seed")
-        if against not in (None, "cpu"):
-            raise OneIterError(f"against takes 'cpu' (recompute each call on the CPU in float32), got {against!r}",
-                               param="against")
-        if calibrate not in CALIBRATIONS:
-            raise OneIterError(f"calibrate takes 'cpu' or 'device' (where each call's expected noise is measured), "
-                               f"got {calibrate!r}", param="calibrate")
-        if level not in LEVELS:
-            raise OneIterError(f"level takes {' or '.join(LEVELS)}, got {level!r}", param="level")
-        if level == "stats" and against:
-            raise OneIterError("level='stats' keeps no tensor data, which against='cpu' reruns from", param="level")
-        self.level = level
-        if against and replay is not None:
-            raise OneIterError("against='cpu' needs no reference: drop replay, or drop against to compare with it",
-                               param="against")
-        self.model = model
-        self.include, self.exclude = regex_list(include, "include"), regex_list(exclude, "exclude")
-        user_select = module_selector(self.include, self.exclude)
-        skipped = tuple(skip)
-        self._select = lambda path: user_select(path) and not any(
-            path == s or path.startswith(s + ".") for s in skipped)
-        if (self.include or self.exclude) and not any(self._select(p) for p, _ in model.named_modules()):
+    @classmethod
+    def from_options(cls, model, options: RecordOptions, *, optimizer=None,
+                     progress: Callable[[str, int], None] | None = None,
+                     notify: Callable[[str], None] | None = None) -> "Recorder":
+        """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use)."""
+        _check_model(model)
+        recorder = cls.__new__(cls)
+        recorder._setup(model, options, optimizer, progress, notify)
+        return recorder
+
+    def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:
+        """The checks that need the model, and the state of a Recorder whose block has not started."""
+        self.model, self.options = model, options
+        self._select = options.selector()
+        if (options.include or options.exclude) and not any(self._select(p) for p, _ in model.named_modules()):
             first = next((p for p, _ in model.named_modules() if p), "(root)")
-            raise OneIterError(f"include {self.include} / exclude {self.exclude} leave no module of the model to "
-                               f"record (module paths look like '{first}')", param="include")
-        self.fallback = list(fallback)
-        if self.fallback:
-            from oneiter.record.fallback import compile_patterns
-
-            compile_patterns(self.fallback)
+            raise OneIterError(f"include {options.include} / exclude {options.exclude} leave no module of the model "
+                               f"to record (module paths look like '{first}')", param="include")
         self.optimizers = _optimizer_list(optimizer)
-        self.amp = _amp_name(amp)
-        self.seed, self.isolate, self.calibrate, self.against = seed, bool(isolate), calibrate, against
-        self.random_replay, self.force, self.name = bool(random_replay), bool(force), name
-        self.extra_meta = dict(meta or {})
-        self.progress, self.notify, self.manage_autocast = progress, notify, bool(manage_autocast)
+        self.progress, self.notify = progress, notify
         self.estimated_bytes: int | None = None  # the whole file, estimated once forward is done
-        self.queue_bytes = queue_bytes
-        from oneiter.runtime.distributed import current_rank, rank_path, replay_path
-
         self.rank = current_rank()
-        self.out = Path(out)
-        self.replay = Path(replay) if replay is not None else None
+        self.out, self.replay = options.out, options.replay
         if self.rank.distributed:
             self.out = rank_path(self.out, self.rank.rank, self.rank.world_size)
             self.replay = replay_path(self.replay, self.rank) if self.replay is not None else None
         self.summary: RecordSummary | None = None
+        self.phase = Phase.IDLE
         self._stack: ExitStack | None = None
         self._loss = None
         self._explicit_loss = False
-        self._batch_done = False
-        self._grads_done = False
-        self._step_judged = False
         self._grad_versions: dict[str, int] = {}
-        self._backward_seen = False
+
+    def _advance(self, to: Phase) -> bool:
+        """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
+        or a step before the model ran has no batch to go with: refused, as the block's end would refuse it."""
+        if self.phase in _MOVES[to]:
+            self.phase = to
+            return True
+        if self.phase is Phase.OPEN and to in (Phase.BACKWARD, Phase.GRADS, Phase.STEPPED):
+            raise _never_called()
+        return False
 
     # -- the block ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> "Recorder":
         import torch
 
-        from oneiter.format.layout import IterationFile
-        from oneiter.record.session import RecordingSession, atomic_output, check_output
-
-        check_output(self.out, self.force)
+        if self.phase is not Phase.IDLE:
+            raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
+        opts = self.options
+        check_output(self.out, opts.force)
         state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         # state_before (full unless a stats-level replay), state_after and parameter gradients (full level only)
-        before = state if self.level == "full" or self.replay is None else 0
-        self._state_bytes = before + (state + params if self.level == "full" else 0)
+        before = state if opts.level == "full" or self.replay is None else 0
+        self._state_bytes = before + (state + params if opts.level == "full" else 0)
         _check_space(self.out, self._state_bytes, "at least (the model's state and gradients it stores in full)")
         if self.replay is not None and _same_file(self.replay, self.out):
             raise OneIterError(f"out '{self.out}' is the reference being replayed; write the replay elsewhere",
@@ -247,21 +231,20 @@ class Recorder:
             self.ref = stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None
             self.device = _device_of(self.model)
             self._swap = self._load_reference() if self.ref is not None else None
-            tmp = stack.enter_context(atomic_output(self.out, self.force))
+            tmp = stack.enter_context(atomic_output(self.out, opts.force))
             probe_factory, self.local_kind = self._probe_factory()
             self.session = stack.enter_context(RecordingSession(
                 self.model, tmp, self._meta(), select=self._select, progress=self.progress,
                 probe_factory=probe_factory, keep_values=self.local_kind == "against_cpu",
-                stats_groups=self._stats_groups() if self.level == "stats" else None,
-                **({"queue_bytes": self.queue_bytes} if self.queue_bytes else {}),
+                stats_groups=self._stats_groups() if opts.level == "stats" else None, queue_bytes=opts.queue_bytes,
             ))
             if len(self.optimizers) == 1:
                 self.session.bind_optimizer(self.optimizers[0])
             self.session.state_before()
             self._before_bytes = self.session.sink.num_bytes
-            if self.seed is not None:
-                torch.manual_seed(self.seed)
-            self._modes = _Modes(self.session.sink, self.ref, self.device, self.random_replay, self.fallback)
+            if opts.seed is not None:
+                torch.manual_seed(opts.seed)
+            self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
             self.session.attach_random(self._modes.random)
             stack.enter_context(self.session.capture())
             stack.enter_context(self._modes)
@@ -270,16 +253,15 @@ class Recorder:
             self._hooks += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
             self._patch_backward(stack)
             self._autocast = None
-            if self.amp and self.manage_autocast:
-                from oneiter.runtime.precision import autocast_for
-
-                self._autocast = autocast_for(self.device, self.amp)
+            if opts.amp and opts.manage_autocast:
+                self._autocast = autocast_for(self.device, opts.amp)
                 self._autocast.__enter__()
                 stack.callback(self._end_autocast)
         except BaseException:
             stack.__exit__(*sys.exc_info())  # with the exception: atomic_output deletes, never renames
             raise
         self._stack = stack
+        self._advance(Phase.OPEN)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -289,6 +271,7 @@ class Recorder:
         try:
             self._finish(stack, exc_type, exc, tb)
         finally:
+            self._advance(Phase.CLOSED)
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
             self.session = self._modes = self.ref = self._swap = None
@@ -303,9 +286,8 @@ class Recorder:
             if self._loss is None:
                 raise OneIterError("the Recorder block ran no backward and named no loss (rec.loss(tensor)): "
                                    "nothing to record as one training iteration", param="model")
-            if not self._batch_done:
-                raise OneIterError("the model was never called inside the Recorder block: no batch to record",
-                                   param="model")
+            if self.phase is Phase.OPEN:
+                raise _never_called()
             self._read_grads()
             self.session.state_after()
             counts = self.session.finish(self._loss, self._modes.summary())
@@ -324,7 +306,7 @@ class Recorder:
         cast to the dtype of the tensor it replaces.
         """
         self._active("inputs")
-        if self._batch_done:
+        if not self._advance(Phase.FORWARD):
             raise OneIterError("rec.inputs() was already called (or the model already ran) in this block: "
                                "the batch is recorded once", param="inputs")
         args, kwargs = self._take_batch(args, kwargs)
@@ -353,17 +335,14 @@ class Recorder:
             raise OneIterError(f"rec.{what}() works only inside `with Recorder(...) as rec:`", param=what)
 
     def _take_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from oneiter.record.batch import map_call, store_batch
-
         if self._swap is not None:
             args, kwargs = map_call(args, kwargs, self._swap)
             self._swap.check_complete()
         store_batch(self.session.sink, args, kwargs)
-        self._batch_done = True
         return args, kwargs
 
     def _first_forward(self, module, args, kwargs):
-        if self._batch_done:
+        if not self._advance(Phase.FORWARD):
             return None
         new_args, new_kwargs = self._take_batch(args, kwargs)
         return (new_args, new_kwargs) if self._swap is not None else None
@@ -375,9 +354,8 @@ class Recorder:
         recorder = self
 
         def backward(tensor, *args, **kwargs):
-            if recorder._backward_seen:
+            if not recorder._advance(Phase.BACKWARD):
                 return original(tensor, *args, **kwargs)
-            recorder._backward_seen = True
             recorder._estimate()
             recorder._end_autocast()
             recorder.session.phase = "backward"
@@ -410,8 +388,7 @@ class Recorder:
 
     def _before_step(self, optimizer, args, kwargs):
         self._read_grads()
-        if not self._step_judged:
-            self._step_judged = True
+        if self._advance(Phase.STEPPED):
             changed = any(p.grad is not None and p.grad._version != self._grad_versions.get(n)
                           for n, p in self.model.named_parameters())
             self.session.before_step(changed)
@@ -420,9 +397,8 @@ class Recorder:
     def _read_grads(self) -> None:
         """Backward is done: end the random/fallback modes, run the probes, store parameter gradients (once).
         The optimizer's update is judged right before it steps (`_before_step`), when there is an optimizer."""
-        if self._grads_done:
+        if not self._advance(Phase.GRADS):
             return
-        self._grads_done = True
         self._modes.close()
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
@@ -435,14 +411,9 @@ class Recorder:
 
     def _load_reference(self):
         """Load the reference's weights and buffers into the model; return the swap that hands out its batch."""
-        from oneiter.record.batch import BatchSwap, read_batch
-        from oneiter.record.reference import load_state
-
         _check_world_size(self.ref, self.rank)
         load_state(self.model, self.ref)
         if any(opt.state for opt in self.optimizers):
-            import warnings
-
             warnings.warn("the optimizer has state (momentum, moments) that a recording does not hold: state_after "
                           "may differ from the reference's even when every gradient matches", stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
@@ -450,54 +421,51 @@ class Recorder:
     def _stats_groups(self):
         """At the stats level: which groups hold statistics only. Random values and the loss stay full; so do the
         batch and state_before, except in a replay (whose start is the reference's: its checksums prove it)."""
-        from oneiter.format.layout import BATCH, LOSS, RANDOM, STATE_BEFORE
-
         full = {RANDOM, "", LOSS} | ({STATE_BEFORE, BATCH} if self.ref is None else set())
         return lambda group: group.split("/", 1)[0] not in full
 
     def _probe_factory(self):
         """Which local-error probe reruns each call: teacher forcing on replay, or against the CPU."""
-        from oneiter.record.probe import make_probe_factory
+        from oneiter.record.probe import against_cpu_factory, teacher_forced_factory  # imports torch
 
-        teacher = self.ref is not None and self.isolate
-        if teacher and (self.level == "stats" or self.ref.level == "stats"):
-            teacher = False  # local blame reruns each call on the reference's values: it needs full data
+        opts = self.options
+        settings = {"amp": _amp_dtype(opts.amp), "dtype": _param_dtype(self.model), "calibrate": opts.calibrate}
+        if opts.against == "cpu":
+            return against_cpu_factory(self.device, **settings), "against_cpu"
+        if self.ref is None or not opts.isolate:
+            return None, ""
+        if opts.level == "stats" or self.ref.level == "stats":
+            # local blame reruns each call on the reference's values: it needs full data
             if self.notify is not None:
                 self.notify("level stats: no per-call local error (it needs full recordings of both sides); "
                             "`oneiter compare --suggest` names the region to record in full")
-        kind = "against_cpu" if self.against == "cpu" else ("teacher_forced" if teacher else "")
-        if not kind:
             return None, ""
-        amp = _amp_dtype(self.amp)
-        return make_probe_factory(kind, self.ref, self.device, amp=amp, dtype=_param_dtype(self.model),
-                                  calibrate=self.calibrate), kind
+        return teacher_forced_factory(self.ref, self.device, **settings), "teacher_forced"
 
     def _meta(self) -> dict[str, Any]:
         """The file's root attributes (docs/format.md); `meta=` entries override these."""
         import torch
 
-        from oneiter import __version__
-        from oneiter.runtime.devices import device_name
-
+        opts = self.options
         dtype = _param_dtype(self.model)
         # a replay is of the reference's model: its name (and how it was built) unless told otherwise
         ref_meta = self.ref.meta if self.ref is not None else {}
         meta = {
-            "model": self.name or ref_meta.get("model") or type(self.model).__name__,
+            "model": opts.name or ref_meta.get("model") or type(self.model).__name__,
             "model_args": ref_meta.get("model_args") or "{}", "batch_size": ref_meta.get("batch_size") or 0,
-            "seed": self.seed if self.seed is not None else -1, "rng_seed": self.seed,
+            "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
-            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": self.amp,
+            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
             "optimizer": ",".join(type(o).__name__.lower() for o in self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "replay_of": str(self.replay) if self.replay is not None else None,
-            "include": json.dumps(self.include), "exclude": json.dumps(self.exclude), "faults": "[]",
-            "fallback": json.dumps(self.fallback), "random_replay": bool(self.replay is not None and self.random_replay),
-            "rank": self.rank.rank, "world_size": self.rank.world_size, "level": self.level,
+            "include": json.dumps(opts.include), "exclude": json.dumps(opts.exclude), "faults": "[]",
+            "fallback": json.dumps(opts.fallback), "random_replay": bool(self.replay is not None and opts.random_replay),
+            "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
         }
-        meta.update(self.extra_meta)
+        meta.update(opts.meta)
         meta["local"] = self.local_kind
         return meta
 
@@ -536,6 +504,17 @@ class _Modes:
         }
 
 
+def _check_model(model) -> None:
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise OneIterError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
+
+
+def _never_called() -> OneIterError:
+    return OneIterError("the model was never called inside the Recorder block: no batch to record", param="model")
+
+
 def _optimizer_list(optimizer) -> list:
     if optimizer is None:
         return []
@@ -556,8 +535,6 @@ def _check_world_size(ref, info) -> None:
     if info.distributed:
         raise OneIterError(f"replay {ref.path.name} was recorded with {theirs} ranks, this run has "
                            f"{info.world_size}: run torchrun with --nproc-per-node {theirs}", param="replay")
-    import warnings
-
     warnings.warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as "
                   f"usual, but param_grads and updated weights are not averaged and will differ", stacklevel=2)
 
@@ -572,8 +549,6 @@ def _size(nbytes: float) -> str:
 
 def _check_space(out: Path, needed: int, how: str, written: int = 0) -> None:
     """Refuse when the filesystem of `out` has less free space than `needed` more bytes."""
-    import shutil
-
     try:
         free = shutil.disk_usage(out.parent).free
     except OSError:

@@ -14,50 +14,59 @@ import json
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from oneiter.errors import OneIterError, user_code
 from oneiter.format.layout import IterationFile
-from oneiter.record.recorder import RecordSummary, module_selector
+from oneiter.record.faults import attach_faults, parse_fault
+from oneiter.record.options import RecordOptions
+from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
+from oneiter.runtime.devices import resolve_device
+from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
+from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
+from oneiter.runtime.precision import DTYPES, apply_dtype
+from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step
 
-__all__ = ["RecordOptions", "RecordSummary", "record", "check_output", "module_selector"]
+__all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
+
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+OptimizerName = Literal["sgd", "adamw"]
 
 
-@dataclass
-class RecordOptions:
-    """Everything `oneiter record` takes. `model=None` with `replay` reuses the reference's model spec."""
+@dataclass(kw_only=True)
+class SpecOptions(RecordOptions):
+    """Everything `oneiter record` takes: a recording's `RecordOptions`, and how to build the model it records.
+    `model=None` with `replay` reuses the reference's model spec."""
 
-    out: Path
     model: str | None = None
+    """A built-in model name or `path/to/file.py:function`."""
     device: str = "cpu"
-    replay: Path | None = None
-    seed: int = 0
-    batch_size: int | None = None  # None: 8, or the reference's with replay
-    optimizer: str = "sgd"
-    dtype: str = "float32"
-    amp: str | None = None
-    include: list[str] = field(default_factory=list)
-    exclude: list[str] = field(default_factory=list)
+    """Where the iteration runs (`cpu`, `cuda`, `cuda:1`, `npu`, ...)."""
+    batch_size: int | None = None
+    """Passed to the model builder; None: 8, or the reference's with replay."""
+    optimizer: OptimizerName = "sgd"
+    """The optimizer `runtime.training` builds for the iteration."""
+    dtype: Dtype = "float32"
+    """The model's storage dtype."""
     faults: list[str] = field(default_factory=list)
+    """`--inject-fault` specs: layers broken on purpose (`record.faults`)."""
     model_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the model builder (with replay: over the reference's)."""
     threads: int | None = None
-    force: bool = False
-    isolate: bool = True  # with replay: teacher-forced local error of every call (--no-isolate turns it off)
-    calibrate: str = "cpu"  # where expected noise is measured: cpu (float64 vs run precision) or device
-    against: str | None = None  # "cpu": local error against a float32 CPU recomputation, no reference needed
-    random_replay: bool = True  # with replay: random ops take the reference's values (--no-random-replay)
-    fallback: list[str] = field(default_factory=list)  # regexes of ops run on the CPU in float32
-    queue_bytes: int = 512 << 20
-    level: str = "full"  # "stats": statistics and checksums per tensor (format.stats)
+    """torch's intra-op threads for the call (None: torch's default)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.optimizer not in OPTIMIZERS:
+            raise OneIterError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
+        if self.dtype not in DTYPES:
+            raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
 
 
-def _build(opts: RecordOptions, ref: IterationFile | None, rank: int = 0):
+def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
     """Build the bundle; returns (bundle, build settings stored in the file). Rank R builds with seed + R (its own
     batch and labels; DDP then broadcasts rank 0's weights), a replay with the reference's own seed."""
-    from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
-
     if ref is None:
         if not opts.model:
             raise OneIterError("--model is required (or --replay a reference to reuse its model)")
@@ -78,7 +87,7 @@ def _build(opts: RecordOptions, ref: IterationFile | None, rank: int = 0):
     return load_model(built["model"], built["batch_size"], built["seed"], model_args), built
 
 
-def _meta(opts: RecordOptions, built: dict[str, Any]) -> dict[str, Any]:
+def _meta(opts: SpecOptions, built: dict[str, Any]) -> dict[str, Any]:
     """The root attributes only a model spec knows (the Recorder writes the rest). `seed` built the model and
     batch; `rng_seed` seeded the iteration itself."""
     return {
@@ -88,14 +97,12 @@ def _meta(opts: RecordOptions, built: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = None,
+def record(opts: SpecOptions, progress: Callable[[str, int], None] | None = None,
            notify: Callable[[str], None] | None = None) -> RecordSummary:
     """Record one iteration into `opts.out`; returns counts, bytes and seconds. Tests call this directly.
 
     `progress(phase, num_tensors)` is called after each captured tensor (phase: forward, backward, parameters).
     """
-    from oneiter.runtime.distributed import process_group, rank_info, rank_path
-
     started = time.perf_counter()
     info = rank_info()
     opts, faults = _for_rank(opts, info)
@@ -104,10 +111,8 @@ def record(opts: RecordOptions, progress: Callable[[str, int], None] | None = No
         return _record(opts, progress, notify, started, faults, info)
 
 
-def _for_rank(opts: RecordOptions, info):
+def _for_rank(opts: SpecOptions, info):
     """This rank's options (output and replay file, the faults aimed at it) and its parsed faults."""
-    from oneiter.record.faults import parse_fault
-
     parsed = [parse_fault(f) for f in opts.faults]
     for fault in parsed:
         if fault.rank is not None and fault.rank >= info.world_size:
@@ -117,10 +122,7 @@ def _for_rank(opts: RecordOptions, info):
     return replace(opts, faults=[text for text, _ in mine]), [fault for _, fault in mine]
 
 
-def _device(opts: RecordOptions, info):
-    from oneiter.runtime.devices import resolve_device
-    from oneiter.runtime.distributed import local_device
-
+def _device(opts: SpecOptions, info):
     return local_device(resolve_device(opts.device), info)
 
 
@@ -128,8 +130,6 @@ def _device(opts: RecordOptions, info):
 def _threads(num_threads: int | None):
     """--threads for the duration of one record() call (tests record several runs in one process)."""
     import torch
-
-    from oneiter.runtime.training import set_threads
 
     before = torch.get_num_threads()
     set_threads(num_threads)
@@ -139,13 +139,7 @@ def _threads(num_threads: int | None):
         torch.set_num_threads(before)
 
 
-def _record(opts: RecordOptions, progress, notify, started: float, faults, info) -> RecordSummary:
-    from oneiter.record.faults import attach_faults
-    from oneiter.record.recorder import Recorder
-    from oneiter.runtime.distributed import replay_path, wrap_ddp
-    from oneiter.runtime.precision import apply_dtype
-    from oneiter.runtime.training import prepare, train_step
-
+def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -> RecordSummary:
     device = _device(opts, info)
     replay = replay_path(opts.replay, info) if opts.replay and info.distributed else opts.replay
     with ExitStack() as stack:
@@ -159,13 +153,8 @@ def _record(opts: RecordOptions, progress, notify, started: float, faults, info)
             setup = wrap_ddp(setup)
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)
-        recorder = Recorder(
-            bundle.model, opts.out, optimizer=setup.optimizer, replay=opts.replay, amp=opts.amp,
-            include=opts.include, exclude=opts.exclude, seed=opts.seed, isolate=opts.isolate,
-            calibrate=opts.calibrate, against=opts.against, random_replay=opts.random_replay,
-            fallback=opts.fallback, force=opts.force, meta=_meta(opts, built), progress=progress, notify=notify,
-            queue_bytes=opts.queue_bytes, level=opts.level,
-        )
+        recorder = Recorder.from_options(bundle.model, replace(opts, meta={**_meta(opts, built), **opts.meta}),
+                                         optimizer=setup.optimizer, progress=progress, notify=notify)
         with recorder as rec:
             batch = rec.inputs(*setup.inputs)
             setup.inputs = batch if len(setup.inputs) != 1 else (batch,)

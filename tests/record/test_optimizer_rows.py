@@ -1,5 +1,5 @@
 """The optimizer rows of a replay: the target's optimizer stepped from the reference's weights and gradients, one
-chunk of parameters at a time where the optimizer updates each parameter on its own (`probe._step_chunks`)."""
+chunk of parameters at a time where the optimizer updates each parameter on its own (`step_chunks`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import torch
 
 from conftest import record_small, replay
 from oneiter.format.layout import PARAM_GRADS, IterationFile, group_path
-from oneiter.record import probe
+from oneiter.record import optimizer_rows
 from oneiter.record.rerun import Site
 
 
 class _Source:
-    """What `_step` reads: the reference's weights (state_before) and gradients, by name."""
+    """What `shadow_step` reads: the reference's weights (state_before) and gradients, by name."""
 
     def __init__(self, weights: dict, grads: dict):
         self.weights, self.grads = weights, grads
@@ -45,7 +45,7 @@ def _model():
     lambda ps: torch.optim.AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-2, "weight_decay": 0.0}], lr=1e-2),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
 ], ids=["sgd", "adamw-two-groups", "adam-foreach"])
-def test_a_step_in_chunks_is_bitwise_the_step_over_all(make, monkeypatch):
+def test_a_step_in_chunks_is_bitwise_the_step_over_all(make):
     model = _model()
     opt = make(list(model.parameters()))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -53,14 +53,13 @@ def test_a_step_in_chunks_is_bitwise_the_step_over_all(make, monkeypatch):
     grads = {group_path(PARAM_GRADS, n): torch.randn_like(p) for n, p in model.named_parameters()}
     source, site = _Source(weights, grads), Site("target", torch.device("cpu"), live=True, cast="live",
                                                  autocast=None, params="reference", trusted=False)
-    whole = probe._step(opt, names, source, site)
-    monkeypatch.setattr(probe, "_STEP_BYTES", 300 * 200 * 4)  # the largest weight alone; the others together
-    chunks = probe._step_chunks(opt)
+    whole = optimizer_rows.shadow_step(opt, names, source, site)
+    chunks = optimizer_rows.step_chunks(opt, budget_bytes=300 * 200 * 4)  # the largest weight alone; the others together
     assert [len(c) for c in chunks] == [2, 1, 3]  # linear0 weight+bias, linear1 weight, the rest
     assert set().union(*chunks) == set(names) and sum(map(len, chunks)) == len(names)
     parts = {}
     for chunk in chunks:
-        parts.update(probe._step(opt, names, source, site, chunk))
+        parts.update(optimizer_rows.shadow_step(opt, names, source, site, chunk))
     assert parts.keys() == whole.keys() == set(weights)
     for name in whole:
         assert not torch.equal(whole[name], weights[name]), name  # the step changed it
@@ -75,9 +74,9 @@ def test_optimizers_that_may_couple_parameters_step_once_over_all():
     class Clipped(torch.optim.SGD):  # a subclass may look at every gradient at once
         pass
 
-    assert len(probe._step_chunks(torch.optim.SGD(params, lr=0.1))) == 1  # 0.3 MB: one chunk
-    assert probe._step_chunks(Clipped(params, lr=0.1)) == [None]
-    assert probe._step_chunks(torch.optim.LBFGS(params)) == [None]
+    assert len(optimizer_rows.step_chunks(torch.optim.SGD(params, lr=0.1))) == 1  # 0.3 MB: one chunk
+    assert optimizer_rows.step_chunks(Clipped(params, lr=0.1)) == [None]
+    assert optimizer_rows.step_chunks(torch.optim.LBFGS(params)) == [None]
 
 
 def test_a_replay_judges_every_update_the_same_in_chunks(tmp_path, monkeypatch):
@@ -86,11 +85,11 @@ def test_a_replay_judges_every_update_the_same_in_chunks(tmp_path, monkeypatch):
     ref = tmp_path / "ref.h5"
     record_small(ref, "llama_tiny", optimizer="adamw")
     calls = []
-    step = probe._step
-    monkeypatch.setattr(probe, "_step", lambda *a, **k: calls.append(a[4]) or step(*a, **k))
-    monkeypatch.setattr(probe, "_STEP_BYTES", 1)
+    step = optimizer_rows.shadow_step
+    monkeypatch.setattr(optimizer_rows, "shadow_step", lambda *a, **k: calls.append(a[4]) or step(*a, **k))
+    monkeypatch.setattr(optimizer_rows, "STEP_BYTES", 1)
     replay(ref, tmp_path / "chunked.h5", optimizer="adamw")
-    monkeypatch.setattr(probe, "_PER_PARAMETER", ())
+    monkeypatch.setattr(optimizer_rows, "PER_PARAMETER", frozenset())
     replay(ref, tmp_path / "whole.h5", optimizer="adamw")
 
     def rows(path):

@@ -105,14 +105,14 @@ def test_record_refuses_when_the_filesystem_lacks_the_space(tmp_path, monkeypatc
     free.update(bytes=140_000_000, later=20_000_000)  # the state fits, the rest of the file does not
     notes = []
     with pytest.raises(OneIterError, match=r"needs about \(forward measured, backward estimated\) 1[0-9]{2}\.\d MB"):
-        from oneiter.record.run import RecordOptions, record
+        from oneiter.record.run import SpecOptions, record
 
-        record(RecordOptions(out=tmp_path / "a.h5", model="resnet18", batch_size=2,
+        record(SpecOptions(out=tmp_path / "a.h5", model="resnet18", batch_size=2,
                              model_args={"image_size": 32, "num_classes": 10}), notify=notes.append)
     assert notes and notes[0].startswith("forward recorded: the file will be about ")
     assert list(tmp_path.iterdir()) == []
     free.update(bytes=10**12, later=10**12)
-    summary = record(RecordOptions(out=tmp_path / "a.h5", model="resnet18", batch_size=2,
+    summary = record(SpecOptions(out=tmp_path / "a.h5", model="resnet18", batch_size=2,
                                    model_args={"image_size": 32, "num_classes": 10}), notify=notes.append)
     estimate = float(notes[-1].split("about ")[1].split(" MB")[0]) * 1e6
     assert 1.0 <= estimate / summary.file_bytes <= 1.15  # the estimate errs on the safe side, by little

@@ -1,0 +1,160 @@
+"""What a recording is asked to do, as one validated value: `RecordOptions`.
+
+Every way into a recording builds one: `oneiter.Recorder` from its keywords, `record/run.py` (whose
+`SpecOptions` adds what only a model spec needs), the Hugging Face callback and the mmengine hook (when they are
+constructed, so a bad option fails before training starts). The checks live in `__post_init__`, once, and raise
+`OneIterError`s that name the parameter (`amp must be one of bf16, fp16 ...`); the CLI rewrites that name into
+its flag. Normalising is idempotent: `dataclasses.replace` re-validates a copy without changing what it holds.
+
+This module stays free of torch at import: `import oneiter` and `oneiter.Recorder` must not import it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence, get_args
+
+from oneiter.errors import OneIterError
+from oneiter.format.writer import DEFAULT_QUEUE_BYTES
+
+__all__ = ["RecordOptions", "Level", "Amp", "Calibration", "Against", "LEVELS", "CALIBRATIONS",
+           "module_selector", "regex_list", "amp_name"]
+
+Level = Literal["full", "stats"]
+Amp = Literal["bf16", "fp16"]
+Calibration = Literal["cpu", "device"]
+Against = Literal["cpu"]
+
+LEVELS: tuple[str, ...] = get_args(Level)
+CALIBRATIONS: tuple[str, ...] = get_args(Calibration)
+# what `amp=` accepts for each autocast dtype: its short name, torch's name, and `str(torch.bfloat16)` (mmengine)
+_AMP_NAMES: dict[str, str] = {alias: short for short, long in (("bf16", "bfloat16"), ("fp16", "float16"))
+                              for alias in (short, long, f"torch.{long}")}
+
+
+@dataclass(kw_only=True)
+class RecordOptions:
+    """The settings of one recording (not the live objects it records: model, optimizer, callbacks)."""
+
+    out: Path
+    """The `.h5` file to write; never overwritten unless `force`."""
+    replay: Path | None = None
+    """A reference recording: its weights, buffers, batch and random values; every call judged against it."""
+    amp: Amp | None = None
+    """The run's autocast dtype; `bfloat16`, `torch.float16`, ... are accepted and stored as `bf16` / `fp16`."""
+    include: list[str] = field(default_factory=list)
+    """Regexes on module paths to record (all modules when empty); one string is one regex."""
+    exclude: list[str] = field(default_factory=list)
+    """Regexes on module paths not to record."""
+    seed: int | None = 0
+    """`torch.manual_seed(seed)` when the block starts, so dropout draws the same numbers (None: RNG left alone)."""
+    isolate: bool = True
+    """With `replay`: rerun every call teacher-forced on the reference's values (its local error)."""
+    calibrate: Calibration = "cpu"
+    """Where each call's expected noise is measured: the CPU (float64 vs the run's precision) or the device."""
+    against: Against | None = None
+    """"cpu": no reference; each call is judged against a float32 CPU recomputation of this run's values."""
+    random_replay: bool = True
+    """With `replay`: random ops take the reference's values."""
+    fallback: list[str] = field(default_factory=list)
+    """Regexes of aten ops run on the CPU in float32 (docs/fallback.md)."""
+    force: bool = False
+    """Overwrite `out` if it exists (never the file being replayed)."""
+    name: str | None = None
+    """The file's `model` attribute (default: the reference's on replay, else the model's class name)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """More root attributes of the file (JSON-able scalars); they override the Recorder's own."""
+    manage_autocast: bool = True
+    """Whether the Recorder enters autocast for `amp` (False when the training code enters it itself)."""
+    skip: tuple[str, ...] = ()
+    """Module paths never recorded, whatever `include` says (e.g. mmengine's data preprocessor)."""
+    queue_bytes: int = DEFAULT_QUEUE_BYTES
+    """How many bytes of tensors may wait for the background writer before capture blocks."""
+    level: Level = "full"
+    """"full": every tensor's data; "stats": statistics and a checksum per tensor (`format.stats`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.out, (str, os.PathLike)):
+            raise OneIterError(f"out must be a file path (str or PathLike), got {self.out!r}", param="out")
+        self.out = Path(self.out)
+        if self.replay is not None and not isinstance(self.replay, (str, os.PathLike)):
+            raise OneIterError(f"replay must be a recording's path, got {self.replay!r}", param="replay")
+        self.replay = Path(self.replay) if self.replay is not None else None
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise OneIterError(f"seed must be an int or None, got {self.seed!r}", param="seed")
+        self._check_modes()
+        self.include, self.exclude = regex_list(self.include, "include"), regex_list(self.exclude, "exclude")
+        module_selector(self.include, self.exclude)
+        self.fallback = list(self.fallback)
+        if self.fallback:
+            from oneiter.record.fallback import compile_patterns  # imports torch: only when there is a fallback
+
+            compile_patterns(self.fallback)
+        self.amp = amp_name(self.amp)
+        self.isolate, self.random_replay, self.force = bool(self.isolate), bool(self.random_replay), bool(self.force)
+        self.manage_autocast = bool(self.manage_autocast)
+        self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
+
+    def _check_modes(self) -> None:
+        """against / calibrate / level, alone and together."""
+        if self.against not in (None, *get_args(Against)):
+            raise OneIterError(f"against takes 'cpu' (recompute each call on the CPU in float32), got "
+                               f"{self.against!r}", param="against")
+        if self.calibrate not in CALIBRATIONS:
+            raise OneIterError(f"calibrate takes 'cpu' or 'device' (where each call's expected noise is measured), "
+                               f"got {self.calibrate!r}", param="calibrate")
+        if self.level not in LEVELS:
+            raise OneIterError(f"level takes {' or '.join(LEVELS)}, got {self.level!r}", param="level")
+        if self.level == "stats" and self.against:
+            raise OneIterError("level='stats' keeps no tensor data, which against='cpu' reruns from", param="level")
+        if self.against and self.replay is not None:
+            raise OneIterError("against='cpu' needs no reference: drop replay, or drop against to compare with it",
+                               param="against")
+
+    def selector(self) -> Callable[[str], bool]:
+        """Whether a module path is recorded: `include`/`exclude`, and never a path under `skip`."""
+        chosen = module_selector(self.include, self.exclude)
+        skipped = self.skip
+        return lambda path: chosen(path) and not any(path == s or path.startswith(s + ".") for s in skipped)
+
+
+def module_selector(include: Sequence[str], exclude: Sequence[str]) -> Callable[[str], bool]:
+    """A predicate on module paths: matches any `include` regex (all if none) and no `exclude` regex."""
+    patterns = {}
+    for param, values in (("include", include), ("exclude", exclude)):
+        try:
+            patterns[param] = [re.compile(p) for p in values]
+        except re.error as err:
+            raise OneIterError(f"{param} has a bad regular expression: {err}", param=param) from None
+    inc, exc = patterns["include"], patterns["exclude"]
+
+    def select(path: str) -> bool:
+        if inc and not any(p.search(path) for p in inc):
+            return False
+        return not any(p.search(path) for p in exc)
+
+    return select
+
+
+def regex_list(value, param: str) -> list[str]:
+    """None, one regex string or a list of them, as a list (checked)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise OneIterError(f"{param} must be None, a regex string or a list of them, got {value!r}", param=param)
+
+
+def amp_name(amp) -> Amp | None:
+    """`amp` as "bf16" / "fp16" (None stays None); any other value is refused."""
+    if amp is None:
+        return None
+    name = _AMP_NAMES.get(str(amp))
+    if name is None:
+        raise OneIterError(f"amp must be one of bf16, fp16 (or None), got {amp!r}", param="amp")
+    return name

@@ -1,0 +1,69 @@
+"""`JudgedRow`: one row of the `/local` table while the probes build it (`probe.py`, `optimizer_rows.py`).
+
+The row on disk is `format.layout.LocalRow` (the layout owns the format); this is its form in memory, which
+knows where its capture moment is still to be looked up (`at`) and lets calibration fill in the noise later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Union
+
+from oneiter.format.layout import ROOT_MODULE, LocalRow
+from oneiter.runtime.precision import unit_roundoff
+
+__all__ = ["JudgedRow", "LATE", "owner", "leaf", "dtype_name", "first_line"]
+
+LATE = 1 << 62  # seq of a row whose moment never came in the real iteration (sorts last in its phase)
+
+# a row's place in capture order: a seq, or (call key, "output" | "input" | "grad_input" | "grad_output") whose
+# capture seq the session knows once the iteration is over
+Moment = Union[int, tuple[str, str]]
+
+
+@dataclass
+class JudgedRow:
+    """A judged tensor: the target's value against its reference (`rerun.tensor_stats`), and its noise once
+    calibrated (NaN until then; `calibration` says where it was measured, or why it failed)."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    dtype: str
+    stats: dict[str, Any]
+    at: Moment = LATE
+    noise_target: float = math.nan
+    noise_reference: float = math.nan
+    calibration: str = ""
+
+    def needs_noise(self, run_roundoff: float) -> bool:
+        """Whether its error could be flagged at all: above one unit roundoff of its dtype and of the run's
+        compute precision (under bf16 autocast a float32 gradient is not expected to be closer than bf16's)."""
+        return self.stats["rel_l2"] > max(unit_roundoff(self.dtype), run_roundoff)
+
+    def local_row(self, seqs: dict[tuple[str, str], int]) -> LocalRow:
+        """The row as `/local` stores it, its capture order looked up in `seqs` when it is a call's moment."""
+        seq = self.at if isinstance(self.at, int) else seqs.get(self.at, LATE)
+        return LocalRow(module=self.module, call=self.call, phase=self.phase, tensor=self.tensor, seq=seq,
+                        dtype=self.dtype, **self.stats, noise_target=self.noise_target,
+                        noise_reference=self.noise_reference, calibration=self.calibration)
+
+
+def owner(name: str) -> str:
+    """The module a parameter or buffer belongs to."""
+    return name.rpartition(".")[0] or ROOT_MODULE
+
+
+def leaf(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

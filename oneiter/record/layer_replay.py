@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, call_key, decode, natural_key, tensor_to_numpy
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, call_key, decode, natural_key, tensor_to_numpy
 
 __all__ = ["TensorCheck", "LayerReplayResult", "replay_layer"]
 

@@ -50,7 +50,8 @@ from typing import Any, Optional
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BACKWARD, FORWARD, PARAM_GRADS, ROOT_MODULE, STATE_AFTER, LocalRow, group_path, tensor_path
+from oneiter.format.schema import (BACKWARD, FORWARD, PARAM_GRADS, ROOT_MODULE, STATE_AFTER, LocalRow, group_path,
+                                   tensor_path)
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 from oneiter.record import trusted
 from oneiter.record.capture import CallRecord

@@ -450,7 +450,7 @@ class Recorder:
     def _stats_groups(self):
         """At the stats level: which groups hold statistics only. Random values and the loss stay full; so do the
         batch and state_before, except in a replay (whose start is the reference's: its checksums prove it)."""
-        from oneiter.format.layout import BATCH, LOSS, RANDOM, STATE_BEFORE
+        from oneiter.format.schema import BATCH, LOSS, RANDOM, STATE_BEFORE
 
         full = {RANDOM, "", LOSS} | ({STATE_BEFORE, BATCH} if self.ref is None else set())
         return lambda group: group.split("/", 1)[0] not in full

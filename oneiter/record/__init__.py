@@ -9,5 +9,5 @@
 - `probe.py`, `rerun.py`, `trusted.py`  local error of every call: teacher-forced reruns and their noise calibration
 - `input_grads.py` gradients w.r.t. the model's inputs; `fallback.py` ops run on the CPU (`--fallback`)
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
-- `layer_replay.py` `oneiter replay`: one recorded layer run again alone
+- `layer_replay.py` `oneiter replay`: one recorded layer run again alone (judged by `oneiter.judge.layer`)
 """

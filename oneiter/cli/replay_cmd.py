@@ -14,6 +14,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
+from oneiter.errors import OneIterError
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -110,8 +111,6 @@ def print_report(console, result) -> None:
 
 def _check_json_path(path: Optional[Path], recording: Path) -> None:
     """Refuse, before the run, a --json path that is the recording itself or whose folder does not exist."""
-    from oneiter.errors import OneIterError
-
     if path is None or str(path) == "-":
         return
     if path.resolve() == recording.resolve():

@@ -476,7 +476,7 @@ class Recorder:
         """The file's root attributes (docs/format.md); `meta=` entries override these."""
         import torch
 
-        from oneiter import __version__
+        from oneiter.version import __version__
         from oneiter.runtime.devices import device_name
 
         dtype = _param_dtype(self.model)

@@ -18,10 +18,32 @@ import numpy as np
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format import validate
 from oneiter.format.mapped import MappedReader
-from oneiter.format.schema import (BACKWARD, BATCH, CALLS, FORWARD, LOCAL, LOCAL_FIELDS, PARAM_GRADS, ROOT_MODULE,
-                                   SCHEMA, SCHEMA_VERSION, STATE_AFTER, STATE_BEFORE, STATS, STATS_FIELDS, STATS_VALUES,
-                                   UNPROBED, UNPROBED_FIELDS, LocalRow, call_path, decode, group_path, plain, seq_kind,
-                                   to_torch)
+from oneiter.format.schema import (
+    BACKWARD,
+    BATCH,
+    CALLS,
+    FORWARD,
+    LOCAL,
+    LOCAL_FIELDS,
+    PARAM_GRADS,
+    ROOT_MODULE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STATE_AFTER,
+    STATE_BEFORE,
+    STATS,
+    STATS_FIELDS,
+    STATS_VALUES,
+    UNPROBED,
+    UNPROBED_FIELDS,
+    LocalRow,
+    call_path,
+    decode,
+    group_path,
+    plain,
+    seq_kind,
+    to_torch,
+)
 from oneiter.format.stats import Stats, array_stats
 
 __all__ = ["FileWriter", "IterationFile", "Entry", "reading"]

@@ -476,8 +476,8 @@ class Recorder:
         """The file's root attributes (docs/format.md); `meta=` entries override these."""
         import torch
 
-        from oneiter.version import __version__
         from oneiter.runtime.devices import device_name
+        from oneiter.version import __version__
 
         dtype = _param_dtype(self.model)
         # a replay is of the reference's model: its name (and how it was built) unless told otherwise

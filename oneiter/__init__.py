@@ -16,7 +16,7 @@ Integrations: `oneiter.integrations.hf.OneIterCallback` (Hugging Face Trainer) a
 `oneiter.integrations.mmengine` (mmengine Runner hooks). The CLI (`oneiter record|compare|...`) calls the same API.
 """
 
-__version__ = "0.1.0"
+from oneiter.version import __version__
 
 # public name -> (module, attribute); loaded on first use
 _LAZY = {

@@ -10,6 +10,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from oneiter.format.summary import summarize_file
+from oneiter.judge import ranks
+from oneiter.judge.engine import compare_files, compare_local
+from oneiter.judge.tolerance_file import FileTolerance, load_tolerance_file
+
 __all__ = ["compare", "compare_ranks", "inspect"]
 
 
@@ -35,8 +40,6 @@ def compare(
         result.verdict_obj     # the whole Verdict: basis, chain, first_divergence, headline, details, counts
         result.rows, result.notes  # rows in causal order; warnings about the comparison itself
     """
-    from oneiter.judge.engine import compare_files, compare_local
-
     spec, policies = _policies(rtol, atol, tolerances)
     if target is None:
         result = compare_local(reference, **policies)
@@ -55,8 +58,6 @@ def compare_ranks(
     tolerances: str | os.PathLike | None = None,
 ):
     """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank."""
-    from oneiter.judge import ranks
-
     spec, policies = _policies(rtol, atol, tolerances)
     result = ranks.compare_ranks(reference, target, **policies)
     result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
@@ -65,8 +66,6 @@ def compare_ranks(
 
 def inspect(path: str | os.PathLike):
     """What one recording holds: its metadata and every tensor with shape, dtype and statistics (`FileSummary`)."""
-    from oneiter.format.summary import summarize_file
-
     return summarize_file(path)
 
 
@@ -74,8 +73,6 @@ def _policies(rtol, atol, tolerances) -> tuple[Any, dict]:
     """The tolerance file (or None) and compare_files' keyword arguments: rtol/atol, the file's policy and noise."""
     spec = policy = noise = None
     if tolerances is not None:
-        from oneiter.judge.tolerance_file import FileTolerance, load_tolerance_file
-
         spec = load_tolerance_file(Path(tolerances))
         policy, noise = FileTolerance(spec, atol=atol, rtol=rtol), spec.noise
     return spec, {"rtol": rtol, "atol": atol, "tolerance": policy, "noise": noise}

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Callable
 
 from oneiter.errors import OneIterError
+from oneiter.judge.engine import compare_files
+from oneiter.record.run import SpecOptions, record
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
 
@@ -49,9 +51,6 @@ def run_demo(
     say: Callable[[str], None] = lambda _msg: None,
 ) -> DemoResult:
     """Record reference and faulty target into `directory` (created; files overwritten) and compare them."""
-    from oneiter.judge.engine import compare_files
-    from oneiter.record.run import SpecOptions, record
-
     fault = fault or DEFAULT_FAULT.get(model)
     if fault is None:
         raise OneIterError(f"no default fault layer for model '{model}': pass --fault PATH")

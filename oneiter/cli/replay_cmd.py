@@ -1,7 +1,7 @@
 """`oneiter replay FILE --layer PATH`: run one recorded layer alone and check it against the recording.
 
-Thin layer over `oneiter.record.layer_replay.replay_layer`; torch is imported inside the command so `oneiter --help`
-stays fast. Exit codes: 0 every tensor within tolerance, 1 a tensor beyond it, 2 bad input.
+Thin layer over `oneiter.judge.layer.replay_layer` (the run itself: `oneiter.record.layer_replay`); torch is
+imported inside the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance, 1 a tensor beyond it, 2 bad input.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
+from oneiter.errors import OneIterError
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -110,8 +111,6 @@ def print_report(console, result) -> None:
 
 def _check_json_path(path: Optional[Path], recording: Path) -> None:
     """Refuse, before the run, a --json path that is the recording itself or whose folder does not exist."""
-    from oneiter.errors import OneIterError
-
     if path is None or str(path) == "-":
         return
     if path.resolve() == recording.resolve():
@@ -130,7 +129,7 @@ def replay(
     json_path: JsonOut = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="The model file (path/to/file.py:function) the recording was made from: a recording never picks the code that runs. Built-in models default to the recorded name.")] = None,
 ) -> None:
-    from oneiter.record.layer_replay import replay_layer
+    from oneiter.judge.layer import replay_layer
 
     _check_json_path(json_path, file)
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model)

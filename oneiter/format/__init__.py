@@ -1,6 +1,8 @@
-"""`format/`: the recording on disk (docs/format.md).
+"""`format/`: the recording on disk (docs/format.md). Imports only `oneiter.errors`; every package above uses it.
 
-- `layout.py`  the one module that knows the HDF5 layout and the tensor-name grammar (`IterationFile`, paths, keys)
-- `writer.py`  the background writer that turns captured tensors into that layout
-- `summary.py` per-tensor statistics of one file (`oneiter inspect`)
+- `schema.py`   the HDF5 layout's names: groups, the tensor-name grammar, table columns, raw-bit dtypes
+- `layout.py`   the file: `FileWriter` writes one, `IterationFile` (validated by `validate.py`) reads one
+- `writer.py`   the background writer that turns captured tensors into that layout
+- `stats.py`    `--level stats`: per-tensor statistics and checksums (compared in `oneiter.judge.stats`)
+- `summary.py`  per-tensor statistics of one file (`oneiter inspect`), with `numbers.py`'s reductions
 """

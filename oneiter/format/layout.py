@@ -1,31 +1,13 @@
-"""The one place that knows the HDF5 layout of a oneiter recording (documented in docs/format.md).
+"""The recording as a file: `FileWriter` writes one, `IterationFile` opens, validates and reads one.
 
-Writers (the recorder's background thread) and readers (compare, inspect, replay) both go through this module;
-nothing else builds HDF5 paths. No pickle anywhere: tensors are plain datasets, metadata plain attributes.
-
-Layout, schema `oneiter.iteration` version 2::
-
-    /                          attrs: schema, schema_version, complete (written last), model, device, ...
-    /batch/input.<i>           the model inputs
-    /loss                      the loss (0-d)
-    /calls/<module>@<call>     one group per module call; attrs module, call, parent, exec_index, class_name, seq_*
-        forward/input.<i>[...], forward/kwarg.<name>[...], forward/output[.<i>|.<key>]...
-        backward/grad_output..., backward/grad_input.<i>..., backward/grad_kwarg.<name>...
-    /local                     one row per locally judged tensor (a table; `record --replay` / `--against cpu`)
-    /unprobed                  the calls that could not be rerun, and why (a table)
-    /state_before/<name>       every parameter and buffer before the iteration
-    /param_grads/<name>        every parameter gradient after backward
-    /state_after/<name>        every parameter and buffer after the optimizer step
-    /random/<index>            values of each random op, in order (attrs op, index, output)
-
-Tensor names inside a call: `input.<i>` (positional arguments, nested: `input.1.0`), `kwarg.<name>` (keyword
-arguments), `output` / `output.<i>` / `output.<key>`; the gradient w.r.t. a tensor named X is `grad_X`. In the
-local table a container's own code is judged on what it hands its children: `<child call>:input.0` (forward)
-and `<child call>:grad_output` (backward), e.g. `layer1.0.conv2@0:input.0`.
+What the file holds and how its tensors are named is `schema.py` (docs/format.md); what a reader refuses is
+`validate.py`, which `IterationFile` runs before anything reads a file. Writers (the recorder's background
+thread) and readers (compare, inspect, replay) both go through this module; nothing else opens a recording.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,135 +15,38 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from oneiter.errors import FormatError
+from oneiter.errors import FormatError, OneIterError
+from oneiter.format import validate
+from oneiter.format.mapped import MappedReader
+from oneiter.format.schema import (
+    BACKWARD,
+    BATCH,
+    CALLS,
+    FORWARD,
+    LOCAL,
+    LOCAL_FIELDS,
+    PARAM_GRADS,
+    ROOT_MODULE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STATE_AFTER,
+    STATE_BEFORE,
+    STATS,
+    STATS_FIELDS,
+    STATS_VALUES,
+    UNPROBED,
+    UNPROBED_FIELDS,
+    LocalRow,
+    call_path,
+    decode,
+    group_path,
+    plain,
+    seq_kind,
+    to_torch,
+)
+from oneiter.format.stats import Stats, array_stats
 
-__all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "call_key", "split_call_key", "decode", "tensor_path", "grad_name",
-    "FileWriter", "IterationFile", "Entry", "to_torch", "tensor_to_numpy", "seq_kind", "LOCAL_FIELDS", "LocalRow",
-    "child_tensor", "split_child_tensor",
-]
-
-SCHEMA = "oneiter.iteration"
-SCHEMA_VERSION = 3  # 3: `level` and the `/stats` table (record --level stats)
-ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
-
-BATCH, LOSS, CALLS = "batch", "loss", "calls"
-STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
-RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
-FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
-STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
-
-# torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
-_RAW_BITS = {
-    "bfloat16": np.uint16,
-    "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e4m3fnuz": np.uint8, "float8_e5m2fnuz": np.uint8,
-}
-
-
-def check_name(name: str, what: str) -> None:
-    """Refuse, at record time, a module path or tensor name holding '/': HDF5 would read it as nested groups and
-    the recording could not be read back (a ModuleDict key or a dict output key such as 'a/b')."""
-    if "/" in name:
-        from oneiter.errors import OneIterError
-
-        raise OneIterError(f"cannot record {what} '{name}': it contains '/', which HDF5 reads as a group separator; "
-                           f"rename the ModuleDict or dict key")
-
-
-def call_key(module: str, call: int) -> str:
-    """`layer1.0.conv1@0`: the group name of a module call, and the key reports use."""
-    return f"{module or ROOT_MODULE}@{call}"
-
-
-def split_call_key(key: str) -> tuple[str, int]:
-    module, _, call = key.rpartition("@")
-    return module, int(call)
-
-
-def tensor_path(key: str, phase: str, name: str) -> str:
-    """`calls/layer1.0.conv1@0/forward/input.0`: where a call's tensor lives."""
-    return f"{CALLS}/{key}/{phase}/{name}"
-
-
-def grad_name(name: str) -> str:
-    """The name of the gradient w.r.t. tensor `name`: `output` -> `grad_output`, `kwarg.x` -> `grad_kwarg.x`."""
-    return f"grad_{name}"
-
-
-def child_tensor(child_key: str, name: str) -> str:
-    """How the local table names a tensor a container hands its child: `layer1.0.conv2@0:input.0`."""
-    return f"{child_key}:{name}"
-
-
-def split_child_tensor(tensor: str) -> tuple[str, str] | None:
-    """(child call key, tensor name) for a `child_tensor` name, None for a call's own tensor."""
-    head, sep, name = tensor.rpartition(":")
-    return (head, name) if sep and "@" in head else None
-
-
-def group_path(group: str, name: str) -> str:
-    """`state_before/layer1.0.conv1.weight`, `batch/input.0`: a named tensor of a top-level group."""
-    return f"{group}/{name}" if group else name
-
-
-def call_path(key: str, phase: str | None = None) -> str:
-    """`calls/<key>` (its attributes) or `calls/<key>/<phase>` (its tensors of one phase)."""
-    return f"{CALLS}/{key}" if phase is None else f"{CALLS}/{key}/{phase}"
-
-
-# -- the tensor-name grammar ----------------------------------------------------------------------------------------
-# A call's tensors: positional arguments `input.<i>`, keyword arguments `kwarg.<name>`, outputs `output` (one
-# tensor) or `output.<i>`/`output.<key>` (nested containers add `.<index>`/`.<key>`), gradients `grad_<name>`.
-def arg_name(index: int) -> str:
-    return f"input.{index}"
-
-
-def kwarg_name(key: str) -> str:
-    return f"kwarg.{key}"
-
-
-def is_input(tensor: str) -> bool:
-    """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
-    return tensor.startswith(("input", "kwarg", "grad_output"))
-
-
-def natural_key(name: str) -> tuple:
-    """Sort key of tensor names: `input.10` after `input.2`, `output.2` before `output.10`."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
-
-
-def decode(array: np.ndarray, dtype_name: str) -> np.ndarray:
-    """A stored array as numbers numpy can compute with: bfloat16 bits become float32 (exactly)."""
-    if dtype_name == "bfloat16":
-        return (array.astype(np.uint32) << 16).view(np.float32)
-    if dtype_name in _RAW_BITS:  # float8: decoding needs torch's tables
-        return to_torch(array, dtype_name).float().numpy()
-    return array
-
-
-def to_torch(array: np.ndarray, dtype_name: str):
-    """A stored array as a torch tensor with its original dtype, bit for bit."""
-    import torch
-
-    array = np.asarray(array)
-    if not array.flags.c_contiguous or not array.flags.writeable:
-        array = array.copy()
-    tensor = torch.from_numpy(array)
-    if dtype_name in _RAW_BITS:
-        signed = {np.uint16: torch.int16, np.uint8: torch.uint8}[_RAW_BITS[dtype_name]]
-        tensor = tensor.view(signed).view(getattr(torch, dtype_name))
-    return tensor
-
-
-def tensor_to_numpy(tensor) -> tuple[np.ndarray, str]:
-    """A CPU tensor as (numpy array to store, torch dtype name). Shares memory where it can."""
-    import torch
-
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
-    if dtype_name in _RAW_BITS:
-        bits = torch.int16 if _RAW_BITS[dtype_name] is np.uint16 else torch.uint8
-        return tensor.view(bits).numpy().view(_RAW_BITS[dtype_name]), dtype_name
-    return tensor.numpy(), dtype_name
+__all__ = ["FileWriter", "IterationFile", "Entry", "reading"]
 
 
 class FileWriter:
@@ -261,11 +146,9 @@ class FileWriter:
 
     def finish(self, attrs: dict[str, Any]) -> None:
         if self._stats:
-            from oneiter.format.stats import FIELDS
-
             rows = [(path, *stats.values, *stats.checksum, stats.kind, dtype, ",".join(map(str, shape)))
                     for path, (stats, dtype, shape) in self._stats.items()]
-            self.file.create_dataset(STATS, data=np.array(rows, dtype=_table_dtype(_stats_fields(FIELDS))))
+            self.file.create_dataset(STATS, data=np.array(rows, dtype=_table_dtype(STATS_FIELDS)))
         self.file.attrs.update(_clean_attrs(attrs))
         self.file.attrs["complete"] = True
         self.file.close()
@@ -273,8 +156,6 @@ class FileWriter:
     def abort(self, empty_first: bool = False) -> None:
         """Close without marking the file complete. `empty_first` (after a write error): truncate the file to 0
         bytes before closing, so the metadata flush of close finds free blocks even on a full disk."""
-        import os
-
         try:
             if empty_first:
                 os.ftruncate(self.file.id.get_vfd_handle(), 0)
@@ -282,8 +163,6 @@ class FileWriter:
         except Exception:
             pass
 
-
-UNPROBED_FIELDS = (("module", "str"), ("call", "i8"), ("reason", "str"))
 
 
 def _clean_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -324,8 +203,6 @@ class IterationFile:
     def __init__(self, path: str | os.PathLike):
         import h5py
 
-        from oneiter.format import validate
-
         self.path = Path(path)
         validate.check_path(self.path)  # a FIFO or a device is refused before anything opens it
         try:
@@ -334,8 +211,6 @@ class IterationFile:
             if not h5py.is_hdf5(self.path):
                 raise FormatError(f"'{self.path}' is not an HDF5 file") from None
             raise FormatError(f"'{self.path}' cannot be read: truncated or corrupt HDF5 ({_first_line(exc)})") from None
-        from oneiter.format.mapped import MappedReader
-
         self._mapped = MappedReader(self.path)
         try:
             self.meta = validate.read_attrs(self.file, "the root group", self.path)
@@ -347,8 +222,6 @@ class IterationFile:
     def _validate(self) -> None:
         """Everything a reader relies on, checked once here (`format/validate.py`, docs/format.md "Reading
         untrusted files"): root attributes, then every link and dataset of the file, then the /stats table."""
-        from oneiter.format import validate
-
         validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
         self._tree = validate.check_tree(self.file, self.path)
         try:
@@ -392,18 +265,16 @@ class IterationFile:
     def stats_index(self) -> dict[str, tuple]:
         """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`); empty for a full recording."""
         if getattr(self, "_stats_index", None) is None:
-            from oneiter.format.stats import FIELDS, Stats
-
             self._stats_index = {}
             table = self.file.get(STATS)
             if table is not None:
                 for row in table[()]:
-                    shape = tuple(int(s) for s in _plain(row["shape"]).split(",") if s)
+                    shape = tuple(int(s) for s in plain(row["shape"]).split(",") if s)
                     if any(s < 0 for s in shape):
-                        raise ValueError(f"negative dimension in shape '{_plain(row['shape'])}'")
-                    stats = Stats([row[n] for n in FIELDS], (row["checksum0"], row["checksum1"]),
-                                  _plain(row["checksum_kind"]))
-                    self._stats_index[_plain(row["path"])] = (stats, _plain(row["dtype"]), shape)
+                        raise ValueError(f"negative dimension in shape '{plain(row['shape'])}'")
+                    stats = Stats([row[n] for n in STATS_VALUES], (row["checksum0"], row["checksum1"]),
+                                  plain(row["checksum_kind"]))
+                    self._stats_index[plain(row["path"])] = (stats, plain(row["dtype"]), shape)
         return self._stats_index
 
     def dataset_id(self, path: str):
@@ -416,8 +287,6 @@ class IterationFile:
 
     def stats_of(self, path: str):
         """The entry's `format.stats.Stats`: stored (stats level) or computed from its data (full level)."""
-        from oneiter.format.stats import array_stats
-
         if path in self.stats_index:
             return self.stats_index[path][0]
         raw = self.raw(path)
@@ -479,7 +348,7 @@ class IterationFile:
             return []
         rows = []
         for rec in table[()]:
-            values = {n: _plain(rec[n]) for n, _ in LOCAL_FIELDS}
+            values = {n: plain(rec[n]) for n, _ in LOCAL_FIELDS}
             rows.append(LocalRow(**values))
         return rows
 
@@ -491,7 +360,7 @@ class IterationFile:
         table = self.file.get(UNPROBED)
         if table is None:
             return []
-        return [(_plain(r["module"]), int(r["call"]), _plain(r["reason"])) for r in table[()]]
+        return [(plain(r["module"]), int(r["call"]), plain(r["reason"])) for r in table[()]]
 
     # -- structure --------------------------------------------------------------------------------------------------
     def state(self, which: str = STATE_BEFORE) -> dict[str, str]:
@@ -539,78 +408,25 @@ class IterationFile:
                 yield Entry(module or ROOT_MODULE, 0, phase, tensor, path, i)
 
 
-def seq_kind(tensor_name: str) -> str:
-    """Which capture moment a tensor name belongs to: input, output, grad_output or grad_input.
-
-    Capture order is kept per call group (attrs `seq_input`, `seq_output`, `seq_grad_output`, `seq_grad_input`),
-    not per dataset, because a dataset hard-linked from two calls has one set of attributes.
-    """
-    head = tensor_name.split(".", 1)[0]
-    return {"kwarg": "input", "grad_kwarg": "grad_input"}.get(head, head)
-
-
-# -- the local table ------------------------------------------------------------------------------------------------
-LOCAL_FIELDS = (
-    ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("seq", "i8"), ("dtype", "str"),
-    ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
-    ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
-    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"),
-)
-"""Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
-rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
-side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
-calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
-the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`)."""
-
-
-@dataclass(frozen=True)
-class LocalRow:
-    module: str
-    call: int
-    phase: str
-    tensor: str
-    seq: int
-    dtype: str
-    numel: int
-    rel_l2: float
-    max_abs: float
-    cosine: float
-    nan_ref: int
-    inf_ref: int
-    nan: int
-    inf: int
-    mismatch: int
-    noise_target: float
-    noise_reference: float
-    calibration: str
-
-    @property
-    def key(self) -> tuple[str, int, str, str]:
-        return (self.module, self.call, self.phase, self.tensor)
-
-
-def _stats_fields(names) -> tuple:
-    """Columns of `/stats`: the entry's path, `format.stats.FIELDS`, the checksum, its kind, dtype and shape."""
-    return (("path", "str"), *((n, "f8") for n in names), ("checksum0", "i8"), ("checksum1", "i8"),
-            ("checksum_kind", "str"), ("dtype", "str"), ("shape", "str"))
-
-
 def _table_dtype(fields) -> np.dtype:
     import h5py
 
     return np.dtype([(n, h5py.string_dtype() if t == "str" else t) for n, t in fields])
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "backslashreplace")
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return [_plain(v) for v in value.tolist()]
-    return value
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def reading(*paths: str | os.PathLike):
+    """Turn what h5py raises on a damaged file (after its header was accepted) into a one-line FormatError."""
+    try:
+        yield
+    except OneIterError:
+        raise
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        names = " / ".join(f"'{p}'" for p in paths)
+        raise FormatError(f"cannot read {names}: {text} (truncated or corrupt file?)") from exc

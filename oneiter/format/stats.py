@@ -1,6 +1,6 @@
 """The statistics level (`record --level stats`): per tensor, a few float64 numbers and a checksum of its bytes.
 
-A stats entry is a row of the `/stats` table (docs/format.md) under the entry's usual name: `FIELDS` as float64,
+A stats entry is a row of the `/stats` table (docs/format.md) under the entry's usual name: `STATS_VALUES` as float64,
 the tensor's dtype and shape, and a checksum. `tensor_stats` computes them where the tensor lives (reductions on
 the device, no host copy of the data, a few numbers reach the host); `array_stats` computes the same numbers from
 a full entry, so a stats file compares with a full one.
@@ -24,10 +24,7 @@ The same kernel also judges a replay's reruns (`pair_sums`, used by `record/reru
 (a-b)^2 and a*b and max |a-b| of two CPU float32/float64 tensors in one pass over each, in float64 (a 6.4 MB
 pair: 0.5 ms, against 3.3 ms for torch's five reductions and the difference tensor).
 
-How two stats entries are judged (`compare_stats`): equal checksums → bitwise equal, a match; otherwise the
-relative error of the L2 norm and of the sum of |x| (each a lower bound of the elementwise relative L2 error,
-by the triangle inequality) against the entry's rtol, and NaN/Inf counts. The elementwise error itself, and
-local blame, need full data.
+How two stats entries are judged is `oneiter.judge.stats.compare_stats`.
 """
 
 from __future__ import annotations
@@ -37,9 +34,10 @@ import threading
 
 import numpy as np
 
-__all__ = ["FIELDS", "CHECKSUM", "tensor_stats", "array_stats", "compare_stats", "pair_sums", "Stats", "KERNEL"]
+from oneiter.format.schema import STATS_VALUES, decode, tensor_to_numpy
 
-FIELDS = ("numel", "min", "max", "mean", "l2", "abs_sum", "nan", "inf")
+__all__ = ["CHECKSUM", "tensor_stats", "array_stats", "pair_sums", "Stats", "KERNEL"]
+
 CHECKSUM = "rowcol32"
 ROW = 1024  # int32 words per checksum row
 CHUNK = 4 << 20  # bytes reduced at a time: a multiple of a row's bytes and of every element size; fits in cache
@@ -49,7 +47,7 @@ _LOCAL = threading.local()
 
 
 class Stats:
-    """One entry's statistics: `values` (FIELDS order, float64), `checksum` (two ints) and its `kind`."""
+    """One entry's statistics: `values` (`STATS_VALUES` order, float64), `checksum` (two ints) and its `kind`."""
 
     def __init__(self, values, checksum, kind: str = CHECKSUM):
         self.values = np.asarray(values, dtype=np.float64)
@@ -57,7 +55,7 @@ class Stats:
         self.kind = kind
 
     def __getitem__(self, field: str) -> float:
-        return float(self.values[FIELDS.index(field)])
+        return float(self.values[STATS_VALUES.index(field)])
 
 
 def tensor_stats(tensor) -> Stats:
@@ -77,8 +75,6 @@ def tensor_stats(tensor) -> Stats:
         if found is not None:
             return found
     if t.device.type == "cpu" and t.numel() * t.element_size() <= SMALL:  # numpy: a tenth of torch's op overhead
-        from oneiter.format.layout import decode, tensor_to_numpy
-
         raw, dtype = tensor_to_numpy(t.contiguous())
         return array_stats(raw, decode(raw, dtype))
     if t.is_complex():
@@ -136,7 +132,7 @@ def _kernel_stats(t) -> Stats | None:
 
 def _values(numel: int, nan: int, inf: int, finite: int = 0, low=0.0, high=0.0, total=0.0, l2=0.0,
             abs_sum=0.0) -> list:
-    """A stats row (FIELDS order) from reductions over the `finite` finite values; none finite: no min, max or mean."""
+    """A stats row (`STATS_VALUES` order) from reductions over the `finite` finite values; none finite: no min, max or mean."""
     if not finite:
         return [numel, math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf]
     return [numel, low, high, total / finite, l2, abs_sum, nan, inf]
@@ -295,27 +291,3 @@ def array_stats(raw: np.ndarray, decoded: np.ndarray) -> Stats:
         low = high = mean = math.nan
         l2 = abs_sum = 0.0
     return Stats([numel, low, high, mean, l2, abs_sum, nan, inf], _numpy_checksum(raw))
-
-
-def compare_stats(ref: Stats, tgt: Stats, *, rtol: float, atol: float):
-    """Metrics of a pair judged from statistics (see the module docstring); `bitwise` says whether the checksums
-    prove equality."""
-    from oneiter.judge.metrics import Metrics
-
-    numel = int(ref["numel"])
-    counts = dict(num_nan_ref=int(ref["nan"]), num_inf_ref=int(ref["inf"]), num_nan_target=int(tgt["nan"]),
-                  num_inf_target=int(tgt["inf"]))
-    if ref.kind == tgt.kind and ref.checksum == tgt.checksum:  # the caller checked shape and dtype
-        return Metrics(num_elements=numel, max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, num_out=0,
-                       frac_out=0.0, need_atol=0.0, need_rtol=0.0, **counts)
-    rel = max(_rel(ref["l2"], tgt["l2"], atol * math.sqrt(max(numel, 1))),
-              _rel(ref["abs_sum"], tgt["abs_sum"], atol * max(numel, 1)))
-    out = 1 if rel > rtol else 0
-    return Metrics(num_elements=numel, max_abs=math.nan, max_rel=math.nan, rel_l2=rel, cosine=math.nan,
-                   num_out=out, frac_out=out / max(numel, 1), need_atol=math.nan, need_rtol=rel, **counts)
-
-
-def _rel(ref: float, tgt: float, floor: float) -> float:
-    if not (math.isfinite(ref) and math.isfinite(tgt)):
-        return 0.0 if ref == tgt or (math.isnan(ref) and math.isnan(tgt)) else math.inf
-    return abs(tgt - ref) / max(abs(ref), floor, 1e-300)

@@ -1,8 +1,8 @@
 """What a recording holds, tensor by tensor: the library side of `oneiter inspect`.
 
-Sits beside the comparison engine: it reads a file through `oneiter.format.layout.IterationFile` (batch, loss, every
-entry, the state before the iteration) one tensor at a time and reduces each to float64 statistics over its finite
-elements (min, max, mean, std) plus NaN/Inf counts. The CLI (`oneiter.cli.inspect_cmd`) only renders the result.
+Sits below the comparison engine (format never imports judge): it reads a file through
+`oneiter.format.layout.IterationFile` (batch, loss, every entry, the state before the iteration) one tensor at a
+time and reduces each to float64 statistics over its finite elements (min, max, mean, std) plus NaN/Inf counts. The CLI (`oneiter.cli.inspect_cmd`) only renders the result.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from oneiter.format.layout import LOSS, ROOT_MODULE, STATE_BEFORE, IterationFile
-from oneiter.judge.engine import dataset_id, reading
-from oneiter.judge.metrics import CHUNK, dot, flat_numbers
+from oneiter.format.layout import IterationFile, reading
+from oneiter.format.numbers import CHUNK, dot, flat_numbers
+from oneiter.format.schema import LOSS, ROOT_MODULE, STATE_BEFORE
 
 __all__ = ["TensorSummary", "tensor_stats", "summarize_file", "FileSummary"]
 
@@ -126,7 +126,7 @@ def summarize_file(path: str | os.PathLike) -> FileSummary:
     with reading(path), IterationFile(path) as f:
         tensors, seen = [], {}
         for module, call, phase, tensor, dpath in _locations(f):
-            key = dataset_id(f, dpath)
+            key = f.dataset_id(dpath)
             if key not in seen:
                 seen[key] = _from_stats(f.stats_of(dpath)) if f.is_stats(dpath) else tensor_stats(f.read(dpath))
             shape = f.shape_of(dpath)

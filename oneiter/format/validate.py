@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from oneiter.errors import FormatError
+from oneiter.format.schema import LOCAL_FIELDS, RAW_BITS, STATS_FIELDS, UNPROBED_FIELDS, plain
 
 __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION", "Stored", "Tree"]
 
@@ -50,7 +51,7 @@ _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq
                    "seq_grad_input")
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random")
 _TABLES = ("local", "unprobed", "stats")
-# torch dtypes stored as the numpy type of the same name (the others are raw bits: `layout._RAW_BITS`)
+# torch dtypes stored as the numpy type of the same name (the others are raw bits: `schema.RAW_BITS`)
 _NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                 "uint64", "bool", "complex64", "complex128"}
 _RANDOM_NAME = re.compile(r"\d+(\.\d+)?")
@@ -95,8 +96,6 @@ def read_attrs(obj, where: str, path) -> dict[str, Any]:
     with the low-level API; an unreadable one is a one-line FormatError."""
     import h5py
 
-    from oneiter.format.layout import _plain
-
     try:
         if isinstance(obj, h5py.File):
             obj = h5py.h5o.open(obj.id, b"/")
@@ -110,7 +109,7 @@ def read_attrs(obj, where: str, path) -> dict[str, Any]:
         try:
             attr = h5py.h5a.open(oid, index=index)
             name = _decoded(attr.name)
-            values[name] = _plain(_attr_value(attr))
+            values[name] = plain(_attr_value(attr))
         except Exception as exc:  # noqa: BLE001
             raise _fail(path, f"attribute '{name}' of {where} cannot be read ({_first_line(exc)})") from None
     return values
@@ -400,8 +399,6 @@ def _check_storage(dset, full: str, path) -> tuple[tuple[int, ...], np.dtype, in
 
 def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     """Tensors: numeric, with a `dtype` attribute matching the stored type; tables: their columns."""
-    from oneiter.format.layout import _RAW_BITS
-
     shape, dtype, offset = storage
     parts = full.split("/")
     top = parts[0]
@@ -429,8 +426,8 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     name = attrs.get("dtype")
     if not isinstance(name, str):
         raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name (string)", name)
-    if name in _RAW_BITS:
-        expected = np.dtype(_RAW_BITS[name])
+    if name in RAW_BITS:
+        expected = np.dtype(RAW_BITS[name])
     elif name in _NUMPY_NAMED:
         expected = np.dtype(name)
     else:
@@ -442,10 +439,7 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
 
 
 def _check_table(shape, dtype, full: str, path) -> None:
-    from oneiter.format.layout import LOCAL_FIELDS, UNPROBED_FIELDS, _stats_fields
-    from oneiter.format.stats import FIELDS
-
-    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": _stats_fields(FIELDS)}[full]
+    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": STATS_FIELDS}[full]
     if dtype.names is None or len(shape) != 1:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}

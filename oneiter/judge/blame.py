@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from oneiter.format.layout import (BACKWARD, FORWARD, ROOT_MODULE, IterationFile, LocalRow, is_input, split_call_key,
-                                   split_child_tensor)
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 from oneiter.judge.metrics import Metrics
 

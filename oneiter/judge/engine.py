@@ -32,13 +32,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-from oneiter.errors import FormatError, OneIterError
-from oneiter.format.layout import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, Entry, IterationFile, natural_key, seq_kind,
-                          split_call_key)
+from oneiter.errors import FormatError
+from oneiter.format.layout import Entry, IterationFile, reading
+from oneiter.format.schema import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, natural_key, seq_kind,
+                                   split_call_key)
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.judge.blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
                     nan_origin, unexplained_rows)
 from oneiter.judge.metrics import Metrics, compare_arrays
+from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
 from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, decide, settle_rows
 
@@ -361,8 +363,6 @@ class _Judge:
         metrics = self.cache.get(key)
         if metrics is None:
             if self.ref.is_stats(re_.path) or self.tgt.is_stats(te.path):  # `--level stats` on either side
-                from oneiter.format.stats import compare_stats
-
                 metrics = compare_stats(self.ref.stats_of(re_.path), self.tgt.stats_of(te.path), atol=tol.atol,
                                         rtol=tol.rtol)
             else:
@@ -535,19 +535,6 @@ def _call_of(key: str) -> tuple[str, int]:
 
 def _loss_dtype(f: IterationFile) -> str:
     return f.dtype_of(LOSS) if f.has(LOSS) else "float32"
-
-
-@contextlib.contextmanager
-def reading(*paths: str | os.PathLike):
-    """Turn what h5py raises on a damaged file (after its header was accepted) into a one-line FormatError."""
-    try:
-        yield
-    except OneIterError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError) as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        names = " / ".join(f"'{p}'" for p in paths)
-        raise FormatError(f"cannot read {names}: {text} (truncated or corrupt file?)") from exc
 
 
 def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolicy) -> CompareResult:

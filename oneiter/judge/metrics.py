@@ -1,8 +1,9 @@
 """Per-entry error metrics: how far a target tensor is from its reference, in numbers a verdict can rest on.
 
-Sits under the engine (`engine.py` reads two tensors and calls `compare_arrays`) and beside `summary.py` (the
-one-tensor statistics of `oneiter inspect`). Pure numpy; every reduction is done in float64, chunk by chunk, so
-large tensors never need a full float64 copy and results do not drift with reduction order.
+Sits under the engine (`engine.py` reads two tensors and calls `compare_arrays`) and beside `format/summary.py`
+(the one-tensor statistics of `oneiter inspect`, which shares `format/numbers.py` with it). Pure numpy; every
+reduction is done in float64, chunk by chunk, so large tensors never need a full float64 copy and results do not
+drift with reduction order.
 
 With `a` the reference and `b` the target, over positions where both are finite:
 
@@ -28,9 +29,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["Metrics", "compare_arrays", "flat_numbers", "dot", "CHUNK"]
+from oneiter.format.numbers import CHUNK, dot, flat_numbers
 
-CHUNK = 1 << 17  # elements per chunk: four 1 MB float64 buffers that stay in cache
+__all__ = ["Metrics", "compare_arrays"]
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,6 @@ class Metrics:
         return asdict(self)
 
 
-def flat_numbers(array: np.ndarray) -> np.ndarray:
-    """A flat view (or copy, for non-float types) that numpy can reduce: complex becomes (re, im) pairs."""
-    flat = np.ascontiguousarray(array).reshape(-1)
-    if np.iscomplexobj(flat):
-        flat = flat.view(flat.real.dtype)
-    if flat.dtype.kind != "f":
-        flat = flat.astype(np.float64)
-    return flat
-
-
 def _abs_max_finite(flat: np.ndarray) -> float:
     if flat.size == 0:
         return 0.0
@@ -82,11 +73,6 @@ def _abs_max_finite(flat: np.ndarray) -> float:
         return top
     finite = flat[np.isfinite(flat)]
     return float(np.max(np.abs(finite))) if finite.size else 0.0
-
-
-def dot(x: np.ndarray, y: np.ndarray) -> float:
-    """Sum of products without BLAS: OpenBLAS's thread wake-ups made np.dot 100x slower between other ufuncs."""
-    return float(np.einsum("i,i->", x, y))
 
 
 class _Accumulator:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from oneiter.format.layout import ROOT_MODULE
+from oneiter.format.schema import ROOT_MODULE
 
 __all__ = ["Suggestion", "suggest_region"]
 

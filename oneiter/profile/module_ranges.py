@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from oneiter.format.layout import ROOT_MODULE, call_key
+from oneiter.format.schema import ROOT_MODULE, call_key
 
 __all__ = [
     "FWD", "BWD", "BWD_BEGIN", "BWD_END", "ROOT", "ModuleRanges", "display_path", "module_path", "split_marker",

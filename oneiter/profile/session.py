@@ -3,7 +3,7 @@
 Both callers drive the same object: `runner.profile()` (what `oneiter profile` runs: its own loop over
 `train_step`) and the mmengine `OneIterProfilerHook` (mmengine's loop; the hook's callbacks call `begin_step` /
 `end_step`). The session owns what the two used to write twice: the summary head and option warnings, the
-torch.profiler object and its trace handler (`runner.CycleExporter`), module ranges, CUDA memory history, the
+torch.profiler object and its trace handler (`steps.CycleExporter`), module ranges, CUDA memory history, the
 warning about backward calls that never finished, and the overhead measurement (`overhead()`).
 
     session = ProfileSession(model, options, schedule, device, out_dir)
@@ -26,6 +26,7 @@ from typing import Any, Optional
 from oneiter.profile.module_ranges import ModuleRanges
 from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
 from oneiter.profile.schedule import ProfileSchedule
+from oneiter.profile.steps import CycleExporter, activities, memory_history, option_warnings, summary_head, sync
 from oneiter.profile.summary import write_summary
 
 __all__ = ["ProfileSession", "overhead", "UNPROFILED_STEPS", "NOISY_SPREAD"]
@@ -41,8 +42,6 @@ class ProfileSession:
 
     def __init__(self, model, options, schedule: ProfileSchedule, device, out_dir: Path,
                  extra: Optional[dict[str, Any]] = None):
-        from oneiter.profile.runner import CycleExporter, option_warnings, summary_head
-
         quiet_kineto_env()
         self.model, self.options, self.schedule, self.device, self.out_dir = model, options, schedule, device, out_dir
         module_info = {p: (type(m).__name__, not any(True for _ in m.children())) for p, m in model.named_modules()}
@@ -76,8 +75,6 @@ class ProfileSession:
     def start(self) -> None:
         import torch.profiler
 
-        from oneiter.profile.runner import activities, memory_history
-
         o = self.options
         self._prof = torch.profiler.profile(
             activities=activities(self.device), schedule=self.schedule.torch_schedule(), on_trace_ready=self.exporter,
@@ -91,16 +88,12 @@ class ProfileSession:
             self._prof.start()
 
     def begin_step(self) -> None:
-        from oneiter.profile.runner import sync
-
         sync(self.device)
         self._started = time.perf_counter()
 
     def end_step(self) -> float:
         """After a profiled step: its time is kept if the step was recorded, then the profiler steps (the trace
         handler runs in here after the last step of each active window). Returns the step's seconds."""
-        from oneiter.profile.runner import sync
-
         sync(self.device)
         seconds = time.perf_counter() - self._started
         if self.schedule.phase(self.step) == "active":
@@ -111,8 +104,6 @@ class ProfileSession:
         return seconds
 
     def end_unprofiled_step(self) -> float:
-        from oneiter.profile.runner import sync
-
         sync(self.device)
         seconds = time.perf_counter() - self._started
         self.unprofiled.append(seconds)

@@ -1,6 +1,6 @@
 """The op, memory and per-module tables of one profiling cycle, as JSON-ready rows and as fixed-width text.
 
-Where it sits: the trace handler (`runner.CycleExporter`) calls `build_tables(prof, ...)` once per active cycle;
+Where it sits: the trace handler (`steps.CycleExporter`) calls `build_tables(prof, ...)` once per active cycle;
 the rows go to `summary.json` and `<trace>.tables.txt`, `diff.py` aligns them across two profile directories.
 
 Every number is **per step**: the cycle's total divided by its number of active steps. Times are microseconds,

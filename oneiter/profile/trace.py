@@ -1,6 +1,6 @@
 """Write one cycle's Chrome trace: a readable name, gzip at the fast level, backward module spans on their own track.
 
-Where it sits: called once per active cycle by the trace handler (`runner.CycleExporter`), which is the only
+Where it sits: called once per active cycle by the trace handler (`steps.CycleExporter`), which is the only
 place oneiter exports anything — torch.profiler allows one export per trace ("Trace is already saved"), and this
 module makes exactly one `export_chrome_trace` call, to a temporary `.json` next to the final file.
 

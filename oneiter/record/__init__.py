@@ -11,5 +11,5 @@
   calibration; `rows.py` the rows they build; `optimizer_rows.py` the optimizer's update, stepped in chunks
 - `input_grads.py` gradients w.r.t. the model's inputs; `fallback.py` ops run on the CPU (`--fallback`)
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
-- `layer_replay.py` `oneiter replay`: one recorded layer run again alone
+- `layer_replay.py` `oneiter replay`: one recorded layer run again alone (judged by `oneiter.judge.layer`)
 """

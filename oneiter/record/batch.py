@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BATCH, IterationFile, arg_name, kwarg_name
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BATCH, arg_name, kwarg_name
 
 __all__ = ["map_tensors", "map_call", "store_batch", "read_batch", "BatchSwap"]
 

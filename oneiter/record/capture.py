@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from oneiter.format.layout import BACKWARD, FORWARD, call_key, call_path, check_name, grad_name, group_path, seq_kind
+from oneiter.format.schema import BACKWARD, FORWARD, call_key, call_path, check_name, grad_name, group_path, seq_kind
 from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call

@@ -1,9 +1,11 @@
-"""`oneiter replay`: run one recorded layer alone, from its recorded inputs and weights, and judge the result.
+"""`oneiter replay`: run one recorded layer alone, from its recorded inputs and weights.
 
 Where it sits: reads a recording through `IterationFile` (like compare), rebuilds the model from the file's meta
 like `record --replay` (spec, model_args, batch_size, seed, then the recorded `state_before` bits), takes one
 submodule, and runs that one call again: forward from `forward/input.*`, backward from `backward/grad_output*`.
-Each output, input gradient and (when attributable) parameter gradient is compared with the recorded tensor.
+Each output, input gradient and (when attributable) parameter gradient it produces is handed, as a host array, to
+the caller's `check` with the recorded tensor's path: `oneiter.judge.layer.replay_layer` judges them (record never
+imports judge).
 It is the layer-level analogue of ditorch's `run_op_from_data`: on the recording's device the result should be
 bitwise equal; on another device the error and the time per run show what that one layer costs.
 
@@ -21,41 +23,33 @@ import contextlib
 import copy
 import difflib
 import json
-import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BACKWARD, FORWARD, ROOT_MODULE, IterationFile, call_key, decode, natural_key, tensor_to_numpy
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, call_key, natural_key, tensor_to_numpy
+from oneiter.record.capture import flatten, host_copy
+from oneiter.record.reference import load_reference
+from oneiter.runtime.devices import resolve_device
+from oneiter.runtime.modelspec import load_model, spec_for_replay
+from oneiter.runtime.precision import apply_dtype, autocast_for, torch_dtype
 
-__all__ = ["TensorCheck", "LayerReplayResult", "replay_layer"]
+__all__ = ["LayerRun", "run_layer", "Check"]
 
-
-@dataclass(frozen=True)
-class TensorCheck:
-    """One replayed tensor against its recording: `output`, `grad_input.0`, `param_grad.weight`, ..."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    bitwise: bool
-    max_abs: float
-    rel_l2: float
-    atol: float
-    rtol: float
-    matched: bool
-    """Bitwise equal, or within (atol, rtol) of the recorded tensor's dtype with the same NaN/Inf."""
+Check = Callable[[str, IterationFile, str, "tuple[np.ndarray, str] | None"], Any]
+"""`check(name, recording, recorded path, (array, dtype) produced or None)`: one tensor's check, kept in `checks`."""
 
 
 @dataclass
-class LayerReplayResult:
-    """What `replay_layer` found. Times are seconds per timed run, one entry per `repeat` (the judged run is
-    an untimed warm-up)."""
+class LayerRun:
+    """What `run_layer` did. `checks` holds what the caller's `check` returned for each tensor, in report order;
+    times are seconds per timed run, one entry per `repeat` (the checked run is an untimed warm-up)."""
 
     path: str
     layer: str
@@ -64,7 +58,7 @@ class LayerReplayResult:
     device: str
     dtype: str
     amp: str | None
-    checks: list[TensorCheck] = field(default_factory=list)
+    checks: list = field(default_factory=list)
     forward_seconds: list[float] = field(default_factory=list)
     backward_seconds: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -74,14 +68,6 @@ class LayerReplayResult:
     def key(self) -> str:
         return call_key(self.layer, self.call)
 
-    @property
-    def matched(self) -> bool:
-        return all(c.matched for c in self.checks)
-
-    @property
-    def bitwise(self) -> bool:
-        return all(c.bitwise for c in self.checks)
-
     def timing(self) -> dict[str, dict[str, float]]:
         """{'forward': {'median': s, 'min': s}, 'backward': {...}} over the runs (backward only when run)."""
         out = {}
@@ -90,32 +76,19 @@ class LayerReplayResult:
                 out[phase] = {"median": statistics.median(seconds), "min": min(seconds)}
         return out
 
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready summary (non-finite errors become null)."""
-        data = asdict(self)
-        for check in data["checks"]:
-            check["shape"] = list(check["shape"])
-            for key in ("max_abs", "rel_l2"):
-                check[key] = check[key] if math.isfinite(check[key]) else None
-        data.update(key=self.key, matched=self.matched, bitwise=self.bitwise, timing=self.timing())
-        return data
 
-
-def replay_layer(
-    path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", repeat: int = 1, dtype: str | None = None,
-    model: str | None = None,
-) -> LayerReplayResult:
-    """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to judge it, then
-    `repeat` timed runs.
+def run_layer(
+    path: str | Path, layer: str, check: Check, *, call: int = 0, device: str = "cpu", repeat: int = 1,
+    dtype: str | None = None, model: str | None = None,
+) -> LayerRun:
+    """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to `check` what it
+    produced, then `repeat` timed runs.
 
     `layer` is a module path from `named_modules()` ("" or "(root)" for the model itself). `dtype` casts the
     layer and its floating inputs (default: keep the recorded --dtype); a recorded --amp autocast is applied.
     `model` builds the model: required when the recording was made from a model file (a recording never chooses
     which code runs); a built-in model's recorded name is used when it is None.
     """
-    from oneiter.runtime.devices import resolve_device
-    from oneiter.runtime.precision import autocast_for, torch_dtype
-
     if repeat < 1 or call < 0:
         raise OneIterError(f"expected --repeat >= 1 and --call >= 0, got --repeat {repeat} --call {call}")
     layer = "" if layer == ROOT_MODULE else layer
@@ -126,13 +99,13 @@ def replay_layer(
         module, param_paths = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
         module = module.to(device=dev, dtype=cast) if cast is not None else module.to(dev)
         amp = ref.meta.get("amp") or None
-        result = LayerReplayResult(
+        result = LayerRun(
             str(path), layer, call, str(attrs.get("class_name", type(module).__name__)), str(dev),
             dtype or ref.meta.get("dtype") or "float32", amp, notes=_notes(module),
         )
         entries = {e.tensor: e.path for e in ref.entries()
                    if (e.module, e.call) == (layer or ROOT_MODULE, call) and e.phase in (FORWARD, BACKWARD)}
-        runner = _Runner(ref, module, entries, attrs, param_paths, dev, cast, autocast_for(dev, amp))
+        runner = _Runner(ref, module, entries, attrs, param_paths, dev, cast, autocast_for(dev, amp), check)
         try:  # untimed: a first call pays one-off costs (thread pools, allocator, kernel choice)
             runner.run(judge=True)
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -170,10 +143,6 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
     Parameter gradients are attributable to this call only when it is the layer's single call (`single_call`)
     and no parameter is shared with another module."""
     import torch
-
-    from oneiter.runtime.modelspec import load_model, spec_for_replay
-    from oneiter.runtime.precision import apply_dtype
-    from oneiter.record.reference import load_reference
 
     meta = ref.meta
     with torch.random.fork_rng(devices=[]):  # load_model seeds the global RNG: leave the caller's alone
@@ -214,12 +183,13 @@ def _notes(module) -> list[str]:
 class _Runner:
     """Runs the layer once per `run`, timing forward and backward; `run(judge=True)` also sets `checks`."""
 
-    def __init__(self, ref, module, entries, attrs, param_paths, device, cast, autocast):
+    def __init__(self, ref, module, entries, attrs, param_paths, device, cast, autocast, check: Check):
         self.ref, self.module, self.entries, self.attrs = ref, module, entries, attrs
         self.device, self.cast, self.autocast = device, cast, autocast
         self.params = {f"param_grad.{n}": p for n, p in module.named_parameters() if f"param_grad.{n}" in param_paths}
         self.param_paths, self.paths = param_paths, {**entries, **param_paths}
-        self.checks: list[TensorCheck] = []
+        self.check = check
+        self.checks: list = []
         self.notes: list[str] = []
         self.sync = _synchronizer(device)
         self._cpu: dict[str, Any] = {}
@@ -255,8 +225,6 @@ class _Runner:
         """One forward (and backward, when a gradient was recorded); returns their seconds (backward None)."""
         import torch
 
-        from oneiter.record.capture import flatten
-
         args, kwargs, leaves = self._arguments()
         with torch.enable_grad():
             self.sync()
@@ -286,33 +254,19 @@ class _Runner:
             self.checks = self._judge(got)
         return forward_seconds, backward_seconds
 
-    def _judge(self, got: dict[str, Any]) -> list[TensorCheck]:
-        """Checks in a stable order: outputs, input gradients, parameter gradients (a missing one never passes)."""
+    def _judge(self, got: dict[str, Any]) -> list:
+        """Checks in a stable order: outputs, input gradients, parameter gradients (a missing one is checked as
+        None: it never passes)."""
         ordered = sorted(self.entries, key=natural_key)
         recorded = [n for head in ("output", "grad_input") for n in ordered if n.startswith(head)]
         if any(n in got for n in self.param_paths):  # else no backward ran: no parameter gradient to attribute
             recorded += list(self.param_paths)
-        return [_check(name, self.ref, self.paths[name], got.get(name)) for name in recorded]
+        return [self.check(name, self.ref, self.paths[name], _host(got.get(name))) for name in recorded]
 
 
-def _check(name: str, ref: IterationFile, path: str, got) -> TensorCheck:
-    """`got` (a tensor on any device, or None when the replay did not produce it) against the recorded `path`."""
-    from oneiter.judge.metrics import compare_arrays
-    from oneiter.judge.tolerance import default_tolerance, looser
-    from oneiter.record.capture import host_copy
-
-    want_shape, want_dtype = ref.shape_of(path), ref.dtype_of(path)
-    if got is None:
-        return TensorCheck(name, want_shape, want_dtype, False, math.inf, math.inf, 0.0, 0.0, False)
-    array, dtype = tensor_to_numpy(host_copy(got))
-    shape = tuple(array.shape)
-    tol = looser(default_tolerance(want_dtype), default_tolerance(dtype))
-    if shape != want_shape:
-        return TensorCheck(name, shape, dtype, False, math.inf, math.inf, tol.atol, tol.rtol, False)
-    bitwise = dtype == want_dtype and array.tobytes() == np.asarray(ref.raw(path)).tobytes()
-    metrics = compare_arrays(ref.read(path), decode(array, dtype), atol=tol.atol, rtol=tol.rtol)
-    matched = bitwise or not metrics.diverged
-    return TensorCheck(name, shape, dtype, bitwise, metrics.max_abs, metrics.rel_l2, tol.atol, tol.rtol, matched)
+def _host(got) -> tuple[np.ndarray, str] | None:
+    """A produced tensor as it would be stored (host array, torch dtype name); None when the run did not produce it."""
+    return None if got is None else tensor_to_numpy(host_copy(got))
 
 
 def _derived_outputs(outputs: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.optim
 
-from oneiter.format.layout import PARAM_GRADS, STATE_AFTER, group_path
+from oneiter.format.schema import PARAM_GRADS, STATE_AFTER, group_path
 from oneiter.record import trusted
 from oneiter.record.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner

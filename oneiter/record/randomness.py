@@ -39,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oneiter.errors import FormatError, OneIterError
-from oneiter.format.layout import RANDOM, group_path
+from oneiter.format.schema import RANDOM, group_path
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",

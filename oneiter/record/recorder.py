@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from oneiter import __version__
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BATCH, LOSS, RANDOM, STATE_BEFORE, IterationFile
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BATCH, LOSS, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
@@ -55,6 +55,7 @@ from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
+from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
            "LEVELS"]

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
+from oneiter.format.schema import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
 from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord

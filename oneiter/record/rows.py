@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Union
 
-from oneiter.format.layout import ROOT_MODULE, LocalRow
+from oneiter.format.schema import ROOT_MODULE, LocalRow
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["JudgedRow", "LATE", "owner", "leaf", "dtype_name", "first_line"]

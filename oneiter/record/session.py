@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
+from oneiter.format.schema import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
 from oneiter.record.capture import ModuleCapture, TensorSink
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 

@@ -17,7 +17,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from oneiter.format.layout import kwarg_name
+from oneiter.format.schema import kwarg_name
 
 __all__ = ["flatten", "flatten_call", "Slot", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache", "snapshot"]
 

@@ -33,7 +33,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import PHASES, CompareResult
 from oneiter.judge.verdict import entry_name, num, render
 from oneiter.report.html import Document, as_document, find_row
-from oneiter.judge.metrics import flat_numbers
+from oneiter.format.numbers import flat_numbers
 
 __all__ = ["write_tensorboard", "MAX_HISTOGRAMS", "NUM_BINS"]
 

@@ -50,7 +50,7 @@ def test_writing_into_a_mapped_array_never_changes_the_file(resnet_ref):
 def test_a_mapping_is_released_with_the_last_array_viewing_it(resnet_ref):
     import torch
 
-    from oneiter.format.layout import to_torch
+    from oneiter.format.schema import to_torch
 
     with IterationFile(resnet_ref) as f:
         f.raw("state_before/layer4.1.conv2.weight")  # first use: the reader's own setup is not counted

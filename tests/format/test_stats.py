@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import record_small, replay, run_cli
-from oneiter.format.layout import IterationFile, decode, tensor_to_numpy
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import decode, tensor_to_numpy
 from oneiter.format import stats
 from oneiter.format.stats import array_stats, tensor_stats
 

@@ -20,7 +20,8 @@ from oneiter.judge.engine import compare_files
 from oneiter.judge.metrics import compare_arrays
 from oneiter.report.terminal import to_json
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, default_tolerance, looser
-from oneiter.format.layout import CALLS, PARAM_GRADS, STATE_AFTER, FileWriter, call_key
+from oneiter.format.layout import FileWriter
+from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
 
 # -- a toy recording ------------------------------------------------------------------------------------------------
 # (module, exec_index, seq_input, seq_output, seq_grad_output, seq_grad_input)

@@ -14,7 +14,8 @@ from conftest import record_small
 from oneiter.cli import replay_cmd
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.record.layer_replay import _rebuild, _unflatten, replay_layer
+from oneiter.judge.layer import replay_layer
+from oneiter.record.layer_replay import _rebuild, _unflatten
 
 
 def run_cli(*args):

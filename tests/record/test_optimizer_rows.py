@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import record_small, replay
-from oneiter.format.layout import PARAM_GRADS, IterationFile, group_path
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import PARAM_GRADS, group_path
 from oneiter.record import optimizer_rows
 from oneiter.record.rerun import Site
 

@@ -1,0 +1,237 @@
+"""The schema of a oneiter recording (documented in docs/format.md): its names, paths, tables and stored dtypes.
+
+Everything that says *where* a tensor lives and *how* it is stored, without opening a file: group and table
+names, the tensor-name grammar, the columns of `/local`, `/unprobed` and `/stats`, and the torch dtypes HDF5 has
+no type for (`RAW_BITS`). The file itself (`layout.py`: writer and reader), the validation walk (`validate.py`)
+and every package that names a call or a tensor import it; it imports nothing of oneiter but `errors`, so each
+of them can. No pickle anywhere: tensors are plain datasets, metadata plain attributes.
+
+Layout, schema `oneiter.iteration` version 2::
+
+    /                          attrs: schema, schema_version, complete (written last), model, device, ...
+    /batch/input.<i>           the model inputs
+    /loss                      the loss (0-d)
+    /calls/<module>@<call>     one group per module call; attrs module, call, parent, exec_index, class_name, seq_*
+        forward/input.<i>[...], forward/kwarg.<name>[...], forward/output[.<i>|.<key>]...
+        backward/grad_output..., backward/grad_input.<i>..., backward/grad_kwarg.<name>...
+    /local                     one row per locally judged tensor (a table; `record --replay` / `--against cpu`)
+    /unprobed                  the calls that could not be rerun, and why (a table)
+    /state_before/<name>       every parameter and buffer before the iteration
+    /param_grads/<name>        every parameter gradient after backward
+    /state_after/<name>        every parameter and buffer after the optimizer step
+    /random/<index>            values of each random op, in order (attrs op, index, output)
+
+Tensor names inside a call: `input.<i>` (positional arguments, nested: `input.1.0`), `kwarg.<name>` (keyword
+arguments), `output` / `output.<i>` / `output.<key>`; the gradient w.r.t. a tensor named X is `grad_X`. In the
+local table a container's own code is judged on what it hands its children: `<child call>:input.0` (forward)
+and `<child call>:grad_output` (backward), e.g. `layer1.0.conv2@0:input.0`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from oneiter.errors import OneIterError
+
+__all__ = [
+    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
+    "RANDOM", "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "RAW_BITS", "check_name", "call_key",
+    "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
+    "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
+    "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain",
+]
+
+SCHEMA = "oneiter.iteration"
+SCHEMA_VERSION = 3  # 3: `level` and the `/stats` table (record --level stats)
+ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
+
+BATCH, LOSS, CALLS = "batch", "loss", "calls"
+STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
+RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
+FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
+STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
+
+# torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
+RAW_BITS = {
+    "bfloat16": np.uint16,
+    "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8, "float8_e4m3fnuz": np.uint8, "float8_e5m2fnuz": np.uint8,
+}
+
+
+def check_name(name: str, what: str) -> None:
+    """Refuse, at record time, a module path or tensor name holding '/': HDF5 would read it as nested groups and
+    the recording could not be read back (a ModuleDict key or a dict output key such as 'a/b')."""
+    if "/" in name:
+        raise OneIterError(f"cannot record {what} '{name}': it contains '/', which HDF5 reads as a group separator; "
+                           f"rename the ModuleDict or dict key")
+
+
+def call_key(module: str, call: int) -> str:
+    """`layer1.0.conv1@0`: the group name of a module call, and the key reports use."""
+    return f"{module or ROOT_MODULE}@{call}"
+
+
+def split_call_key(key: str) -> tuple[str, int]:
+    module, _, call = key.rpartition("@")
+    return module, int(call)
+
+
+def tensor_path(key: str, phase: str, name: str) -> str:
+    """`calls/layer1.0.conv1@0/forward/input.0`: where a call's tensor lives."""
+    return f"{CALLS}/{key}/{phase}/{name}"
+
+
+def grad_name(name: str) -> str:
+    """The name of the gradient w.r.t. tensor `name`: `output` -> `grad_output`, `kwarg.x` -> `grad_kwarg.x`."""
+    return f"grad_{name}"
+
+
+def child_tensor(child_key: str, name: str) -> str:
+    """How the local table names a tensor a container hands its child: `layer1.0.conv2@0:input.0`."""
+    return f"{child_key}:{name}"
+
+
+def split_child_tensor(tensor: str) -> tuple[str, str] | None:
+    """(child call key, tensor name) for a `child_tensor` name, None for a call's own tensor."""
+    head, sep, name = tensor.rpartition(":")
+    return (head, name) if sep and "@" in head else None
+
+
+def group_path(group: str, name: str) -> str:
+    """`state_before/layer1.0.conv1.weight`, `batch/input.0`: a named tensor of a top-level group."""
+    return f"{group}/{name}" if group else name
+
+
+def call_path(key: str, phase: str | None = None) -> str:
+    """`calls/<key>` (its attributes) or `calls/<key>/<phase>` (its tensors of one phase)."""
+    return f"{CALLS}/{key}" if phase is None else f"{CALLS}/{key}/{phase}"
+
+
+# -- the tensor-name grammar ----------------------------------------------------------------------------------------
+# A call's tensors: positional arguments `input.<i>`, keyword arguments `kwarg.<name>`, outputs `output` (one
+# tensor) or `output.<i>`/`output.<key>` (nested containers add `.<index>`/`.<key>`), gradients `grad_<name>`.
+def arg_name(index: int) -> str:
+    return f"input.{index}"
+
+
+def kwarg_name(key: str) -> str:
+    return f"kwarg.{key}"
+
+
+def is_input(tensor: str) -> bool:
+    """Inputs of a call: forward inputs/kwargs, and in backward the gradients w.r.t. its outputs."""
+    return tensor.startswith(("input", "kwarg", "grad_output"))
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key of tensor names: `input.10` after `input.2`, `output.2` before `output.10`."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+def decode(array: np.ndarray, dtype_name: str) -> np.ndarray:
+    """A stored array as numbers numpy can compute with: bfloat16 bits become float32 (exactly)."""
+    if dtype_name == "bfloat16":
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    if dtype_name in RAW_BITS:  # float8: decoding needs torch's tables
+        return to_torch(array, dtype_name).float().numpy()
+    return array
+
+
+def to_torch(array: np.ndarray, dtype_name: str):
+    """A stored array as a torch tensor with its original dtype, bit for bit."""
+    import torch
+
+    array = np.asarray(array)
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        array = array.copy()
+    tensor = torch.from_numpy(array)
+    if dtype_name in RAW_BITS:
+        signed = {np.uint16: torch.int16, np.uint8: torch.uint8}[RAW_BITS[dtype_name]]
+        tensor = tensor.view(signed).view(getattr(torch, dtype_name))
+    return tensor
+
+
+def tensor_to_numpy(tensor) -> tuple[np.ndarray, str]:
+    """A CPU tensor as (numpy array to store, torch dtype name). Shares memory where it can."""
+    import torch
+
+    dtype_name = str(tensor.dtype).removeprefix("torch.")
+    if dtype_name in RAW_BITS:
+        bits = torch.int16 if RAW_BITS[dtype_name] is np.uint16 else torch.uint8
+        return tensor.view(bits).numpy().view(RAW_BITS[dtype_name]), dtype_name
+    return tensor.numpy(), dtype_name
+
+
+def seq_kind(tensor_name: str) -> str:
+    """Which capture moment a tensor name belongs to: input, output, grad_output or grad_input.
+
+    Capture order is kept per call group (attrs `seq_input`, `seq_output`, `seq_grad_output`, `seq_grad_input`),
+    not per dataset, because a dataset hard-linked from two calls has one set of attributes.
+    """
+    head = tensor_name.split(".", 1)[0]
+    return {"kwarg": "input", "grad_kwarg": "grad_input"}.get(head, head)
+
+
+# -- the local table ------------------------------------------------------------------------------------------------
+LOCAL_FIELDS = (
+    ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("seq", "i8"), ("dtype", "str"),
+    ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
+    ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
+    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"),
+)
+"""Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
+rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
+side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
+calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
+the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`)."""
+
+
+@dataclass(frozen=True)
+class LocalRow:
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    seq: int
+    dtype: str
+    numel: int
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    nan_ref: int
+    inf_ref: int
+    nan: int
+    inf: int
+    mismatch: int
+    noise_target: float
+    noise_reference: float
+    calibration: str
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.module, self.call, self.phase, self.tensor)
+
+
+STATS_VALUES = ("numel", "min", "max", "mean", "l2", "abs_sum", "nan", "inf")
+"""The float64 statistics of a stats-level entry, in the order `format.stats.Stats.values` holds them."""
+
+STATS_FIELDS = (("path", "str"), *((n, "f8") for n in STATS_VALUES), ("checksum0", "i8"), ("checksum1", "i8"),
+                ("checksum_kind", "str"), ("dtype", "str"), ("shape", "str"))
+"""Columns of `/stats`: the entry's path, its `STATS_VALUES`, the checksum (two ints), its kind, dtype and shape."""
+
+UNPROBED_FIELDS = (("module", "str"), ("call", "i8"), ("reason", "str"))
+"""Columns of `/unprobed`: the calls the local probe could not rerun, and why."""
+
+
+def plain(value: Any) -> Any:
+    """An HDF5 value as a plain Python value: bytes decoded, numpy scalars and arrays as Python ones."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    return value

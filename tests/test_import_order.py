@@ -1,0 +1,186 @@
+"""oneiter's own imports go one way, down this table (issue 19), like huggingface_hub's `check_static_imports`.
+
+    rank  layer         what it is
+    0     errors        typed errors and the version (errors.py, version.py): leaves, torch-free
+    1     models        the built-in models (pure torch modules)
+    2     runtime       what an iteration runs on: model specs, training step, devices, precision, ranks
+    3     format        the recording on disk: schema, file, validation, statistics
+    4     record        one iteration recorded (and replayed); imports runtime, format
+    4     profile       torch.profiler runs; imports errors, runtime and format only
+    5     judge         two recordings judged
+    6     report        a result shown
+    7     cli, integrations, top (oneiter/__init__.py, api.py, demo.py, __main__.py): the entry points
+
+A module may import its own layer and any layer of a lower rank (profile: only those it lists). Layers that share
+a rank do not import each other (record and profile), except at the top, where the entry points call one another
+(`python -m oneiter` runs the CLI, the CLI calls the API).
+
+Every import counts, wherever it is: at module top, inside a function, and under `if TYPE_CHECKING:` too, since
+an annotation that names an upper layer's type is the same dependency, only hidden.
+
+Imports of oneiter's own modules go at module top. An import inside a function is kept only where it is listed in
+`LAZY` with its reason: keeping `import oneiter` and `oneiter --help` free of torch and fast, an optional
+extension, or an import whose cost only some calls should pay.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "oneiter"
+
+RANKS = {"errors": 0, "models": 1, "runtime": 2, "format": 3, "record": 4, "profile": 4, "judge": 5, "report": 6,
+         "cli": 7, "integrations": 7, "top": 7}
+TOP_RANK = 7
+ONLY = {"profile": {"errors", "runtime", "format"}}  # the lower layers a layer may import, where not all of them
+LEAVES = {"errors", "version"}  # top-level modules in the errors layer; the other top-level modules are `top`
+
+# (file pattern, imported module) -> why it stays inside a function; the module matches itself and its submodules
+LAZY = {
+    # the entry points import their work on first use: `import oneiter`, `oneiter --help` stay torch-free and fast
+    # (oneiter/__init__.py loads its public API with importlib.import_module, which is not an import statement)
+    ("oneiter/cli/*.py", "oneiter"): "each command imports its work when it runs, for `oneiter --help`'s startup",
+    # optional or costly, for only some calls
+    ("oneiter/format/stats.py", "oneiter.format._statskernel"): "the C kernel is optional (built when a C compiler "
+                                                                "is there at install)",
+    ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
+                                                        "paid only when a built-in model is named",
+    # not yet moved to the top: record/, report/, integrations/ and judge/engine.py are other parts of issue 19
+    ("oneiter/integrations/_mmengine_profiler.py", "oneiter.profile.session"): "not yet moved",
+    ("oneiter/judge/engine.py", "oneiter.report.terminal"): "not yet moved (an upward edge as well)",
+    ("oneiter/record/capture.py", "oneiter.format.stats"): "not yet moved",
+    ("oneiter/record/faults.py", "oneiter.record"): "not yet moved",
+    ("oneiter/record/probe.py", "oneiter.record.randomness"): "not yet moved",
+    ("oneiter/record/recorder.py", "oneiter.format"): "not yet moved",
+    ("oneiter/record/recorder.py", "oneiter.record"): "not yet moved",
+    ("oneiter/record/recorder.py", "oneiter.runtime"): "not yet moved",
+    ("oneiter/record/recorder.py", "oneiter.version"): "not yet moved",
+    ("oneiter/record/run.py", "oneiter.record"): "not yet moved",
+    ("oneiter/record/run.py", "oneiter.runtime"): "not yet moved",
+    ("oneiter/report/html.py", "oneiter.report.atomic"): "not yet moved",
+    ("oneiter/report/terminal.py", "oneiter.report.atomic"): "not yet moved",
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer of a dotted module name under `oneiter` (`oneiter.format.schema` -> `format`)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "top"
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return "errors" if parts[1] in LEAVES else "top"
+
+
+def allowed(source: str, target: str) -> bool:
+    """Whether layer `source` may import layer `target` (see the module docstring)."""
+    if source == target:
+        return True
+    if RANKS[source] == RANKS[target]:
+        return RANKS[source] == TOP_RANK
+    return RANKS[target] < RANKS[source] and target in ONLY.get(source, RANKS)
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or \
+        any(path.parent.glob(path.name + ".*.so"))
+
+
+def imports(source: str, module: str) -> list[tuple[int, str, bool]]:
+    """(line, imported oneiter module, inside a function) for every import in the code `source` of `module`."""
+    tree = ast.parse(source)
+    package = module if module.endswith("__init__") else module.rpartition(".")[0]
+    package = package.removesuffix(".__init__")
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name, inner) for a in child.names if a.name.split(".")[0] == "oneiter")
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - child.level + 1] + ([base] if base else []))
+                if base.split(".")[0] == "oneiter":
+                    for alias in child.names:  # `from oneiter import models` imports the subpackage
+                        sub = f"{base}.{alias.name}"
+                        found.append((child.lineno, sub if _is_module(sub) else base, inner))
+            visit(child, inner)
+
+    visit(tree, False)
+    return list(dict.fromkeys(found))  # `from m import a, b`: one import of m
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        yield rel.as_posix(), ".".join(rel.with_suffix("").parts), path.read_text(encoding="utf-8")
+
+
+def order_violations(rel: str, module: str, source: str) -> list[str]:
+    """One line per import of `source` that goes against the table."""
+    here = layer_of(module)
+    out = []
+    for line, target, _ in imports(source, module):
+        there = layer_of(target)
+        if not allowed(here, there):
+            out.append(f"{rel}:{line}: {here} (rank {RANKS[here]}) imports {target} ({there}, rank {RANKS[there]})")
+    return out
+
+
+def _lazy_reason(rel: str, target: str) -> tuple | None:
+    for pattern, prefix in LAZY:
+        if fnmatch.fnmatch(rel, pattern) and (target == prefix or target.startswith(prefix + ".")):
+            return pattern, prefix
+    return None
+
+
+def test_every_module_has_a_layer():
+    assert {layer_of(m) for _, m, _ in _modules()} <= set(RANKS)
+
+
+def test_imports_follow_the_layer_order():
+    bad = [v for rel, module, source in _modules() for v in order_violations(rel, module, source)]
+    assert not bad, "imports against the layer order (tests/test_import_order.py):\n" + "\n".join(bad)
+
+
+def test_imports_of_oneiter_modules_are_at_module_top():
+    used, bad = set(), []
+    for rel, module, source in _modules():
+        for line, target, in_function in imports(source, module):
+            if in_function:
+                entry = _lazy_reason(rel, target)
+                if entry is None:
+                    bad.append(f"{rel}:{line}: imports {target} inside a function")
+                used.add(entry)
+    assert not bad, "move these to module top, or list them in LAZY with the reason:\n" + "\n".join(bad)
+    stale = sorted(set(LAZY) - used)
+    assert not stale, f"LAZY entries no import needs any more (remove them): {stale}"
+
+
+def test_the_checker_flags_what_it_should():
+    """The checks themselves: an upward import (at top, in a function, under TYPE_CHECKING), a sideways one
+    between record and profile, profile reaching past its list, a relative one; and what is fine."""
+    upward = "import typing\nfrom oneiter.judge.metrics import Metrics\n"
+    assert order_violations("oneiter/format/x.py", "oneiter.format.x", upward) == [
+        "oneiter/format/x.py:2: format (rank 3) imports oneiter.judge.metrics (judge, rank 5)"]
+    hidden = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oneiter.report import terminal\n"
+              "def f():\n    from oneiter.cli import main\n")
+    assert [v.split(": ")[0] for v in order_violations("oneiter/judge/x.py", "oneiter.judge.x", hidden)] == [
+        "oneiter/judge/x.py:3", "oneiter/judge/x.py:5"]
+    assert order_violations("oneiter/record/x.py", "oneiter.record.x", "from oneiter.profile import trace\n")
+    assert order_violations("oneiter/profile/x.py", "oneiter.profile.x", "from oneiter import models\n")
+    assert order_violations("oneiter/runtime/x.py", "oneiter.runtime.x", "from .. import api\n")
+    assert order_violations("oneiter/format/x.py", "oneiter.format.x", "from ..judge import engine\n")
+    fine = ("from oneiter.errors import FormatError\nfrom oneiter.format.schema import call_key\n"
+            "from . import stats\nfrom oneiter.runtime import devices\n")
+    assert order_violations("oneiter/record/x.py", "oneiter.record.x", fine) == []
+    assert order_violations("oneiter/cli/x.py", "oneiter.cli.x", "from oneiter import api, __version__\n") == []
+    lazy = imports("def f():\n    from oneiter.format.layout import IterationFile\n", "oneiter.judge.x")
+    assert lazy == [(2, "oneiter.format.layout", True)] and _lazy_reason("oneiter/judge/x.py", lazy[0][1]) is None

@@ -455,8 +455,9 @@ def compare_local(
 ) -> CompareResult:
     """Judge one `record --against cpu` recording on its own: each layer against its float32 CPU recomputation.
 
-    `rtol`, `atol` and `tolerance` are taken for one signature with `compare_files`: such a file holds no pairs of
-    accumulated tensors to hold to them (its loss has no reference either)."""
+    `rtol`, `atol` and `tolerance` are checked as `compare_files` checks them (a negative one is refused), but such
+    a file holds no pairs of accumulated tensors to hold to them (its loss has no reference either)."""
+    _policy(tolerance, atol, rtol)
     with reading(path), IterationFile(path) as tgt:
         if tgt.local_kind() != "against_cpu":
             raise FormatError(

@@ -1,7 +1,7 @@
 """`oneiter compare --html FILE`: the comparison as one self-contained HTML page, to look at instead of read.
 
-Sits after the engine and `report.to_json`: its only input is the JSON document (`to_json(result)`), so a saved
-`--json` report can be rendered again later. The page holds, top to bottom:
+Sits after the engine and `CompareResult.to_json`: its only input is the JSON document (`result.to_json()`), so a
+saved `--json` report can be rendered again later. The page holds, top to bottom:
 
 - the verdict banner (green match / red divergence / amber inconclusive): the verdict's headline and details in
   the words of the terminal report (the document's `verdict` rebuilt by `judge.verdict.Verdict.from_dict`);
@@ -52,11 +52,11 @@ Document = dict[str, Any]
 
 # -- reading the JSON document (shared with report.tensorboard) --------------------------------------------------------------
 def as_document(result: Union[CompareResult, Document]) -> Document:
-    """The JSON document of a comparison: `report.to_json(result)` for a CompareResult, a dict as it is."""
+    """The JSON document of a comparison: `result.to_json()` for a CompareResult, a dict as it is."""
     if isinstance(result, CompareResult):
         return result.to_json()
     if not isinstance(result, dict) or "rows" not in result or "verdict" not in result:
-        raise TypeError(f"expected a CompareResult or the dict of report.to_json, got {type(result).__name__}")
+        raise TypeError(f"expected a CompareResult or the dict of CompareResult.to_json, got {type(result).__name__}")
     return result
 
 
@@ -396,7 +396,7 @@ def render_html(result: Union[CompareResult, Document]) -> str:
 
 
 def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path]) -> Path:
-    """Write the report page for `result_json` (the dict of `report.to_json`, or a CompareResult) to `path`."""
+    """Write the report page for `result_json` (the dict of `CompareResult.to_json`, or a CompareResult) to `path`."""
     from oneiter.report.atomic import write_text_atomic
 
     path = Path(path)

@@ -25,5 +25,6 @@ def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = Fal
         console.print(Text(safe_text(overall.note), style="yellow"))
     for rank, result in ranked.results.items():
         if show_all or result.status != "match":
-            console.print(Text("\n" + safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --"), style="bold"))
+            title = safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --")
+            console.print(Text("\n" + title, style="bold"))
             print_report(console, result, show_all=show_all)

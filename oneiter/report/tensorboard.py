@@ -1,6 +1,6 @@
 """`oneiter compare --tensorboard DIR`: the comparison as TensorBoard curves, histograms and a text verdict.
 
-Sits after the engine and `report.to_json` (its input is the JSON document, or a CompareResult); the recordings are
+Sits after the engine and `CompareResult.to_json` (its input is the JSON document, or a CompareResult); the recordings are
 opened again only to read the tensors of the divergent rows for the histograms. Written with tensorboard's own
 event writer and protos: neither TensorFlow nor torch is imported. What lands in DIR:
 
@@ -52,7 +52,7 @@ def write_tensorboard(
 ) -> Path:
     """Write the comparison into `log_dir` (created) as one event file; returns the event file's path.
 
-    `result` is a CompareResult or the dict of `report.to_json`. `ref_path`/`tgt_path` are the recordings the
+    `result` is a CompareResult or the dict of `CompareResult.to_json`. `ref_path`/`tgt_path` are the recordings the
     histograms read (default: the paths the result names); histograms are left out when `max_histograms` is 0.
     """
     from tensorboard.summary.writer.event_file_writer import EventFileWriter

@@ -185,17 +185,18 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
 
 
 def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_path) -> int:
-    """Rank by rank (`oneiter.judge.ranks`): overall verdict, one line per rank, reports; returns the exit code."""
+    """Rank by rank (`oneiter.judge.ranks`, shown by `oneiter.report.ranks`): overall verdict, one line per rank,
+    reports; returns the exit code."""
     from oneiter.api import compare_ranks
-    from oneiter.judge import ranks
+    from oneiter.report.ranks import print_ranked
 
     result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)
     for note in result.notes:
         err.print(f"warning: {terminal_text(note)}", markup=False)
     json_to_stdout = json_path is not None and str(json_path) == "-"
-    ranks.print_ranked(err if json_to_stdout else out, result, show_all=show_all)
-    _emit_json(json_path, lambda: ranks.to_json(result))
+    print_ranked(err if json_to_stdout else out, result, show_all=show_all)
+    _emit_json(json_path, result.to_json)
     return result.exit_code
 
 

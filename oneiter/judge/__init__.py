@@ -5,6 +5,7 @@
 - `tolerance_file.py` per-device tolerance files (TOML or mmengine config)
 - `engine.py`    `compare_files` / `compare_local`: pair entries, causal order, rows, first divergence, verdict
 - `blame.py`     local (per-layer) error against expected noise: the culprit; the NaN/Inf origin
+- `findings.py`  what blame found, and the one table of priorities the verdict picks among them by
 - `verdict.py`   the verdict, decided once (status, basis, culprit, first divergence, counts, its sentences):
   every report renders it
 - `ranks.py`     torchrun recordings compared rank by rank, in parallel processes

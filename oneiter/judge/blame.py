@@ -35,6 +35,7 @@ from typing import Any, Optional
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
+from oneiter.judge.findings import Finding
 from oneiter.judge.metrics import Metrics
 
 __all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
@@ -243,8 +244,9 @@ def _gross(r) -> bool:
 
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
-                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[tuple[int, str]]:
-    """(row index, why) of every entry no probe covers whose difference the precision does not explain.
+                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[Finding]:
+    """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
+    does not explain, in causal order.
 
     `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
     `covered` the keys of parameter-gradient and optimizer entries that have a local row of their own.
@@ -301,8 +303,9 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
             # say (they cover each call's own code; this value did not come out of it)
             source = inputs(r)
             if source * noise.factor_for(r.module) < 1.0:
-                found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine {r.metrics.cosine:.2f}): far beyond what "
-                                 f"it was computed from (within {source:.2e}) and what rounding drift does"))
+                found.append(Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine "
+                                        f"{r.metrics.cosine:.2f}): far beyond what it was computed from (within "
+                                        f"{source:.2e}) and what rounding drift does"))
                 continue
         up = upstream(r)
         if up is None:
@@ -312,25 +315,27 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
         floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
         bound = noise.factor_for(r.module) * max(up, floor)
         if r.metrics.rel_l2 > bound:
-            found.append((i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than {noise.factor_for(r.module):g}x what it "
-                             f"was computed from ({up:.2e}) or the precision's floor ({floor:.1e}) explain"))
+            found.append(Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than "
+                                    f"{noise.factor_for(r.module):g}x what it was computed from ({up:.2e}) or the "
+                                    f"precision's floor ({floor:.1e}) explain"))
     return found
 
 
 def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoisePolicy,
-                     same_precision: bool, dtype: str) -> Optional[str]:
-    """Why the loss differs more than the model's outputs explain (None: it does not)."""
+                     same_precision: bool, dtype: str) -> list[Finding]:
+    """A `loss` finding when the loss differs more than the model's outputs explain (none when it does not)."""
     err = _scalar_error(loss)
     if err is None:
-        return None
+        return []
     outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
             and r.phase == FORWARD and not is_input(r.tensor)]
     bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
     tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
     if err > bound and (not same_precision or err > tolerance):
-        return (f"the loss differs by {err:.2e} (relative), more than the model's outputs explain ({bound:.2e}); "
-                f"code outside the model's forward (the loss function) is not probed")
-    return None
+        return [Finding.of("loss", None, f"the loss differs by {err:.2e} (relative), more than the model's outputs "
+                                         f"explain ({bound:.2e}); code outside the model's forward (the loss "
+                                         f"function) is not probed")]
+    return []
 
 
 def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:

@@ -39,10 +39,11 @@ from oneiter.format.schema import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.judge.blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
                     nan_origin, unexplained_rows)
+from oneiter.judge.findings import Finding, row_findings
 from oneiter.judge.metrics import Metrics, compare_arrays
 from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
-from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, decide, settle_rows
+from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, culprit_reason, decide, json_ready, settle_rows
 
 __all__ = [
     "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",
@@ -85,7 +86,7 @@ class Row:
         return f"{self.module}@{self.call} {self.phase} {self.tensor}"
 
     def as_dict(self) -> dict[str, Any]:
-        """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see report.to_json)."""
+        """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see `CompareResult.to_json`)."""
         data = {
             "module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
             "status": self.status, "nan_inf": nan_inf_text(self.metrics),
@@ -126,8 +127,8 @@ class CompareResult:
     local_kind: str = ""
     """`teacher_forced`, `against_cpu`, or "" (no local data: the verdict falls back to first divergence)."""
     local: list[LocalResult] = field(default_factory=list)
-    culprit_local: Optional[LocalResult] = None
-    """The first flagged local result in causal order (the verdict's `culprit` says where it is in the report)."""
+    findings: list[Finding] = field(default_factory=list)
+    """Every piece of evidence that the runs diverge (`judge/findings.py`); the verdict names the strongest."""
     chain: list[dict] = field(default_factory=list)
     """The culprit's call and every call containing it, innermost first."""
     culprit_includes: list[dict] = field(default_factory=list)
@@ -135,10 +136,6 @@ class CompareResult:
     nan_origin: Optional[dict] = None
     unprobed: list[dict] = field(default_factory=list)
     """Calls the local probe could not rerun: {module, call, reason}."""
-    unexplained: list[tuple[int, str]] = field(default_factory=list)
-    """(row index, why) of entries no probe covers that differ more than the precision explains."""
-    loss_reason: Optional[str] = None
-    """Why the loss differs more than the model's outputs explain (None: it does not)."""
     notes: list[str] = field(default_factory=list)
     """Warnings about the comparison itself (e.g. a tolerance file written for another device)."""
 
@@ -179,11 +176,31 @@ class CompareResult:
         index = self.verdict_obj.index
         return None if index is None or self.verdict_obj.focus == "culprit" else self.rows[index]
 
-    def to_json(self) -> dict[str, Any]:
-        """The machine-readable report (`report.terminal.to_json`)."""
-        from oneiter.report.terminal import to_json
+    def row_dict(self, index: int) -> dict[str, Any]:
+        """One row as JSON and CSV hold it: index, key, status, role (what the row is to the verdict), NaN/Inf,
+        metrics."""
+        data = self.rows[index].as_dict()
+        role = " ".join(self.verdict_obj.roles(index))
+        head = {k: data.pop(k) for k in ("module", "call", "phase", "tensor", "status")}
+        return {"index": index, **head, "role": role, **data}
 
-        return to_json(self)
+    def as_dict(self) -> dict[str, Any]:
+        """The machine-readable report's data: verdict, inputs, per-status counts and every row in causal order
+        with its local result (non-finite numbers still floats: `to_json` is what JSON can hold)."""
+        rows = [{**self.row_dict(i), "local": _local_dict(self.local_for(row))} for i, row in enumerate(self.rows)]
+        return {
+            "verdict": self.verdict(),
+            "reference": self.reference,
+            "target": self.target,
+            "meta": {"reference": self.meta_reference, "target": self.meta_target},
+            "loss": self.loss,
+            "counts": self.counts(),
+            "rows": rows,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable report (`as_dict`, with inf/nan as the strings JSON needs)."""
+        return json_ready(self.as_dict())
 
     def counts(self) -> dict[str, int]:
         """Number of rows per status, every status listed."""
@@ -199,6 +216,10 @@ class CompareResult:
     def local_for(self, row: Row) -> Optional[LocalResult]:
         """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
         return self._local_index.get((row.module, row.call, row.phase, row.tensor))
+
+
+def _local_dict(local: Optional[LocalResult]) -> Optional[dict[str, Any]]:
+    return None if local is None else local.as_dict()
 
 
 # -- pairing and causal order ---------------------------------------------------------------------------------------
@@ -432,15 +453,18 @@ def compare_local(
     tolerance: Optional[TolerancePolicy] = None,
     noise: Optional[NoisePolicy] = None,
 ) -> CompareResult:
-    """Judge one `record --against cpu` recording on its own: each layer against its float32 CPU recomputation."""
-    policy = _policy(tolerance, atol, rtol)
+    """Judge one `record --against cpu` recording on its own: each layer against its float32 CPU recomputation.
+
+    `rtol`, `atol` and `tolerance` are checked as `compare_files` checks them (a negative one is refused), but such
+    a file holds no pairs of accumulated tensors to hold to them (its loss has no reference either)."""
+    _policy(tolerance, atol, rtol)
     with reading(path), IterationFile(path) as tgt:
         if tgt.local_kind() != "against_cpu":
             raise FormatError(
                 f"'{path}' alone cannot be judged: record it with --against cpu, or compare it with a reference"
             )
         result = CompareResult(str(path), str(path), _meta(tgt), _meta(tgt), [], None, {"target": _loss(tgt)})
-        _blame(result, None, tgt, policy, noise or NoisePolicy())
+        parents = _read_local(result, tgt, noise or NoisePolicy())
         result.rows = [
             Row(r.row_key[0], r.row_key[1], r.phase, r.row_key[3], "diverged" if r.flagged else "match",
                 dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics.as_metrics())
@@ -451,6 +475,8 @@ def compare_local(
             if entry.phase in ("forward", "backward"):
                 counts[entry.key] = _nonfinite_count(tgt.read(entry.path))
         result.nan_origin = nan_origin(counts, list(counts))
+        # its rows are the local results themselves: nothing to settle, nothing no probe covers
+        result.findings = [*_culprit(result, parents), *row_findings(result.rows, None, True)]
         return result
 
 
@@ -460,59 +486,85 @@ def _nonfinite_count(array) -> int:
     return int(array.size - np.count_nonzero(np.isfinite(array))) if array.dtype.kind in "fc" else 0
 
 
-def _blame(result: CompareResult, ref: Optional[IterationFile], tgt: IterationFile, policy, noise: NoisePolicy) -> None:
-    """Local errors, culprit and its chain, unattributed drift and NaN/Inf origin."""
-    if tgt.local_kind() and not tgt.has(LOCAL):  # the recorder always writes the table (maybe empty) with the attr
-        raise FormatError(f"'{tgt.path}' says it holds per-call local data (local = '{tgt.local_kind()}') but its "
-                          f"/local table is missing: the file is damaged; record the target again")
-    result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
-    result.local = local_results(tgt, noise) if result.local_kind else []
-    result.culprit_local = culprit = find_culprit(result.local)
-    parents = {}
-    for _key, attrs in tgt.calls():
-        module, call = attrs.get("module") or ROOT_MODULE, int(attrs.get("call", 0))
-        parent = str(attrs.get("parent") or "")
-        parents[(module, call)] = _call_of(parent) if parent else None
-    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
-    if culprit is not None:
-        result.chain = culprit_chain(culprit, parents, result.local)
-        result.culprit_includes = _included(culprit, parents, result.unprobed)
-    if result.local_kind and ref is not None and culprit is None:
-        same = _run_precision(ref.meta) == _run_precision(tgt.meta)
-        unprobed = {(u["module"], u["call"]) for u in result.unprobed}
-        if not tgt.meta.get("random_replay", True):  # random ops drew this run's own values: not judged locally
-            unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
-                         if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
-        covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
-        if int(tgt.meta.get("world_size") or 1) > 1:  # DDP averaged them over ranks: not this rank's own numbers
-            covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
-            covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
-                        if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
-        result.unexplained = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss,
-                                              covered=covered, amp=amp_dtype_name(tgt.meta.get("amp")))
-        result.loss_reason = loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
-    elif not result.local_kind and ref is not None:
-        result.loss_reason = _loss_outside(result.loss, policy, _loss_dtype(tgt))
+def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy, noise: NoisePolicy) -> None:
+    """Record what blame finds (local errors, the culprit and its chain, what no probe explains, NaN/Inf and its
+    origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
+    parents = _read_local(result, tgt, noise)
+    found = _culprit(result, parents)
+    if not found:
+        found = _unattributed(result, ref, tgt, policy, noise)
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
             counts[(row.module, row.call, row.phase, row.tensor)] = row.metrics.num_nan_target + row.metrics.num_inf_target
     if any(row.metrics is not None and row.metrics.nonfinite_differs for row in result.rows):
         result.nan_origin = nan_origin(counts, list(counts))
-    settle_rows(result)
+    settle_rows(result, found)
+    result.findings = [*found, *row_findings(result.rows, result.first_divergence, result.has_local)]
 
 
-def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> Optional[str]:
+def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -> dict:
+    """The target's local data into the result (its kind, each tensor judged, the calls no probe reran); returns
+    each call's parent call."""
+    if tgt.local_kind() and not tgt.has(LOCAL):  # the recorder always writes the table (maybe empty) with the attr
+        raise FormatError(f"'{tgt.path}' says it holds per-call local data (local = '{tgt.local_kind()}') but its "
+                          f"/local table is missing: the file is damaged; record the target again")
+    result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
+    result.local = local_results(tgt, noise) if result.local_kind else []
+    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
+    parents = {}
+    for _key, attrs in tgt.calls():
+        module, call = attrs.get("module") or ROOT_MODULE, int(attrs.get("call", 0))
+        parent = str(attrs.get("parent") or "")
+        parents[(module, call)] = _call_of(parent) if parent else None
+    return parents
+
+
+def _culprit(result: CompareResult, parents: dict) -> list[Finding]:
+    """The `culprit` finding (the first flagged local result), its chain and the unprobed calls its rerun
+    included; none when no local result is flagged."""
+    culprit = find_culprit(result.local)
+    if culprit is None:
+        return []
+    result.chain = culprit_chain(culprit, parents, result.local)
+    result.culprit_includes = _included(culprit, parents, result.unprobed)
+    index = next((i for i, r in enumerate(result.rows) if (r.module, r.call, r.phase, r.tensor) == culprit.row_key),
+                 None)
+    return [Finding.of("culprit", index, culprit_reason(culprit), culprit)]
+
+
+def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy,
+                  noise: NoisePolicy) -> list[Finding]:
+    """With no call to blame: the entries no probe covers and the loss, where the precision does not explain
+    them; without local data, the loss outside its tolerance."""
+    if not result.local_kind:
+        return _loss_outside(result.loss, policy, _loss_dtype(tgt))
+    same = _run_precision(ref.meta) == _run_precision(tgt.meta)
+    unprobed = {(u["module"], u["call"]) for u in result.unprobed}
+    if not tgt.meta.get("random_replay", True):  # random ops drew this run's own values: not judged locally
+        unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
+                     if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
+    covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
+    if int(tgt.meta.get("world_size") or 1) > 1:  # DDP averaged them over ranks: not this rank's own numbers
+        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
+        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
+                    if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
+    found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
+                             amp=amp_dtype_name(tgt.meta.get("amp")))
+    return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
+
+
+def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> list[Finding]:
     """Without local data the loss is judged like any entry: outside its dtype's tolerance (or NaN on one side only)
     is a divergence even when every recorded tensor matches (the loss function is code outside the model)."""
     a, b = loss.get("reference"), loss.get("target")
     if a is None or b is None or a == b or (math.isnan(a) and math.isnan(b)):
-        return None
+        return []
     tol = policy(Entry("", 0, "loss", "loss", LOSS, 0), dtype)
     if math.isnan(a) or math.isnan(b) or abs(a - b) > tol.atol + tol.rtol * abs(a):
-        return (f"the loss differs: {a:.6e} vs {b:.6e}, outside atol {tol.atol:.1e} rtol {tol.rtol:.1e} "
-                f"({dtype})")
-    return None
+        return [Finding.of("loss", None, f"the loss differs: {a:.6e} vs {b:.6e}, outside atol {tol.atol:.1e} rtol "
+                                         f"{tol.rtol:.1e} ({dtype})")]
+    return []
 
 
 def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:

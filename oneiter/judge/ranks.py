@@ -27,17 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.console import Console
-from rich.text import Text
-
 from oneiter.runtime.distributed import RANK_FILE
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import CompareResult, compare_files
-from oneiter.judge.verdict import RankedVerdict, decide_ranked
-from oneiter.report.terminal import json_ready, print_report, safe_text
+from oneiter.judge.verdict import RankedVerdict, decide_ranked, json_ready
 
-__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks", "print_ranked", "to_json"]
+__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks"]
 
 
 @dataclass
@@ -80,6 +76,16 @@ class RankedResult:
         if v.rank is None:
             return {"status": v.status, "rank": None, **common}
         return {**self.results[v.rank].verdict(), "rank": v.rank, **common}
+
+    def as_dict(self) -> dict[str, Any]:
+        """`{"verdict": {..., "rank": r}, "reference", "target", "ranks": [{"rank", "verdict", "reference", ...}]}`."""
+        ranks = [{"rank": rank, "verdict": result.verdict(), "reference": result.reference, "target": result.target,
+                  "loss": result.loss, "counts": result.counts()} for rank, result in self.results.items()]
+        return {"verdict": self.verdict(), "reference": self.reference, "target": self.target, "ranks": ranks}
+
+    def to_json(self) -> dict[str, Any]:
+        """The machine-readable report (`as_dict`, with inf/nan as the strings JSON needs)."""
+        return json_ready(self.as_dict())
 
 
 # -- finding the files ----------------------------------------------------------------------------------------------
@@ -164,30 +170,3 @@ def compare_ranks(
                 raise type(exc)(f"rank {rank}: {exc}") from None
     notes = sorted({f"rank {rank}: {note}" for rank, r in results.items() for note in r.notes})
     return RankedResult(str(reference), str(target), results, notes)
-
-
-# -- output ---------------------------------------------------------------------------------------------------------
-_STYLES = {"match": "green", "diverged": "red", "inconclusive": "yellow"}
-
-
-def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = False) -> None:
-    """Overall verdict, one line per rank, then the full report of each rank that did not match (every rank with
-    show_all)."""
-    overall = ranked.verdict_obj
-    console.print(Text(safe_text(overall.headline), style="bold " + _STYLES[overall.status]))
-    for rank, result in ranked.results.items():
-        console.print(Text(safe_text(f"rank {rank:<3} {result.verdict_obj.headline}"), style=_STYLES[result.status]))
-    if overall.note:
-        console.print(Text(safe_text(overall.note), style="yellow"))
-    for rank, result in ranked.results.items():
-        if show_all or result.status != "match":
-            console.print(Text("\n" + safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --"), style="bold"))
-            print_report(console, result, show_all=show_all)
-
-
-def to_json(ranked: RankedResult) -> dict[str, Any]:
-    """`{"verdict": {..., "rank": r}, "reference", "target", "ranks": [{"rank", "verdict", "reference", ...}]}`."""
-    ranks = [{"rank": rank, "verdict": result.verdict(), "reference": result.reference, "target": result.target,
-              "loss": result.loss, "counts": result.counts()} for rank, result in ranked.results.items()]
-    return json_ready({"verdict": ranked.verdict(), "reference": ranked.reference, "target": ranked.target,
-                       "ranks": ranks})

@@ -1,10 +1,12 @@
 """The verdict of a comparison, decided once: what every report states about it, and the sentences it states it in.
 
 Sits after the engine and blame (`engine.compare_files` fills a `CompareResult`: rows in causal order, the first
-divergence, local results, the first flagged call, unexplained entries, the NaN/Inf origin) and before every
-writer. The terminal report, JSON and CSV (`report/terminal.py`), the HTML page, TensorBoard and the multi-rank
-summary (`judge/ranks.py`) only lay out what a `Verdict` holds; the rule that decides and the words that say it
-live here and nowhere else, so no two outputs can disagree.
+divergence, local results, the culprit's chain, the NaN/Inf origin, and every finding: `judge/findings.py`) and
+before every writer. `decide` names the finding of highest priority (`findings.PRIORITY`, the one table of
+priorities); the terminal report, JSON and CSV (`report/terminal.py`), the HTML page, TensorBoard and the
+multi-rank summary (`report/ranks.py`) only lay out what a `Verdict` holds (a saved JSON report's through
+`Verdict.from_dict`); the rule that decides and the words that say it live here and nowhere else, so no two
+outputs can disagree.
 
 **Status.** `match`, `diverged`, or `inconclusive` (the recording carries local data but not one call's own error
 could be measured: nothing was judged, so it is not a pass; exit code 2, input that cannot be judged).
@@ -25,20 +27,25 @@ shape and dtype statuses stay as the engine set them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+from oneiter.judge.findings import MEASURED, UNATTRIBUTED, Finding, of_kind, strongest
 
 if TYPE_CHECKING:  # only for annotations: the engine imports this module
     from oneiter.judge.blame import LocalResult
     from oneiter.judge.engine import CompareResult, Row
 
 __all__ = ["Verdict", "Culprit", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows", "render",
-           "EXIT_CODES", "num", "entry_name"]
+           "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
-MEASURED = ("match", "diverged", "drift")  # row statuses of entries both sides hold with one shape and dtype
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
+# what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
+FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "culprit": "culprit",
+         "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss"}
 
 
 def num(value: Any) -> Optional[float]:
@@ -49,6 +56,17 @@ def num(value: Any) -> Optional[float]:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def json_ready(value: Any) -> Any:
+    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (`num` reads them back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
 
 
 def entry_name(item: dict) -> str:
@@ -82,6 +100,12 @@ class Culprit:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Culprit:
+        """The culprit of a saved report's verdict (numbers as `num` reads them; what it lacks, None)."""
+        values = {f.name: d.get(f.name) for f in fields(cls)}
+        return cls(**{**values, **{k: num(values[k]) for k in ("local_rel_l2", "expected", "ratio", "calibrated")}})
 
 
 @dataclass(frozen=True)
@@ -125,7 +149,7 @@ class Verdict:
     @property
     def index(self) -> Optional[int]:
         """The row the verdict names (the culprit's or the divergent entry's); None when it names none."""
-        return self.entry["index"] if self.entry else None
+        return self.where["index"]
 
     @property
     def headline(self) -> str:
@@ -148,10 +172,14 @@ class Verdict:
         return [name for name, at in (("verdict", self.index), ("culprit", culprit), ("first_divergence", first))
                 if at == index]
 
+    @property
+    def where(self) -> dict:
+        """The entry it names, or one whose every field is None (what the JSON report flattens into `verdict`)."""
+        return dict(self.entry) if self.entry else {"index": None, **dict.fromkeys(_WHERE)}
+
     def as_dict(self) -> dict[str, Any]:
-        where = dict(self.entry) if self.entry else {"index": None, **dict.fromkeys(_WHERE)}
         return {
-            "status": self.status, "basis": self.basis, "focus": self.focus, **where,
+            "status": self.status, "basis": self.basis, "focus": self.focus, **self.where,
             "headline": self.headline, "details": list(self.details), "hint": self.hint,
             "culprit": self.culprit.as_dict() if self.culprit else None, "chain": list(self.chain),
             "culprit_includes": list(self.culprit_includes), "nan_origin": self.nan_origin,
@@ -163,22 +191,47 @@ class Verdict:
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2,
         }
 
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        """The Verdict of a saved JSON report's `verdict` (or `as_dict()`): its own keys, the entry it names from
+        the rest, and the sentences rendered again from them (as the report was; `headline` is not trusted)."""
+        where = {k: v for k, v in d.items() if k not in _OWN}
+        unnamed = d.get("focus") is None and all(v is None for v in where.values())
+        own = {name: d.get(name) for name in _OWN_FIELDS}
+        verdict = cls(**{
+            **own, "entry": None if unnamed else where,
+            "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
+            **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained")},
+            "largest_rel_l2": num(d.get("largest_rel_l2")),
+        })
+        title, reason, details = render(verdict)
+        return replace(verdict, title=title, reason=reason, details=tuple(details))
+
 
 _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2", "max_abs", "cosine")
+# the keys of `Verdict.as_dict()` that are the verdict's own; every other one belongs to the entry it names
+_OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
+        "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
+        "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged", "worst_local",
+        "largest_rel_l2")
+_OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
+               "num_matched", "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
+               "worst_local")
 
 
-def settle_rows(result: CompareResult) -> None:
-    """Give every measured row the status its flag implies (see the module docstring); the engine calls it once."""
+def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
+    """Give every measured row the status its flag implies (see the module docstring), the `unexplained`
+    `findings` theirs; the engine calls it once, before it records the findings."""
     if not result.local_kind:
         return
-    unexplained = dict(result.unexplained)
+    unexplained = {f.entry: f.reason for f in of_kind(findings, "unexplained")}
     for i, row in enumerate(result.rows):
         if row.status not in MEASURED:
             continue
         local = result.local_for(row)
         if local is not None and local.flagged:
             if row.status == "match":
-                row.reason = f"inside tolerance, but {_own_error(_culprit_numbers(local))}"
+                row.reason = f"inside tolerance, but {culprit_reason(local)}"
             row.status = "diverged"
         elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
             row.status, row.reason = "diverged", unexplained[i]
@@ -187,28 +240,27 @@ def settle_rows(result: CompareResult) -> None:
 
 
 def decide(result: CompareResult) -> Verdict:
-    """The verdict of a settled comparison (`settle_rows` done)."""
-    rows, first = result.rows, result.first_divergence
-    structural = next((i for i, r in enumerate(rows) if r.status not in MEASURED), None)
-    nonfinite = next((i for i, r in enumerate(rows) if r.metrics is not None and r.metrics.nonfinite_differs), None)
-    culprit = _culprit(result)
+    """The verdict of a settled comparison: the strongest of its findings (`findings.PRIORITY`) decides the status,
+    the basis and the entry named; without local data the basis is the first divergence, and with local data but
+    no local result and no finding nothing was judged (inconclusive)."""
+    rows, first, findings = result.rows, result.first_divergence, result.findings
+    top = strongest(findings)
+    culprit = next((_culprit(f) for f in of_kind(findings, "culprit")), None)
     if not result.local_kind:
-        basis, diverged = "first_divergence", first is not None or bool(result.loss_reason)
+        basis = "first_divergence"
     else:
-        blamed = culprit is not None or structural is not None or nonfinite is not None
-        basis = "unattributed" if not blamed and (result.unexplained or result.loss_reason) else "local_error"
-        diverged = blamed or basis == "unattributed"
-    status = "diverged" if diverged else "inconclusive" if result.local_kind and not result.local else "match"
-    focus, entry = _focus(result, status, basis, culprit, structural if structural is not None else nonfinite)
+        basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
+    status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
+    entry = None if top is None else _named(result, top)
     counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift")}
     worst = max(result.local, key=lambda r: r.ratio, default=None)
     verdict = Verdict(
-        status=status, basis=basis, focus=focus, entry=entry, culprit=culprit, chain=tuple(result.chain),
-        culprit_includes=tuple(result.culprit_includes),
+        status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
+        chain=tuple(result.chain), culprit_includes=tuple(result.culprit_includes),
         first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
         unprobed=tuple(result.unprobed),
-        unexplained=tuple({**_entry(rows, i), "why": why} for i, why in result.unexplained),
-        loss_unexplained=result.loss_reason, hint=_hint(result, basis, entry),
+        unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
+        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
         num_diverged=len(rows) - counts["match"] - counts["drift"], local_kind=result.local_kind,
         num_local=len(result.local),
@@ -218,54 +270,38 @@ def decide(result: CompareResult) -> Verdict:
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics), default=0.0),
     )
-    title, reason, details = render(verdict.as_dict())
+    title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
 
 
 _KEY = ("module", "call", "phase", "tensor")
 
 
-def _focus(result: CompareResult, status: str, basis: str, culprit: Optional[Culprit],
-           divergent: Optional[int]) -> tuple[Optional[str], Optional[dict]]:
-    """What the verdict names and that entry: a structural difference first (the runs did not even compute the
-    same things), then the culprit, then a NaN/Inf difference no call is blamed for, an unexplained entry, the
-    loss; without local data the first divergence."""
-    rows = result.rows
-    if status != "diverged":
-        return None, None
-    if basis == "first_divergence" and result.first_divergence is not None:
-        return "first divergence", _entry(rows, result.first_divergence)
-    if divergent is not None and (culprit is None or rows[divergent].status not in MEASURED):
-        kind = "structural difference" if rows[divergent].status not in MEASURED else "NaN/Inf difference"
-        return kind, _entry(rows, divergent)
-    if culprit is not None:
-        c, local = culprit, result.culprit_local
-        return "culprit", {
-            "index": c.index, "module": c.module, "call": c.call, "phase": c.phase, "tensor": c.tensor,
-            "entry_status": "local_error", "reason": c.reason, "rel_l2": c.local_rel_l2,
-            "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine, **_nonfinite_counts(local.metrics)}
-    if result.unexplained:
-        i, why = result.unexplained[0]
-        return "unexplained entry", {**_entry(rows, i), "reason": why}
-    return "loss", {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
-                    "entry_status": "diverged", "reason": result.loss_reason, "rel_l2": None, "max_abs": None,
-                    "cosine": None}
+def _named(result: CompareResult, finding: Finding) -> dict[str, Any]:
+    """The entry the verdict names for its strongest finding: a row (with the finding's reason when no probe
+    explains it), the culprit's own error, or the loss."""
+    if finding.kind == "culprit":
+        local = finding.local
+        return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
+                "tensor": local.tensor, "entry_status": "local_error", "reason": finding.reason,
+                "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
+                **_nonfinite_counts(local.metrics)}
+    if finding.kind == "loss":
+        return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
+                "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
+    entry = _entry(result.rows, finding.entry)
+    return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
 
 
-def _culprit(result: CompareResult) -> Optional[Culprit]:
-    local = result.culprit_local
-    if local is None:
-        return None
-    key = local.row_key
-    index = next((i for i, r in enumerate(result.rows) if (r.module, r.call, r.phase, r.tensor) == key), None)
-    numbers = _culprit_numbers(local)
-    return Culprit(local.module, local.call, local.phase, local.tensor, index, local.rel_l2, local.expected,
-                   local.ratio, local.calibrated, local.metrics.num_mismatch, _own_error(numbers))
+def _culprit(finding: Finding) -> Culprit:
+    local = finding.local
+    return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.rel_l2, local.expected,
+                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason)
 
 
-def _culprit_numbers(local: LocalResult) -> dict[str, Any]:
-    return {"tensor": local.tensor, "local_rel_l2": local.rel_l2, "expected": local.expected, "ratio": local.ratio,
-            "nan_mismatch": local.metrics.num_mismatch}
+def culprit_reason(local: LocalResult) -> str:
+    """Why a call's own result is blamed, in the verdict's words (its row's reason when flagged inside tolerance)."""
+    return _own_error(local.tensor, local.rel_l2, local.ratio, local.expected, local.metrics.num_mismatch)
 
 
 def _nonfinite_counts(m) -> dict[str, int]:
@@ -313,62 +349,66 @@ class Sentences(NamedTuple):
     details: list[str]
 
 
-def render(v: dict) -> Sentences:
-    """The words for a verdict dict (`Verdict.as_dict()`, or the `verdict` of a saved JSON report): the terminal,
+def render(v: Verdict) -> Sentences:
+    """The words for a verdict (decided, or rebuilt from a saved JSON report by `Verdict.from_dict`): the terminal,
     HTML and TensorBoard all print these, so they say the same."""
     title, reason = _headline(v)
     return Sentences(title, reason, _details(v))
 
 
-def _headline(v: dict) -> tuple[str, str]:
-    status, basis, n = v.get("status"), v.get("basis"), v.get("num_entries")
-    if status == "match" and basis == "local_error":
+def _headline(v: Verdict) -> tuple[str, str]:
+    where, n = v.where, v.num_entries
+    if v.status == "match" and v.basis == "local_error":
         return _local_match(v)
-    if status == "match":
-        return f"MATCH: all {n} entries within tolerance (largest rel_l2 {num(v.get('largest_rel_l2')) or 0:.2e})", ""
-    if status == "inconclusive":
+    if v.status == "match":
+        return f"MATCH: all {n} entries within tolerance (largest rel_l2 {num(v.largest_rel_l2) or 0:.2e})", ""
+    if v.status == "inconclusive":
         return ("INCONCLUSIVE: no call's own error could be measured",
-                f"the recording has local data but no local result; {len(v.get('unprobed') or [])} calls could not "
+                f"the recording has local data but no local result; {len(v.unprobed)} calls could not "
                 f"be probed and the {n} entries were only checked for error growth: not a pass")
-    if v.get("entry_status") == "local_error" and v.get("culprit"):
-        c = v["culprit"]
-        return f"DIVERGED: culprit {entry_name(c)}{_at(c)}", _own_error(c)
-    if basis == "unattributed":
-        if v.get("module") is None:
-            return "DIVERGED (unattributed)", f"no call's own code is to blame, but {v.get('reason')}"
-        return (f"DIVERGED (unattributed) at {entry_name(v)}",
-                f"no call's own code is to blame, but this entry's {v.get('reason')}")
-    if v.get("focus") == "loss":
-        return "DIVERGED at the loss", str(v.get("reason") or "")
-    return f"DIVERGED at {entry_name(v)}", _numbers(v)
+    if where.get("entry_status") == "local_error" and v.culprit:
+        return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
+    if v.basis == "unattributed":
+        if where.get("module") is None:
+            return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
+        return (f"DIVERGED (unattributed) at {entry_name(where)}",
+                f"no call's own code is to blame, but this entry's {where.get('reason')}")
+    if v.focus == "loss":
+        return "DIVERGED at the loss", str(where.get("reason") or "")
+    return f"DIVERGED at {entry_name(where)}", _numbers(where)
 
 
-def _at(item: dict) -> str:
-    return "" if item.get("index") is None else f" (#{item['index']})"
+def _at(c: Culprit) -> str:
+    return "" if c.index is None else f" (#{c.index})"
 
 
-def _local_match(v: dict) -> tuple[str, str]:
-    worst = v.get("worst_local") or {}
+def _local_match(v: Verdict) -> tuple[str, str]:
+    worst = v.worst_local or {}
     title = f"MATCH: no call's own error exceeds its expected noise x{num(worst.get('factor')) or 4:g}"
-    parts = [f"{v.get('num_local')} tensors judged, highest ratio {num(worst.get('ratio')) or 0:.1f}x at "
+    parts = [f"{v.num_local} tensors judged, highest ratio {num(worst.get('ratio')) or 0:.1f}x at "
              f"{entry_name(worst)}"]
-    if v.get("num_drift"):
-        parts.append(f"{v['num_drift']} of {v.get('num_entries')} entries are outside tolerance: accumulated "
+    if v.num_drift:
+        parts.append(f"{v.num_drift} of {v.num_entries} entries are outside tolerance: accumulated "
                      f"drift, which this verdict does not rest on")
-    if v.get("unprobed"):
-        parts.append(f"{len(v['unprobed'])} calls not probed, judged by error growth only")
+    if v.unprobed:
+        parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
     return title, "; ".join(parts)
 
 
-def _own_error(c: dict) -> str:
+def _blamed(c: Culprit) -> str:
+    return _own_error(c.tensor, c.local_rel_l2, c.ratio, c.expected, c.nan_mismatch)
+
+
+def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], expected: Optional[float],
+               nan_mismatch: Optional[int]) -> str:
     """Why a call's own result is blamed: its error against its expected noise, or NaN/Inf it made."""
-    if c.get("nan_mismatch"):
-        return (f"{c['nan_mismatch']} NaN/Inf at other positions (or with another sign) than in the reference, "
+    if nan_mismatch:
+        return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
                 f"given the same inputs")
-    tensor = str(c.get("tensor"))
+    tensor = str(tensor)
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
-    return (f"{own} error rel_l2 {_sci(c.get('local_rel_l2'))}, on the reference's inputs, is "
-            f"{num(c.get('ratio')) or 0:.1f}x its expected noise {_sci(c.get('expected'))}")
+    return (f"{own} error rel_l2 {_sci(rel_l2)}, on the reference's inputs, is "
+            f"{num(ratio) or 0:.1f}x its expected noise {_sci(expected)}")
 
 
 def _sci(value: Any) -> str:
@@ -403,18 +443,17 @@ def _numbers(e: dict) -> str:
     return numbers
 
 
-def _details(v: dict) -> list[str]:
-    lines = [v["hint"]] if v.get("hint") else []
-    if v.get("nan_origin"):
-        lines.append(f"NaN/Inf origin: {entry_name(v['nan_origin'])} (its inputs are finite)")
-    culprit = v.get("culprit")
-    if culprit and v.get("entry_status") != "local_error":
-        lines.append(f"Culprit: {entry_name(culprit)}{_at(culprit)}: {_own_error(culprit)}")
+def _details(v: Verdict) -> list[str]:
+    lines = [v.hint] if v.hint else []
+    if v.nan_origin:
+        lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
+    if v.culprit and v.where.get("entry_status") != "local_error":
+        lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
     lines.append(_basis_line(v))
-    if v.get("basis") != "first_divergence":
+    if v.basis != "first_divergence":
         lines += _local_lines(v)
-    if v.get("first_divergence") and v.get("basis") != "first_divergence":  # that basis line names it already
-        lines.append(_first_divergence_line(v["first_divergence"]))
+    if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
+        lines.append(_first_divergence_line(v.first_divergence))
     return lines
 
 
@@ -428,29 +467,29 @@ def _first_divergence_line(first: dict) -> str:
             f"tolerance{drift}")
 
 
-def _basis_line(v: dict) -> str:
-    if v.get("basis") == "first_divergence":
-        at = "" if v.get("index") is None else f", #{v['index']}"
+def _basis_line(v: Verdict) -> str:
+    if v.basis == "first_divergence":
+        at = "" if v.where.get("index") is None else f", #{v.where['index']}"
         return (f"basis: first divergence in causal order{at} (no per-layer local data: record the target with "
                 f"--replay, or --against cpu, to judge each call's own error)")
-    kind = "teacher-forced replay" if v.get("local_kind") == "teacher_forced" else "recomputation on the CPU in float32"
-    return (f"basis: each call's own error ({kind}): {v.get('num_local')} tensors of {v.get('num_local_calls')} calls "
-            f"judged, {v.get('num_flagged')} above their expected noise")
+    kind = "teacher-forced replay" if v.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
+    return (f"basis: each call's own error ({kind}): {v.num_local} tensors of {v.num_local_calls} calls "
+            f"judged, {v.num_flagged} above their expected noise")
 
 
-def _local_lines(v: dict) -> list[str]:
+def _local_lines(v: Verdict) -> list[str]:
     """The culprit's surroundings and what no probe saw."""
     lines = []
-    if v.get("culprit_includes"):
-        names = ", ".join(f"{u['module']}@{u['call']}" for u in v["culprit_includes"])
+    if v.culprit_includes:
+        names = ", ".join(f"{u['module']}@{u['call']}" for u in v.culprit_includes)
         lines.append(f"the culprit's rerun includes {names}, which could not be probed alone (see below): the "
                      f"difference may be there")
-    chain = v.get("chain") or []
+    chain = v.chain
     if len(chain) > 1:
         outer = " < ".join(f"{c['module']}@{c['call']}" for c in chain[1:])
         within = not any(c["flagged"] for c in chain[1:])
         lines.append(f"inside: {outer}" + (" (their own code is within noise)" if within else ""))
-    unprobed = v.get("unprobed") or []
+    unprobed = v.unprobed
     if unprobed:
         shown = "; ".join(f"{u['module']}@{u['call']}: {u['reason']}" for u in unprobed[:3])
         more = f"; {len(unprobed) - 3} more in the JSON report" if len(unprobed) > 3 else ""

@@ -1,10 +1,10 @@
 """`oneiter compare --html FILE`: the comparison as one self-contained HTML page, to look at instead of read.
 
-Sits after the engine and `report.to_json`: its only input is the JSON document (`to_json(result)`), so a saved
-`--json` report can be rendered again later. The page holds, top to bottom:
+Sits after the engine and `CompareResult.to_json`: its only input is the JSON document (`result.to_json()`), so a
+saved `--json` report can be rendered again later. The page holds, top to bottom:
 
 - the verdict banner (green match / red divergence / amber inconclusive): the verdict's headline and details in
-  the words of the terminal report (`judge.verdict.render` of the document's `verdict`);
+  the words of the terminal report (the document's `verdict` rebuilt by `judge.verdict.Verdict.from_dict`);
 - both runs' metadata and the per-status counts;
 - an error-vs-depth plot (inline SVG drawn here, no JavaScript library): x is the causal position (the `#` of the
   table), y is rel_l2 on a log scale, one colour per phase; the dashed line is each row's rtol; exact zeros sit on
@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from oneiter.judge.engine import PHASES, CompareResult
-from oneiter.judge.verdict import entry_name, num, render
-from oneiter.report.terminal import json_ready
+from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
 
 __all__ = [
-    "write_html", "render_html", "render_svg", "as_document", "verdict_lines", "table_indices", "num", "entry_name",
-    "find_row", "focus_row", "first_divergence", "PHASE_COLORS",
+    "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
+    "entry_name", "find_row", "focus_row", "first_divergence", "culprit_row", "PHASE_COLORS",
 ]
 
 PHASE_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "param_grad": "#2ca02c", "optimizer": "#9467bd"}
@@ -53,11 +52,11 @@ Document = dict[str, Any]
 
 # -- reading the JSON document (shared with report.tensorboard) --------------------------------------------------------------
 def as_document(result: Union[CompareResult, Document]) -> Document:
-    """The JSON document of a comparison: `report.to_json(result)` for a CompareResult, a dict as it is."""
+    """The JSON document of a comparison: `result.to_json()` for a CompareResult, a dict as it is."""
     if isinstance(result, CompareResult):
         return result.to_json()
     if not isinstance(result, dict) or "rows" not in result or "verdict" not in result:
-        raise TypeError(f"expected a CompareResult or the dict of report.to_json, got {type(result).__name__}")
+        raise TypeError(f"expected a CompareResult or the dict of CompareResult.to_json, got {type(result).__name__}")
     return result
 
 
@@ -75,15 +74,25 @@ def find_row(doc: Document, item: Optional[dict]) -> Optional[int]:
     return found
 
 
+def verdict_of(doc: Document) -> Verdict:
+    """The document's verdict as the typed object the terminal renders (`Verdict.from_dict`)."""
+    return Verdict.from_dict(doc["verdict"])
+
+
 def focus_row(doc: Document) -> Optional[int]:
     """The row the verdict names (the culprit's, or the divergent entry's); None on a match."""
-    verdict = doc["verdict"]
-    return find_row(doc, verdict) if verdict.get("status") == "diverged" else None
+    verdict = verdict_of(doc)
+    return find_row(doc, verdict.entry) if verdict.status == "diverged" else None
 
 
 def first_divergence(doc: Document) -> Optional[int]:
     """The first entry outside tolerance in causal order: not the culprit, which may come much later."""
-    return find_row(doc, doc["verdict"].get("first_divergence"))
+    return find_row(doc, verdict_of(doc).first_divergence)
+
+
+def culprit_row(doc: Document, verdict: Verdict) -> Optional[int]:
+    """The culprit's row (None: no culprit, or no row of this document is it)."""
+    return find_row(doc, verdict.culprit.as_dict()) if verdict.culprit else None
 
 
 def _sci(value: Any) -> str:
@@ -94,8 +103,8 @@ def _sci(value: Any) -> str:
 def verdict_lines(doc: Document) -> list[str]:
     """The verdict as sentences (`judge.verdict.render`, as the terminal prints them): headline, the numbers,
     then hint, NaN/Inf origin, culprit, basis, chain, unprobed calls and the first divergence."""
-    title, reason, details = render(doc["verdict"])
-    return [title, *([reason] if reason else []), *details]
+    verdict = verdict_of(doc)
+    return [verdict.title, *([verdict.reason] if verdict.reason else []), *verdict.details]
 
 
 def table_indices(doc: Document, limit: int = TABLE_ROWS) -> tuple[list[int], str]:
@@ -109,9 +118,10 @@ def table_indices(doc: Document, limit: int = TABLE_ROWS) -> tuple[list[int], st
         return sorted(top), f"the {limit} rows with the largest rel_l2 of {num_rows}"
     start = max(0, min(focus - ROWS_BEFORE, num_rows - limit))
     chosen = set(range(start, start + limit))
-    what = f"the {doc['verdict'].get('focus') or 'divergence'} (#{focus})"
+    verdict = verdict_of(doc)
+    what = f"the {verdict.focus or 'divergence'} (#{focus})"
     note = f"{limit} of {num_rows} rows around {what}"
-    culprit = find_row(doc, doc["verdict"].get("culprit"))
+    culprit = culprit_row(doc, verdict)
     if culprit is not None and culprit not in chosen:
         chosen |= set(range(max(0, culprit - 5), min(num_rows, culprit + 6)))
         note = f"{len(chosen)} of {num_rows} rows around {what} and the culprit (#{culprit})"
@@ -260,15 +270,15 @@ def render_svg(doc: Document) -> str:
 
 
 def _markers(ax: _Axes, doc: Document) -> list[str]:
-    verdict, out = doc["verdict"], []
+    verdict, out = verdict_of(doc), []
     first = first_divergence(doc)
     if first is not None:
         out.append(_marker(ax, doc, first, f"first divergence #{first}", "first-divergence-marker",
                            y_label=ax.H - ax.BOTTOM - 8))
-    nan = find_row(doc, verdict.get("nan_origin"))
+    nan = find_row(doc, verdict.nan_origin)
     if nan is not None:
         out.append(_marker(ax, doc, nan, f"NaN/Inf origin #{nan}", "nan-origin-marker", y_label=ax.TOP + 44))
-    culprit = find_row(doc, verdict.get("culprit"))
+    culprit = culprit_row(doc, verdict)
     if culprit is not None:
         name = entry_name(doc["rows"][culprit])
         out.append(_marker(ax, doc, culprit, f"culprit #{culprit}: {name}", "culprit-marker", y_label=ax.TOP + 28,
@@ -310,7 +320,7 @@ def _cell(row: dict, key: str, kind: str) -> str:
 
 def _table(doc: Document, columns: list[tuple[str, str, str]]) -> str:
     indices, note = table_indices(doc)
-    first, culprit = first_divergence(doc), find_row(doc, doc["verdict"].get("culprit"))
+    first, culprit = first_divergence(doc), culprit_row(doc, verdict_of(doc))
     head = "".join(f"<th title='sort'>{_esc(h)}</th>" for h, _, _ in columns)
     body, last = [], None
     for i in indices:
@@ -352,7 +362,7 @@ def _legend(doc: Document) -> str:
     if any(isinstance(r.get("local"), dict) for r in doc["rows"]):
         keys.append(f"<span><i class='diamond' style='background:{LOCAL_COLOR}'></i>local error (layer alone)</span>")
         keys.append(f"<span><i class='dot' style='border-color:{NOISE_COLOR}'></i>expected noise</span>")
-    if doc["verdict"].get("status") != "match":
+    if verdict_of(doc).status != "match":
         keys.append(f"<span><i class='ring' style='border-color:{MARK_COLOR}'></i>first divergence / culprit</span>")
     keys.append("<span>hollow points: exactly 0 (bottom band) or NaN/Inf (top band)</span>")
     return "<p class='legend'>" + "".join(keys) + "</p>"
@@ -368,8 +378,9 @@ def _embedded(doc: Document) -> str:
 def render_html(result: Union[CompareResult, Document]) -> str:
     """The whole page as a string."""
     doc = as_document(result)
-    title, reason, details = render(doc["verdict"])
-    status = doc["verdict"].get("status") if doc["verdict"].get("status") in _BANNERS else "diverged"
+    verdict = verdict_of(doc)
+    title, reason, details = verdict.title, verdict.reason, verdict.details
+    status = verdict.status if verdict.status in _BANNERS else "diverged"
     has_local = any(isinstance(r.get("local"), dict) for r in doc["rows"])
     columns = COLUMNS + (LOCAL_COLUMNS if has_local else []) + TAIL_COLUMNS
     key = ("Culprit", "NaN/Inf origin")  # the lines that say where to look
@@ -385,7 +396,7 @@ def render_html(result: Union[CompareResult, Document]) -> str:
 
 
 def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path]) -> Path:
-    """Write the report page for `result_json` (the dict of `report.to_json`, or a CompareResult) to `path`."""
+    """Write the report page for `result_json` (the dict of `CompareResult.to_json`, or a CompareResult) to `path`."""
     from oneiter.report.atomic import write_text_atomic
 
     path = Path(path)

@@ -1,6 +1,6 @@
 """`oneiter compare --tensorboard DIR`: the comparison as TensorBoard curves, histograms and a text verdict.
 
-Sits after the engine and `report.to_json` (its input is the JSON document, or a CompareResult); the recordings are
+Sits after the engine and `CompareResult.to_json` (its input is the JSON document, or a CompareResult); the recordings are
 opened again only to read the tensors of the divergent rows for the histograms. Written with tensorboard's own
 event writer and protos: neither TensorFlow nor torch is imported. What lands in DIR:
 
@@ -12,7 +12,7 @@ event writer and protos: neither TensorFlow nor torch is imported. What lands in
   ratio (the JSON rows' ``local``).
 - ``error/<module>@<call>/<phase>/<tensor>`` (histograms) the elementwise error target - reference (finite
   elements, in float64) of the first `max_histograms` divergent rows, at the row's step.
-- ``verdict`` (text) the verdict in the words of the terminal and HTML reports (`judge.verdict.render`).
+- ``verdict`` (text) the verdict in the words of the terminal and HTML reports (`judge.verdict.Verdict.from_dict`).
 
 One comparison per DIR: TensorBoard merges every event file of a folder into one run, so a second comparison
 written into the same folder mixes its curves with the first (a warning says so). Use DIR/<name> per comparison
@@ -30,10 +30,10 @@ from typing import Optional, Union
 import numpy as np
 
 from oneiter.format.layout import IterationFile
-from oneiter.judge.engine import PHASES, CompareResult
-from oneiter.judge.verdict import entry_name, num, render
-from oneiter.report.html import Document, as_document, find_row
 from oneiter.format.numbers import flat_numbers
+from oneiter.judge.engine import PHASES, CompareResult
+from oneiter.judge.verdict import entry_name, num
+from oneiter.report.html import Document, as_document, culprit_row, find_row, verdict_of
 
 __all__ = ["write_tensorboard", "MAX_HISTOGRAMS", "NUM_BINS"]
 
@@ -52,7 +52,7 @@ def write_tensorboard(
 ) -> Path:
     """Write the comparison into `log_dir` (created) as one event file; returns the event file's path.
 
-    `result` is a CompareResult or the dict of `report.to_json`. `ref_path`/`tgt_path` are the recordings the
+    `result` is a CompareResult or the dict of `CompareResult.to_json`. `ref_path`/`tgt_path` are the recordings the
     histograms read (default: the paths the result names); histograms are left out when `max_histograms` is 0.
     """
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
@@ -124,7 +124,8 @@ def _histogram(tag: str, values: np.ndarray):
 
 # -- content --------------------------------------------------------------------------------------------------------
 def _verdict_markdown(doc: Document) -> str:
-    title, reason, details = render(doc["verdict"])
+    verdict = verdict_of(doc)
+    title, reason, details = verdict.title, verdict.reason, verdict.details
     runs = [f"- {label}: `{doc.get(label, '')}` "
             + ", ".join(f"{k} {v}" for k, v in doc.get("meta", {}).get(label, {}).items() if v not in (None, ""))
             for label in ("reference", "target")]
@@ -149,7 +150,8 @@ def _write_histograms(writer, doc: Document, ref_path, tgt_path, *, limit: int) 
     """Elementwise target - reference of up to `limit` measured rows outside tolerance (diverged or drift): the
     culprit and the NaN/Inf origin (when the document names them), then the rest in causal order; a tensor stored
     once under two names (a layer's output is the next one's input) gets one histogram."""
-    named = [find_row(doc, doc["verdict"].get(k)) for k in ("culprit", "nan_origin")]
+    verdict = verdict_of(doc)
+    named = [culprit_row(doc, verdict), find_row(doc, verdict.nan_origin)]
     order = [i for i in named if i is not None] + list(range(len(doc["rows"])))
     seen, done = set(), 0
     with IterationFile(ref_path) as ref, IterationFile(tgt_path) as tgt:

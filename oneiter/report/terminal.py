@@ -34,7 +34,6 @@ gets a line of its own.
 from __future__ import annotations
 
 import csv
-import math
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -45,7 +44,7 @@ from rich.text import Text
 
 from oneiter.judge.engine import CompareResult, Row, nan_inf_text
 
-__all__ = ["to_json", "json_ready", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
+__all__ = ["to_json", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
            "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
@@ -81,42 +80,10 @@ def _sci(value: Optional[float]) -> str:
 
 
 # -- JSON / CSV -----------------------------------------------------------------------------------------------------
-def json_ready(value: Any) -> Any:
-    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (float() reads them back)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
-
-
-def _row_dict(result: CompareResult, index: int) -> dict[str, Any]:
-    """One row for JSON and CSV: index, key, status, role (what the row is to the verdict), NaN/Inf, metrics."""
-    data = result.rows[index].as_dict()
-    role = " ".join(result.verdict_obj.roles(index))
-    head = {k: data.pop(k) for k in ("module", "call", "phase", "tensor", "status")}
-    return {"index": index, **head, "role": role, **data}
-
-
 def to_json(result: CompareResult) -> dict[str, Any]:
-    """The machine-readable report: verdict, inputs, per-status counts and every row in causal order."""
-    rows = [{**_row_dict(result, i), "local": _local_dict(result, row)} for i, row in enumerate(result.rows)]
-    return json_ready({
-        "verdict": result.verdict(),
-        "reference": result.reference,
-        "target": result.target,
-        "meta": {"reference": result.meta_reference, "target": result.meta_target},
-        "loss": result.loss,
-        "counts": result.counts(),
-        "rows": rows,
-    })
-
-
-def _local_dict(result: CompareResult, row: Row) -> Optional[dict[str, Any]]:
-    local = result.local_for(row)
-    return None if local is None else local.as_dict()
+    """The machine-readable report: verdict, inputs, per-status counts and every row in causal order; the result
+    builds it (`CompareResult.to_json`), this module writes it and the CSV."""
+    return result.to_json()
 
 
 def write_csv(result: CompareResult, path: str | Path) -> None:
@@ -124,7 +91,7 @@ def write_csv(result: CompareResult, path: str | Path) -> None:
     the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics."""
     from oneiter.report.atomic import atomic_output
 
-    rows = [_row_dict(result, i) for i in range(len(result.rows))]
+    rows = [result.row_dict(i) for i in range(len(result.rows))]
     with atomic_output(path, errors="backslashreplace", newline="") as fh:  # whole or not at all
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])
         writer.writeheader()

@@ -228,7 +228,7 @@ def test_local_data_with_no_local_result_is_inconclusive_not_a_match(outputs):
     out = outputs["bf16"]
     result = compare_files(out["ref"], out["tgt"])
     assert result.status == "match" and result.exit_code == 0
-    empty = dataclasses.replace(result, local=[], culprit_local=None, chain=[], unexplained=[], loss_reason=None)
+    empty = dataclasses.replace(result, local=[], findings=[], chain=[])
     verdict = decide(empty)
     assert (verdict.status, verdict.exit_code) == ("inconclusive", 2)
     assert verdict.headline.startswith("INCONCLUSIVE: no call's own error could be measured: ")

@@ -1,0 +1,30 @@
+"""The terminal report of a multi-rank comparison (`judge.ranks.RankedResult`): the overall verdict, one line per
+rank, then the full report (`report.terminal.print_report`) of each rank that did not match."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.text import Text
+
+from oneiter.judge.ranks import RankedResult
+from oneiter.report.terminal import print_report, safe_text
+
+__all__ = ["print_ranked"]
+
+_STYLES = {"match": "green", "diverged": "red", "inconclusive": "yellow"}
+
+
+def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = False) -> None:
+    """Overall verdict, one line per rank, then the full report of each rank that did not match (every rank with
+    show_all)."""
+    overall = ranked.verdict_obj
+    console.print(Text(safe_text(overall.headline), style="bold " + _STYLES[overall.status]))
+    for rank, result in ranked.results.items():
+        console.print(Text(safe_text(f"rank {rank:<3} {result.verdict_obj.headline}"), style=_STYLES[result.status]))
+    if overall.note:
+        console.print(Text(safe_text(overall.note), style="yellow"))
+    for rank, result in ranked.results.items():
+        if show_all or result.status != "match":
+            title = safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --")
+            console.print(Text("\n" + title, style="bold"))
+            print_report(console, result, show_all=show_all)

@@ -48,20 +48,11 @@ LAZY = {
                                                                 "is there at install)",
     ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
                                                         "paid only when a built-in model is named",
-    # not yet moved to the top: record/, report/, integrations/ and judge/engine.py are other parts of issue 19
-    ("oneiter/integrations/_mmengine_profiler.py", "oneiter.profile.session"): "not yet moved",
-    ("oneiter/judge/engine.py", "oneiter.report.terminal"): "not yet moved (an upward edge as well)",
-    ("oneiter/record/capture.py", "oneiter.format.stats"): "not yet moved",
-    ("oneiter/record/faults.py", "oneiter.record"): "not yet moved",
-    ("oneiter/record/probe.py", "oneiter.record.randomness"): "not yet moved",
-    ("oneiter/record/recorder.py", "oneiter.format"): "not yet moved",
-    ("oneiter/record/recorder.py", "oneiter.record"): "not yet moved",
-    ("oneiter/record/recorder.py", "oneiter.runtime"): "not yet moved",
-    ("oneiter/record/recorder.py", "oneiter.version"): "not yet moved",
-    ("oneiter/record/run.py", "oneiter.record"): "not yet moved",
-    ("oneiter/record/run.py", "oneiter.runtime"): "not yet moved",
-    ("oneiter/report/html.py", "oneiter.report.atomic"): "not yet moved",
-    ("oneiter/report/terminal.py", "oneiter.report.atomic"): "not yet moved",
+    # `oneiter.Recorder` (and the options it takes) load without torch: what needs torch loads when a block runs
+    ("oneiter/record/recorder.py", "oneiter.record.probe"): "imports torch; loaded when a replay's block starts",
+    ("oneiter/record/recorder.py", "oneiter.record.fallback"): "imports torch; loaded only with fallback=",
+    ("oneiter/record/recorder.py", "oneiter.record.randomness"): "imports torch; loaded when a block starts",
+    ("oneiter/record/options.py", "oneiter.record.fallback"): "imports torch; only fallback= patterns need it",
 }
 
 

@@ -30,6 +30,7 @@ from mmengine.registry import HOOKS
 from oneiter.errors import OneIterError
 from oneiter.profile.runner import ProfileOptions
 from oneiter.profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
+from oneiter.profile.session import ProfileSession
 from oneiter.profile.summary import prepare_out_dir, write_summary
 from oneiter.profile.tables import MEMORY_SORTS
 
@@ -107,8 +108,7 @@ class OneIterProfilerHook(Hook):
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
-        from oneiter.profile.session import ProfileSession
-
+    
         remaining = runner.max_iters - runner.iter
         if self.schedule.num_steps > remaining:
             raise ValueError(

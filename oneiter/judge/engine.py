@@ -1,7 +1,7 @@
 """The comparison engine behind `oneiter compare`: two recordings in, one row per entry and a verdict out.
 
 Sits between the file reader (`oneiter.format.layout.IterationFile`, the only code that knows the HDF5 layout) and the
-presentation (`report.py`, the CLI). Steps:
+presentation (`oneiter.report`, the CLI). Steps:
 
 1. open both files and refuse pairs that cannot be compared (another model, other parameter names);
 2. pair entries by (module path, call index, phase, tensor name) — never by position, so one extra call on one

@@ -3,7 +3,7 @@
 - `run.py`        `record(SpecOptions)`: a model spec recorded end to end (what `oneiter record` runs)
 - `session.py`    `RecordingSession`: writer, tensor sink and module hooks of one iteration; `atomic_output`
 - `capture.py`    module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
-- `structure.py`  flattening of nested call arguments into named tensors (names: `oneiter.format.names`)
+- `structure.py`  flattening of nested call arguments into named tensors (the names: `oneiter.format.schema`)
 - `reference.py`  load a reference's weights and batch into a model, after a structure check
 - `randomness.py` random ops recorded on the reference, replayed on the target
 - `options.py`    `RecordOptions`: a recording's settings, checked once (Recorder, `record()`, the integrations)

@@ -1,6 +1,6 @@
 """`--fallback REGEX[,REGEX]`: run the matching torch functions on the CPU in float32, to confirm a suspect op.
 
-Where this sits: `record.py` wraps a target iteration (forward and backward) in an `OpFallback`. It follows DIPU's
+Where this sits: `recorder.py` (the Recorder) wraps a target iteration (forward and backward) in an `OpFallback`. It follows DIPU's
 `DIPU_FORCE_FALLBACK_OPS_LIST` convention: comma-separated regexes, each matched against a whole op name
 (`re.fullmatch`), so `convolution` or `conv.*`, not `conv`. Example: `--fallback convolution --amp bf16` makes every
 conv layer compute in float32 on the CPU, so each conv's local error drops to float32 rounding; if the divergence

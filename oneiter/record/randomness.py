@@ -1,13 +1,13 @@
 """Random ops recorded on the reference and replayed on the target, so dropout compares exactly across RNGs.
 
-Where this sits: `record.py` wraps the reference iteration's forward and backward in a `RandomRecorder`, a
+Where this sits: `recorder.py` (the Recorder) wraps the reference iteration's forward and backward in a `RandomRecorder`, a
 `TorchDispatchMode` that lets every aten op run and copies the values each random op produced into the group
 `random/` of the recording. A target run (`--replay`) wraps the same span in a `RandomReplayer`, which lets each
 random op run too (so the target consumes its RNG exactly as it would without oneiter, and shapes, dtypes and
 devices are the target's own) and then overwrites the drawn values with the reference's. Dispatch modes sit below
 autograd and autocast, so both work inside backward and under `torch.autocast`.
 
-Layout (the group name is `format.layout.RANDOM`)::
+Layout (the group name is `format.schema.RANDOM`)::
 
     /random                    attrs num_ops, ops (full op names, in execution order)
     /random/<index:05d>        the values of a single-output random op; attrs op, index, output

@@ -115,7 +115,7 @@ class Recorder:
         calibrate: where expected noise is measured: "cpu" (float64 vs the run's precision) or "device".
         against: "cpu": no reference; judge each call against a float32 CPU recomputation of this run's values.
         random_replay: with `replay`, random ops take the reference's values.
-        fallback: regexes of aten ops run on the CPU in float32 (see docs/fallback.md).
+        fallback: regexes of aten ops run on the CPU in float32 (README: `--fallback`).
         force: overwrite `out` if it exists (never the `replay` file itself).
         name: the file's `model` attribute (default: the reference's on replay, else the model's class name).
         meta: more root attributes (JSON-able scalars), e.g. what built the model.

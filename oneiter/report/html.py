@@ -29,6 +29,7 @@ from typing import Any, Optional, Union
 
 from oneiter.judge.engine import PHASES, CompareResult
 from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
+from oneiter.report.atomic import write_text_atomic
 
 __all__ = [
     "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
@@ -397,7 +398,6 @@ def render_html(result: Union[CompareResult, Document]) -> str:
 
 def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path]) -> Path:
     """Write the report page for `result_json` (the dict of `CompareResult.to_json`, or a CompareResult) to `path`."""
-    from oneiter.report.atomic import write_text_atomic
 
     path = Path(path)
     write_text_atomic(path, render_html(result_json))  # whole or not at all

@@ -43,6 +43,7 @@ from rich.table import Table
 from rich.text import Text
 
 from oneiter.judge.engine import CompareResult, Row, nan_inf_text
+from oneiter.report.atomic import atomic_output
 
 __all__ = ["to_json", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
            "AFTER"]
@@ -89,7 +90,6 @@ def to_json(result: CompareResult) -> dict[str, Any]:
 def write_csv(result: CompareResult, path: str | Path) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
     the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics."""
-    from oneiter.report.atomic import atomic_output
 
     rows = [result.row_dict(i) for i in range(len(result.rows))]
     with atomic_output(path, errors="backslashreplace", newline="") as fh:  # whole or not at all

@@ -45,6 +45,7 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder
 from oneiter.record.reference import check_structure
 from oneiter.record.session import check_output
+from oneiter.runtime.devices import device_type
 from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["OneIterRecordHook", "OneIterProfilerHook"]
@@ -76,15 +77,16 @@ def _optimizers(optim_wrapper) -> list:
     return [optim_wrapper.optimizer]
 
 
-def _amp_dtype(optim_wrapper, device_type: str):
-    """The autocast dtype of an AmpOptimWrapper (None when the run is not mixed precision)."""
+def _amp_dtype(optim_wrapper, type_name: str):
+    """The autocast dtype of an AmpOptimWrapper (None when the run is not mixed precision); without its own
+    dtype, the device table's default (bfloat16 on the CPU, float16 on accelerators: torch's autocast defaults)."""
     import torch
     from mmengine.optim import AmpOptimWrapper
 
     if not isinstance(optim_wrapper, AmpOptimWrapper):
         return None
     dtype = getattr(optim_wrapper, "cast_dtype", None)
-    return dtype or (torch.bfloat16 if device_type == "cpu" else torch.float16)
+    return dtype or getattr(torch, device_type(type_name).autocast_dtype)
 
 
 @HOOKS.register_module()

@@ -2,10 +2,11 @@
 `session.ProfileSession` (which the runner and the mmengine hook drive step by step).
 
 Here live the run's pieces that need no session: the summary head and the option warnings, the profiler's
-activities for a device, the device sync around each timed step, CUDA memory history, and the one trace handler
-`CycleExporter`. Keeping them out of `runner.py` lets the session use them without importing the runner, which
-imports the session: the profile package's imports go one way (steps -> session -> runner). `options` is the run's
-`runner.ProfileOptions` throughout (not imported here, for that reason).
+activities for a device, the device sync around each timed step, the allocator's memory history (both from the
+device table, `runtime/devices.py`), and the one trace handler `CycleExporter`. Keeping them out of `runner.py`
+lets the session use them without importing the runner, which imports the session: the profile package's imports
+go one way (steps -> session -> runner). `options` is the run's `runner.ProfileOptions` throughout (not imported
+here, for that reason).
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from oneiter.profile.schedule import ProfileSchedule
 from oneiter.profile.summary import FORMAT, write_summary
 from oneiter.profile.tables import build_tables, format_memory, format_modules, format_ops
 from oneiter.profile.trace import TRACE_SUFFIX, trace_stem, write_trace
-from oneiter.runtime.devices import device_name
+from oneiter.runtime.devices import (
+    PRIVATEUSE1_SINCE,
+    device_name,
+    device_type,
+    memory_history_api,
+    profiler_activity,
+)
 
 __all__ = ["LARGE_TRACE_BYTES", "CycleExporter", "summary_head", "option_warnings", "activities", "memory_history",
            "sync"]
@@ -52,18 +59,35 @@ def summary_head(options, sched: ProfileSchedule, device) -> dict[str, Any]:
         "options": {k: getattr(options, k) for k in
                     ("record_shapes", "profile_memory", "with_stack", "with_flops", "memory_sort", "module_ranges")},
         "cycles": [], "overhead": None, "notes": _device_notes(device, options.profile_memory),
-        "warnings": [], "files": [],
+        "warnings": _device_warnings(device), "files": [],
     }  # fmt: skip
 
 
 def _device_notes(device, profile_memory: bool) -> list[str]:
-    if device.type == "cuda":
-        if profile_memory:
-            return ["CUDA memory history is recorded: open <trace>.memory_snapshot.pickle at https://pytorch.org/memory_viz"]
-        return ["CUDA memory and the memory-history snapshot are recorded with --profile-memory only"]
     if device.type == "cpu":
         return [f"device '{device}' has no CUDA: CUDA activity, CUDA memory and the memory-history snapshot are skipped"]
-    return [f"device '{device}': torch.profiler records the CPU side only; use the vendor's profiler for device activity"]
+    kind = device.type.upper()
+    if memory_history_api(device.type) is None:
+        return [f"device '{device}' keeps no allocator history oneiter can read: no memory-history snapshot"]
+    if profile_memory:
+        return [f"{kind} memory history is recorded: open <trace>.memory_snapshot.pickle at https://pytorch.org/memory_viz"]
+    return [f"{kind} memory and the memory-history snapshot are recorded with --profile-memory only"]
+
+
+def _device_warnings(device) -> list[str]:
+    """Said once, as a warning, when the profiler can only see the CPU side of an accelerator's run."""
+    if device.type == "cpu" or profiler_activity(device.type) is not None:
+        return []
+    import torch
+
+    name = device_type(device.type).activity
+    if name is None:
+        why = f"oneiter knows no profiler activity for device type '{device.type}'"
+    else:
+        since = f", which torch >= {PRIVATEUSE1_SINCE} has" if name == "PrivateUse1" else ""
+        why = f"this torch {torch.__version__} has no ProfilerActivity.{name}{since}"
+    return [f"device '{device}': torch.profiler records the CPU side only ({why}); "
+            "use the vendor's profiler for device activity"]
 
 
 def option_warnings(options, sched: ProfileSchedule, num_modules: int) -> list[str]:
@@ -86,14 +110,12 @@ def option_warnings(options, sched: ProfileSchedule, num_modules: int) -> list[s
 
 
 def activities(device) -> list:
+    """The CPU's activity and the device's own from the device table (CUDA, XPU, PrivateUse1 for plugins); the
+    summary warns when the device has none in this torch (`_device_warnings`)."""
     from torch.profiler import ProfilerActivity
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    elif device.type == "xpu" and hasattr(ProfilerActivity, "XPU"):
-        activities.append(ProfilerActivity.XPU)
-    return activities
+    own = profiler_activity(device.type)
+    return [ProfilerActivity.CPU] + ([own] if own is not None else [])
 
 
 def sync(device) -> None:
@@ -107,17 +129,17 @@ def sync(device) -> None:
 
 @contextlib.contextmanager
 def memory_history(device, enabled: bool):
-    """Record CUDA allocator history (for the snapshot) while profiling; a no-op elsewhere."""
-    if not (enabled and device.type == "cuda"):
+    """Record the device allocator's history (for the snapshot) while profiling, where the device table says
+    the device keeps one (CUDA, and the plugins mirroring its API); a no-op elsewhere."""
+    memory = memory_history_api(device.type) if enabled else None
+    if memory is None:
         yield
         return
-    import torch
-
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    memory._record_memory_history(max_entries=100_000)
     try:
         yield
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        memory._record_memory_history(enabled=None)
 
 
 class CycleExporter:
@@ -154,12 +176,11 @@ class CycleExporter:
         write_summary(self.out_dir, self.summary)
 
     def _snapshot(self, stem: str) -> str | None:
-        if not (self.options.profile_memory and self.summary["device"].startswith("cuda")):
+        memory = memory_history_api(self.summary["device"].split(":", 1)[0]) if self.options.profile_memory else None
+        if memory is None:
             return None
-        import torch
-
         name = stem + ".memory_snapshot.pickle"
-        torch.cuda.memory._dump_snapshot(str(self.out_dir / name))
+        memory._dump_snapshot(str(self.out_dir / name))
         self.summary["files"].append(name)
         return name
 

@@ -5,7 +5,8 @@ torch.distributed. With several (`torchrun --nproc-per-node N -m oneiter record 
 
 - writes `run.rank<R>.h5` instead of `run.h5` (`rank_path`) and, with `--replay ref.h5`, replays its own
   `ref.rank<R>.h5` (`replay_path`);
-- joins the default process group with the backend of its device type (`BACKENDS`: gloo on the CPU);
+- joins the default process group with the backend of its device type (the `backend` of its row in
+  `devices.DEVICE_TYPES`: gloo on the CPU);
 - builds the model and batch with seed `seed + R`, then runs the iteration through `DistributedDataParallel`
   (`wrap_ddp`): DDP broadcasts rank 0's parameters and buffers when it wraps the model, so every rank starts
   from the same weights while its batch and labels are its own; in backward DDP averages the gradients across
@@ -25,15 +26,12 @@ from pathlib import Path
 from typing import Iterator, Mapping
 
 from oneiter.errors import OneIterError
+from oneiter.runtime.devices import DEVICE_TYPES, device_type
 
 __all__ = [
-    "BACKENDS", "RANK_FILE", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path", "init_process_group",
-    "process_group", "local_device", "wrap_ddp",
+    "RANK_FILE", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path", "init_process_group",
+    "process_group", "local_device", "wrap_ddp", "backend_for",
 ]
-
-# device type -> torch.distributed backend; vendor backends (hccl, cncl) come with the plugin that
-# `devices.resolve_device` imports for that device, never before
-BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "mlu": "cncl"}
 
 # `run.rank3.h5` -> stem `run`, rank 3
 RANK_FILE = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>\d+)\.h5$")
@@ -105,13 +103,16 @@ def replay_path(path: Path, info: RankInfo) -> Path:
     return ranked
 
 
-def _backend(device_type: str) -> str:
-    if device_type not in BACKENDS:
+def backend_for(type_name: str) -> str:
+    """The torch.distributed backend of a device type, from the device table. Vendor backends (hccl, cncl) come
+    with the plugin that `devices.resolve_device` imports for that device, never before."""
+    found = device_type(type_name).backend
+    if found is None:
         raise OneIterError(
-            f"multi-rank recording on device type '{device_type}' is not supported: expected one of "
-            f"{', '.join(BACKENDS)}"
+            f"multi-rank recording on device type '{type_name}' is not supported: expected one of "
+            f"{', '.join(t.name for t in DEVICE_TYPES.values() if t.backend)}"
         )
-    return BACKENDS[device_type]
+    return found
 
 
 def init_process_group(device, info: RankInfo | None = None) -> bool:
@@ -129,7 +130,7 @@ def init_process_group(device, info: RankInfo | None = None) -> bool:
         raise OneIterError("this torch build has no torch.distributed: multi-rank recording needs it")
     if dist.is_initialized():
         return False
-    dist.init_process_group(_backend(device.type), rank=info.rank, world_size=info.world_size)
+    dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size)
     return True
 
 

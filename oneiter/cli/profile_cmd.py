@@ -11,7 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 from oneiter.cli import options as opt
-from oneiter.cli.common import err, fail, handle_errors, out
+from oneiter.cli.common import err, handle_errors, out
+
+DEFAULT_MODEL = "resnet18"  # profiled without --model, so the product card's `oneiter profile --schedule ...` runs
 
 HELP = """Profile training iterations with torch.profiler: a gzip Chrome trace per active cycle, op / memory /
 per-module tables and summary.json in the output directory.
@@ -55,7 +57,7 @@ def _opt(*names: str, help: str):
 @handle_errors
 def profile_command(
     ctx: typer.Context,
-    model: Annotated[Optional[str], _opt("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function.")] = None,
+    model: Annotated[Optional[str], _opt("--model", "-m", help=f"Built-in model name (see `oneiter models`) or path/to/file.py:function (default: the built-in {DEFAULT_MODEL}).")] = None,
     device: opt.Device = "cpu",
     batch_size: opt.BatchSize = 8,
     seed: opt.Seed = 0,
@@ -80,7 +82,9 @@ def profile_command(
     if ctx.invoked_subcommand is not None:
         return
     if model is None:
-        raise fail("--model is required, e.g. oneiter profile --model resnet18 -o prof/")
+        model = DEFAULT_MODEL
+        err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for another)",
+                  markup=False)
     from oneiter.runtime.modelspec import parse_model_args
     from oneiter.profile.runner import ProfileOptions, profile
 

@@ -14,8 +14,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from oneiter.errors import OneIterError
 from oneiter.cli.common import err, handle_errors, out, set_outcome, terminal_text
+from oneiter.errors import OneIterError
 
 __all__ = ["compare", "register"]
 
@@ -106,8 +106,8 @@ def compare(
     suggest: Annotated[bool, typer.Option("--suggest", help="Print the --include that records the first divergence's region in full (after a --level stats screening).")] = False,
 ) -> None:
     """The `compare` command; see HELP."""
-    from oneiter.report import terminal as report
     from oneiter.judge.ranks import is_ranked
+    from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
     outputs = [("--json", json_path), ("--csv", csv_path), ("--html", html_path)]

@@ -27,8 +27,8 @@ def demo_command(
     batch_size: opt.BatchSize = 8,
     fault: Annotated[Optional[str], typer.Option("--fault", help="Module path to break (default: a deep layer).")] = None,
 ) -> None:
-    from oneiter.report.terminal import print_report
     from oneiter.demo import run_demo
+    from oneiter.report.terminal import print_report
 
     demo = run_demo(directory, model=model, batch_size=batch_size, fault=fault, say=err.print)
     print_report(out, demo.result)

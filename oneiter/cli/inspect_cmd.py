@@ -74,8 +74,8 @@ def inspect(file: File, as_json: AsJson = False) -> None:
 
     from rich.text import Text
 
-    from oneiter.report.terminal import print_wide, safe_text
     from oneiter.format.summary import summarize_file
+    from oneiter.report.terminal import print_wide, safe_text
 
     summary = summarize_file(file)
     if as_json:

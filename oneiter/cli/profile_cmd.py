@@ -85,8 +85,8 @@ def profile_command(
         model = DEFAULT_MODEL
         err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for another)",
                   markup=False)
-    from oneiter.runtime.modelspec import parse_model_args
     from oneiter.profile.runner import ProfileOptions, profile
+    from oneiter.runtime.modelspec import parse_model_args
 
     options = ProfileOptions(
         model=model, device=device, batch_size=batch_size, seed=seed, dtype=dtype, amp=amp, threads=threads,

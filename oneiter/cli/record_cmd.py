@@ -54,10 +54,10 @@ def record_command(
     threads: opt.Threads = None,
     force: opt.Force = False,
 ) -> None:
+    from oneiter.cli.progress import live_status
+    from oneiter.record.run import SpecOptions, record
     from oneiter.runtime.distributed import rank_info
     from oneiter.runtime.modelspec import parse_model_args
-    from oneiter.record.run import SpecOptions, record
-    from oneiter.cli.progress import live_status
 
     options = SpecOptions(
         out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,

@@ -34,9 +34,9 @@ from typing import Any, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
-from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 from oneiter.judge.findings import Finding
 from oneiter.judge.metrics import Metrics
+from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
 __all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "PHASE_ORDER"]

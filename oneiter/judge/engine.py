@@ -24,8 +24,8 @@ then compared in float64 with the tolerance of the lower-precision dtype.
 from __future__ import annotations
 
 import contextlib
-import math
 import functools
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,16 +34,32 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
-from oneiter.format.schema import (LOCAL, LOSS, ROOT_MODULE, STATE_AFTER, STATE_BEFORE, natural_key, seq_kind,
-                                   split_call_key)
-from oneiter.runtime.precision import amp_dtype_name
-from oneiter.judge.blame import (LocalResult, NoisePolicy, culprit_chain, find_culprit, local_results, loss_unexplained,
-                    nan_origin, unexplained_rows)
+from oneiter.format.schema import (
+    LOCAL,
+    LOSS,
+    ROOT_MODULE,
+    STATE_AFTER,
+    STATE_BEFORE,
+    natural_key,
+    seq_kind,
+    split_call_key,
+)
+from oneiter.judge.blame import (
+    LocalResult,
+    NoisePolicy,
+    culprit_chain,
+    find_culprit,
+    local_results,
+    loss_unexplained,
+    nan_origin,
+    unexplained_rows,
+)
 from oneiter.judge.findings import Finding, row_findings
 from oneiter.judge.metrics import Metrics, compare_arrays
 from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
 from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, culprit_reason, decide, json_ready, settle_rows
+from oneiter.runtime.precision import amp_dtype_name
 
 __all__ = [
     "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from oneiter.runtime.distributed import RANK_FILE
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import CompareResult, compare_files
 from oneiter.judge.verdict import RankedVerdict, decide_ranked, json_ready
+from oneiter.runtime.distributed import RANK_FILE
 
 __all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks"]
 

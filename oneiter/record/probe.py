@@ -51,7 +51,16 @@ import torch
 import torch.distributed as dist
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BACKWARD, FORWARD, PARAM_GRADS, ROOT_MODULE, STATE_AFTER, LocalRow, group_path, tensor_path
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    PARAM_GRADS,
+    ROOT_MODULE,
+    STATE_AFTER,
+    LocalRow,
+    group_path,
+    tensor_path,
+)
 from oneiter.record.capture import CallRecord
 from oneiter.record.optimizer_rows import optimizer_rows
 from oneiter.record.options import CALIBRATIONS

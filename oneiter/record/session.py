@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
-from oneiter.record.capture import ModuleCapture, TensorSink
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
+from oneiter.record.capture import ModuleCapture, TensorSink
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import h5py
 import pytest
-
 from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,10 @@ import sys
 
 import h5py
 import pytest
-
 from conftest import BUILTIN, FAULT_LAYER, MODEL_FILES, record_small, replay, run_cli
-from oneiter.judge.engine import compare_files
+
 from oneiter.format.layout import IterationFile
+from oneiter.judge.engine import compare_files
 
 
 @pytest.mark.slow

@@ -11,11 +11,11 @@ import threading
 import time
 
 import h5py
+import mutants
 import numpy as np
 import pytest
-
-import mutants
 from conftest import run_cli
+
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 

@@ -15,10 +15,9 @@ import collections
 import faulthandler
 import os
 
+import mutants
 import pytest
 from hypothesis import HealthCheck, given, settings
-
-import mutants
 
 EXAMPLES = {  # 1,045 in all. Small spaces (40 datasets to turn into groups, ...) are given no more than they hold:
     # hypothesis stops a category once its distinct mutations are exhausted

@@ -7,13 +7,12 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from conftest import record_small, replay, run_cli
+
+from oneiter.format import stats
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import decode, tensor_to_numpy
-from oneiter.format import stats
 from oneiter.format.stats import array_stats, tensor_stats
-
 
 _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the same ones every run
 

@@ -10,8 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import oneiter  # noqa: E402
 from conftest import FAULT_ENV, MODEL_FILES  # noqa: E402
+
+import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
 from oneiter.integrations.hf import OneIterCallback  # noqa: E402
 

@@ -16,9 +16,9 @@ from mmengine.runner import Runner  # noqa: E402
 from torch import nn  # noqa: E402
 
 import oneiter.integrations.mmengine as integration  # noqa: E402  (registers the hooks)
-from oneiter.judge.engine import compare_files  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
 from oneiter.format.layout import IterationFile  # noqa: E402
+from oneiter.judge.engine import compare_files  # noqa: E402
 
 
 class ToyNet(BaseModel):

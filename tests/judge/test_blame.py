@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import BUILTIN, FAULT_LAYER, MODEL_FILES, record_small, replay, run_cli
+
+from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import compare_files, compare_local
 from oneiter.judge.tolerance import default_tolerance
-from oneiter.format.layout import IterationFile
 
 
 @pytest.mark.slow

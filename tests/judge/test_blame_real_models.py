@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import MODEL_FILES, record_small, replay, replay_with_fault, run_cli
+
 from oneiter.judge.engine import compare_files
 
 LLAMA = str(MODEL_FILES / "hf_llama.py:build")

@@ -16,12 +16,12 @@ import typer
 from typer.testing import CliRunner
 
 from oneiter.cli import compare_cmd
-from oneiter.judge.engine import compare_files
-from oneiter.judge.metrics import compare_arrays
-from oneiter.report.terminal import to_json
-from oneiter.judge.tolerance import DtypeTolerance, Tolerance, default_tolerance, looser
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
+from oneiter.judge.engine import compare_files
+from oneiter.judge.metrics import compare_arrays
+from oneiter.judge.tolerance import DtypeTolerance, Tolerance, default_tolerance, looser
+from oneiter.report.terminal import to_json
 
 # -- a toy recording ------------------------------------------------------------------------------------------------
 # (module, exec_index, seq_input, seq_output, seq_grad_output, seq_grad_input)

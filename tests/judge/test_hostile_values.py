@@ -9,9 +9,9 @@ import shutil
 import h5py
 import numpy as np
 import pytest
+from conftest import record_small, replay, run_cli
 
 import oneiter
-from conftest import record_small, replay, run_cli
 from oneiter.judge.metrics import compare_arrays
 
 

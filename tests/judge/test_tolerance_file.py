@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_cli
+
 from oneiter.errors import OneIterError
 from oneiter.judge.tolerance_file import load_tolerance_file
 

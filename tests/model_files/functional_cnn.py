@@ -12,7 +12,6 @@ shared block: `shared@1`), `instance:head` (the keyword-called module), `class:B
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from faultkit import apply_fault, fault_scale, patch_functions, undo_faults  # noqa: F401
 
 

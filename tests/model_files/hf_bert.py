@@ -18,9 +18,8 @@ Fault targets (env ONEITER_TEST_FAULT, see faultkit), where they live:
 """
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
-
 from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401
+from transformers import BertConfig, BertForSequenceClassification
 
 
 def build(batch_size, seq_len=8, dropout=0.1, attn="eager", num_labels=3):

@@ -9,9 +9,8 @@ in the root's own code).
 """
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
 from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401
+from transformers import GPT2Config, GPT2LMHeadModel
 
 
 def build(batch_size, seq_len=8, dropout=0.1):

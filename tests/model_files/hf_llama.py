@@ -9,9 +9,8 @@ functional code inside `LlamaAttention.forward`. Faults (`faultkit`, env ONEITER
 """
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401  (undo_faults: for tests recording in one process)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def build(batch_size, seq_len=8, use_cache=False, attn="sdpa", hidden=32, layers=2):

@@ -14,7 +14,6 @@ Fault targets (env ONEITER_TEST_FAULT, see faultkit), where they live:
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from faultkit import apply_fault, fault_scale, patch_functions, undo_faults  # noqa: F401
 
 

@@ -8,7 +8,6 @@ sees it: the verdict must be `unattributed`, never MATCH.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401
 
 

@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import FAULT_ENV, MODEL_FILES, SMALL_ARGS, record_small, run_cli
 
 import oneiter
-from conftest import FAULT_ENV, MODEL_FILES, SMALL_ARGS, record_small, run_cli
 from oneiter.errors import OneIterError
 from oneiter.runtime.modelspec import load_model
 from oneiter.runtime.training import build_optimizer

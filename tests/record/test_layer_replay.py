@@ -8,9 +8,9 @@ import shutil
 import h5py
 import pytest
 import typer
+from conftest import record_small
 from typer.testing import CliRunner
 
-from conftest import record_small
 from oneiter.cli import replay_cmd
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import record_small, replay
+
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS, group_path
 from oneiter.record import optimizer_rows

@@ -12,11 +12,15 @@ from torch import nn
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.format.writer import BackgroundWriter
 from oneiter.record.capture import TensorSink
 from oneiter.record.randomness import (
-    RANDOM, RandomRecorder, RandomReplayer, dropout_with_mask, recorded_random_ops,
+    RANDOM,
+    RandomRecorder,
+    RandomReplayer,
+    dropout_with_mask,
+    recorded_random_ops,
 )
-from oneiter.format.writer import BackgroundWriter
 
 
 class Noisy(nn.Module):

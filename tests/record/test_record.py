@@ -6,8 +6,8 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
 from conftest import MODEL_FILES, SMALL_ARGS, record_small, run_cli
+
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.runtime.modelspec import load_model

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import MODEL_FILES, run_cli
 
 _RECORD = ["-m", "oneiter", "record", "--model", "resnet18", "--model-arg", "image_size=32", "-b", "2"]
@@ -88,8 +87,9 @@ def test_record_refuses_when_the_filesystem_lacks_the_space(tmp_path, monkeypatc
     """Up front: the model's state and gradients the file stores in full; after forward: the whole file."""
     import shutil
 
-    from oneiter.errors import OneIterError
     from conftest import record_small
+
+    from oneiter.errors import OneIterError
 
     real = shutil.disk_usage
     free = {"bytes": 1_000_000, "later": None}

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from oneiter.judge.engine import compare_files
-from oneiter.report.html import find_row, render_html, table_indices, verdict_lines, write_html
-from oneiter.report.terminal import to_json
-from oneiter.report.tensorboard import write_tensorboard
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
+from oneiter.judge.engine import compare_files
+from oneiter.report.html import find_row, render_html, table_indices, verdict_lines, write_html
+from oneiter.report.tensorboard import write_tensorboard
+from oneiter.report.terminal import to_json
 
 CHAIN = ["(root)", "a", "b", "c"]
 PARAMS = ["a.weight", "b.weight", "c.weight", "scale"]  # `scale` belongs to the root module: no dot in its name

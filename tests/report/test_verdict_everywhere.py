@@ -16,9 +16,9 @@ import json
 import re
 
 import pytest
+from conftest import run_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_cli
 from oneiter.judge.engine import compare_files
 from oneiter.judge.verdict import decide
 from oneiter.report.html import render_html

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
-
 from conftest import FAULT_LAYER, run_cli
-from oneiter.judge.ranks import find_rank_files
-from oneiter.runtime.distributed import RankInfo, rank_info, rank_path
+
 from oneiter.errors import OneIterError
-from oneiter.record.faults import Fault, parse_fault
 from oneiter.format.layout import IterationFile
+from oneiter.judge.ranks import find_rank_files
+from oneiter.record.faults import Fault, parse_fault
+from oneiter.runtime.distributed import RankInfo, rank_info, rank_path
 
 FAULT = FAULT_LAYER["resnet18"]
 SMALL = ["--model", "resnet18", "--model-arg", "image_size=32", "--model-arg", "num_classes=10", "--batch-size", "2"]

@@ -18,7 +18,8 @@ from oneiter.record.run import SpecOptions, record
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
 
-DEFAULT_FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
+DEFAULT_FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0",
+                 "llama_tiny": "layers.1.feed_forward.w2"}
 # smaller images than the models' 224 default: the demo's two files stay a few hundred MB (bench/bench_record.py)
 DEMO_ARGS = {"resnet18": {"image_size": 96}, "mobilenet_v2": {"image_size": 96}}
 

@@ -44,7 +44,8 @@ def _frame_owner(filename: str) -> str:
         return "oneiter"
     stdlib = os.path.abspath(sysconfig.get_paths()["stdlib"])
     parts = path.split(os.sep)
-    if path.startswith(stdlib + os.sep) and "site-packages" not in parts or "torch" in parts or filename.startswith("<"):
+    in_stdlib = path.startswith(stdlib + os.sep) and "site-packages" not in parts
+    if in_stdlib or "torch" in parts or filename.startswith("<"):
         return "library"
     return "user"
 

@@ -40,7 +40,8 @@ def resnet_ref(tmp_path_factory) -> Path:
     return out
 
 
-FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
+FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0",
+               "llama_tiny": "layers.1.feed_forward.w2"}
 BUILTIN = ("resnet18", "mobilenet_v2", "llama_tiny")
 
 

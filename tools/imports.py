@@ -1,7 +1,7 @@
 """Draw oneiter's import graph between its layers (subpackages and top-level modules).
 
     python tools/imports.py            # one line per edge: `record -> format  12 (3 in functions)`
-    python tools/imports.py --all      # every import of an oneiter module: `oneiter.record.run -> oneiter.runtime.devices`
+    python tools/imports.py --all      # every import: `oneiter.record.run -> oneiter.runtime.devices`
     python tools/imports.py --dot      # the layer graph for Graphviz (`| dot -Tpng -o imports.png`)
 
 What may import what is enforced by tests/test_import_order.py; this only shows what is there.

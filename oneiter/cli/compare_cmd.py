@@ -69,7 +69,9 @@ JsonOut = Annotated[
 CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry.")]
 Tolerances = Annotated[
     Optional[Path],
-    typer.Option("--tolerances", metavar="FILE", help="Per-device tolerance file: .toml (data), or an mmengine .py config, which is Python code and is executed."),
+    typer.Option("--tolerances", metavar="FILE", help=
+            "Per-device tolerance file: .toml (data), or an mmengine .py config, which is Python code and is "
+            "executed."),
 ]
 HtmlOut = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML report.")]
 TbOut = Annotated[
@@ -103,7 +105,9 @@ def compare(
     tolerances: Tolerances = None,
     html_path: HtmlOut = None,
     tb_dir: TbOut = None,
-    suggest: Annotated[bool, typer.Option("--suggest", help="Print the --include that records the first divergence's region in full (after a --level stats screening).")] = False,
+    suggest: Annotated[bool, typer.Option("--suggest", help=
+            "Print the --include that records the first divergence's region in full (after a --level stats "
+            "screening).")] = False,
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.ranks import is_ranked

@@ -25,7 +25,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help=
+            "Print the version and exit."),
 ) -> None:
     """Find which layer makes a model's training numbers differ between a reference device and a target."""
 

@@ -11,7 +11,8 @@ Model = Annotated[
     str,
     typer.Option("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function."),
 ]
-Device = Annotated[str, typer.Option("--device", "-d", help="Any torch device string: cpu, cuda:0, npu, mlu, dipu, xpu.")]
+Device = Annotated[str, typer.Option("--device", "-d", help=
+        "Any torch device string: cpu, cuda:0, npu, mlu, dipu, xpu.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Batch size passed to the model builder.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the torch RNG (weights, batch, dropout).")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Model dtype: float32, bfloat16, float16, float64.")]

@@ -57,7 +57,9 @@ def _opt(*names: str, help: str):
 @handle_errors
 def profile_command(
     ctx: typer.Context,
-    model: Annotated[Optional[str], _opt("--model", "-m", help=f"Built-in model name (see `oneiter models`) or path/to/file.py:function (default: the built-in {DEFAULT_MODEL}).")] = None,
+    model: Annotated[Optional[str], _opt("--model", "-m", help=
+            "Built-in model name (see `oneiter models`) or path/to/file.py:function (default: the built-in "
+            f"{DEFAULT_MODEL}).")] = None,
     device: opt.Device = "cpu",
     batch_size: opt.BatchSize = 8,
     seed: opt.Seed = 0,
@@ -66,16 +68,27 @@ def profile_command(
     threads: opt.Threads = None,
     model_arg: opt.ModelArg = None,
     optimizer: Annotated[str, _opt("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
-    schedule: Annotated[str, _opt("--schedule", "-s", help="wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, skip_first=0.")] = "wait=1,warmup=1,active=2",
-    out_dir: Annotated[Path, _opt("--out", "-o", help="Output directory (a previous profile there needs --force).")] = Path("prof"),
-    record_shapes: Annotated[bool, _opt("--record-shapes", help="Record input shapes (op table grouped by shape).")] = False,
-    profile_memory: Annotated[bool, _opt("--profile-memory", help="Record allocations: memory table, module memory, CUDA snapshot.")] = False,
-    with_stack: Annotated[bool, _opt("--with-stack", help="Python stack frames in the trace (several times larger).")] = False,
+    schedule: Annotated[str, _opt("--schedule", "-s", help=
+            "wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, "
+            "skip_first=0.")] = "wait=1,warmup=1,active=2",
+    out_dir: Annotated[Path, _opt("--out", "-o", help=
+            "Output directory (a previous profile there needs --force).")] = Path("prof"),
+    record_shapes: Annotated[bool, _opt("--record-shapes", help=
+            "Record input shapes (op table grouped by shape).")] = False,
+    profile_memory: Annotated[bool, _opt("--profile-memory", help=
+            "Record allocations: memory table, module memory, CUDA snapshot.")] = False,
+    with_stack: Annotated[bool, _opt("--with-stack", help=
+            "Python stack frames in the trace (several times larger).")] = False,
     with_flops: Annotated[bool, _opt("--with-flops", help="Estimate FLOPs of matmul/conv ops.")] = False,
-    memory_sort: Annotated[str, _opt("--memory-sort", help="Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
-    module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help="Forward/backward ranges per module path (the module table).")] = True,
-    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help="Also time unprofiled steps (as many as recorded, at least 5) and report the ratio of median step times, or that the machine is too noisy to tell.")] = True,
-    max_steps: Annotated[int, _opt("--max-steps", help="Refuse schedules that need more training steps than this.")] = 100,
+    memory_sort: Annotated[str, _opt("--memory-sort", help=
+            "Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
+    module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help=
+            "Forward/backward ranges per module path (the module table).")] = True,
+    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help=
+            "Also time unprofiled steps (as many as recorded, at least 5) and report the ratio of median step times, "
+            "or that the machine is too noisy to tell.")] = True,
+    max_steps: Annotated[int, _opt("--max-steps", help=
+            "Refuse schedules that need more training steps than this.")] = 100,
     limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
     force: opt.Force = False,
 ) -> None:
@@ -129,21 +142,25 @@ def _report(result, limit: int | None) -> str:
 
     s, last = result.summary, result.cycles[-1]
     lines = [f"profiled {s['model']} on {s['device']} ({s['dtype']}{', amp ' + s['amp'] if s['amp'] else ''}, "
-             f"batch {s['batch_size']}), schedule {s['schedule']}: {len(result.cycles)} trace(s) in {result.out_dir}"]  # fmt: skip
+             f"batch {s['batch_size']}), schedule {s['schedule']}: {len(result.cycles)} trace(s) in "
+                     f"{result.out_dir}"]  # fmt: skip
     for cycle in result.cycles:
         lines.append(f"  steps {cycle['steps']}: {cycle['trace']}  {cycle['trace_bytes'] / 2**10:.1f} KiB "
-                     f"({cycle['trace_json_bytes'] / 2**20:.1f} MiB JSON, written in {cycle['export_seconds']:.2f} s)")  # fmt: skip
+                     f"({cycle['trace_json_bytes'] / 2**20:.1f} MiB JSON, written in "
+                             f"{cycle['export_seconds']:.2f} s)")  # fmt: skip
     if result.overhead:
         o = result.overhead
         lines.append(f"overhead: {o['verdict']}")
     device = s["device"] != "cpu"
     lines += ["", f"== ops (last cycle, steps {last['steps']}) ==", format_ops(last["ops"], limit, device=device)]
     if s["options"]["profile_memory"]:
-        lines += [f"== memory (by {s['options']['memory_sort']}) ==", format_memory(last["memory"], s["options"]["memory_sort"], limit, device=device)]
+        sort = s["options"]["memory_sort"]
+        lines += [f"== memory (by {sort}) ==", format_memory(last["memory"], sort, limit, device=device)]
     if last["modules"]:
         lines += ["== leaf modules (slowest first) ==", format_modules(last["modules"], limit, slowest_leaves=True)]
     lines.append(f"all rows: {result.out_dir / last['tables']} and {result.summary_path}; "
-                 f"open the trace in https://ui.perfetto.dev, chrome://tracing, or tensorboard --logdir {result.out_dir}")  # fmt: skip
+                 "open the trace in https://ui.perfetto.dev, chrome://tracing, or tensorboard --logdir "
+                         f"{result.out_dir}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -154,7 +171,8 @@ def diff_command(
     dir_b: Annotated[Path, typer.Argument(help="Target profile directory (B).", metavar="B")],
     sort: Annotated[str, _opt("--sort", help="Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
     limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all).")] = 20,
-    json_out: Annotated[Optional[Path], _opt("--json", help="Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
+    json_out: Annotated[Optional[Path], _opt("--json", help=
+            "Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
 ) -> None:
     from oneiter.errors import OneIterError
     from oneiter.profile.diff import DIFF_SORTS, diff_profiles, format_diff

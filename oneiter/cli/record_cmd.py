@@ -25,7 +25,8 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
 
   oneiter record --replay ref.h5 --amp bf16 --fallback convolution -o fb.h5
 
-  torchrun --nproc-per-node 2 -m oneiter record --model resnet18 -o ref.h5   [dim](writes ref.rank0.h5, ref.rank1.h5)[/dim]
+  torchrun --nproc-per-node 2 -m oneiter record --model resnet18 -o ref.h5
+  [dim](writes ref.rank0.h5, ref.rank1.h5)[/dim]
 
   torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
 """
@@ -33,23 +34,42 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
 
 def record_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output .h5 file (never overwritten without --force).")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Built-in model name (see `oneiter models`) or path/to/file.py:function; with --replay defaults to the reference's.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
+            "Built-in model name (see `oneiter models`) or path/to/file.py:function; with --replay defaults to the "
+            "reference's.")] = None,
     device: opt.Device = "cpu",
-    replay: Annotated[Optional[Path], typer.Option("--replay", help="Reference recording: start from its weights, buffers and batch.")] = None,
+    replay: Annotated[Optional[Path], typer.Option("--replay", help=
+            "Reference recording: start from its weights, buffers and batch.")] = None,
     seed: opt.Seed = 0,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help="Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=
+            "Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
-    include: Annotated[Optional[List[str]], typer.Option("--include", help="Regex on module paths to record (repeatable).")] = None,
-    exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help="Regex on module paths to skip (repeatable).")] = None,
-    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help="PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that torchrun rank only.")] = None,
-    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help="With --replay: rerun every module call on the reference's inputs and output gradients (local error).")] = True,
-    calibrate: Annotated[str, typer.Option("--calibrate", help="Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or 'device' (cheaper: a higher precision on the target device).")] = "cpu",
-    against: Annotated[Optional[str], typer.Option("--against", help="'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own inputs.")] = None,
-    random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help="With --replay: random ops (dropout masks) take the reference's values.")] = True,
-    fallback: Annotated[Optional[str], typer.Option("--fallback", help="REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
-    level: Annotated[str, typer.Option("--level", help="full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a reference, so it can be replayed).")] = "full",
+    include: Annotated[Optional[List[str]], typer.Option("--include", help=
+            "Regex on module paths to record (repeatable).")] = None,
+    exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help=
+            "Regex on module paths to skip (repeatable).")] = None,
+    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help=
+            "PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that "
+            "torchrun rank only.")] = None,
+    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help=
+            "With --replay: rerun every module call on the reference's inputs and output gradients (local "
+            "error).")] = True,
+    calibrate: Annotated[str, typer.Option("--calibrate", help=
+            "Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or "
+            "'device' (cheaper: a higher precision on the target device).")] = "cpu",
+    against: Annotated[Optional[str], typer.Option("--against", help=
+            "'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own "
+            "inputs.")] = None,
+    random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help=
+            "With --replay: random ops (dropout masks) take the reference's values.")] = True,
+    fallback: Annotated[Optional[str], typer.Option("--fallback", help=
+            "REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
+    level: Annotated[str, typer.Option("--level", help=
+            "full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, "
+            "sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a "
+            "reference, so it can be replayed).")] = "full",
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,

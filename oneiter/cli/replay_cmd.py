@@ -1,7 +1,8 @@
 """`oneiter replay FILE --layer PATH`: run one recorded layer alone and check it against the recording.
 
 Thin layer over `oneiter.judge.layer.replay_layer` (the run itself: `oneiter.record.layer_replay`); torch is
-imported inside the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance, 1 a tensor beyond it, 2 bad input.
+imported inside the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance, 1 a
+tensor beyond it, 2 bad input.
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def replay(
     device: opt.Device = "cpu",
     repeat: Repeat = 1,
     json_path: JsonOut = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help="The model file (path/to/file.py:function) the recording was made from: a recording never picks the code that runs. Built-in models default to the recorded name.")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
+            "The model file (path/to/file.py:function) the recording was made from: a recording never picks the code "
+            "that runs. Built-in models default to the recorded name.")] = None,
 ) -> None:
     from oneiter.judge.layer import replay_layer
 

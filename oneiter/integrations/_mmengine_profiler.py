@@ -2,11 +2,12 @@
 
 Where it sits: the mmengine counterpart of `profile/runner.py`, imported (and so registered) by
 `oneiter.integrations.mmengine`. Both drive one `profile.session.ProfileSession` (profiler, clock, overhead), so it
-reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`steps.CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and
-`summary.json`), the per-module ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice
-when both a TensorBoard trace and `json_trace_path` are configured, and torch refuses the second export
-("RuntimeError: Trace is already saved"); here the handler writes one gzipped Chrome trace, which TensorBoard's
-profiler plugin, Perfetto and chrome://tracing all open.
+reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`steps.CycleExporter`:
+per active cycle one `export_chrome_trace`, the op/memory/module tables and `summary.json`), the per-module
+ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice when both a TensorBoard
+trace and `json_trace_path` are configured, and torch refuses the second export ("RuntimeError: Trace is already
+saved"); here the handler writes one gzipped Chrome trace, which TensorBoard's profiler plugin, Perfetto and
+chrome://tracing all open.
 
 Steps: schedule step 0 is the first training iteration of this run (`first_iter` in summary.json; nonzero after
 a resume); the profiler starts in `before_train`, steps after every iteration and stops as soon as the schedule is
@@ -108,7 +109,7 @@ class OneIterProfilerHook(Hook):
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
-    
+
         remaining = runner.max_iters - runner.iter
         if self.schedule.num_steps > remaining:
             raise ValueError(

@@ -51,7 +51,7 @@ TAIL_COLUMNS = [("shape", "shape", "shape"), ("dtype", "dtype", "text")]
 Document = dict[str, Any]
 
 
-# -- reading the JSON document (shared with report.tensorboard) --------------------------------------------------------------
+# -- reading the JSON document (shared with report.tensorboard) ---------------------------------------------------
 def as_document(result: Union[CompareResult, Document]) -> Document:
     """The JSON document of a comparison: `result.to_json()` for a CompareResult, a dict as it is."""
     if isinstance(result, CompareResult):

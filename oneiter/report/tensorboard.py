@@ -1,8 +1,8 @@
 """`oneiter compare --tensorboard DIR`: the comparison as TensorBoard curves, histograms and a text verdict.
 
-Sits after the engine and `CompareResult.to_json` (its input is the JSON document, or a CompareResult); the recordings are
-opened again only to read the tensors of the divergent rows for the histograms. Written with tensorboard's own
-event writer and protos: neither TensorFlow nor torch is imported. What lands in DIR:
+Sits after the engine and `CompareResult.to_json` (its input is the JSON document, or a CompareResult); the
+recordings are opened again only to read the tensors of the divergent rows for the histograms. Written with
+tensorboard's own event writer and protos: neither TensorFlow nor torch is imported. What lands in DIR:
 
 - ``rel_l2/<phase>``         (scalars) the accumulated relative error of every measured row of that phase
   (forward, backward, param_grad, optimizer); the step is the row's causal position, the `#` of the terminal and
@@ -182,5 +182,5 @@ def _difference(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
 
 
 def _paths(f: IterationFile) -> dict[tuple, str]:
-    """(module, call, phase, tensor) -> dataset path, from the file's own entries (the layout stays in format.layout)."""
+    """(module, call, phase, tensor) -> dataset path, from the file's own entries (the layout stays in format)."""
     return {e.key: e.path for e in f.entries()}

@@ -129,7 +129,8 @@ def resolve_device(spec: str):
     backend = getattr(torch, device.type, None)
     is_available = getattr(backend, "is_available", None)
     if is_available is None or not is_available():
-        raise DeviceError(f"device '{spec}' is not available on this machine (torch.{device.type}.is_available() is false)")
+        raise DeviceError(
+            f"device '{spec}' is not available on this machine (torch.{device.type}.is_available() is false)")
     count = getattr(backend, "device_count", lambda: 1)()
     if device.index is not None and device.index >= count:
         raise DeviceError(f"device '{spec}' does not exist: this machine has {count} {device.type} device(s)")

@@ -95,7 +95,8 @@ def replay_path(path: Path, info: RankInfo) -> Path:
         found = sorted(p for p in path.glob(f"*.rank{info.rank}.h5") if RANK_FILE.match(p.name))
         if len(found) != 1:
             what = "none" if not found else ", ".join(p.name for p in found)
-            raise OneIterError(f"replay {path}: expected one *.rank{info.rank}.h5 in the directory, got {what}", param="replay")
+            raise OneIterError(
+                f"replay {path}: expected one *.rank{info.rank}.h5 in the directory, got {what}", param="replay")
         return found[0]
     ranked = rank_path(path, info.rank, info.world_size)
     if not ranked.is_file():

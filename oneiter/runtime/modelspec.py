@@ -97,7 +97,8 @@ def _validate(name: str, result: Any) -> ModelBundle:
     import torch
 
     if not isinstance(result, (tuple, list)) or len(result) not in (3, 4):
-        raise ModelError(f"model '{name}' must return (model, inputs, loss_fn[, make_optimizer]), got {type(result).__name__}")
+        raise ModelError(
+            f"model '{name}' must return (model, inputs, loss_fn[, make_optimizer]), got {type(result).__name__}")
     model, inputs, loss_fn = result[:3]
     make_optimizer = result[3] if len(result) == 4 else None
     if not isinstance(model, torch.nn.Module):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 
-__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype", "autocast_for"]
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype",
+           "autocast_for"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}

@@ -27,7 +27,8 @@ def test_same_device_replay_matches_bit_for_bit(model, references, tmp_path):
     assert result.local and not any(local.flagged for local in result.local)
     # a leaf's rerun is bitwise; a container's rerun may add its gradients in another order (forced children)
     containers = {local.module.rpartition(".")[0] for local in result.local} | {"(root)"}
-    leaves = [local for local in result.local if local.module not in containers and local.phase in ("forward", "backward")]
+    leaves = [local for local in result.local
+              if local.module not in containers and local.phase in ("forward", "backward")]
     assert len(leaves) > 20 and all(local.metrics.max_abs == 0 for local in leaves)
     assert all(local.metrics.rel_l2 < 1e-6 for local in result.local)
 
@@ -215,7 +216,8 @@ def test_compare_writes_html_and_tensorboard_reports(references, tmp_path):
 def test_user_model_file_imports_its_neighbours_and_replays_from_anywhere(tmp_path, monkeypatch):
     src = tmp_path / "proj"
     src.mkdir()
-    (src / "my_layers.py").write_text("import torch.nn as nn\nBlock = lambda: nn.Sequential(nn.Linear(6, 6), nn.ReLU())\n")
+    (src / "my_layers.py").write_text(
+        "import torch.nn as nn\nBlock = lambda: nn.Sequential(nn.Linear(6, 6), nn.ReLU())\n")
     (src / "net.py").write_text(
         "import torch, torch.nn as nn\nfrom my_layers import Block\n"
         "def build(batch_size):\n"

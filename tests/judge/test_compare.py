@@ -16,6 +16,7 @@ import typer
 from typer.testing import CliRunner
 
 from oneiter.cli import compare_cmd
+from oneiter.errors import OneIterError
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
 from oneiter.judge.engine import compare_files
@@ -174,7 +175,7 @@ def test_tolerance_defaults_and_overrides():
     atol, rtol = policy(None, "float32")
     assert (atol, rtol) == (1e-5, 1e-2)
     assert looser(default_tolerance("float32"), default_tolerance("bfloat16")).rtol == 1.6e-2
-    with pytest.raises(Exception):
+    with pytest.raises(OneIterError, match="tolerances must be >= 0"):
         Tolerance(-1.0, 0.0)
 
 

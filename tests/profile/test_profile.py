@@ -46,7 +46,8 @@ def fp32_cli(tmp_path_factory):
     """The README command on a small resnet18, through the CLI, with --profile-memory."""
     out = tmp_path_factory.mktemp("prof_fp32")
     args = ["--model", "resnet18", "--device", "cpu", "--schedule", "wait=1,warmup=1,active=2", "-o", str(out),
-            "--batch-size", "2", "--model-arg", "image_size=32", "--model-arg", "num_classes=10", "--profile-memory"]  # fmt: skip
+            "--batch-size", "2", "--model-arg", "image_size=32", "--model-arg", "num_classes=10",
+            "--profile-memory"]
     result = CliRunner().invoke(profile_cmd.app, args)
     return out, result
 
@@ -95,7 +96,8 @@ def test_schedule_beyond_max_steps_is_refused():
     [("wait=5,active=0", []), ("skip_first=500,active=2", []), ("wait=3,active=1", ["--max-steps", "4"])],
 )
 def test_cli_unreachable_schedule_exits_2_with_a_message(tmp_path, schedule, extra):
-    result = CliRunner().invoke(profile_cmd.app, ["--model", "resnet18", "--schedule", schedule, "-o", str(tmp_path / "p"), *extra])
+    args = ["--model", "resnet18", "--schedule", schedule, "-o", str(tmp_path / "p"), *extra]
+    result = CliRunner().invoke(profile_cmd.app, args)
     assert result.exit_code == 2, result.output
     assert "never reached" in result.stderr and "Traceback" not in result.output + result.stderr
     assert not (tmp_path / "p").exists()  # refused before anything was written
@@ -236,7 +238,8 @@ def test_module_ranges_do_not_change_the_numbers():
 
 def test_trace_names_are_readable():
     assert trace_stem("resnet18", "cuda:1", 3, [5, 6]) == "resnet18_cuda1_rank3_steps5-6"
-    assert trace_stem("models/my_net.py:build", "cpu", 0, [2], "bfloat16", "bf16") == "my_net-build_cpu_rank0_bfloat16_amp-bf16_steps2"
+    stem = trace_stem("models/my_net.py:build", "cpu", 0, [2], "bfloat16", "bf16")
+    assert stem == "my_net-build_cpu_rank0_bfloat16_amp-bf16_steps2"
 
 
 # diff -------------------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def test_an_exception_in_the_block_leaves_no_file_and_no_hooks(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with oneiter.Recorder(bundle.model, tmp_path / "x.h5"):
             bundle.model(bundle.inputs[0])
-            1 / 0
+            raise ZeroDivisionError("the user's code fails inside the block")
     assert not list(tmp_path.iterdir())
     assert torch.Tensor.backward is backward
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in bundle.model.modules())

@@ -55,7 +55,8 @@ def test_a_step_in_chunks_is_bitwise_the_step_over_all(make):
     source, site = _Source(weights, grads), Site("target", torch.device("cpu"), live=True, cast="live",
                                                  autocast=None, params="reference", trusted=False)
     whole = optimizer_rows.shadow_step(opt, names, source, site)
-    chunks = optimizer_rows.step_chunks(opt, budget_bytes=300 * 200 * 4)  # the largest weight alone; the others together
+    # the largest weight alone; the others together
+    chunks = optimizer_rows.step_chunks(opt, budget_bytes=300 * 200 * 4)
     assert [len(c) for c in chunks] == [2, 1, 3]  # linear0 weight+bias, linear1 weight, the rest
     assert set().union(*chunks) == set(names) and sum(map(len, chunks)) == len(names)
     parts = {}

@@ -44,7 +44,8 @@ def test_errors_name_the_parameter(kwargs, param, message):
 
 def test_values_are_normalised_once_and_replace_checks_again():
     opts = RecordOptions(out="x.h5", amp="torch.bfloat16", include=r"^layer1\.", skip=["pre"], meta=None)
-    assert (opts.out, opts.amp, opts.include, opts.skip, opts.meta) == (Path("x.h5"), "bf16", [r"^layer1\."], ("pre",), {})
+    got = (opts.out, opts.amp, opts.include, opts.skip, opts.meta)
+    assert got == (Path("x.h5"), "bf16", [r"^layer1\."], ("pre",), {})
     assert replace(opts, amp="float16").amp == "fp16" and replace(opts) == opts
     with pytest.raises(OneIterError, match="^amp must be one of"):
         replace(opts, amp="int8")

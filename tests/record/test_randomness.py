@@ -94,7 +94,7 @@ def assert_bitwise(a, b):
 
 
 def same(a_grads, b_grads) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(a_grads, b_grads))
+    return all(torch.equal(a, b) for a, b in zip(a_grads, b_grads, strict=True))
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ def test_a_full_disk_is_one_line_exit_2_and_leaves_nothing(tmp_path, limit_mb):
     # 1 MB fails while state_before is written (inside the Recorder's enter), 8 and 60 MB during the iteration
     out = tmp_path / "out.h5"
     proc = subprocess.run([sys.executable, *_RECORD, "-o", str(out)], capture_output=True, text=True,
-                          preexec_fn=_limited(limit_mb << 20), timeout=300, env={**os.environ, "ONEITER_NO_PROGRESS": "1"})
+                          preexec_fn=_limited(limit_mb << 20), timeout=300,
+                          env={**os.environ, "ONEITER_NO_PROGRESS": "1"})
     assert proc.returncode == 2, proc.stderr
     *notes, last = proc.stderr.strip().splitlines()
     assert last == (f"error: no space left to write the recording in '{tmp_path}' (File too large); nothing was "

@@ -50,7 +50,7 @@ def write_chain(path, tensors: dict[tuple, np.ndarray]):
         seq = (0, 7, 0, 7) if k == 0 else (2 * k - 1, 2 * k, 7 - 2 * k, 8 - 2 * k)
         writer.set_attrs(f"{CALLS}/{call_key(module, 0)}", {
             "module": "" if module == "(root)" else module, "call": 0, "exec_index": k, "class_name": "Chain",
-            **dict(zip(("seq_input", "seq_output", "seq_grad_output", "seq_grad_input"), seq)),
+            **dict(zip(("seq_input", "seq_output", "seq_grad_output", "seq_grad_input"), seq, strict=True)),
         })
     for (module, phase, name), array in tensors.items():
         if module == "param":
@@ -188,7 +188,7 @@ def test_tensorboard_curves_equal_the_json_rows(result, pair, tmp_path):
         rows = [r for r in doc["rows"] if r["phase"] == phase and r["rel_l2"] is not None]
         events = acc.Scalars(f"rel_l2/{phase}")
         assert [e.step for e in events] == [r["index"] for r in rows]
-        for event, row in zip(events, rows):
+        for event, row in zip(events, rows, strict=True):
             assert event.value == pytest.approx(float(row["rel_l2"]), rel=1e-6)  # stored as float32
     assert any(math.isinf(e.value) for e in acc.Scalars("rel_l2/forward"))  # c's output: reference all zero
     text = acc.Tensors("verdict")[0].tensor_proto.string_val[0].decode()

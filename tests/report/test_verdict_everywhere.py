@@ -47,7 +47,7 @@ def outputs(references, tmp_path_factory):
             table = list(csv.reader(fh))
         made[case] = {
             "code": res.exit_code, "terminal": res.stdout, "json": json.loads((folder / "r.json").read_text()),
-            "csv_header": table[0], "csv": [dict(zip(table[0], line)) for line in table[1:]],
+            "csv_header": table[0], "csv": [dict(zip(table[0], line, strict=True)) for line in table[1:]],
             "html": (folder / "r.html").read_text(encoding="utf-8"), "tb": _tb_text(folder / "tb"),
             "ref": ref, "tgt": tgt,
         }
@@ -177,7 +177,7 @@ def test_culprit_and_first_divergence_are_labelled_apart(outputs):
 def test_a_row_status_never_contradicts_its_flag(case, outputs, tmp_path):
     out, doc = outputs[case], outputs[case]["json"]
     flagged = []
-    for row, line in zip(doc["rows"], out["csv"]):
+    for row, line in zip(doc["rows"], out["csv"], strict=True):
         assert line["status"] == row["status"]
         local = row["local"]
         if local and local["flagged"]:
@@ -196,7 +196,7 @@ def test_a_row_status_never_contradicts_its_flag(case, outputs, tmp_path):
     res = run_cli("compare", out["ref"], out["tgt"], "--all")
     table = [line.split() for line in res.stdout.splitlines() if re.match(r"\s*>?\d+\s", line)]
     assert len(table) == len(doc["rows"])
-    for cells, row in zip(table, doc["rows"]):
+    for cells, row in zip(table, doc["rows"], strict=True):
         assert cells[4] == row["status"]  # after #, module@call, phase, tensor
         assert any(c.endswith("x!") for c in cells) == bool(row["local"] and row["local"]["flagged"]), cells
 

@@ -66,7 +66,8 @@ except OneIterError as err:
 head = summary_head(ProfileOptions(model='m', device=name), parse_schedule('active=1'), device)
 print(json.dumps({
     'device': str(device), 'plain': str(resolve_device(name)), 'missing': missing, 'backend': backend,
-    'activities': [{A.CPU: 'CPU', A.PrivateUse1: 'PrivateUse1'}.get(a, a.name) for a in activities(device)], 'autocast': device_type(name).autocast_dtype,
+    'activities': [{A.CPU: 'CPU', A.PrivateUse1: 'PrivateUse1'}.get(a, a.name) for a in activities(device)],
+    'autocast': device_type(name).autocast_dtype,
     'memory_history': memory_history_api(name) is getattr(torch, name).memory,
     'notes': head['notes'], 'warnings': head['warnings'],
 }))

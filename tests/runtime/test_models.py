@@ -183,8 +183,8 @@ def test_builder_contract_and_training_step(name):
 def test_builders_are_reproducible_from_the_seed(name):
     model_a, inputs_a, _ = _build(name)
     model_b, inputs_b, _ = _build(name)
-    assert all(torch.equal(a, b) for a, b in zip(inputs_a, inputs_b))
-    for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values()):
+    assert all(torch.equal(a, b) for a, b in zip(inputs_a, inputs_b, strict=True))
+    for a, b in zip(model_a.state_dict().values(), model_b.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 

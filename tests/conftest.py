@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import platform
+import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,26 @@ def replay_with_fault(ref: Path, out: Path, fault: str, monkeypatch, **kwargs):
         import sys
 
         sys.modules["faultkit"].undo_faults()
+
+
+def _why_no_kernel() -> str | None:
+    """Why this machine cannot have the optional C kernel, or None where the install must have built it (a C
+    compiler and Python's headers; its vectorized path also needs an x86-64 CPU with AVX2 and FMA)."""
+    if not (shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")):
+        return "no C compiler: the install skips the optional kernel"
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        return "no Python headers: the install skips the optional kernel"
+    return None
+
+
+def why_no_stats_kernel() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel's vectorized path is x86-64 only (this is {platform.machine()})"
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if flags and not ({"avx2", "fma"} <= set(flags.split())):
+        return "this CPU has no AVX2/FMA: the kernel is built but torch's reductions run instead"
+    return _why_no_kernel()
+
+
+NEEDS_STATS_KERNEL = pytest.mark.skipif(why_no_stats_kernel() is not None, reason=str(why_no_stats_kernel()))
+"""For tests of the optional C kernel itself: skipped, with the reason, only where the install cannot build it."""

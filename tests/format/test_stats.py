@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import record_small, replay, run_cli
+from conftest import NEEDS_STATS_KERNEL, record_small, replay, run_cli
 
 from oneiter.format import stats
 from oneiter.format.layout import IterationFile
@@ -15,6 +15,7 @@ from oneiter.format.schema import decode, tensor_to_numpy
 from oneiter.format.stats import array_stats, tensor_stats
 
 _SEEDED = torch.manual_seed(0)  # the tensors below are built at collection: the same ones every run
+
 
 
 @pytest.mark.parametrize("tensor", [
@@ -60,8 +61,9 @@ def test_the_checksum_and_statistics_computed_in_chunks_equal_those_of_the_store
     assert tensor_stats(moved).checksum != mine.checksum or bool((moved == t).all())
 
 
+@NEEDS_STATS_KERNEL
 def test_the_c_kernel_is_built_and_takes_cpu_floats_in_one_pass(monkeypatch):
-    """The install builds the kernel here (gcc is on every machine of this project); it answers for float32,
+    """Where the install can build the kernel it has (a failed build fails here); it answers for float32,
     float64, bfloat16 and complex CPU tensors (whatever their size), and leaves every other dtype to torch/numpy."""
     assert stats.KERNEL.available
     calls = []
@@ -81,6 +83,7 @@ def test_the_c_kernel_is_built_and_takes_cpu_floats_in_one_pass(monkeypatch):
     np.testing.assert_allclose(mine.values, theirs.values, rtol=1e-12)  # float64 lanes: as exact as numpy's
 
 
+@NEEDS_STATS_KERNEL
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_c_kernel_portable_path_equals_its_vectorized_one(dtype):
     """`reduce(..., vectorized=False)`: the scalar loops a CPU without AVX2 would run give the same checksum and

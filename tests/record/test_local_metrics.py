@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import NEEDS_STATS_KERNEL
 
 from oneiter.format import stats
 from oneiter.record.rerun import rel_l2, tensor_stats
@@ -20,6 +21,7 @@ def _exact(a, b) -> tuple:
             d.abs().max().item())
 
 
+@NEEDS_STATS_KERNEL
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_pair_sums_are_the_float64_sums_on_both_paths(dtype):
     """AVX2 and the portable loops: every sum as a float64 computation's (to summation order), the max exactly;
@@ -45,6 +47,7 @@ def test_pair_sums_are_the_float64_sums_on_both_paths(dtype):
     assert stats.pair_sums(a.float(), a.double()) is None
 
 
+@NEEDS_STATS_KERNEL
 @pytest.mark.parametrize("case", ["close", "equal", "far", "nan", "bfloat16"])
 def test_a_row_is_the_same_with_and_without_the_kernel(case, monkeypatch):
     """tensor_stats and rel_l2 with the kernel are the float64 results (torch's reductions, accumulating in

@@ -1,34 +1,11 @@
 """Presentation of a `CompareResult`: the terminal report, the JSON document and the CSV table.
 
-Sits after the engine (`engine.compare_files`) and the verdict (`judge.verdict`, decided once per result), and
-before the CLI (`oneiter.cli.compare_cmd`), which only chooses where output goes. Nothing here decides anything:
-the terminal report prints the verdict's headline and details, then the rows around the entry the verdict names
-(5 before, 10 after; marked `>`) or, for a match, the rows with the largest relative errors; `show_all` prints
-every row. Numbers are in fixed-width scientific notation so columns line up and diffs of two reports stay
-readable.
-
-Reading a report without local data (ResNet-18, a 5 % error injected into `layer2.0.conv1`'s output, recorded with
-`--no-isolate`)::
-
-    DIVERGED at layer2.0.conv1@0 forward output: max_abs 4.55e-01 max_rel 4.76e-02 rel_l2 5.00e-02 cosine 1.000000,
-    99.98% of elements outside atol 1.0e-05 rtol 1.3e-06 (would pass with atol 4.5e-01 or rtol 5.0e-02)
-    basis: first divergence in causal order, #42 (no per-layer local data: ...)
-    reference ref.h5 (model resnet18, device cpu, dtype float32, num_threads 2, loss 3.476078e+00)
-    target    fwd.h5 (model resnet18, device cpu, dtype float32, num_threads 2, loss 3.476076e+00)
-    entries   486: 204 match, 282 diverged
-       #  entry                              status    nan/inf    max_abs    max_rel     rel_l2     cosine ...
-      41  layer2.0.conv1@0 forward input.0   match                0.00e+00   0.00e+00   0.00e+00   1.000000 ...
-     >42  layer2.0.conv1@0 forward output    diverged             4.55e-01   4.76e-02   5.00e-02   1.000000 ...
-
-Walking the iteration in causal order (forward as executed, backward as the gradients were computed, parameter
-gradients, updated parameters), row 42 is the first tensor outside tolerance: its input matched, its output did
-not, so the layer that produced it (`layer2.0.conv1`, first call) is where to look. Later rows usually diverge as
-a consequence. rel_l2 (error norm / reference norm) says how large the error is; cosine near 1 with a large rel_l2
-means a scale error; `nan/inf` (NaN and Inf counts, reference|target) comes first because the metrics only see
-the finite elements. A `hint:` line follows the verdict when the error is no larger than rounding noise (10x
-rtol), e.g. two runs with different thread counts. With local data (README, "how to read it") the verdict names
-the culprit instead, rows outside tolerance whose own code is within noise are `drift`, and the first divergence
-gets a line of its own.
+Sits after the engine and the verdict (`judge.verdict`, decided once per result) and before the CLI
+(`oneiter.cli.compare_cmd`), which only chooses where output goes: nothing here decides anything. The terminal
+report prints the verdict's headline and details, then the rows around the entry the verdict names (5 before, 10
+after; marked `>`) or, for a match, the rows with the largest relative errors; numbers are in fixed-width
+scientific notation so columns line up and two reports diff well. How to read a report: README ("What the demo
+prints, and how to read it") and docs/reports.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Trace size and profiling overhead of `oneiter profile` on ResNet-18, batch 8, 224x224 (the README numbers).
 
 Runs the README command through the library `--repeats` times (each in a fresh output directory) and prints,
-per run, the gzip trace size in bytes, the JSON size it expands to, the export time and the overhead: the ratio of the median recorded step to the median of at least 5 unprofiled steps with both
-spreads, or "machine too noisy to tell"; then every run's ratio side by side, to show whether it is
-stable. The same numbers come from:
+per run, the gzip trace size in bytes, the JSON size it expands to, the export time and the overhead: the
+ratio of the median recorded step to the median of at least 5 unprofiled steps with both spreads, or "machine
+too noisy to tell"; then every run's ratio side by side, to show whether it is stable. The same numbers come from:
 
     oneiter profile --model resnet18 --device cpu --batch-size 8 --schedule wait=1,warmup=1,active=2 -o prof/
 
@@ -30,8 +30,8 @@ def run_once(out: Path, args) -> dict:
 
     full = dict(record_shapes=True, profile_memory=True, with_stack=True, with_flops=True) if args.full else {}
     start = time.perf_counter()
-    result = profile(ProfileOptions(model="resnet18", device=args.device, batch_size=args.batch_size, threads=args.threads,
-                                    schedule=SCHEDULE, out_dir=out, **full))  # fmt: skip
+    result = profile(ProfileOptions(model="resnet18", device=args.device, batch_size=args.batch_size,
+                                    threads=args.threads, schedule=SCHEDULE, out_dir=out, **full))  # fmt: skip
     cycle, overhead = result.cycles[0], result.overhead
     return {
         "trace": cycle["trace"], "trace_bytes": cycle["trace_bytes"], "json_bytes": cycle["trace_json_bytes"],

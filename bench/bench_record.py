@@ -1,5 +1,6 @@
 """Every recorder figure in one run: plain iteration, full and stats record, replay with and without
-isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter model (118 M: llama_tiny dim 1024, 8 layers).
+isolation, page-cache write bandwidth, compare speed, peak RSS, a batch-scaling table and a >=100M-parameter
+model (118 M: llama_tiny dim 1024, 8 layers).
 
     python bench/bench_record.py                      # everything (~25 min on 2 cores; --repeat 1: ~10 min)
     python bench/bench_record.py --quick              # the resnet18 table only
@@ -162,9 +163,9 @@ def warm_secs(r: dict) -> str:
 
 
 def table(rows: list[tuple], header: tuple) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for row in (header, *rows):
-        print("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+        print("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
 
 
 def mb(n: float) -> str:
@@ -238,7 +239,7 @@ def scaling(work: Path, model: str, batches: list[int]) -> None:
         ys.append(r["seconds"] - plain["seconds"])
     table(rows, ("batch", "plain s", "record s", "bytes", "plain RSS", "record RSS", "record - plain"))
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     print(f"  slope of (record - plain) seconds vs bytes: {slope * 1e9:.3f} s per GB "
           f"({1 / slope / 1e9:.2f} GB/s effective)")
 

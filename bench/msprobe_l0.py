@@ -1,6 +1,7 @@
 """oneiter record against msprobe's L0 tensor dump (the peer), same model code, batch and iteration, interleaved.
 
-    python3 -m venv /tmp/msvenv && /tmp/msvenv/bin/pip install torch==2.13.0 && /tmp/msvenv/bin/pip install mindstudio-probe
+    python3 -m venv /tmp/msvenv && /tmp/msvenv/bin/pip install torch==2.13.0
+    /tmp/msvenv/bin/pip install mindstudio-probe
     /tmp/msvenv/bin/python bench/msprobe_l0.py --oneiter .venv/bin/python [--repeat 4]
     /tmp/msvenv/bin/python bench/msprobe_l0.py --oneiter .venv/bin/python --level stats   # statistics, checksums
 
@@ -52,7 +53,8 @@ if tool == "msprobe":
             task = {{"task": "statistics", "statistics": {{"scope": [], "list": [], "data_mode": ["all"],
                                                           "summary_mode": summary_mode}}}}
         else:
-            task = {{"task": "tensor", "tensor": {{"scope": [], "list": [], "data_mode": ["all"], "file_format": "npy"}}}}
+            task = {{"task": "tensor", "tensor": {{"scope": [], "list": [], "data_mode": ["all"],
+                                                  "file_format": "npy"}}}}
         json.dump({{**task, "dump_path": out, "rank": [], "step": [], "level": "L0", "async_dump": False}}, f)
     debugger = PrecisionDebugger(config_path=config)
     os.sync()
@@ -107,7 +109,8 @@ def main() -> None:
     for tool, runs in results.items():
         secs = [r["seconds"] for r in runs]
         print(f"{tool:8} median {statistics.median(secs):.3f} s  runs {' / '.join(f'{s:.2f}' for s in secs)}  "
-              f"{runs[0]['bytes'] / 1e6:,.1f} MB in {runs[0]['files']} files  peak RSS {max(r['rss_mb'] for r in runs):,.0f} MB")
+              f"{runs[0]['bytes'] / 1e6:,.1f} MB in {runs[0]['files']} files  "
+              f"peak RSS {max(r['rss_mb'] for r in runs):,.0f} MB")
     if "msprobe" in results and "oneiter" in results:
         ratio = statistics.median(r["seconds"] for r in results["msprobe"]) / statistics.median(
             r["seconds"] for r in results["oneiter"])

@@ -49,6 +49,64 @@ PRECISIONS = {
 }
 
 
+def _pick_faults(quick: bool) -> list:
+    """Every fault, or with --quick the first fault of each model file."""
+    if not quick:
+        return FAULTS
+    seen, faults = set(), []
+    for fault in FAULTS:
+        if fault[0] not in seen:
+            seen.add(fault[0])
+            faults.append(fault)
+    return faults
+
+
+def _fault_spec(fault: str, size) -> str:
+    """faultkit's spec for `fault` at `size`: the size goes after the target, before any `@call`."""
+    family, _, rest = fault.partition(":")
+    return f"root:{size}" if family == "root" else f"{family}:{rest.split('@')[0]}:{size}" + (
+        "@" + rest.split("@")[1] if "@" in rest else "")
+
+
+def _outcome(v: dict, where: tuple, what: str) -> str:
+    """named / missed / wrong for verdict `v` of a fault that lives at `where` (module, call, phase)."""
+    culprit = v.get("culprit") or {}
+    if v["status"] == "match" or culprit == {}:
+        return "missed"
+    if (culprit["module"], culprit["call"], culprit["phase"]) == where:
+        return "named"
+    print(f"  wrong: {what}: {culprit['module']}@{culprit['call']} {culprit['phase']}")
+    return "wrong"
+
+
+def _run_clean(table, label: str, models: list, options: dict, verdict_of) -> None:
+    """Count the clean (no fault) targets of every model in one precision: match or false alarm."""
+    for model in models:
+        v = verdict_of(model, "", options)
+        table[(label, "clean")]["false alarm" if v["status"] != "match" else "match"] += 1
+        if v["status"] != "match":
+            print(f"  false alarm: {model} {label}: {v.get('basis')} {v.get('module')} {v.get('phase')}")
+
+
+def _run_faults(table, label: str, sizes: tuple, faults: list, options: dict, verdict_of) -> None:
+    """Count every fault at every size in one precision: named, missed or wrong."""
+    for size in sizes:
+        for model, fault, module, call, phase in faults:
+            spec = _fault_spec(fault, size)
+            v = verdict_of(model, spec, options)
+            table[(label, size)][_outcome(v, (module, call, phase), f"{model} {spec} {label}")] += 1
+
+
+def _print_table(table) -> None:
+    print(f"{'precision':18s} {'fault size':>10s}  named  missed  wrong  | clean: match  false alarm")
+    for (label, size), counts in table.items():
+        if size == "clean":
+            print(f"{label:18s} {'none':>10s}  {'':5s}  {'':6s}  {'':5s}  |        "
+                  f"{counts['match']:5d}  {counts['false alarm']:11d}")
+        else:
+            print(f"{label:18s} {size:>10g}  {counts['named']:5d}  {counts['missed']:6d}  {counts['wrong']:5d}  |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/oneiter-sensitivity"))
@@ -61,13 +119,7 @@ def main() -> None:
     from oneiter.record.run import SpecOptions, record
 
     args.dir.mkdir(parents=True, exist_ok=True)
-    faults = FAULTS
-    if args.quick:
-        seen, faults = set(), []
-        for fault in FAULTS:
-            if fault[0] not in seen:
-                seen.add(fault[0])
-                faults.append(fault)
+    faults = _pick_faults(args.quick)
     models = sorted({f[0] for f in faults})
     refs = {}
     os.environ.pop(faultkit.ENV, None)
@@ -88,33 +140,10 @@ def main() -> None:
     table = defaultdict(lambda: defaultdict(int))
     started = time.perf_counter()
     for label, (options, sizes) in PRECISIONS.items():
-        for model in models:
-            v = verdict_of(model, "", options)
-            table[(label, "clean")]["false alarm" if v["status"] != "match" else "match"] += 1
-            if v["status"] != "match":
-                print(f"  false alarm: {model} {label}: {v.get('basis')} {v.get('module')} {v.get('phase')}")
-        for size in sizes:
-            for model, fault, module, call, phase in faults:
-                family, _, rest = fault.partition(":")
-                spec = f"root:{size}" if family == "root" else f"{family}:{rest.split('@')[0]}:{size}" + (
-                    "@" + rest.split("@")[1] if "@" in rest else "")
-                v = verdict_of(model, spec, options)
-                culprit = v.get("culprit") or {}
-                if v["status"] == "match" or culprit == {}:
-                    outcome = "missed"
-                elif (culprit["module"], culprit["call"], culprit["phase"]) == (module, call, phase):
-                    outcome = "named"
-                else:
-                    outcome = "wrong"
-                    print(f"  wrong: {model} {spec} {label}: {culprit['module']}@{culprit['call']} {culprit['phase']}")
-                table[(label, size)][outcome] += 1
+        _run_clean(table, label, models, options, verdict_of)
+        _run_faults(table, label, sizes, faults, options, verdict_of)
     print(f"\n{len(faults)} faults in {len(models)} model files; {time.perf_counter() - started:.0f} s\n")
-    print(f"{'precision':18s} {'fault size':>10s}  named  missed  wrong  | clean: match  false alarm")
-    for (label, size), counts in table.items():
-        if size == "clean":
-            print(f"{label:18s} {'none':>10s}  {'':5s}  {'':6s}  {'':5s}  |        {counts['match']:5d}  {counts['false alarm']:11d}")
-        else:
-            print(f"{label:18s} {size:>10g}  {counts['named']:5d}  {counts['missed']:6d}  {counts['wrong']:5d}  |")
+    _print_table(table)
 
 
 if __name__ == "__main__":

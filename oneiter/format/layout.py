@@ -225,7 +225,7 @@ class IterationFile:
         validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
         self._tree = validate.check_tree(self.file, self.path)
         try:
-            self.stats_index
+            _ = self.stats_index  # read for its side effect: parsing the table checks every row now, on open
         except FormatError:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged row
@@ -321,7 +321,8 @@ class IterationFile:
         try:
             return np.asarray(decode(self.raw(path), self.dtype_of(path)))
         except (OSError, KeyError) as exc:
-            raise FormatError(f"'{self.path}': cannot read '{path}' ({_first_line(exc)}); the file may be truncated") from None
+            raise FormatError(f"'{self.path}': cannot read '{path}' ({_first_line(exc)}); "
+                              f"the file may be truncated") from None
 
     def tensor(self, path: str):
         """The tensor as a torch tensor with its original dtype, bit for bit."""

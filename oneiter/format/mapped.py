@@ -1,16 +1,17 @@
 """Reading a recorded tensor by mapping its bytes instead of copying them through the HDF5 library.
 
 Where this sits: `IterationFile.raw` (layout.py) asks `MappedReader.array(stored)` first — `stored` is what the
-validation walk saw of the dataset (`validate.Stored`) — and falls back to h5py's own read when it answers None. A replay reads the whole reference (resnet18 batch 8: 731 MB in ~1,000 reads);
-through h5py every read allocates fresh memory and copies the page cache into it, which on this VM ran at
-~1 GB/s. A private mapping of the dataset's bytes costs one `mmap` call: the pages are the page cache's own
-(already there after the reference was written or read), and nothing is copied until someone writes to the
-array (copy-on-write: the file is never changed).
+validation walk saw of the dataset (`validate.Stored`) — and falls back to h5py's own read when it answers None. A
+replay reads the whole reference (resnet18 batch 8: 731 MB in ~1,000 reads); through h5py every read allocates fresh
+memory and copies the page cache into it, which on this VM ran at ~1 GB/s. A private mapping of the dataset's bytes
+costs one `mmap` call: the pages are the page cache's own (already there after the reference was written or read),
+and nothing is copied until someone writes to the array (copy-on-write: the file is never changed).
 
-Only plain data qualifies: a contiguous dataset with no filters, allocated (the walk gives only those an
-`offset`), of a native-order numeric dtype, at least 64 KB, lying wholly inside the file (a truncated file is a `FormatError`, never a SIGBUS). Each read gets its own mapping of
-just its bytes, unmapped when the last array or tensor viewing it is freed, so memory held is what the caller
-keeps, as with a copy. Mappings do not hold file descriptors (one is kept per file, not per read).
+Only plain data qualifies: a contiguous dataset with no filters, allocated (the walk gives only those an `offset`),
+of a native-order numeric dtype, at least 64 KB, lying wholly inside the file (a truncated file is a `FormatError`,
+never a SIGBUS). Each read gets its own mapping of just its bytes, unmapped when the last array or tensor viewing it
+is freed, so memory held is what the caller keeps, as with a copy. Mappings do not hold file descriptors (one is
+kept per file, not per read).
 """
 
 from __future__ import annotations

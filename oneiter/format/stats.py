@@ -65,8 +65,6 @@ def tensor_stats(tensor) -> Stats:
     Floating tensors are reduced in their own dtype or float32, whichever is wider (torch's cascade summation, per
     chunk; chunks add up in float64), integers and booleans in float64. NaN/Inf are counted only when the sum says
     there are any, in a second pass."""
-    import torch
-
     t = tensor.detach()
     if t.is_conj() or t.is_neg():  # lazy conjugate/negative views: the values, as a copy would hold them
         t = t.resolve_conj().resolve_neg()
@@ -77,6 +75,14 @@ def tensor_stats(tensor) -> Stats:
     if t.device.type == "cpu" and t.numel() * t.element_size() <= SMALL:  # numpy: a tenth of torch's op overhead
         raw, dtype = tensor_to_numpy(t.contiguous())
         return array_stats(raw, decode(raw, dtype))
+    return _torch_stats(t)
+
+
+def _torch_stats(t) -> Stats:
+    """`tensor_stats` in torch ops, where the tensor lives: one stacked row of partial reductions per chunk, added
+    up in float64 at the end."""
+    import torch
+
     if t.is_complex():
         t = torch.view_as_real(t)
     flat = t.contiguous().reshape(-1)
@@ -132,7 +138,8 @@ def _kernel_stats(t) -> Stats | None:
 
 def _values(numel: int, nan: int, inf: int, finite: int = 0, low=0.0, high=0.0, total=0.0, l2=0.0,
             abs_sum=0.0) -> list:
-    """A stats row (`STATS_VALUES` order) from reductions over the `finite` finite values; none finite: no min, max or mean."""
+    """A stats row (`STATS_VALUES` order) from reductions over the `finite` finite values; none finite: no min, max
+    or mean."""
     if not finite:
         return [numel, math.nan, math.nan, math.nan, 0.0, 0.0, nan, inf]
     return [numel, low, high, total / finite, l2, abs_sum, nan, inf]

@@ -2,7 +2,8 @@
 
 Sits below the comparison engine (format never imports judge): it reads a file through
 `oneiter.format.layout.IterationFile` (batch, loss, every entry, the state before the iteration) one tensor at a
-time and reduces each to float64 statistics over its finite elements (min, max, mean, std) plus NaN/Inf counts. The CLI (`oneiter.cli.inspect_cmd`) only renders the result.
+time and reduces each to float64 statistics over its finite elements (min, max, mean, std) plus NaN/Inf counts.
+The CLI (`oneiter.cli.inspect_cmd`) only renders the result.
 """
 
 from __future__ import annotations

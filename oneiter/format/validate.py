@@ -153,6 +153,14 @@ def _expect(path, where: str, name: str, wanted: str, value) -> FormatError:
 def check_root_attrs(meta: dict[str, Any], path, supported: int, schema: str) -> None:
     """The root attributes every reader relies on, with their types; the order decides which message a file that
     is wrong in several ways gets (not a oneiter file, too new, incomplete, then the rest)."""
+    _check_identity(meta, path, supported, schema)
+    _check_int_attrs(meta, path)
+    _check_other_attrs(meta, path)
+    _check_json_attrs(meta, path)
+
+
+def _check_identity(meta: dict[str, Any], path, supported: int, schema: str) -> None:
+    """A oneiter recording, of a schema version this reader knows, finished."""
     if meta.get("schema") != schema:
         raise FormatError(f"'{path}' is an HDF5 file but not a oneiter recording (schema attribute missing)")
     version = meta.get("schema_version")
@@ -168,6 +176,10 @@ def check_root_attrs(meta: dict[str, Any], path, supported: int, schema: str) ->
         raise FormatError(f"'{path}' is incomplete: the run that wrote it did not finish")
     if complete is not True:
         raise _expect(path, "root ", "complete", "the boolean True (a finished recording)", complete)
+
+
+def _check_int_attrs(meta: dict[str, Any], path) -> None:
+    """Integer attributes: integers, counts >= 0, a world of at least one rank; the seed an integer or ""."""
     for name in _INT_ATTRS:
         if name in meta and not _is_int(meta[name]):
             raise _expect(path, "root ", name, "an integer", meta[name])
@@ -178,6 +190,10 @@ def check_root_attrs(meta: dict[str, Any], path, supported: int, schema: str) ->
         raise _expect(path, "root ", "world_size", "an integer >= 1", meta["world_size"])
     if "rng_seed" in meta and not (_is_int(meta["rng_seed"]) or meta["rng_seed"] == ""):
         raise _expect(path, "root ", "rng_seed", "an integer or \"\"", meta["rng_seed"])
+
+
+def _check_other_attrs(meta: dict[str, Any], path) -> None:
+    """Strings, choices among fixed values, the random_replay flag and the loss."""
     for name in _STR_ATTRS:
         if name in meta and not isinstance(meta[name], str):
             raise _expect(path, "root ", name, "a string", meta[name])
@@ -188,6 +204,11 @@ def check_root_attrs(meta: dict[str, Any], path, supported: int, schema: str) ->
         raise _expect(path, "root ", "random_replay", "a boolean", meta["random_replay"])
     if "loss" in meta and (not isinstance(meta["loss"], (int, float)) or isinstance(meta["loss"], bool)):
         raise _expect(path, "root ", "loss", "a number", meta["loss"])
+
+
+def _check_json_attrs(meta: dict[str, Any], path) -> None:
+    """Attributes holding JSON: a string that parses to an object or a list, as each one's kind says; empty or
+    absent is allowed."""
     for name, kind in _JSON_ATTRS.items():
         value = meta.get(name)
         if value in (None, ""):
@@ -240,8 +261,7 @@ def check_tree(file, path) -> Tree:
     """Walk every link of the open h5py file, link objects first (nothing followed before it is checked), through
     HDF5's low-level API (resnet18's 1,055 links: 0.15 s with h5py's high-level objects, 0.085 s so). Returns the
     `Tree` it saw, so readers need not ask HDF5 for links, attributes or storage again."""
-    import h5py
-    from h5py import h5g, h5l, h5o
+    from h5py import h5o
 
     try:
         root = h5o.open(file.id, b"/")
@@ -254,44 +274,64 @@ def check_tree(file, path) -> Tree:
     stack = [("", root)]
     while stack:
         where, group = stack.pop()
-        links: list[tuple[bytes, int, int]] = []
-        try:
-            group.links.iterate(lambda name, info: links.append((name, info.type, info.u)), info=True)
-        except Exception as exc:  # noqa: BLE001
-            raise _fail(path, f"group '/{where}' cannot be listed ({_first_line(exc)}); the file is damaged") from None
         names = tree.groups[where][1]
-        for raw, kind, addr in links:
+        for raw, kind, addr in _links(group, where, path):
             name = _decoded(raw)
             full = f"{where}/{name}" if where else name
             names.append(name)
-            if kind == h5l.TYPE_EXTERNAL:
-                filename, target = _link_value(group, raw, full, path)
-                raise _fail(path, f"'/{full}' is an external link to '{filename}' (path '{target}'): a recording "
-                                  f"never refers to other files")
-            if kind == h5l.TYPE_SOFT:
-                obj, addr = _soft_target(group, raw, full, _link_value(group, raw, full, path), path)
-            elif kind == h5l.TYPE_HARD:
-                try:
-                    obj = h5o.open(group, raw)
-                except Exception as exc:  # noqa: BLE001
-                    raise _fail(path, f"'/{full}' cannot be opened ({_first_line(exc)}); the file is damaged") from None
-            else:
-                raise _fail(path, f"'/{full}' is a user-defined link (type {kind}): not in a recording")
-            if isinstance(obj, h5g.GroupID):
-                if addr in seen_groups:
-                    raise _fail(path, f"'/{full}' is a second link to a group already in the file (a cycle?): "
-                                      f"a recording links only datasets")
-                seen_groups.add(addr)
-                tree.groups[full] = (_check_group(obj, full, path), [])
-                stack.append((full, obj))
-            elif isinstance(obj, h5py.h5d.DatasetID):
-                if addr not in seen_datasets:
-                    seen_datasets[addr] = _check_storage(obj, full, path)
-                tree.datasets[full] = _check_dataset(obj, full, path, addr, seen_datasets[addr])
-            else:
-                kind_name = "Datatype" if isinstance(obj, h5py.h5t.TypeID) else type(obj).__name__
-                raise _fail(path, f"'/{full}' is a {kind_name}, expected a group or a dataset")
+            obj, obj_addr = _open_link(group, raw, kind, addr, full, path)
+            _add_object(tree, obj, obj_addr, full, path, seen_groups, seen_datasets, stack)
     return tree
+
+
+def _links(group, where: str, path) -> list[tuple[bytes, int, int]]:
+    """Every link of `group` as (name, link type, address or value size), listed before any is followed."""
+    links: list[tuple[bytes, int, int]] = []
+    try:
+        group.links.iterate(lambda name, info: links.append((name, info.type, info.u)), info=True)
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(path, f"group '/{where}' cannot be listed ({_first_line(exc)}); the file is damaged") from None
+    return links
+
+
+def _open_link(group, raw: bytes, kind: int, addr: int, full: str, path) -> tuple:
+    """The object a hard or soft link names and its address; external and user-defined links are refused."""
+    from h5py import h5l, h5o
+
+    if kind == h5l.TYPE_EXTERNAL:
+        filename, target = _link_value(group, raw, full, path)
+        raise _fail(path, f"'/{full}' is an external link to '{filename}' (path '{target}'): a recording "
+                          f"never refers to other files")
+    if kind == h5l.TYPE_SOFT:
+        return _soft_target(group, raw, full, _link_value(group, raw, full, path), path)
+    if kind == h5l.TYPE_HARD:
+        try:
+            return h5o.open(group, raw), addr
+        except Exception as exc:  # noqa: BLE001
+            raise _fail(path, f"'/{full}' cannot be opened ({_first_line(exc)}); the file is damaged") from None
+    raise _fail(path, f"'/{full}' is a user-defined link (type {kind}): not in a recording")
+
+
+def _add_object(tree: Tree, obj, addr: int, full: str, path, seen_groups: set, seen_datasets: dict,
+                stack: list) -> None:
+    """Check a group (queued to be walked; a second link to one is refused) or a dataset (its storage checked once
+    per address) and add it to `tree`; anything else is refused."""
+    import h5py
+
+    if isinstance(obj, h5py.h5g.GroupID):
+        if addr in seen_groups:
+            raise _fail(path, f"'/{full}' is a second link to a group already in the file (a cycle?): "
+                              f"a recording links only datasets")
+        seen_groups.add(addr)
+        tree.groups[full] = (_check_group(obj, full, path), [])
+        stack.append((full, obj))
+    elif isinstance(obj, h5py.h5d.DatasetID):
+        if addr not in seen_datasets:
+            seen_datasets[addr] = _check_storage(obj, full, path)
+        tree.datasets[full] = _check_dataset(obj, full, path, addr, seen_datasets[addr])
+    else:
+        kind_name = "Datatype" if isinstance(obj, h5py.h5t.TypeID) else type(obj).__name__
+        raise _fail(path, f"'/{full}' is a {kind_name}, expected a group or a dataset")
 
 
 def _decoded(raw: bytes) -> str:
@@ -336,15 +376,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
     attrs = read_attrs(group, f"'/{full}'", path)
     if top == "calls":
-        if len(parts) == 2:
-            module, at, call = parts[1].rpartition("@")
-            if not at or not call.isdigit():
-                raise _fail(path, f"'/{full}': expected a call group named <module>@<call>")
-            _check_call_attrs(attrs, parts[1], path)
-        elif len(parts) == 3 and parts[2] not in ("forward", "backward", "local"):  # local: version 1, unread
-            raise _fail(path, f"'/{full}': expected 'forward' or 'backward' in a call group, got '{parts[2]}'")
-        elif len(parts) > 3:
-            raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
+        _check_calls_group(parts, attrs, full, path)
     if top in ("state_before", "param_grads", "state_after") and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
@@ -354,6 +386,19 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         if not _is_int(num_ops) or num_ops < 0:
             raise _expect(path, f"group '/{full}' ", "num_ops", "an integer >= 0", num_ops)
     return attrs
+
+
+def _check_calls_group(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:
+    """Under /calls: call groups named <module>@<call> with their attributes, holding 'forward' and 'backward'."""
+    if len(parts) == 2:
+        module, at, call = parts[1].rpartition("@")
+        if not at or not call.isdigit():
+            raise _fail(path, f"'/{full}': expected a call group named <module>@<call>")
+        _check_call_attrs(attrs, parts[1], path)
+    elif len(parts) == 3 and parts[2] not in ("forward", "backward", "local"):  # local: version 1, unread
+        raise _fail(path, f"'/{full}': expected 'forward' or 'backward' in a call group, got '{parts[2]}'")
+    elif len(parts) > 3:
+        raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
 
 
 def _check_storage(dset, full: str, path) -> tuple[tuple[int, ...], np.dtype, int | None]:
@@ -417,12 +462,24 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
         return stored
     if dtype.names is not None or dtype.kind not in "biufc":
         raise _fail(path, f"'/{full}': expected a numeric tensor dataset, got HDF5 type {dtype}")
+    _check_tensor_name(parts, attrs, full, path)
+    name = _tensor_dtype_name(attrs, dtype, full, path)
+    return Stored(addr, shape, dtype, name, offset, attrs)
+
+
+def _check_tensor_name(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:
+    """Batch tensors are input.<i>; random ops <index> or <index>.<output>, with an `op` attribute."""
+    top = parts[0]
     if top == "batch" and not _BATCH_NAME.fullmatch(parts[1]):
         raise _fail(path, f"'/{full}': expected a batch tensor named input.<i>")
     if top == "random" and not _RANDOM_NAME.fullmatch(parts[1]):
         raise _fail(path, f"'/{full}': expected a random op named <index> or <index>.<output>")
     if top == "random" and not isinstance(attrs.get("op"), str):
         raise _expect(path, f"dataset '/{full}' ", "op", "a string", attrs.get("op"))
+
+
+def _tensor_dtype_name(attrs: dict[str, Any], dtype: np.dtype, full: str, path) -> str:
+    """The tensor's `dtype` attribute: a torch dtype name whose stored numpy type is the data's."""
     name = attrs.get("dtype")
     if not isinstance(name, str):
         raise _expect(path, f"dataset '/{full}' ", "dtype", "a torch dtype name (string)", name)
@@ -435,7 +492,7 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     if expected != dtype:
         raise _fail(path, f"'/{full}': attribute 'dtype' says {name}, which is stored as {expected}, but the data "
                           f"is {dtype}")
-    return Stored(addr, shape, dtype, name, offset, attrs)
+    return name
 
 
 def _check_table(shape, dtype, full: str, path) -> None:

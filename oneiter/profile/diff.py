@@ -183,53 +183,86 @@ def _mib(nbytes: float | None) -> str:
 
 def _describe(side: dict) -> str:
     amp = f", amp {side['amp']}" if side["amp"] else ""
-    return f"{side['dir']} ({side['model']}, {side['device']}, {side['dtype']}{amp}, batch {side['batch_size']}; {side['time']} time)"
+    return (f"{side['dir']} ({side['model']}, {side['device']}, {side['dtype']}{amp}, batch {side['batch_size']}; "
+            f"{side['time']} time)")
 
 
 def format_diff(diff: ProfileDiff, limit: int | None = 20, sort: str = "delta") -> str:
     """The diff as fixed-width text: verdict line, module table, op table, one-sided names."""
+    lines = _header_lines(diff)
+    lines += _module_lines(diff, limit, sort)
+    lines += _op_lines(diff, limit, sort)
+    lines += _one_sided_lines(diff, limit)
+    return "\n".join(lines) + "\n"
+
+
+def _shown(rows: list, limit: int | None) -> list:
+    """The first `limit` rows (all with no limit or 0)."""
+    return rows[:limit] if limit else rows
+
+
+def _more(rows: list, limit: int | None) -> list[str]:
+    """The line saying how many rows `limit` left out, if any."""
+    return [f"... {len(rows) - limit} more (--limit 0 shows all)"] if limit and len(rows) > limit else []
+
+
+def _header_lines(diff: ProfileDiff) -> list[str]:
+    """The verdict line (step time ratio, alignment of modules and ops) and what each side profiled."""
     a, b = diff.a, diff.b
-    lines = [
+    return [
         f"step time B/A {_x(_ratio(a['step_us'], b['step_us'])).strip()} "
         f"(A {a['step_us'] / 1000:.3f} ms, B {b['step_us'] / 1000:.3f} ms per step); "
-        f"modules aligned {len(diff.modules)}/{len(diff.modules) + len(diff.modules_only_a) + len(diff.modules_only_b)} "
+        f"modules aligned {len(diff.modules)}/"
+        f"{len(diff.modules) + len(diff.modules_only_a) + len(diff.modules_only_b)} "
         f"({diff.module_alignment:.1%}), ops aligned {len(diff.ops)}/"
         f"{len(diff.ops) + len(diff.ops_only_a) + len(diff.ops_only_b)} ({diff.op_alignment:.1%})",
         f"A: {_describe(a)}",
         f"B: {_describe(b)}",
+    ]
+
+
+def _module_lines(diff: ProfileDiff, limit: int | None, sort: str) -> list[str]:
+    """The aligned module table."""
+    lines = [
         "",
         f"== modules: ms per step, sorted by {sort} ==",
         f"{'A fwd':>9} {'A bwd':>9} {'B fwd':>9} {'B bwd':>9} {'B/A':>8} {'A MiB':>8} {'B MiB':>8}  module",
     ]
     modules = _sorted(diff.modules, sort, "path")
-    for r in modules[:limit] if limit else modules:
+    for r in _shown(modules, limit):
         lines.append(
             f"{_ms(r['a_fwd_us'])} {_ms(r['a_bwd_us'])} {_ms(r['b_fwd_us'])} {_ms(r['b_bwd_us'])} {_x(r['ratio'])} "
             f"{_mib(r['a_memory'])} {_mib(r['b_memory'])}  {display_path(r['path'])} ({r['type']})"
         )
-    if limit and len(modules) > limit:
-        lines.append(f"... {len(modules) - limit} more (--limit 0 shows all)")
-    lines += ["", f"== ops: self ms per step, sorted by {sort} ==",
-              f"{'A self':>9} {'B self':>9} {'B/A':>8} {'A calls':>8} {'B calls':>8}  op"]  # fmt: skip
+    return lines + _more(modules, limit)
+
+
+def _op_lines(diff: ProfileDiff, limit: int | None, sort: str) -> list[str]:
+    """The aligned op table."""
+    lines = ["", f"== ops: self ms per step, sorted by {sort} ==",
+             f"{'A self':>9} {'B self':>9} {'B/A':>8} {'A calls':>8} {'B calls':>8}  op"]  # fmt: skip
     ops = _sorted(diff.ops, sort, "name")
-    for r in ops[:limit] if limit else ops:
+    for r in _shown(ops, limit):
         lines.append(
-            f"{_ms(r['a_self_us'])} {_ms(r['b_self_us'])} {_x(r['ratio'])} {r['a_calls']:8.0f} {r['b_calls']:8.0f}  {r['name']}"
+            f"{_ms(r['a_self_us'])} {_ms(r['b_self_us'])} {_x(r['ratio'])} {r['a_calls']:8.0f} {r['b_calls']:8.0f}  "
+            f"{r['name']}"
         )
-    if limit and len(ops) > limit:
-        lines.append(f"... {len(ops) - limit} more (--limit 0 shows all)")
+    return lines + _more(ops, limit)
+
+
+def _one_sided_lines(diff: ProfileDiff, limit: int | None) -> list[str]:
+    """Modules and ops that only one side has, and why there may be no module rows at all."""
+    lines: list[str] = []
     for label, rows in (("modules only in A", diff.modules_only_a), ("modules only in B", diff.modules_only_b)):
         if rows:
             lines += ["", f"== {label} ({len(rows)}): ms per step =="]
-            lines += [f"{_ms(r['us'])}  {display_path(r['path'])} ({r['type']})" for r in (rows[:limit] if limit else rows)]
-            if limit and len(rows) > limit:
-                lines.append(f"... {len(rows) - limit} more (--limit 0 shows all)")
+            lines += [f"{_ms(r['us'])}  {display_path(r['path'])} ({r['type']})" for r in _shown(rows, limit)]
+            lines += _more(rows, limit)
     if not diff.modules and (diff.modules_only_a or diff.modules_only_b):
         lines.append("(one side has no module rows: it was profiled with --no-module-ranges)")
     for label, rows in (("ops only in A", diff.ops_only_a), ("ops only in B", diff.ops_only_b)):
         if rows:
             lines += ["", f"== {label} ({len(rows)}): self ms per step =="]
-            lines += [f"{_ms(r['self_us'])}  {r['name']}" for r in (rows[:limit] if limit else rows)]
-            if limit and len(rows) > limit:
-                lines.append(f"... {len(rows) - limit} more (--limit 0 shows all)")
-    return "\n".join(lines) + "\n"
+            lines += [f"{_ms(r['self_us'])}  {r['name']}" for r in _shown(rows, limit)]
+            lines += _more(rows, limit)
+    return lines

@@ -5,13 +5,14 @@ reads the ranges back from the profiler's events and `trace.write_trace` draws t
 torch.profiler's own module names (`nn.Module: Conv2d_0`) say neither where a module sits nor which backward work
 is its; these ranges do.
 
-Forward: a forward pre-hook opens the range `oneiter.fwd::<path>` (the root module is `(root)`, as in recordings), a forward hook
-(registered `always_call`, so an exception closes it too) closes it. Every call of a module gets its own range;
-the table sums them.
+Forward: a forward pre-hook opens the range `oneiter.fwd::<path>` (the root module is `(root)`, as in
+recordings), a forward hook (registered `always_call`, so an exception closes it too) closes it. Every call of a
+module gets its own range; the table sums them.
 
 Backward: in the forward hook, the autograd nodes created during this call (sequence number between the pre-hook
 and the hook, reachable from the outputs) each get a node pre-hook and post-hook. The first node of the call to
-run emits the marker `oneiter.bwd.begin::<path>@<call>` (call N of that module in the step, as recordings name it), the last one to finish emits `oneiter.bwd.end::...`.
+run emits the marker `oneiter.bwd.begin::<path>@<call>` (call N of that module in the step, as recordings name
+it), the last one to finish emits `oneiter.bwd.end::...`.
 Markers, not a range: autograd hooks run *inside* the engine's `autograd::engine::evaluate_function` events, so a
 range opened in one node and closed in another would straddle those events, break the nesting of the trace and
 steal their child ops (inflating their self time). `trace.py` turns each marker pair into a span.

@@ -65,12 +65,14 @@ def summary_head(options, sched: ProfileSchedule, device) -> dict[str, Any]:
 
 def _device_notes(device, profile_memory: bool) -> list[str]:
     if device.type == "cpu":
-        return [f"device '{device}' has no CUDA: CUDA activity, CUDA memory and the memory-history snapshot are skipped"]
+        return [f"device '{device}' has no CUDA: CUDA activity, CUDA memory and the memory-history snapshot "
+                f"are skipped"]
     kind = device.type.upper()
     if memory_history_api(device.type) is None:
         return [f"device '{device}' keeps no allocator history oneiter can read: no memory-history snapshot"]
     if profile_memory:
-        return [f"{kind} memory history is recorded: open <trace>.memory_snapshot.pickle at https://pytorch.org/memory_viz"]
+        return [f"{kind} memory history is recorded: open <trace>.memory_snapshot.pickle at "
+                f"https://pytorch.org/memory_viz"]
     return [f"{kind} memory and the memory-history snapshot are recorded with --profile-memory only"]
 
 
@@ -158,7 +160,8 @@ class CycleExporter:
         entry.update(write_trace(prof, self.out_dir / (stem + TRACE_SUFFIX)))
         self.summary["files"].append(entry["trace"])
         memory_sort = opts.memory_sort if opts.profile_memory else None
-        entry.update(build_tables(prof, len(steps), self.module_info, by_shape=opts.record_shapes, memory_sort=memory_sort))
+        entry.update(build_tables(prof, len(steps), self.module_info, by_shape=opts.record_shapes,
+                                  memory_sort=memory_sort))
         if entry["profiler_steps"] != steps:
             self.summary["warnings"].append(
                 f"cycle {cycle}: the trace holds ProfilerStep {entry['profiler_steps']}, expected {steps}"

@@ -246,7 +246,8 @@ def format_ops(rows: list[dict], limit: int | None = None, *, device: bool = Fal
     for r in shown:
         dev_cols = f" {_ms(r['self_device_us'])} {_ms(r['device_total_us'])}" if device else ""
         shapes = f"  {r['input_shapes']}" if r["input_shapes"] else ""
-        lines.append(f"{_ms(r['self_cpu_us'])} {_ms(r['cpu_total_us'])}{dev_cols} {r['calls']:7.0f}  {r['name']}{shapes}")
+        lines.append(f"{_ms(r['self_cpu_us'])} {_ms(r['cpu_total_us'])}{dev_cols} {r['calls']:7.0f}  "
+                     f"{r['name']}{shapes}")
     return "\n".join(lines) + "\n" + more
 
 
@@ -254,7 +255,8 @@ def format_memory(rows: list[dict], sort_by: str, limit: int | None = None, *, d
     """Fixed-width memory table: MiB per step (allocated minus freed), sorted by `sort_by`."""
     shown, more = _limited(rows, limit)
     keys = MEMORY_SORTS if device or "device" in sort_by else MEMORY_SORTS[:2]
-    heads = {"self_cpu_memory": "self CPU", "cpu_memory": "CPU", "self_device_memory": "self dev", "device_memory": "device"}
+    heads = {"self_cpu_memory": "self CPU", "cpu_memory": "CPU", "self_device_memory": "self dev",
+             "device_memory": "device"}
     lines = [" ".join(f"{heads[k]:>10}" for k in keys) + f" {'calls':>7}  op (MiB per step, by {sort_by})"]
     for r in shown:
         shapes = f"  {r['input_shapes']}" if r["input_shapes"] else ""
@@ -267,17 +269,20 @@ def format_modules(rows: list[dict], limit: int | None = None, *, slowest_leaves
     with every module, or `slowest_leaves`: leaf modules only (no time counted twice), slowest first."""
     timing = "device_us" if rows and "fwd_device_us" in rows[0] else "us"
     if slowest_leaves:
-        rows = sorted((r for r in rows if r["leaf"]), key=lambda r: (-(r[f"fwd_{timing}"] + r[f"bwd_{timing}"]), r["path"]))
+        rows = sorted((r for r in rows if r["leaf"]),
+                      key=lambda r: (-(r[f"fwd_{timing}"] + r[f"bwd_{timing}"]), r["path"]))
     shown, more = _limited(rows, limit)
     memory = "" if not rows or "fwd_cpu_memory" not in rows[0] else "cpu"
     if memory and any(r["fwd_device_memory"] or r["bwd_device_memory"] for r in rows):
         memory = "device"
     unit = "dev ms" if timing == "device_us" else "ms"
     mem_head = f" {'fwd MiB':>10} {'bwd MiB':>10}" if memory else ""
-    lines = [f"{'fwd ' + unit:>10} {'bwd ' + unit:>10}{mem_head} {'calls':>5}  module (per step{', ' + memory + ' memory' if memory else ''})"]
+    per_step = f"per step{', ' + memory + ' memory' if memory else ''}"
+    lines = [f"{'fwd ' + unit:>10} {'bwd ' + unit:>10}{mem_head} {'calls':>5}  module ({per_step})"]
     for r in shown:
         mem_cols = f" {_mib(r[f'fwd_{memory}_memory'])} {_mib(r[f'bwd_{memory}_memory'])}" if memory else ""
         lines.append(
-            f"{_ms(r[f'fwd_{timing}'])} {_ms(r[f'bwd_{timing}'])}{mem_cols} {r['fwd_calls']:5.0f}  {display_path(r['path'])} ({r['type']})"
+            f"{_ms(r[f'fwd_{timing}'])} {_ms(r[f'bwd_{timing}'])}{mem_cols} {r['fwd_calls']:5.0f}  "
+            f"{display_path(r['path'])} ({r['type']})"
         )
     return "\n".join(lines) + "\n" + more

@@ -41,7 +41,8 @@ def _model_label(spec: str) -> str:
     return _UNSAFE.sub("-", spec).strip("-") or "model"
 
 
-def trace_stem(model: str, device: str, rank: int, steps: list[int], dtype: str = "float32", amp: str | None = None) -> str:
+def trace_stem(model: str, device: str, rank: int, steps: list[int], dtype: str = "float32",
+               amp: str | None = None) -> str:
     """`resnet18_cpu_rank0_steps2-3`: what was profiled, where, and which steps, without a timestamp."""
     parts = [_model_label(model), _UNSAFE.sub("", device.replace(":", "")), f"rank{rank}"]
     if dtype != "float32":

@@ -93,23 +93,29 @@ def make_pair(folder: Path) -> Pair:
     _record(plain)
     pair = Pair(ref, target, plain)
     for base, path in (("target", target), ("plain", plain)):
-        datasets, groups, attrs = [], [""], [("", name) for name in h5py.File(path).attrs]
-        with h5py.File(path, "r") as f:
-            def visit(name, obj):
-                (datasets if isinstance(obj, h5py.Dataset) else groups).append(name)
-                attrs.extend((name, a) for a in obj.attrs)
-            f.visititems(visit)
-            # what compare judges: without local data every entry (forward, backward, parameter gradients,
-            # updated parameters; the loss is shown, not judged); with local data (a replay) the calls' own
-            # errors in /local: a raw entry far off whose own code is exact is drift, by design
-            judged = [d for d in datasets if d.startswith(("param_grads/", "state_after/"))
-                      or (d.startswith("calls/") and d.split("/")[2] in ("forward", "backward"))]
-            judged = [d for d in judged if f[d].dtype.kind == "f"] if "local" not in f else [
-                f"local#{i}" for i in range(len(f["local"]))]
+        datasets, groups, attrs, judged = _contents(path)
         pair.datasets[base], pair.groups[base], pair.attrs[base] = datasets, groups, attrs
         pair.judged[base] = judged
         pair.data[base] = path.read_bytes()
     return pair
+
+
+def _contents(path: Path) -> tuple[list, list, list, list]:
+    """A recording's dataset paths, group paths, (path, attribute) pairs and judged entries."""
+    datasets, groups, attrs = [], [""], [("", name) for name in h5py.File(path).attrs]
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            (datasets if isinstance(obj, h5py.Dataset) else groups).append(name)
+            attrs.extend((name, a) for a in obj.attrs)
+        f.visititems(visit)
+        # what compare judges: without local data every entry (forward, backward, parameter gradients,
+        # updated parameters; the loss is shown, not judged); with local data (a replay) the calls' own
+        # errors in /local: a raw entry far off whose own code is exact is drift, by design
+        judged = [d for d in datasets if d.startswith(("param_grads/", "state_after/"))
+                  or (d.startswith("calls/") and d.split("/")[2] in ("forward", "backward"))]
+        judged = [d for d in judged if f[d].dtype.kind == "f"] if "local" not in f else [
+            f"local#{i}" for i in range(len(f["local"]))]
+    return datasets, groups, attrs, judged
 
 
 # -- applying a mutation --------------------------------------------------------------------------------------------
@@ -125,57 +131,89 @@ def apply(pair: Pair, m: Mutation, out: Path, scratch: Path) -> Path:
     out.write_bytes(data)
     with h5py.File(out, "r+") as f:
         obj = f[m.path] if m.path else f
-        if m.category in ("attr_value", "attr_type"):
-            obj.attrs[m.attr] = m.value
-        elif m.category == "attr_missing":
-            del obj.attrs[m.attr]
-        elif m.category == "delete":
-            del f[m.path]
-        elif m.category == "to_group":
-            del f[m.path]
-            f.create_group(m.path)
-        elif m.category == "to_soft_link":
-            del f[m.path]
-            f[m.path] = h5py.SoftLink(m.value)
-        elif m.category == "to_external_link":
-            other = scratch / "other.h5"
-            if not other.exists():
-                shutil.copy(pair.ref, other)
-            del f[m.path]
-            f[m.path] = h5py.ExternalLink(str(other), m.value)
-        elif m.category == "to_string":
-            del f[m.path]
-            f.create_dataset(m.path, data=m.value).attrs["dtype"] = "float32"
-        elif m.category == "external_storage":
-            raw = scratch / "raw.bin"
-            if not raw.exists():
-                raw.write_bytes(os.urandom(4096))
-            old = obj
-            shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
-            del f[m.path]
-            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            target = m.value or str(raw)
-            new = f.create_dataset(m.path, shape=shape, dtype=dtype, external=[(target, 0, max(size, 1))])
-            new.attrs.update(attrs)
-        elif m.category == "virtual":
-            old = obj
-            shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
-            layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
-            layout[...] = h5py.VirtualSource(str(pair.ref), m.path, shape=shape)
-            del f[m.path]
-            f.create_virtual_dataset(m.path, layout).attrs.update(attrs)
-        elif m.category == "scale_values" and m.path == "local":  # the judged local error of row `attr`
-            table = obj[()]
-            row = int(m.attr)
-            for column in ("rel_l2", "max_abs"):
-                table[column][row] = 1.0 + abs(m.value) * table[column][row]
-            obj[...] = table
-        elif m.category == "scale_values":
-            values = obj[()]
-            obj[...] = values * np.float32(m.value) + np.float32(1.0)  # + 1: zeros change too
-        else:
+        edit = _EDITS.get(m.category)
+        if edit is None:
             raise ValueError(m.category)
+        edit(f, obj, m, pair, scratch)
     return out
+
+
+def _set_attr(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    obj.attrs[m.attr] = m.value
+
+
+def _delete_attr(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    del obj.attrs[m.attr]
+
+
+def _delete(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    del f[m.path]
+
+
+def _to_group(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    del f[m.path]
+    f.create_group(m.path)
+
+
+def _to_soft_link(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    del f[m.path]
+    f[m.path] = h5py.SoftLink(m.value)
+
+
+def _to_external_link(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    other = scratch / "other.h5"
+    if not other.exists():
+        shutil.copy(pair.ref, other)
+    del f[m.path]
+    f[m.path] = h5py.ExternalLink(str(other), m.value)
+
+
+def _to_string(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    del f[m.path]
+    f.create_dataset(m.path, data=m.value).attrs["dtype"] = "float32"
+
+
+def _external_storage(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    raw = scratch / "raw.bin"
+    if not raw.exists():
+        raw.write_bytes(os.urandom(4096))
+    old = obj
+    shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
+    del f[m.path]
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    target = m.value or str(raw)
+    new = f.create_dataset(m.path, shape=shape, dtype=dtype, external=[(target, 0, max(size, 1))])
+    new.attrs.update(attrs)
+
+
+def _virtual(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    old = obj
+    shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
+    layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+    layout[...] = h5py.VirtualSource(str(pair.ref), m.path, shape=shape)
+    del f[m.path]
+    f.create_virtual_dataset(m.path, layout).attrs.update(attrs)
+
+
+def _scale_values(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    if m.path == "local":  # the judged local error of row `attr`
+        table = obj[()]
+        row = int(m.attr)
+        for column in ("rel_l2", "max_abs"):
+            table[column][row] = 1.0 + abs(m.value) * table[column][row]
+        obj[...] = table
+    else:
+        values = obj[()]
+        obj[...] = values * np.float32(m.value) + np.float32(1.0)  # + 1: zeros change too
+
+
+# category -> its edit of the open mutant file (bit_flip works on the bytes, before HDF5 opens it)
+_EDITS = {
+    "attr_value": _set_attr, "attr_type": _set_attr, "attr_missing": _delete_attr, "delete": _delete,
+    "to_group": _to_group, "to_soft_link": _to_soft_link, "to_external_link": _to_external_link,
+    "to_string": _to_string, "external_storage": _external_storage, "virtual": _virtual,
+    "scale_values": _scale_values,
+}
 
 
 # -- running the readers --------------------------------------------------------------------------------------------
@@ -293,55 +331,109 @@ def strategy(pair: Pair, category: str):
     from hypothesis import strategies as st
 
     bases = st.sampled_from(("target", "plain"))
+    make = _STRATEGIES.get(category)
+    if make is None:
+        raise ValueError(category)
+    return make(pair, category, bases)
 
-    if category == "bit_flip":
-        return st.builds(lambda base, flips: Mutation(category, base, flips=tuple(flips)), bases,
-                         st.lists(st.integers(0, 8 * len(pair.data["plain"]) - 1), min_size=1, max_size=8))
-    if category in ("attr_value", "attr_type", "attr_missing"):
-        def attrs(base):
-            pick = st.sampled_from(pair.attrs[base])
-            if category == "attr_missing":
-                return pick.map(lambda pa: Mutation(category, base, pa[0], pa[1]))
-            values = st.sampled_from(_ODD_VALUES) if category == "attr_type" else st.one_of(
-                st.integers(-2**40, 2**40), st.floats(allow_nan=True, allow_infinity=True),
-                _text(12), st.booleans())
-            return st.builds(lambda pa, v: Mutation(category, base, pa[0], pa[1], v), pick, values)
-        return bases.flatmap(attrs)
-    if category == "delete":
-        return bases.flatmap(lambda base: st.sampled_from(
-            [p for p in pair.datasets[base] + pair.groups[base] if p]).map(lambda p: Mutation(category, base, p)))
-    if category == "to_group":
-        return bases.flatmap(lambda base: st.sampled_from(pair.datasets[base]).map(
-            lambda p: Mutation(category, base, p)))
-    if category == "to_soft_link":
-        def soft(base):
-            targets = st.sampled_from(["/nowhere", "/", "/calls", "/loss", "/batch/input.0", "../x", "/state_before"])
-            return st.builds(lambda p, t: Mutation(category, base, p, value=t),
-                             st.sampled_from(pair.datasets[base]), targets)
-        return bases.flatmap(soft)
-    if category == "to_external_link":
-        return bases.flatmap(lambda base: st.builds(
-            lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(pair.datasets[base]),
-            st.sampled_from(["loss", "/batch/input.0", "/nowhere"])))
-    if category == "to_string":
-        return bases.flatmap(lambda base: st.builds(
-            lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(pair.datasets[base]),
-            _text(20)))
-    def tensors(base):
-        return [p for p in pair.datasets[base] if p.startswith(("batch/", "state_before/", "calls/", "param_grads/"))]
 
-    if category == "external_storage":
-        return bases.flatmap(lambda base: st.builds(
-            lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(tensors(base)),
-            st.sampled_from(["", "/etc/passwd"])))
-    if category == "virtual":
-        return bases.flatmap(lambda base: st.sampled_from(tensors(base)).map(lambda p: Mutation(category, base, p)))
-    if category == "scale_values":
-        def scale(base):
-            def make(p, k):
-                if p.startswith("local#"):
-                    return Mutation(category, base, "local", p.partition("#")[2], k)
-                return Mutation(category, base, p, value=k)
-            return st.builds(make, st.sampled_from(pair.judged[base]), st.sampled_from([1000.0, -1000.0, 1e6]))
-        return bases.flatmap(scale)
-    raise ValueError(category)
+def _bit_flips(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return st.builds(lambda base, flips: Mutation(category, base, flips=tuple(flips)), bases,
+                     st.lists(st.integers(0, 8 * len(pair.data["plain"]) - 1), min_size=1, max_size=8))
+
+
+def _attr_mutations(pair: Pair, category: str, bases):
+    """attr_value (odd values of the right kinds), attr_type (values of other types) and attr_missing."""
+    from hypothesis import strategies as st
+
+    def attrs(base):
+        pick = st.sampled_from(pair.attrs[base])
+        if category == "attr_missing":
+            return pick.map(lambda pa: Mutation(category, base, pa[0], pa[1]))
+        values = st.sampled_from(_ODD_VALUES) if category == "attr_type" else st.one_of(
+            st.integers(-2**40, 2**40), st.floats(allow_nan=True, allow_infinity=True),
+            _text(12), st.booleans())
+        return st.builds(lambda pa, v: Mutation(category, base, pa[0], pa[1], v), pick, values)
+    return bases.flatmap(attrs)
+
+
+def _deletions(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(lambda base: st.sampled_from(
+        [p for p in pair.datasets[base] + pair.groups[base] if p]).map(lambda p: Mutation(category, base, p)))
+
+
+def _to_groups(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(lambda base: st.sampled_from(pair.datasets[base]).map(
+        lambda p: Mutation(category, base, p)))
+
+
+def _soft_links(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    def soft(base):
+        targets = st.sampled_from(["/nowhere", "/", "/calls", "/loss", "/batch/input.0", "../x", "/state_before"])
+        return st.builds(lambda p, t: Mutation(category, base, p, value=t),
+                         st.sampled_from(pair.datasets[base]), targets)
+    return bases.flatmap(soft)
+
+
+def _external_links(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(lambda base: st.builds(
+        lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(pair.datasets[base]),
+        st.sampled_from(["loss", "/batch/input.0", "/nowhere"])))
+
+
+def _strings(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(lambda base: st.builds(
+        lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(pair.datasets[base]),
+        _text(20)))
+
+
+def _tensors(pair: Pair, base: str) -> list[str]:
+    return [p for p in pair.datasets[base] if p.startswith(("batch/", "state_before/", "calls/", "param_grads/"))]
+
+
+def _external_storages(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(lambda base: st.builds(
+        lambda p, t: Mutation(category, base, p, value=t), st.sampled_from(_tensors(pair, base)),
+        st.sampled_from(["", "/etc/passwd"])))
+
+
+def _virtuals(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return bases.flatmap(
+        lambda base: st.sampled_from(_tensors(pair, base)).map(lambda p: Mutation(category, base, p)))
+
+
+def _scalings(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    def scale(base):
+        def make(p, k):
+            if p.startswith("local#"):
+                return Mutation(category, base, "local", p.partition("#")[2], k)
+            return Mutation(category, base, p, value=k)
+        return st.builds(make, st.sampled_from(pair.judged[base]), st.sampled_from([1000.0, -1000.0, 1e6]))
+    return bases.flatmap(scale)
+
+
+# category -> its strategy, given the pair, the category and the strategy of the base recording
+_STRATEGIES = {
+    "bit_flip": _bit_flips, "attr_value": _attr_mutations, "attr_type": _attr_mutations,
+    "attr_missing": _attr_mutations, "delete": _deletions, "to_group": _to_groups, "to_soft_link": _soft_links,
+    "to_external_link": _external_links, "to_string": _strings, "external_storage": _external_storages,
+    "virtual": _virtuals, "scale_values": _scalings,
+}

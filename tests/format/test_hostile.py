@@ -74,6 +74,60 @@ def test_layer_replay_reads_through_the_same_door(pair, tmp_path):
     assert "'/state_before/0.bias' keeps its data in the external file '/etc/passwd'" in line
 
 
+def _external_link(f, other):
+    del f["loss"]
+    f["loss"] = h5py.ExternalLink(str(other), "loss")
+
+
+def _dangling_soft_link(f, other):
+    del f["loss"]
+    f["loss"] = h5py.SoftLink("/nowhere")
+
+
+def _soft_link_to_group(f, other):
+    f["calls/0@0/forward/extra"] = h5py.SoftLink("/")
+
+
+def _group_cycle(f, other):
+    f["calls/0@0/forward/loop"] = f["calls"]  # a hard link to an ancestor: walking it would never end
+
+
+def _virtual(f, other):
+    layout = h5py.VirtualLayout(shape=(8,), dtype="f4")
+    layout[...] = h5py.VirtualSource(str(other), "state_before/0.bias", shape=(8,))
+    del f["state_before/0.bias"]
+    f.create_virtual_dataset("state_before/0.bias", layout).attrs["dtype"] = "float32"
+
+
+def _group_for_dataset(f, other):
+    del f["calls/0@0/forward/output"]
+    f.create_group("calls/0@0/forward/output")
+
+
+def _string_for_tensor(f, other):
+    del f["loss"]
+    f.create_dataset("loss", data="1.0").attrs["dtype"] = "float32"
+
+
+def _wrong_dtype(f, other):
+    f["loss"].attrs["dtype"] = "bfloat16"  # float32 data claiming to be raw bfloat16 bits
+
+
+def _plugin_filter(f, other):
+    del f["state_before/0.bias"]
+    f.create_dataset("state_before/0.bias", data=np.zeros(8, np.float32), chunks=(8,),
+                     compression=32004, allow_unknown_filter=True).attrs["dtype"] = "float32"
+
+
+# kind -> its edit of a copy of the target (`other`: a copy of the reference an edit may refer to)
+_NEVER_IN_A_RECORDING = {
+    "external_link": _external_link, "dangling_soft_link": _dangling_soft_link,
+    "soft_link_to_group": _soft_link_to_group, "group_cycle": _group_cycle, "virtual": _virtual,
+    "group_for_dataset": _group_for_dataset, "string_for_tensor": _string_for_tensor, "wrong_dtype": _wrong_dtype,
+    "plugin_filter": _plugin_filter,
+}
+
+
 @pytest.mark.parametrize("kind", ["external_link", "dangling_soft_link", "soft_link_to_group", "group_cycle",
                                   "virtual", "group_for_dataset", "string_for_tensor", "wrong_dtype",
                                   "plugin_filter"])
@@ -82,33 +136,7 @@ def test_links_and_storage_a_recording_never_has_are_refused(pair, tmp_path, kin
     shutil.copy(pair.ref, other)
 
     def edit(f):
-        if kind == "external_link":
-            del f["loss"]
-            f["loss"] = h5py.ExternalLink(str(other), "loss")
-        elif kind == "dangling_soft_link":
-            del f["loss"]
-            f["loss"] = h5py.SoftLink("/nowhere")
-        elif kind == "soft_link_to_group":
-            f["calls/0@0/forward/extra"] = h5py.SoftLink("/")
-        elif kind == "group_cycle":
-            f["calls/0@0/forward/loop"] = f["calls"]  # a hard link to an ancestor: walking it would never end
-        elif kind == "virtual":
-            layout = h5py.VirtualLayout(shape=(8,), dtype="f4")
-            layout[...] = h5py.VirtualSource(str(other), "state_before/0.bias", shape=(8,))
-            del f["state_before/0.bias"]
-            f.create_virtual_dataset("state_before/0.bias", layout).attrs["dtype"] = "float32"
-        elif kind == "group_for_dataset":
-            del f["calls/0@0/forward/output"]
-            f.create_group("calls/0@0/forward/output")
-        elif kind == "string_for_tensor":
-            del f["loss"]
-            f.create_dataset("loss", data="1.0").attrs["dtype"] = "float32"
-        elif kind == "wrong_dtype":
-            f["loss"].attrs["dtype"] = "bfloat16"  # float32 data claiming to be raw bfloat16 bits
-        elif kind == "plugin_filter":
-            del f["state_before/0.bias"]
-            f.create_dataset("state_before/0.bias", data=np.zeros(8, np.float32), chunks=(8,),
-                             compression=32004, allow_unknown_filter=True).attrs["dtype"] = "float32"
+        _NEVER_IN_A_RECORDING[kind](f, other)
 
     path = mutate(pair, tmp_path, edit)
     expected = {
@@ -197,10 +225,12 @@ def test_a_missing_complete_is_an_incomplete_file(pair, tmp_path):
     ("", "batch_size", 2.5, "root attribute 'batch_size': expected an integer, got 2.5 (float)"),
     ("", "batch_size", -3, "root attribute 'batch_size': expected an integer >= 0, got -3 (int)"),
     ("", "seed", "0", "root attribute 'seed': expected an integer, got '0' (str)"),
-    ("", "model_args", "{not json", "root attribute 'model_args': expected a JSON object string, got '{not json' (str)"),
+    ("", "model_args", "{not json",
+     "root attribute 'model_args': expected a JSON object string, got '{not json' (str)"),
     ("", "level", "everything", "root attribute 'level': expected 'full' or 'stats', got 'everything' (str)"),
     ("", "model", 7, "root attribute 'model': expected a string, got 7 (int)"),
-    ("calls/0@0", "exec_index", "first", "call group '0@0' attribute 'exec_index': expected an integer, got 'first' (str)"),
+    ("calls/0@0", "exec_index", "first",
+     "call group '0@0' attribute 'exec_index': expected an integer, got 'first' (str)"),
     ("calls/0@0", "call", -1, "call group '0@0' attribute 'call': expected an integer >= 0, got -1 (int)"),
     ("calls/0@0", "seq_output", 1.5, "call group '0@0' attribute 'seq_output': expected an integer, got 1.5 (float)"),
     ("calls/0@0", "module", 3, "call group '0@0' attribute 'module': expected a string, got 3 (int)"),

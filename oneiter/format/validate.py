@@ -29,6 +29,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
 import numpy as np
 
 from oneiter.errors import FormatError
@@ -94,8 +95,6 @@ def check_path(path) -> None:
 def read_attrs(obj, where: str, path) -> dict[str, Any]:
     """The attributes of an HDF5 object (h5py high-level object or low-level id) as plain Python values, read
     with the low-level API; an unreadable one is a one-line FormatError."""
-    import h5py
-
     try:
         if isinstance(obj, h5py.File):
             obj = h5py.h5o.open(obj.id, b"/")
@@ -118,8 +117,6 @@ def read_attrs(obj, where: str, path) -> dict[str, Any]:
 def _attr_value(attr):
     """What h5py's `obj.attrs[name]` returns (h5py 3's `AttributeManager.__getitem__`, without its per-call
     lock, name lookups and type conversions: ~2x faster, which matters at ~1,500 attributes per file)."""
-    import h5py
-
     shape = attr.shape
     if shape is None:  # an empty dataspace
         return h5py.Empty(attr.dtype)
@@ -316,8 +313,6 @@ def _add_object(tree: Tree, obj, addr: int, full: str, path, seen_groups: set, s
                 stack: list) -> None:
     """Check a group (queued to be walked; a second link to one is refused) or a dataset (its storage checked once
     per address) and add it to `tree`; anything else is refused."""
-    import h5py
-
     if isinstance(obj, h5py.h5g.GroupID):
         if addr in seen_groups:
             raise _fail(path, f"'/{full}' is a second link to a group already in the file (a cycle?): "
@@ -350,8 +345,6 @@ def _link_value(group, raw: bytes, full: str, path):
 def _soft_target(group, raw: bytes, full: str, target: str, path):
     """The dataset a soft link names and its address; refused when it dangles or names a group (which could
     close a cycle)."""
-    import h5py
-
     try:
         obj = h5py.h5o.open(group, raw)
         addr = h5py.h5o.get_info(obj).addr
@@ -404,8 +397,6 @@ def _check_calls_group(parts: list[str], attrs: dict[str, Any], full: str, path)
 def _check_storage(dset, full: str, path) -> tuple[tuple[int, ...], np.dtype, int | None]:
     """Data stored in this file only, by built-in filters, with as many bytes as the shape says. Returns (shape,
     stored numpy dtype, offset of contiguous unfiltered data or None)."""
-    import h5py
-
     try:
         plist = dset.get_create_plist()
         layout = plist.get_layout()

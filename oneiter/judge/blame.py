@@ -243,6 +243,58 @@ def _gross(r) -> bool:
     return limit is not None and r.metrics.rel_l2 >= limit[0] and r.metrics.cosine <= limit[1]
 
 
+class _Upstream:
+    """The engine's accumulated errors, indexed by entry and by call, to find the largest error of what an entry
+    was computed from."""
+
+    def __init__(self, rows: list, loss: dict[str, Optional[float]]):
+        self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+        self.by_call: dict[tuple[str, int, str], list[float]] = {}
+        for (module, call, phase, tensor), err in self.errors.items():
+            kind = "in" if is_input(tensor) else "out"
+            self.by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
+        self.everything = max(self.errors.values(), default=0.0)
+        self.root_out = max(self.by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
+        self.loss_err = _scalar_error(loss)
+
+    def _module_errors(self, module: str, kinds: tuple[str, ...]) -> list[float]:
+        """The errors of every call of `module` of the given kinds (`forward.in`, ...), in index order."""
+        return [e for (m, _c, k), es in self.by_call.items() if m == module and k in kinds for e in es]
+
+    def _call_inputs(self, r) -> float:
+        """The largest error of the entry's call's inputs (and, in backward, its output gradients)."""
+        kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+        return max((e for k in kinds for e in self.by_call.get((r.module, r.call, k), [])), default=0.0)
+
+    def upstream(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> Optional[float]:
+        """The error the entry may inherit, or None when a probe (or a local row) covers it."""
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return None
+        if r.phase == "param_grad":
+            sources = self._module_errors(r.module, ("forward.in", "backward.in"))
+            return max(sources) if sources else self.everything
+        if r.phase == "optimizer":
+            grad = self.errors.get((r.module, 0, "param_grad", r.tensor))
+            if grad is not None:
+                return grad
+            sources = self._module_errors(r.module, ("forward.in",))
+            return max(sources) if sources else self.everything
+        if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
+            return max(self.root_out, self.loss_err or 0.0)
+        if (r.module, r.call) in unprobed and not is_input(r.tensor):
+            return self._call_inputs(r)
+        return None  # covered by a probe
+
+    def inputs(self, r) -> float:
+        """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
+        if r.phase == "optimizer":
+            grad = self.errors.get((r.module, 0, "param_grad", r.tensor), 0.0)
+            return max(grad, *self.by_call.get((r.module, 0, "forward.in"), [0.0]))
+        if r.phase == "param_grad":
+            return max(self._module_errors(r.module, ("forward.in", "backward.in")), default=0.0)
+        return self._call_inputs(r)
+
+
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
                      loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[Finding]:
     """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
@@ -251,74 +303,49 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
     `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
     `covered` the keys of parameter-gradient and optimizer entries that have a local row of their own.
     """
-    errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
-    by_call: dict[tuple[str, int, str], list[float]] = {}
-    for (module, call, phase, tensor), err in errors.items():
-        kind = "in" if is_input(tensor) else "out"
-        by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
-    everything = max(errors.values(), default=0.0)
-    root_out = max(by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
-    loss_err = _scalar_error(loss)
-
-    def upstream(r) -> Optional[float]:
-        if (r.module, r.call, r.phase, r.tensor) in covered:
-            return None
-        if r.phase == "param_grad":
-            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k in ("forward.in", "backward.in")
-                       for e in es]
-            return max(sources) if sources else everything
-        if r.phase == "optimizer":
-            grad = errors.get((r.module, 0, "param_grad", r.tensor))
-            if grad is not None:
-                return grad
-            sources = [e for (m, _c, k), es in by_call.items() if m == r.module and k == "forward.in" for e in es]
-            return max(sources) if sources else everything
-        if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
-            return max(root_out, loss_err or 0.0)
-        if (r.module, r.call) in unprobed and not is_input(r.tensor):
-            kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
-            return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
-        return None  # covered by a probe
-
-    def inputs(r) -> float:
-        """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
-        if r.phase == "optimizer":
-            grad = errors.get((r.module, 0, "param_grad", r.tensor), 0.0)
-            return max(grad, *by_call.get((r.module, 0, "forward.in"), [0.0]))
-        if r.phase == "param_grad":
-            return max((e for (m, _c, k), es in by_call.items() if m == r.module and k in ("forward.in", "backward.in")
-                        for e in es), default=0.0)
-        kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
-        return max((e for k in kinds for e in by_call.get((r.module, r.call, k), [])), default=0.0)
-
+    upstream = _Upstream(rows, loss)
     found = []
     for i, r in enumerate(rows):
         if r.metrics is None or r.status not in ("match", "diverged"):
             continue  # missing/shape/dtype rows are judged as structural divergences
         if same_precision and r.status != "diverged":
             continue  # the same precision on both sides: within the dtype's tolerance is explained
-        trained = r.phase != "optimizer" or (r.module, 0, "param_grad", r.tensor) in errors  # not a buffer
-        if r.status == "diverged" and trained and _gross(r) and not is_input(r.tensor):
-            # far off (see GROSS), from inputs that are close: no rounding drift does this, whatever the local rows
-            # say (they cover each call's own code; this value did not come out of it)
-            source = inputs(r)
-            if source * noise.factor_for(r.module) < 1.0:
-                found.append(Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine "
-                                        f"{r.metrics.cosine:.2f}): far beyond what it was computed from (within "
-                                        f"{source:.2e}) and what rounding drift does"))
-                continue
-        up = upstream(r)
-        if up is None:
-            continue
-        dtype = r.dtype_target or r.dtype or "float32"
-        # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
-        floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
-        bound = noise.factor_for(r.module) * max(up, floor)
-        if r.metrics.rel_l2 > bound:
-            found.append(Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than "
-                                    f"{noise.factor_for(r.module):g}x what it was computed from ({up:.2e}) or the "
-                                    f"precision's floor ({floor:.1e}) explain"))
+        finding = _gross_finding(i, r, upstream, noise)
+        if finding is None:
+            finding = _drift_finding(i, r, upstream.upstream(r, unprobed, covered), noise, amp)
+        if finding is not None:
+            found.append(finding)
     return found
+
+
+def _gross_finding(i: int, r, upstream: _Upstream, noise: NoisePolicy) -> Optional[Finding]:
+    """An `unexplained` finding for a diverged entry far off (see GROSS) from inputs that are close: no rounding
+    drift does this, whatever the local rows say (they cover each call's own code; this value did not come out
+    of it)."""
+    trained = r.phase != "optimizer" or (r.module, 0, "param_grad", r.tensor) in upstream.errors  # not a buffer
+    if not (r.status == "diverged" and trained and _gross(r) and not is_input(r.tensor)):
+        return None
+    source = upstream.inputs(r)
+    if not source * noise.factor_for(r.module) < 1.0:  # not `>=`: a NaN source explains nothing either way
+        return None
+    return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine {r.metrics.cosine:.2f}): far "
+                      f"beyond what it was computed from (within {source:.2e}) and what rounding drift does")
+
+
+def _drift_finding(i: int, r, up: Optional[float], noise: NoisePolicy, amp: str) -> Optional[Finding]:
+    """An `unexplained` finding when the entry differs by more than `factor` times the error it inherits (`up`;
+    None: a probe covers it) or its precision's floor."""
+    if up is None:
+        return None
+    dtype = r.dtype_target or r.dtype or "float32"
+    # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
+    floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
+    bound = noise.factor_for(r.module) * max(up, floor)
+    if not r.metrics.rel_l2 > bound:  # not `<=`: a NaN error is not flagged here
+        return None
+    return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than "
+                      f"{noise.factor_for(r.module):g}x what it was computed from ({up:.2e}) or the "
+                      f"precision's floor ({floor:.1e}) explain")
 
 
 def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoisePolicy,

@@ -317,7 +317,7 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     if len(ref_batch) != len(tgt_batch):
         raise FormatError(f"bad replay: the reference's batch has {len(ref_batch)} tensors, the target's "
                           f"{len(tgt_batch)}: the target did not run on the reference's batch")
-    pairs = list(zip(ref_batch, tgt_batch))
+    pairs = list(zip(ref_batch, tgt_batch, strict=True))  # lengths checked equal above
     state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
     pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
     for ref_path, tgt_path in pairs:
@@ -348,7 +348,9 @@ def _same_start(ref: IterationFile, tgt: IterationFile, ref_path: str, tgt_path:
 
     cast = ref.tensor(ref_path).to(getattr(torch, dtype_tgt))
     mine = tgt.tensor(tgt_path)
-    return bool(cast.view(torch.uint8).equal(mine.contiguous().view(torch.uint8))) if cast.dtype == mine.dtype else False
+    if cast.dtype != mine.dtype:
+        return False
+    return bool(cast.view(torch.uint8).equal(mine.contiguous().view(torch.uint8)))
 
 
 def _model_id(spec) -> str:
@@ -512,7 +514,8 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
-            counts[(row.module, row.call, row.phase, row.tensor)] = row.metrics.num_nan_target + row.metrics.num_inf_target
+            key = (row.module, row.call, row.phase, row.tensor)
+            counts[key] = row.metrics.num_nan_target + row.metrics.num_inf_target
     if any(row.metrics is not None and row.metrics.nonfinite_differs for row in result.rows):
         result.nan_origin = nan_origin(counts, list(counts))
     settle_rows(result, found)

@@ -266,7 +266,7 @@ def decide(result: CompareResult) -> Verdict:
         num_local=len(result.local),
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
-        worst_local=None if worst is None else {**dict(zip(_KEY, worst.key)), "ratio": worst.ratio,
+        worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics), default=0.0),
     )

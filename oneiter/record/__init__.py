@@ -7,8 +7,8 @@
 - `reference.py`  load a reference's weights and batch into a model, after a structure check
 - `randomness.py` random ops recorded on the reference, replayed on the target
 - `options.py`    `RecordOptions`: a recording's settings, checked once (Recorder, `record()`, the integrations)
-- `probe.py`, `rerun.py`, `trusted.py`  local error of every call: teacher-forced (or against-cpu) reruns and their noise
-  calibration; `rows.py` the rows they build; `optimizer_rows.py` the optimizer's update, stepped in chunks
+- `probe.py`, `rerun.py`, `trusted.py`  local error of every call: teacher-forced (or against-cpu) reruns and their
+  noise calibration; `rows.py` the rows they build; `optimizer_rows.py` the optimizer's update, stepped in chunks
 - `input_grads.py` gradients w.r.t. the model's inputs; `fallback.py` ops run on the CPU (`--fallback`)
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
 - `layer_replay.py` `oneiter replay`: one recorded layer run again alone (judged by `oneiter.judge.layer`)

@@ -45,28 +45,43 @@ def map_tensors(obj: Any, prefix: str, fn: Callable[[str, Any], Any], depth: int
     if depth > _MAX_DEPTH:
         return obj
     if isinstance(obj, (list, tuple)):
-        items = [map_tensors(v, f"{prefix}.{i}", fn, depth + 1) for i, v in enumerate(obj)]
-        if all(new is old for new, old in zip(items, obj)):
-            return obj
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
+        return _map_sequence(obj, prefix, fn, depth)
     if isinstance(obj, dict):
-        items = {k: map_tensors(v, f"{prefix}.{k}", fn, depth + 1) for k, v in obj.items()}
-        if all(items[k] is obj[k] for k in obj):
-            return obj
-        try:
-            return type(obj)(items)
-        except TypeError:  # a dict subclass with another constructor (defaultdict)
-            return dict(items)
+        return _map_dict(obj, prefix, fn, depth)
     element = _data_element_type()
     if element is not None and isinstance(obj, element):
-        for key in list(obj.keys()):
-            value = getattr(obj, key)
-            new = map_tensors(value, f"{prefix}.{key}", fn, depth + 1)
-            if new is not value:
-                setattr(obj, key, new)
+        _map_data_element(obj, prefix, fn, depth)
     return obj
+
+
+def _map_sequence(obj: list | tuple, prefix: str, fn: Callable[[str, Any], Any], depth: int) -> Any:
+    """A list or tuple (a namedtuple keeps its type), rebuilt only when a leaf changed."""
+    items = [map_tensors(v, f"{prefix}.{i}", fn, depth + 1) for i, v in enumerate(obj)]
+    if all(new is old for new, old in zip(items, obj, strict=True)):  # `items` has one per element of `obj`
+        return obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*items)
+    return type(obj)(items)
+
+
+def _map_dict(obj: dict, prefix: str, fn: Callable[[str, Any], Any], depth: int) -> Any:
+    """A dict (its own type where its constructor takes one), rebuilt only when a value changed."""
+    items = {k: map_tensors(v, f"{prefix}.{k}", fn, depth + 1) for k, v in obj.items()}
+    if all(items[k] is obj[k] for k in obj):
+        return obj
+    try:
+        return type(obj)(items)
+    except TypeError:  # a dict subclass with another constructor (defaultdict)
+        return dict(items)
+
+
+def _map_data_element(obj: Any, prefix: str, fn: Callable[[str, Any], Any], depth: int) -> None:
+    """Replace the changed data fields of an mmengine data element in place."""
+    for key in list(obj.keys()):
+        value = getattr(obj, key)
+        new = map_tensors(value, f"{prefix}.{key}", fn, depth + 1)
+        if new is not value:
+            setattr(obj, key, new)
 
 
 def map_call(args: tuple, kwargs: dict, fn: Callable[[str, Any], Any]) -> tuple[tuple, dict]:

@@ -1,7 +1,7 @@
 """`--fallback REGEX[,REGEX]`: run the matching torch functions on the CPU in float32, to confirm a suspect op.
 
-Where this sits: `recorder.py` (the Recorder) wraps a target iteration (forward and backward) in an `OpFallback`. It follows DIPU's
-`DIPU_FORCE_FALLBACK_OPS_LIST` convention: comma-separated regexes, each matched against a whole op name
+Where this sits: `recorder.py` (the Recorder) wraps a target iteration (forward and backward) in an `OpFallback`. It
+follows DIPU's `DIPU_FORCE_FALLBACK_OPS_LIST` convention: comma-separated regexes, each matched against a whole op name
 (`re.fullmatch`), so `convolution` or `conv.*`, not `conv`. Example: `--fallback convolution --amp bf16` makes every
 conv layer compute in float32 on the CPU, so each conv's local error drops to float32 rounding; if the divergence
 downstream goes away as well, the device's conv was the culprit.
@@ -205,7 +205,7 @@ class OpFallback(TorchFunctionMode):
 def _copy_back(args: tuple, kwargs: dict, cpu_args: tuple, cpu_kwargs: dict):
     """An in-place or `out=` call ran on CPU copies: write them back into the caller's tensors."""
     if kwargs.get("out") is not None:
-        for live, copy in zip(_leaves(kwargs["out"]), _leaves(cpu_kwargs["out"])):
+        for live, copy in zip(_leaves(kwargs["out"]), _leaves(cpu_kwargs["out"]), strict=True):
             if live is not copy:
                 live.copy_(copy)
         return kwargs["out"]

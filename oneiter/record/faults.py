@@ -6,7 +6,8 @@
   wrong backward kernel (the module's recorded grad_output is right, its grad_input is not);
 - `inf`: the first element of the module's first floating output becomes +Inf.
 REL defaults to 0.05 (5 %). `,rank=R` (multi-rank runs under torchrun) injects the fault on rank R only; without
-it every rank gets it. (`@` is not used here: everywhere in oneiter `module@N` means call N of that module.) Faults are stored in the recording's `faults` attribute (each rank's file lists its own).
+it every rank gets it. (`@` is not used here: everywhere in oneiter `module@N` means call N of that module.)
+Faults are stored in the recording's `faults` attribute (each rank's file lists its own).
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ class Fault:
 def parse_fault(text: str) -> Fault:
     """`layer3.0.conv1`, `layer3.0.conv1:backward`, `layer3.0.conv1:forward=0.1`, `layer3.0.conv1,rank=1`."""
     if "@" in text:
+        path, _, call = text.partition("@")
         raise OneIterError(f"faults: '@' means a call index in oneiter, not a rank: write a fault's rank as "
-                           f"',rank=R' (e.g. {text.partition('@')[0]},rank={text.partition('@')[2] or 1}), got '{text}'",
-                           param="faults")
+                           f"',rank=R' (e.g. {path},rank={call or 1}), got '{text}'", param="faults")
     text_no_rank, comma, rank_part = text.partition(",")
     rank_text = rank_part.removeprefix("rank=")
     if comma and (not rank_part.startswith("rank=") or not rank_text.isdigit()):

@@ -250,7 +250,9 @@ class _Runner:
             self.notes = _derived_outputs(outputs) if grads is not None else []
             got = {n: v for n, v in outputs.items() if n in self.entries}
             if grads is not None:
-                got.update({n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(targets.items(), grads)})
+                # autograd.grad returns one gradient per target
+                got.update({n: torch.zeros_like(t) if g is None else g
+                            for (n, t), g in zip(targets.items(), grads, strict=True)})
             self.checks = self._judge(got)
         return forward_seconds, backward_seconds
 

@@ -12,10 +12,10 @@ back the source's recorded input gradient). Rows, per call:
 - backward: the gradient w.r.t. its inputs (`grad_input.0`, `grad_kwarg.hidden_states`), and the gradient it
   hands each child's outputs (`layer1.0.conv2@0:grad_output`);
 and, once backward is over, one row per parameter gradient (the sum of every call's own contribution, phase
-`param_grad`) and per parameter update (the target's optimizer stepped from the reference's weights and
-gradients, phase `optimizer`: `optimizer_rows.py`). A leaf is a call with no children; the model itself is probed like any container,
-so functional code in its own `forward` is judged too. A child whose own probe failed is not forced: it runs
-live inside its parent, and its computation counts as the parent's.
+`param_grad`) and per parameter update (the target's optimizer stepped from the reference's weights and gradients, phase
+`optimizer`: `optimizer_rows.py`). A leaf is a call with no children; the model itself is probed like any container, so
+functional code in its own `forward` is judged too. A child whose own probe failed is not forced: it runs live inside
+its parent, and its computation counts as the parent's.
 
 **Two modes** (who is trusted), one class each over the shared `LocalProbe`:
 - `TeacherForcedProbe` (`record --replay`): the source is the reference file; each call of the target runs again
@@ -202,7 +202,7 @@ class LocalProbe(ABC):
                 rec.release()
         self._contributors.clear()
 
-    def before_step(self, *, grads_changed: bool) -> None:
+    def before_step(self, *, grads_changed: bool) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
         """The optimizer is about to step: its update is judged only teacher-forced (`TeacherForcedProbe`)."""
 
     def table(self, seqs: dict[tuple[str, str], int]) -> tuple[list[LocalRow], list[tuple[str, int, str]], dict]:
@@ -237,7 +237,7 @@ class LocalProbe(ABC):
     def _reference_run(self, rec: CallRecord, primary: RunResult | None) -> RunResult | None:
         """The run in the reference's precision that `noise_reference` is measured on (None: not measured)."""
 
-    def _buffer_rows(self) -> None:
+    def _buffer_rows(self) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
         """Rows for buffers a call updated: only where the source holds their state_after (teacher forced)."""
 
     # -- module calls -----------------------------------------------------------------------------------------------

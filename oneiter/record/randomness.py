@@ -1,9 +1,9 @@
 """Random ops recorded on the reference and replayed on the target, so dropout compares exactly across RNGs.
 
-Where this sits: `recorder.py` (the Recorder) wraps the reference iteration's forward and backward in a `RandomRecorder`, a
-`TorchDispatchMode` that lets every aten op run and copies the values each random op produced into the group
-`random/` of the recording. A target run (`--replay`) wraps the same span in a `RandomReplayer`, which lets each
-random op run too (so the target consumes its RNG exactly as it would without oneiter, and shapes, dtypes and
+Where this sits: `recorder.py` (the Recorder) wraps the reference iteration's forward and backward in a
+`RandomRecorder`, a `TorchDispatchMode` that lets every aten op run and copies the values each random op produced into
+the group `random/` of the recording. A target run (`--replay`) wraps the same span in a `RandomReplayer`, which lets
+each random op run too (so the target consumes its RNG exactly as it would without oneiter, and shapes, dtypes and
 devices are the target's own) and then overwrites the drawn values with the reference's. Dispatch modes sit below
 autograd and autocast, so both work inside backward and under `torch.autocast`.
 
@@ -266,7 +266,9 @@ class RandomReplayer(TorchDispatchMode):
             return out
         values = _random_values(func, args, result)
         paths = rec.paths if rec.packet == name else (rec.paths[_mask_index(rec.packet)],)
-        for value, path in zip(values, paths):
+        # strict=False: another dropout op than the reference's (CPU bernoulli_ vs a fused kernel) has only its mask
+        # recorded, replayed into the first of the values
+        for value, path in zip(values, paths, strict=False):
             value.copy_(self._load(path))  # copy_ converts dtype (bool mask -> 0./1.) and device
         return result
 

@@ -463,7 +463,8 @@ class Recorder:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "replay_of": str(self.replay) if self.replay is not None else None,
             "include": json.dumps(opts.include), "exclude": json.dumps(opts.exclude), "faults": "[]",
-            "fallback": json.dumps(opts.fallback), "random_replay": bool(self.replay is not None and opts.random_replay),
+            "fallback": json.dumps(opts.fallback),
+            "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
         }
         meta.update(opts.meta)

@@ -28,7 +28,8 @@ def check_structure(model, ref: IterationFile) -> None:
             )
     for name in mine:
         if name not in theirs:
-            raise OneIterError(f"model structure does not match {where}: this model has '{name}', the reference does not")
+            raise OneIterError(f"model structure does not match {where}: this model has '{name}', the reference "
+                               "does not")
 
 
 def load_state(model, ref: IterationFile) -> None:
@@ -48,7 +49,7 @@ def load_reference(bundle, ref: IterationFile) -> None:
     batch = [ref.tensor(p) for p in ref.batch_paths()]
     if len(batch) != len(bundle.inputs):
         raise OneIterError(f"the reference has {len(batch)} model inputs, this model takes {len(bundle.inputs)}")
-    for i, (mine, theirs) in enumerate(zip(bundle.inputs, batch)):
+    for i, (mine, theirs) in enumerate(zip(bundle.inputs, batch, strict=True)):
         if tuple(mine.shape) != tuple(theirs.shape):
             raise OneIterError(
                 f"input {i} has shape {list(theirs.shape)} in the reference, {list(mine.shape)} here "

@@ -172,8 +172,10 @@ class Rerunner:
         weights = [(canonical, t) for canonical, t in params.values() if t.requires_grad]
         targets = [*leaves.values(), *(t for _, t in weights), anchor]
         grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
-        inputs = {grad_name(n): g for n, g in zip(leaves, grads) if g is not None}
-        contributions = {c: g.detach() for (c, _), g in zip(weights, grads[len(leaves):]) if g is not None}
+        # `grads` follows `targets`: the leaves', then the weights', then the anchor's; each zip takes its part
+        inputs = {grad_name(n): g for n, g in zip(leaves, grads, strict=False) if g is not None}
+        contributions = {c: g.detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
+                         if g is not None}
         return inputs, contributions, internal
 
     def value(self, path: str, slot: Slot, site: Site, what: str):
@@ -342,6 +344,15 @@ class _Forcing:
         if not queue:
             raise ProbeSkip(f"the rerun called {type(module).__name__} more often than the recorded call did")
         child = queue.popleft()
+        given, grad_inputs = self._take_inputs(child, args, kwargs)
+        outs, grad_slots = self._stand_in_outputs(child, given)
+        if grad_slots:
+            self._force(child, grad_inputs, grad_slots, outs)
+        self._hand_out(child, given, outs)
+        return fill(child.output, lambda slot: outs[slot.name])
+
+    def _take_inputs(self, child: CallRecord, args: tuple, kwargs: dict) -> tuple[dict, list]:
+        """The tensors the caller handed the child (kept in `inputs`), and those a gradient flows back to."""
         grad_inputs, given = [], {}
         for name, value in flatten_call(args, kwargs):
             if isinstance(value, torch.Tensor):
@@ -349,6 +360,11 @@ class _Forcing:
                 self.inputs[child_tensor(child.key, name)] = value
                 if value.requires_grad and value.is_floating_point():
                     grad_inputs.append((name, value))
+        return given, grad_inputs
+
+    def _stand_in_outputs(self, child: CallRecord, given: dict) -> tuple[dict, list]:
+        """The child's recorded outputs, by slot; those that need a gradient are returned apart (in slot order), to
+        go through the stand-in's autograd node."""
         outs, grad_slots = {}, []
         for slot in child.output.slots:
             if child.identity.get(slot.name) in given:  # the child returned this input itself: so does its stand-in
@@ -360,20 +376,25 @@ class _Forcing:
                 grad_slots.append((slot.name, value))
             else:
                 outs[slot.name] = value
-        if grad_slots:
-            info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
-                               [v for _, v in grad_slots])
-            self._calls.append(info)
-            results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
-            for (name, _), value in zip(grad_slots, results):
-                outs[name] = value
+        return outs, grad_slots
+
+    def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
+        """Put the outputs that need a gradient in `outs` as outputs of a stand-in autograd node (`Forced`)."""
+        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
+                           [v for _, v in grad_slots])
+        self._calls.append(info)
+        results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
+        for (name, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
+            outs[name] = value
+
+    def _hand_out(self, child: CallRecord, given: dict, outs: dict) -> None:
+        """Note the outputs the child produced (not inputs it passed on) as handed to the caller, and keep them."""
         passed_on = {id(given[n]) for n in child.identity.values() if n in given}
         self.produced.update((id(v), v._version) for v in outs.values() if id(v) not in passed_on)
         self._alive.extend(outs.values())
         for name, value in outs.items():
             if id(value) not in passed_on:
                 self.origin[id(value)] = (child, name)
-        return fill(child.output, lambda slot: outs[slot.name])
 
     def grad_for(self, child: CallRecord, name: str, like):
         path = tensor_path(child.key, BACKWARD, grad_name(name))
@@ -409,13 +430,14 @@ def _forced_function():
         @staticmethod
         def backward(ctx, *grads):
             info = ctx.info
-            for name, grad in zip(info.output_names, grads):
+            for name, grad in zip(info.output_names, grads, strict=True):  # one per forward output
                 # an output the child also consumed itself (logits of a model that returns the loss computed from
                 # them): its recorded gradient holds the child's own part, which the reference file does not
                 # separate, so what the caller hands it cannot be judged
                 if grad is not None and grad_name(name) not in info.child.internal:
                     info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(name))] = grad
-            back = [info.forcing.grad_for(info.child, name, like) for name, like in zip(info.input_names, ctx.likes)]
+            likes = zip(info.input_names, ctx.likes, strict=True)  # both one per input
+            back = [info.forcing.grad_for(info.child, name, like) for name, like in likes]
             return (None, None, *back)
 
     return Forced

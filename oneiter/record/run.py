@@ -72,7 +72,8 @@ def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
             raise OneIterError("--model is required (or --replay a reference to reuse its model)")
         seed = opts.seed + rank
         batch_size = opts.batch_size or 8
-        built = {"model": canonical_spec(opts.model), "batch_size": batch_size, "seed": seed, "model_args": opts.model_args}
+        built = {"model": canonical_spec(opts.model), "batch_size": batch_size, "seed": seed,
+                 "model_args": opts.model_args}
         return load_model(opts.model, batch_size, seed, opts.model_args), built
     theirs = int(ref.meta["batch_size"])
     if opts.batch_size is not None and opts.batch_size != theirs:
@@ -118,7 +119,7 @@ def _for_rank(opts: SpecOptions, info):
         if fault.rank is not None and fault.rank >= info.world_size:
             raise OneIterError(f"--inject-fault {fault}: expected a rank below {info.world_size} (this run's "
                                f"number of ranks), got {fault.rank}")
-    mine = [(text, fault) for text, fault in zip(opts.faults, parsed) if fault.applies_to(info.rank)]
+    mine = [(text, fault) for text, fault in zip(opts.faults, parsed, strict=True) if fault.applies_to(info.rank)]
     return replace(opts, faults=[text for text, _ in mine]), [fault for _, fault in mine]
 
 

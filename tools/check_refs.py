@@ -63,7 +63,9 @@ def path_exists(name: str, source: Path) -> bool:
     if "/" not in name:
         return name in basenames()
     bases = [ROOT, PACKAGE, source.parent, *source.parents]
-    return any((base / name).exists() for base in bases)
+    # only inside the repository: a clean clone has nothing beside it, so a reference out of it is a broken one
+    found = [(base / name).resolve() for base in bases if (base / name).exists()]
+    return any(p == ROOT or ROOT in p.parents for p in found)
 
 
 @functools.lru_cache(maxsize=None)

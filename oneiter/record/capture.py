@@ -5,7 +5,7 @@ captured tensors are copied to the host at once and handed to the `BackgroundWri
 (`probe.py`), the capture also keeps a small `CallRecord` per call — the call tree, the structure of its
 arguments and outputs (no tensors), the random ops it ran — and hands it to the probe when the call returns.
 
-How the hooks avoid the known traps (../shared/NOTES.md):
+How the hooks avoid the known traps of module hooks:
 - inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
 - no `register_full_backward_hook` (it breaks on an in-place op after the hooked module): the gradient w.r.t. a
   module's output is read with a tensor hook on that output (hooks registered before an in-place op see the

@@ -33,5 +33,12 @@ def test_the_check_flags_a_missing_page_a_missing_module_and_a_missing_name():
 
 def test_only_docstrings_and_comments_of_python_files_are_prose(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('"""Module docs name docs/a.md."""\nX = "t.toml"  # a comment names docs/b.md\n')
-    assert check_refs.prose(module).split("\n")[:2] == [" Module docs name docs/a.md.", " # a comment names docs/b.md"]
+    module.write_text('"""Module docs name docs/a.md."""\nX = "t.toml"  # a comment names docs/b.md\n'
+                      '"""A constant\'s docstring names docs/c.md."""\n')
+    assert check_refs.prose(module).split("\n")[:3] == [
+        " Module docs name docs/a.md.", " # a comment names docs/b.md", " A constant's docstring names docs/c.md."]
+
+
+def test_an_attribute_set_in_a_method_is_a_name_of_its_class():
+    assert check_refs.module_exists("format.stats.Stats.values")
+    assert not check_refs.module_exists("format.stats.Stats.no_such_attribute")

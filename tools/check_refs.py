@@ -3,8 +3,8 @@
 Docs rot silently: a module docstring that sends the reader to a page or a module that was renamed costs the next
 reader an afternoon. This check reads
 
-- the docstrings and comments of every Python file under oneiter/, tests/, bench/ and tools/ (not its string
-  literals: a test's temporary `t.toml` is no reference), and
+- the docstrings (a field's too) and comments of every Python file under oneiter/, tests/, bench/ and tools/
+  (not its other string literals: a test's temporary `t.toml` is no reference), and
 - README.md, CONTRIBUTING.md and docs/*.md,
 
 and resolves what they name:
@@ -80,6 +80,7 @@ def defined_names(module: Path) -> frozenset[str]:
                 for item in node.body:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         names.add(f"{node.name}.{item.name}")
+                        names.update(f"{node.name}.{attr}" for attr in _instance_attributes(item))
                     elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                         names.add(f"{node.name}.{item.target.id}")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -88,6 +89,13 @@ def defined_names(module: Path) -> frozenset[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names.update((a.asname or a.name).split(".")[0] for a in node.names)
     return frozenset(names)
+
+
+def _instance_attributes(method: ast.AST) -> set[str]:
+    """The attributes a method sets on `self` (`self.values = ...`)."""
+    return {t.attr for node in ast.walk(method) if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
 
 
 def module_file(parts: list[str]) -> Path | None:
@@ -135,12 +143,10 @@ def prose(source: Path) -> str:
         return text
     lines = [""] * (text.count("\n") + 1)
     for node in ast.walk(ast.parse(text)):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
-            first = body[0].lineno - 1
-            for offset, line in enumerate(body[0].value.value.splitlines()):
-                lines[first + offset] += " " + line
+        # docstrings, and the strings documenting a field or a constant (a bare string statement after it)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            for offset, line in enumerate(node.value.value.splitlines()):
+                lines[node.lineno - 1 + offset] += " " + line
     for token in tokenize.generate_tokens(io.StringIO(text).readline):
         if token.type == tokenize.COMMENT:
             lines[token.start[0] - 1] += " " + token.string

@@ -60,7 +60,7 @@ class RecordOptions:
     random_replay: bool = True
     """With `replay`: random ops take the reference's values."""
     fallback: list[str] = field(default_factory=list)
-    """Regexes of aten ops run on the CPU in float32 (docs/fallback.md)."""
+    """Regexes of aten ops run on the CPU in float32 (README: `--fallback`)."""
     force: bool = False
     """Overwrite `out` if it exists (never the file being replayed)."""
     name: str | None = None

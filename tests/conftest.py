@@ -136,3 +136,13 @@ def why_no_stats_kernel() -> str | None:
 
 NEEDS_STATS_KERNEL = pytest.mark.skipif(why_no_stats_kernel() is not None, reason=str(why_no_stats_kernel()))
 """For tests of the optional C kernel itself: skipped, with the reason, only where the install cannot build it."""
+
+
+def load_tool(name: str):
+    """A script of tools/ as a module (tools/ is no package: its scripts run as `python tools/check_refs.py`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

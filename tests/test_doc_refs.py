@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from conftest import load_tool
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("check_refs", ROOT / "tools" / "check_refs.py")
-check_refs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_refs)
+check_refs = load_tool("check_refs")
 
 
 def test_every_named_file_and_module_exists():

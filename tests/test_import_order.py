@@ -1,4 +1,4 @@
-"""oneiter's own imports go one way, down this table (issue 19), like huggingface_hub's `check_static_imports`.
+"""oneiter's own imports go one way, down this table, like huggingface_hub's `check_static_imports`.
 
     rank  layer         what it is
     0     errors        typed errors and the version (errors.py, version.py): leaves, torch-free
@@ -25,9 +25,12 @@ extension, or an import whose cost only some calls should pay.
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 from pathlib import Path
+
+from conftest import load_tool
+
+imports = load_tool("imports").imports  # (line, imported oneiter module, inside a function) of a module's code
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "oneiter"
@@ -73,39 +76,6 @@ def allowed(source: str, target: str) -> bool:
     if RANKS[source] == RANKS[target]:
         return RANKS[source] == TOP_RANK
     return RANKS[target] < RANKS[source] and target in ONLY.get(source, RANKS)
-
-
-def _is_module(dotted: str) -> bool:
-    path = ROOT.joinpath(*dotted.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or \
-        any(path.parent.glob(path.name + ".*.so"))
-
-
-def imports(source: str, module: str) -> list[tuple[int, str, bool]]:
-    """(line, imported oneiter module, inside a function) for every import in the code `source` of `module`."""
-    tree = ast.parse(source)
-    package = module if module.endswith("__init__") else module.rpartition(".")[0]
-    package = package.removesuffix(".__init__")
-    found = []
-
-    def visit(node: ast.AST, in_function: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                found.extend((child.lineno, a.name, inner) for a in child.names if a.name.split(".")[0] == "oneiter")
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[:len(parts) - child.level + 1] + ([base] if base else []))
-                if base.split(".")[0] == "oneiter":
-                    for alias in child.names:  # `from oneiter import models` imports the subpackage
-                        sub = f"{base}.{alias.name}"
-                        found.append((child.lineno, sub if _is_module(sub) else base, inner))
-            visit(child, inner)
-
-    visit(tree, False)
-    return list(dict.fromkeys(found))  # `from m import a, b`: one import of m
 
 
 def _modules():

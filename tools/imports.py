@@ -18,34 +18,43 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    """`oneiter/format/schema.py` -> `oneiter.format.schema`; a package's `__init__.py` keeps `.__init__`."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
-def imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported oneiter module, inside a function) for every import statement of `path`."""
-    name = module_name(path)
-    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    tree = ast.parse(path.read_text())
+def is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() or \
+        any(path.parent.glob(path.name + ".*.so"))
+
+
+def imports(source: str, module: str) -> list[tuple[int, str, bool]]:
+    """(line, imported oneiter module, inside a function) for every import in the code `source` of `module`:
+    relative imports resolved, `from oneiter import models` counted as the subpackage, `from m import a, b` once.
+    tests/test_import_order.py judges these against the layer table."""
+    tree = ast.parse(source)
+    package = module if module.endswith("__init__") else module.rpartition(".")[0]
+    package = package.removesuffix(".__init__")
     found = []
 
-    def visit(node, inside: bool) -> None:
+    def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            nested = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.ImportFrom):
-                base = package[:len(package) - child.level + 1] if child.level else []
-                target = ".".join(base + ([child.module] if child.module else []))
-                if target == "oneiter":  # `from oneiter import models` imports the subpackage
-                    found.extend((f"oneiter.{alias.name}", nested) for alias in child.names
-                                 if (ROOT / "oneiter" / alias.name).is_dir())
-                    continue
-                found.append((target, nested))
-            elif isinstance(child, ast.Import):
-                found.extend((alias.name, nested) for alias in child.names)
-            visit(child, nested)
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name, inner) for a in child.names if a.name.split(".")[0] == "oneiter")
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - child.level + 1] + ([base] if base else []))
+                if base.split(".")[0] == "oneiter":
+                    for alias in child.names:
+                        sub = f"{base}.{alias.name}"
+                        found.append((child.lineno, sub if is_module(sub) else base, inner))
+            visit(child, inner)
 
     visit(tree, False)
-    return [(t, inside) for t, inside in found if t == "oneiter" or t.startswith("oneiter.")]
+    return list(dict.fromkeys(found))
 
 
 def layer(module: str) -> str:
@@ -62,8 +71,8 @@ def main() -> None:
     edges: Counter = Counter()
     lazy: Counter = Counter()
     for path in sorted((ROOT / "oneiter").rglob("*.py")):
-        source = module_name(path)
-        for target, inside in imports(path):
+        source = module_name(path).removesuffix(".__init__")
+        for _, target, inside in imports(path.read_text(encoding="utf-8"), module_name(path)):
             if args.all:
                 print(f"{source} -> {target}{'  (in a function)' if inside else ''}")
             a, b = layer(source), layer(target)

@@ -41,10 +41,14 @@ __all__ = [
     "RANDOM", "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "RAW_BITS", "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
-    "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain",
+    "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
+    "layout_attrs",
 ]
 
 SCHEMA = "oneiter.iteration"
+# dataset attributes of a call's tensor that was a non-contiguous view in the live call (absent: contiguous from the
+# start of its storage): its strides and storage offset, which a rerun gives the tensor back
+STRIDE, STORAGE_OFFSET = "stride", "storage_offset"
 SCHEMA_VERSION = 3  # 3: `level` and the `/stats` table (record --level stats)
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
@@ -235,3 +239,10 @@ def plain(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return [plain(v) for v in value.tolist()]
     return value
+
+
+def layout_attrs(layout: tuple | None) -> dict | None:
+    """The dataset attributes (`STRIDE`, `STORAGE_OFFSET`) of a tensor's layout (`record.structure.layout_of`)."""
+    if layout is None:
+        return None
+    return {STRIDE: [int(x) for x in layout[0]], STORAGE_OFFSET: int(layout[1])}

@@ -25,10 +25,20 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from oneiter.format.schema import BACKWARD, FORWARD, call_key, call_path, check_name, grad_name, group_path, seq_kind
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    call_key,
+    call_path,
+    check_name,
+    grad_name,
+    group_path,
+    layout_attrs,
+    seq_kind,
+)
 from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
-from oneiter.record.structure import Skeleton, flatten, flatten_call, skeleton, skeleton_call
+from oneiter.record.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink"]
 
@@ -225,7 +235,7 @@ class ModuleCapture:
             if isinstance(value, _SIMPLE):
                 attrs[f"arg.{name}"] = "None" if value is None else value
             else:
-                self.sink.put(group, name, value)
+                self.sink.put(group, name, value, _layout(value))
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
         self._pending_grads[key] = self._input_grads.start([(grad_name(n), v) for n, v in named])
@@ -246,7 +256,7 @@ class ModuleCapture:
         group = call_path(key, FORWARD)
         named = list(flatten(output, "output"))
         for name, value in named:
-            self.sink.put(group, name, value)
+            self.sink.put(group, name, value, _layout(value))
             if _wants_grad(value):
                 value.register_hook(self._grad_hook(key, grad_name(name)))
         self._input_grads.finish(self._pending_grads.pop(key, None), [v for _, v in named],
@@ -308,6 +318,15 @@ class _Suspend:
 
     def __exit__(self, *exc) -> None:
         self.capture._suspended = self.before
+
+
+def _layout(value) -> dict | None:
+    """The layout attributes of a non-contiguous tensor (`schema.layout_attrs`), else None."""
+    if not _is_tensor(value) or value.is_sparse or value.is_quantized or value.is_nested:
+        return None
+    import torch
+
+    return layout_attrs(layout_of(value)) if value.layout == torch.strided else None
 
 
 def _is_tensor(value) -> bool:

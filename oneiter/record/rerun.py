@@ -35,7 +35,7 @@ from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 
-__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "tensor_stats", "rel_l2"]
+__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "tensor_stats", "rel_l2", "with_layout"]
 
 AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -125,6 +125,7 @@ class Rerunner:
                 leaf = value.requires_grad_()
                 leaves[slot.name] = leaf
                 value = leaf.clone()  # an in-place module may overwrite its input; a leaf cannot be
+            value = with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
             given[id(value)] = value._version
             return value
 
@@ -244,6 +245,30 @@ class Rerunner:
         if any(k >= len(self.random_ops) for k in wanted):
             raise ProbeSkip("the call ran random ops the source did not record")
         return RandomReplayer(self.source, device, ops=[self.random_ops[k] for k in wanted])
+
+
+def with_layout(value, layout: tuple | None):
+    """`value` with the live call's strides and storage offset (`structure.layout_of`), differentiably: a view into
+    a fresh buffer laid out as the live tensor's storage was. None, or a layout that does not fit: `value` as it is.
+    """
+    if layout is None or value.layout != torch.strided or value.numel() == 0:
+        return value
+    stride, offset = layout
+    size = tuple(value.shape)
+    if len(stride) != len(size) or any(s < 0 for s in stride) or offset < 0:
+        return value
+    if tuple(value.stride()) == tuple(stride) and value.storage_offset() == offset:
+        return value
+    # where each element sits in the storage: offset + sum(i_k * stride_k); overlapping views (stride 0) write
+    # one storage element several times with the same value
+    index = torch.full((), offset, dtype=torch.long, device=value.device)
+    for dim, (n, step) in enumerate(zip(size, stride, strict=True)):
+        shape = [1] * len(size)
+        shape[dim] = n
+        index = index + torch.arange(n, device=value.device).mul_(step).reshape(shape)
+    extent = int(index.max()) + 1
+    base = value.new_zeros(extent).index_put((index.reshape(-1),), value.reshape(-1))
+    return base.as_strided(size, tuple(stride), offset)
 
 
 def _external_grads(pairs: list) -> tuple[list, dict]:
@@ -370,8 +395,8 @@ class _Forcing:
             if child.identity.get(slot.name) in given:  # the child returned this input itself: so does its stand-in
                 outs[slot.name] = given[child.identity[slot.name]]
                 continue
-            value = self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
-                                        f"output {slot.name} of {child.key}")
+            value = with_layout(self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
+                                                    f"output {slot.name} of {child.key}"), slot.layout)
             if slot.requires_grad and value.is_floating_point():
                 grad_slots.append((slot.name, value))
             else:

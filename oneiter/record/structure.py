@@ -4,8 +4,9 @@ Where this sits: `capture.py` names every tensor it records with `flatten` (`inp
 `kwarg.position_embeddings.1`, `output.logits`); the local-error probes (`probe.py`) rerun a call with the
 reference's tensors in place of the live ones, which needs the call's structure without its live tensors: a
 `Skeleton`. A skeleton keeps tuples, lists, dicts (and dict subclasses such as Hugging Face's `ModelOutput`),
-non-tensor leaves as they were (None, ints, config objects), and a `Slot` (name, dtype, device, requires_grad)
-where each tensor was. `fill` builds the same structure again from a {name: tensor} mapping.
+non-tensor leaves as they were (None, ints, config objects), and a `Slot` (name, dtype, device, requires_grad,
+shape, and its strides and storage offset when it was a non-contiguous view) where each tensor was. `fill`
+builds the same structure again from a {name: tensor} mapping.
 
 A Hugging Face cache object passed to a call (anything with `update` and `get_seq_length` methods) is copied
 when the skeleton is made: the call appends to it, and a rerun must see it as it was *before* the call.
@@ -19,7 +20,8 @@ from typing import Any, Callable, Iterator
 
 from oneiter.format.schema import kwarg_name
 
-__all__ = ["flatten", "flatten_call", "Slot", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache", "snapshot"]
+__all__ = ["flatten", "flatten_call", "Slot", "layout_of", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache",
+           "snapshot"]
 
 
 def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -50,6 +52,16 @@ class Slot:
     device: Any
     requires_grad: bool
     shape: tuple
+    layout: tuple | None = None  # (strides, storage offset) when the live tensor was not contiguous from offset 0
+
+
+def layout_of(tensor) -> tuple | None:
+    """(strides, storage offset) of a tensor that is not a contiguous block from the start of its storage (a
+    transposed view, a slice into a larger buffer), else None: a rerun gives its input this layout back."""
+    offset = tensor.storage_offset()
+    if offset == 0 and tensor.is_contiguous():
+        return None
+    return tuple(tensor.stride()), int(offset)
 
 
 def is_cache(value: Any) -> bool:
@@ -76,7 +88,8 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False) -> Skeleto
 
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
-            slot = Slot(name, value.dtype, value.device, bool(value.requires_grad), tuple(value.shape))
+            slot = Slot(name, value.dtype, value.device, bool(value.requires_grad), tuple(value.shape),
+                        None if value.layout != torch.strided else layout_of(value))
             slots.append(slot)
             return slot
         if isinstance(value, (tuple, list)):

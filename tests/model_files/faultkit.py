@@ -14,6 +14,9 @@ the way a vendor's stack would, never through oneiter:
 - `function:<name>`         replace `torch.nn.functional.<name>` everywhere (a wrong kernel): outputs scaled.
 - `function_bwd:<name>`     the same function, exact forward, gradients w.r.t. its inputs scaled (a wrong backward
   kernel only).
+- `stride:<name>`           the same, but wrong only when its first tensor argument is not contiguous from the start
+  of its storage (a transposed view, a slice with a storage offset): an NPU stride/format bug.
+- `stride_bwd:<name>`       exact forward; the gradients scaled only for such an input (a wrong strided backward).
 - `root[:REL]`               functional code in the model's own `forward` is off (the builder reads `fault_scale()`).
 
 Patches are undone by `undo_faults()` (tests record many models in one process) and before a new fault is
@@ -82,8 +85,9 @@ def patch_functions() -> None:
     """Undo earlier faults; replace the torch function a `function`/`function_bwd` fault names."""
     undo_faults()
     spec = _parse()
-    if spec is not None and spec[0] in ("function", "function_bwd"):
-        _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0] == "function_bwd")
+    if spec is not None and spec[0] in ("function", "function_bwd", "stride", "stride_bwd"):
+        _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0].endswith("_bwd"),
+                        strided_only=spec[0].startswith("stride"))
 
 
 def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,7 +104,7 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
         if target not in classes:
             raise ValueError(f"{ENV}: the model has no module class {target!r}")
         _patch_class(classes[target], scale)
-    elif family not in ("root", "function", "function_bwd"):
+    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
     return model
 
@@ -158,12 +162,18 @@ class _GradScale(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _patch_function(name: str, scale: float, *, backward_only: bool) -> None:
+def _strided(tensor) -> bool:
+    return tensor is not None and (not tensor.is_contiguous() or tensor.storage_offset() != 0)
+
+
+def _patch_function(name: str, scale: float, *, backward_only: bool, strided_only: bool = False) -> None:
     functional = torch.nn.functional
     original = getattr(functional, name)
 
     def patched(*args, **kwargs):
         out = original(*args, **kwargs)
+        if strided_only and not _strided(_first_tensor(args, kwargs)):
+            return out
         if backward_only:
             return _GradScale.apply(out, scale) if out.requires_grad else out
         return _scaled(out, scale)

@@ -1,7 +1,9 @@
 """The optimizer rows of a teacher-forced replay: each parameter's update judged on its own.
 
-The target's optimizer is copied over fresh tensors holding the reference's weights and gradients and stepped
-once (`shadow_step`); its update (after - before) is judged against the reference's (state_after - state_before).
+A faithful copy of the target's optimizer (`faithful_copy`: its class, instance attributes, group options and
+state; never rebuilt from its param groups) is made over fresh tensors holding the reference's weights and
+gradients and stepped once (`shadow_step`); its update (after - before) is judged against the reference's
+(state_after - state_before).
 A copy of every weight, gradient and optimizer state at once would double a large model's memory, so torch's
 per-parameter optimizers (`PER_PARAMETER`: each parameter updated from its own gradient and state only) are
 stepped in chunks of about `STEP_BYTES` of parameters (`step_chunks`), each freed before the next; any other
@@ -12,6 +14,8 @@ in the target's and in the reference's precision, on the CPU.
 
 from __future__ import annotations
 
+import collections
+import math
 from typing import Callable
 
 import torch
@@ -21,8 +25,9 @@ from oneiter.format.schema import PARAM_GRADS, STATE_AFTER, group_path
 from oneiter.record import trusted
 from oneiter.record.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
+from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "optimizer_rows"]
+__all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows"]
 
 # torch's optimizers whose step updates each parameter from its own gradient and state only: a copy of one over a
 # few of the parameters steps them exactly as over all of them (single-tensor, foreach and fused alike)
@@ -62,38 +67,88 @@ def step_chunks(opt, budget_bytes: int | None = None) -> list[set[int] | None]:
     return chunks
 
 
-def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int] | None = None) -> dict:
-    """A copy of `opt` over fresh tensors holding the reference's weights and gradients (of the parameters in
-    `chunk`, or all), stepped once at `site`; returns the updated weights by canonical name."""
-    groups, tensors = [], {}
+def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int] | None = None,
+                start: dict | None = None) -> dict:
+    """A faithful copy of `opt` (`faithful_copy`) over fresh tensors holding the reference's weights and gradients
+    (of the parameters in `chunk`, or all; `start`: canonical name -> (weight, gradient) to start from instead),
+    stepped once at `site`; returns the updated weights by canonical name."""
+    shadows, tensors = {}, {}
     for group in opt.param_groups:
-        params = []
         for p in group["params"]:
             if chunk is not None and id(p) not in chunk:
                 continue
             name = names.get(id(p))
-            before = rerunner.reference_state(name) if name else None
-            grad_path = group_path(PARAM_GRADS, name)
-            if before is None:
-                raise ProbeSkip(f"the reference has no state_before for a parameter of the optimizer ({name})")
-            dtype = site.dtype_for(p.dtype, before.dtype)
-            device = p.device if site.live else site.device
-            q = before.to(device, dtype, copy=True)
-            if rerunner.source.has(grad_path):
-                source = rerunner.source  # the probe's cache: a fresh read is ours, a remembered one is shared
-                q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
-            params.append(q)
+            q = _shadow_parameter(p, name, rerunner, site, None if start is None else start.get(name))
+            shadows[id(p)] = q
             tensors[name] = q
-        if not params:
-            continue
-        options = {k: v for k, v in group.items() if k != "params"}
-        if not site.live:
-            options.update({k: False for k in ("foreach", "fused", "capturable") if options.get(k)})
-        groups.append({"params": params, **options})
-    shadow = type(opt)(groups, **({"lr": groups[0]["lr"]} if groups and "lr" in groups[0] else {}))
+    shadow = faithful_copy(opt, shadows, plain=not site.live)
     with torch.no_grad(), trusted.running(site.trusted):
         shadow.step()
     return {name: t.detach() for name, t in tensors.items()}
+
+
+def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
+    """A fresh leaf standing for parameter `p`: the reference's weight and gradient (or `start`'s), in the site's
+    dtype, on the site's device."""
+    before = rerunner.reference_state(name) if name else None
+    if before is None:
+        raise ProbeSkip(f"the reference has no state_before for a parameter of the optimizer ({name})")
+    dtype = site.dtype_for(p.dtype, before.dtype)
+    device = p.device if site.live else site.device
+    if start is not None:
+        q = start[0].to(device, dtype, copy=True)
+        q.grad = None if start[1] is None else start[1].to(device, dtype, copy=True)
+        return q.requires_grad_(p.requires_grad)
+    q = before.to(device, dtype, copy=True)
+    grad_path = group_path(PARAM_GRADS, name)
+    if rerunner.source.has(grad_path):
+        source = rerunner.source  # the probe's cache: a fresh read is ours, a remembered one is shared
+        q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
+    return q.requires_grad_(p.requires_grad)
+
+
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+
+
+def faithful_copy(opt, shadows: dict, *, plain: bool = False):
+    """A copy of the user's optimizer over other parameters: the same class, every instance attribute (a vendor
+    constructor's options live there, not in the param groups), the param groups' options and the state, deep-
+    copied with each parameter (by id) replaced by `shadows[id]`; parameters not in `shadows` are left out. Hooks
+    and methods bound to the original (an LR scheduler's wrapped `step`) are not copied: stepping the copy never
+    touches the user's optimizer. `plain`: foreach/fused/capturable off (a CPU recomputation)."""
+    import copy
+
+    memo = {id(p): q for p, q in _pairs(opt, shadows)}
+    shadow = object.__new__(type(opt))
+    for key, value in vars(opt).items():
+        if key in ("param_groups", "state") or key in _HOOKS or getattr(value, "__self__", None) is opt:
+            continue
+        setattr(shadow, key, copy.deepcopy(value, memo))
+    for key in _HOOKS:
+        if hasattr(opt, key):
+            setattr(shadow, key, type(getattr(opt, key))())
+    groups = []
+    for group in opt.param_groups:
+        params = [shadows[id(p)] for p in group["params"] if id(p) in shadows]
+        if not params:
+            continue
+        options = {k: copy.deepcopy(v, memo) for k, v in group.items() if k != "params"}
+        if plain:
+            options.update({k: False for k in ("foreach", "fused", "capturable") if options.get(k)})
+        groups.append({**options, "params": params})
+    shadow.param_groups = groups
+    state = collections.defaultdict(dict)
+    for p, q in _pairs(opt, shadows):
+        if p in opt.state:
+            state[q] = copy.deepcopy(opt.state[p], memo)
+    shadow.state = state
+    return shadow
+
+
+def _pairs(opt, shadows: dict):
+    return [(p, shadows[id(p)]) for group in opt.param_groups for p in group["params"] if id(p) in shadows]
 
 
 def optimizer_rows(opt, model, rerunner: Rerunner, device,
@@ -138,9 +193,22 @@ def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow
     for name, row in rows:
         before = rerunner.reference_state(name).to(_CPU, torch.float64)
         deltas = {s: steps[s][name].to(_CPU, torch.float64) - before for s in steps}
-        row.noise_target = rel_l2(deltas["high"], deltas["low"])
-        row.noise_reference = rel_l2(deltas["high"], deltas["reference"])
+        row.noise_target = max(rel_l2(deltas["high"], deltas["low"]), _storage_floor(steps["low"][name], deltas))
+        row.noise_reference = max(rel_l2(deltas["high"], deltas["reference"]),
+                                  _storage_floor(steps["reference"][name], deltas))
         row.calibration = "cpu"
+
+
+def _storage_floor(after, deltas: dict) -> float:
+    """The part of an update's error no implementation avoids: the updated weight rounded to its dtype (RMS
+    u/sqrt(3) of each element), relative to the update. The measured noise of a tensor of a few elements can fall
+    below it by chance (a bias of 4 whose rounding happened to be small); another formula's rounding cannot."""
+    high = deltas["high"]
+    norm = float(torch.linalg.vector_norm(high))
+    if not norm or not after.is_floating_point():
+        return 0.0
+    rms = unit_roundoff(dtype_name(after.dtype)) / math.sqrt(3.0)
+    return rms * float(torch.linalg.vector_norm(after.to(_CPU, torch.float64))) / norm
 
 
 def _reference_delta(rerunner: Rerunner, name: str, wide):

@@ -17,6 +17,7 @@ the way a vendor's stack would, never through oneiter:
 - `stride:<name>`           the same, but wrong only when its first tensor argument is not contiguous from the start
   of its storage (a transposed view, a slice with a storage offset): an NPU stride/format bug.
 - `stride_bwd:<name>`       exact forward; the gradients scaled only for such an input (a wrong strided backward).
+- `optimizer:<choice>`      the builder's optimizer is another one (`fault_spec()` names it; see vendor_optim.py).
 - `root[:REL]`               functional code in the model's own `forward` is off (the builder reads `fault_scale()`).
 
 Patches are undone by `undo_faults()` (tests record many models in one process) and before a new fault is
@@ -30,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["patch_functions", "apply_fault", "undo_faults", "fault_scale", "ENV"]
+__all__ = ["patch_functions", "apply_fault", "undo_faults", "fault_scale", "fault_spec", "ENV"]
 
 ENV = "ONEITER_TEST_FAULT"
 _UNDO: list[Callable[[], None]] = []
@@ -51,6 +52,11 @@ def _parse() -> tuple[str, str, float, int | None] | None:
     if family == "root":  # no target: `root` or `root:REL`
         target, rel = "", target
     return family, target, float(rel) if rel else 1e-3, int(shape) if shape else None
+
+
+def fault_spec() -> tuple[str, str, float, int | None] | None:
+    """(family, target, REL, shape) of the fault asked for, or None for a clean model."""
+    return _parse()
 
 
 def fault_scale(family: str = "root") -> float:
@@ -104,7 +110,7 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
         if target not in classes:
             raise ValueError(f"{ENV}: the model has no module class {target!r}")
         _patch_class(classes[target], scale)
-    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd"):
+    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd", "optimizer"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
     return model
 

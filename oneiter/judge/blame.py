@@ -337,6 +337,9 @@ def _drift_finding(i: int, r, up: Optional[float], noise: NoisePolicy, amp: str)
     None: a probe covers it) or its precision's floor."""
     if up is None:
         return None
+    if up == 0.0 and r.status == "diverged":  # nothing it was computed from differs: no drift makes this
+        return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e}, although everything it was computed "
+                          "from is bitwise equal to the reference's (so no accumulated drift)")
     dtype = r.dtype_target or r.dtype or "float32"
     # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
     floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)

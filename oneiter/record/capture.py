@@ -146,12 +146,19 @@ class CallRecord:
     internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
     identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
     given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
+    # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
+    # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
+    live_inputs: dict | None = None
+    live_outputs: dict | None = None
+    outputs_exact: bool = False
+    kept_outputs: dict | None = None
 
     def release(self) -> None:
         """Drop what only this call's own probe needed. A probed call's children are never needed again (its
         caller forces the call as a whole); an unprobed call runs live in its caller's rerun, with its own probed
         descendants forced, so it keeps them."""
         self.args = self.kwargs = None
+        self.live_inputs = self.live_outputs = None
         if self.status == PROBED:
             self.children = []
 
@@ -244,6 +251,8 @@ class ModuleCapture:
             pos, kw = skeleton_call(args, kwargs)
             record = CallRecord(key, module, path, call, parent, pos, kw, begin)
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
+            if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
+                record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
         self._stack.append((key, record))
@@ -273,6 +282,8 @@ class ModuleCapture:
                 if hit is not None and hit[1] == value._version:
                     record.identity[name] = hit[0]
             record.given = {}
+            if record.live_inputs is not None:
+                record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
             with self.suspended():
                 self.probe.after_call(record)
         return None

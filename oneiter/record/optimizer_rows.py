@@ -15,7 +15,9 @@ in the target's and in the reference's precision, on the CPU.
 from __future__ import annotations
 
 import collections
+import functools
 import math
+import types
 from typing import Callable
 
 import torch
@@ -23,11 +25,13 @@ import torch.optim
 
 from oneiter.format.schema import PARAM_GRADS, STATE_AFTER, group_path
 from oneiter.record import trusted
+from oneiter.record.fidelity import digest, exact_tensor
 from oneiter.record.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows"]
+__all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
+           "check_updates"]
 
 # torch's optimizers whose step updates each parameter from its own gradient and state only: a copy of one over a
 # few of the parameters steps them exactly as over all of them (single-tensor, foreach and fused alike)
@@ -112,19 +116,23 @@ _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer
           "_optimizer_load_state_dict_post_hooks")
 
 
+_CODE = (types.FunctionType, types.MethodType, types.BuiltinMethodType, functools.partial)
+
+
 def faithful_copy(opt, shadows: dict, *, plain: bool = False):
     """A copy of the user's optimizer over other parameters: the same class, every instance attribute (a vendor
     constructor's options live there, not in the param groups), the param groups' options and the state, deep-
     copied with each parameter (by id) replaced by `shadows[id]`; parameters not in `shadows` are left out. Hooks
-    and methods bound to the original (an LR scheduler's wrapped `step`) are not copied: stepping the copy never
-    touches the user's optimizer. `plain`: foreach/fused/capturable off (a CPU recomputation)."""
+    and functions set on the instance (an LR scheduler's wrapped `step`, which calls the original's) are not
+    copied: stepping the copy never touches the user's optimizer. `plain`: foreach/fused/capturable off (a CPU
+    recomputation)."""
     import copy
 
     memo = {id(p): q for p, q in _pairs(opt, shadows)}
     shadow = object.__new__(type(opt))
     for key, value in vars(opt).items():
-        if key in ("param_groups", "state") or key in _HOOKS or getattr(value, "__self__", None) is opt:
-            continue
+        if key in ("param_groups", "state") or key in _HOOKS or isinstance(value, _CODE):
+            continue  # an LR scheduler's `step` wrapper calls the original's bound step: never copied
         setattr(shadow, key, copy.deepcopy(value, memo))
     for key in _HOOKS:
         if hasattr(opt, key):
@@ -151,10 +159,11 @@ def _pairs(opt, shadows: dict):
     return [(p, shadows[id(p)]) for group in opt.param_groups for p in group["params"] if id(p) in shadows]
 
 
-def optimizer_rows(opt, model, rerunner: Rerunner, device,
-                   needs_noise: Callable[[JudgedRow], bool]) -> tuple[list[JudgedRow], str]:
+def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable[[JudgedRow], bool],
+                   expected: dict | None = None) -> tuple[list[JudgedRow], str]:
     """The target's optimizer, stepped from the reference's weights and gradients, against the reference's
-    state_after: one row per parameter, or none and the reason the update cannot be judged."""
+    state_after: one row per parameter, or none and the reason the update cannot be judged. `expected` receives,
+    per parameter, the digest of the update the live step must give (`check_updates`; `record/fidelity.py`)."""
     if any(len(state) for state in opt.state.values()):
         return [], "the optimizer has state from earlier iterations, which a recording does not hold"
     names = {id(p): n for n, p in model.named_parameters()}
@@ -175,11 +184,40 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device,
             mine.append((name, JudgedRow(owner(name), 0, "optimizer", leaf(name), dtype_name(after.dtype),
                                          tensor_stats(delta, after.to(_CPU, wide) - before),
                                          at=order.get(name, LATE))))
+        if expected is not None:
+            expected.update(_checked_updates(opt, names, rerunner, device, chunk, judged))
         del judged
         if any(needs_noise(row) for _, row in mine):
             _noise(opt, names, rerunner, mine, chunk)
         rows.extend(row for _, row in mine)
     return rows, ""
+
+
+def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged: dict) -> dict[str, bytes]:
+    """Digests of the weights the live step must produce: the shadow step's, when every live weight and gradient
+    of the chunk equals the reference's; else a step of the copy from the live ones."""
+    live = {names[id(p)]: p for group in opt.param_groups for p in group["params"]
+            if id(p) in names and (chunk is None or id(p) in chunk)}
+    same = all(_exact_start(rerunner, name, p) for name, p in live.items())
+    if not same:
+        start = {name: (p.detach(), p.grad) for name, p in live.items()}
+        judged = shadow_step(opt, names, rerunner, _SITES["target"](device), chunk, start=start)
+    return {name: digest(after) for name, after in judged.items()}
+
+
+def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
+    before = rerunner.reference_state(name)
+    grad_path = group_path(PARAM_GRADS, name)
+    if before is None or not exact_tensor(before, p.detach()):
+        return False
+    if p.grad is None:
+        return not rerunner.source.has(grad_path)
+    return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), p.grad)
+
+
+def check_updates(model, expected: dict[str, bytes]) -> list[str]:
+    """The parameters whose live value after the step differs from the checked shadow step's."""
+    return [name for name, p in model.named_parameters() if name in expected and digest(p) != expected[name]]
 
 
 def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow]], chunk: set[int] | None) -> None:

@@ -62,7 +62,8 @@ from oneiter.format.schema import (
     tensor_path,
 )
 from oneiter.record.capture import CallRecord
-from oneiter.record.optimizer_rows import optimizer_rows
+from oneiter.record.fidelity import check_forward
+from oneiter.record.optimizer_rows import check_updates, optimizer_rows
 from oneiter.record.options import CALIBRATIONS
 from oneiter.record.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
@@ -167,6 +168,7 @@ class LocalProbe(ABC):
         self._sums = _Sums()
         self._contributors: dict[str, list[CallRecord]] = {}
         self._calibrated: set[int] = set()
+        self._expected_updates: dict[str, bytes] = {}  # parameter -> digest of its checked shadow update
 
     @property
     def random_ops(self) -> list[RecordedOp]:
@@ -240,12 +242,21 @@ class LocalProbe(ABC):
     def _buffer_rows(self) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
         """Rows for buffers a call updated: only where the source holds their state_after (teacher forced)."""
 
+    CHECKS_LIVE = False  # whether the capture hands each call's live inputs and outputs (`fidelity.py`)
+
+    def _check(self, rec: CallRecord, primary: RunResult) -> None:  # noqa: B027 - a hook
+        """Raise ProbeSkip when the rerun does not reproduce the live call (`fidelity.py`; teacher forced)."""
+
+    def after_step(self) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
+        """The optimizer has stepped (state_after is taken): check the shadow step against it (teacher forced)."""
+
     # -- module calls -----------------------------------------------------------------------------------------------
     def _probe(self, rec: CallRecord) -> None:
         self.num_calls += 1
         module = rec.path or ROOT_MODULE
         try:
             primary = self._run(rec, self._primary_site())
+            self._check(rec, primary)
             judged = self._judge(rec, primary)
             if any(row.needs_noise(self.run_roundoff) for row in judged):
                 self._calibrate(rec, primary, judged)
@@ -389,10 +400,35 @@ class LocalProbe(ABC):
 
 class TeacherForcedProbe(LocalProbe):
     """`record --replay`: each call of the target reruns on the target's device, inside its own forward, on the
-    reference's inputs and output gradients; judged against the reference's recorded values."""
+    reference's inputs and output gradients; judged against the reference's recorded values, once the rerun is
+    shown to reproduce the live call (`fidelity.py`)."""
 
     KIND = "teacher_forced"
     PARAMS = "reference"
+    CHECKS_LIVE = True
+
+    def _check(self, rec: CallRecord, primary: RunResult) -> None:
+        live = Rerunner(None, self.device, self.rerunner.random_ops, self.rerunner.names)
+        live._state = self.rerunner._state  # the starting states, read once for both
+
+        def rerun(source) -> RunResult:
+            live.source = source
+            return live.run(rec, self._primary_site(), rec.forced())
+
+        check_forward(rec, primary, self.source, rerun)
+
+    def after_step(self) -> None:
+        """Each parameter's live update against the checked shadow step's (`optimizer_rows.check_updates`)."""
+        if self.model is None or not self._expected_updates:
+            return
+        failed = check_updates(self.model, self._expected_updates)
+        self._expected_updates = {}
+        if failed:
+            gone = {(owner(name), leaf(name)) for name in failed}
+            self.rows = [r for r in self.rows if not (r.phase == "optimizer" and (r.module, r.tensor) in gone)]
+            for name in failed:
+                self.unprobed.append(("(optimizer)", 0, f"not reproducible: a copy of the optimizer stepped "
+                                          f"from the live weights and gradients does not give {name}'s live update"))
 
     def _primary_site(self, explicit: bool = False) -> Site:
         """The target's own rerun, inside its forward (so under the autocast the forward runs in); `explicit`:
@@ -455,7 +491,7 @@ class TeacherForcedProbe(LocalProbe):
                                   "clipping or unscaling), which a recording does not hold"))
             return
         rows, why = optimizer_rows(self.optimizer, self.model, self.rerunner, self.device,
-                                   lambda row: row.needs_noise(self.run_roundoff))
+                                   lambda row: row.needs_noise(self.run_roundoff), self._expected_updates)
         if why:
             self.unprobed.append(("(optimizer)", 0, why))
         self.rows.extend(rows)

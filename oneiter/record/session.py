@@ -205,6 +205,8 @@ class RecordingSession:
 
     def state_after(self) -> None:
         self._named(STATE_AFTER, self.model.state_dict(keep_vars=True).items())
+        if self.probe is not None:
+            self.probe.after_step()
 
     def finish(self, loss, attrs: dict[str, Any] | None = None) -> tuple[int, int]:
         """Write the loss, mark the file complete and close it. Returns (datasets incl. links, tensor bytes)."""

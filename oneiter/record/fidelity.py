@@ -1,0 +1,129 @@
+"""The fidelity check: a rerun counts only where it reproduces the call as it ran live in the target.
+
+Where this sits: `probe.TeacherForcedProbe` judges each module call by a *rerun* (`rerun.py`) on the reference's
+values, and the optimizer's update by a *shadow step* (`optimizer_rows.py`) of a copy of the target's optimizer.
+Both are models of what the target computed. Here each is checked against the target's live computation before
+its verdict counts:
+
+- **Forward.** When everything the call consumed in the live run (its inputs, and the outputs of the children its
+  rerun forces) is bitwise equal to the reference's, the primary rerun *is* the check, at no extra cost: its
+  outputs must equal the live outputs. Otherwise the call is rerun once more on the target's own live values (the
+  live inputs, the forced children's live outputs: `LiveSource`) and those outputs must equal the live ones.
+  Bitwise on a deterministic device (the CPU); elsewhere a mismatch is weighed against the same-precision spread,
+  measured there and then by running the same rerun twice (`spread`).
+- **Optimizer.** The shadow step on the reference's weights and gradients is the check when the live weights and
+  gradients equal the reference's bitwise; otherwise the copy is stepped once more from the live ones. After the
+  real step, each parameter's live value must equal the checked step's (`Digests`).
+
+A call that fails is not cleared by its rerun: `probe.py` drops its rows and lists it in `/unprobed` with the
+reason (`not reproducible from its inputs: ...`), and the judge then holds its live values to what their inputs
+explain (`judge/blame.py`), naming it when they are off by more. Backward values are not checked this way (the
+live gradients arrive after the rerun's are gone); docs/blame.md says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from oneiter.format.schema import FORWARD, tensor_path
+from oneiter.record.capture import CallRecord
+from oneiter.record.rerun import ProbeSkip, RunResult, rel_l2
+
+__all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR"]
+
+# a rerun on a nondeterministic device reproduces the live call when it is within this many times the spread of
+# two reruns of the same call
+SPREAD_FACTOR = 4.0
+
+
+class LiveSource:
+    """The target's own live values by path, falling back to the probe's source (the reference) for the rest:
+    random values and starting states the target replayed from the reference, and values that were exact."""
+
+    def __init__(self, inner, live: dict):
+        self.inner, self.live = inner, live
+
+    def has(self, path: str) -> bool:
+        return path in self.live or self.inner.has(path)
+
+    def tensor(self, path: str):
+        return self.live[path] if path in self.live else self.inner.tensor(path)
+
+
+def exact(source, path: str, live) -> bool:
+    """Whether a live tensor equals the source's tensor at `path` bitwise (dtype and shape included)."""
+    return source.has(path) and exact_tensor(source.tensor(path), live)
+
+
+def exact_tensor(stored, live) -> bool:
+    """Whether two tensors are bitwise equal (dtype and shape included), wherever each lives."""
+    if stored.dtype != live.dtype or tuple(stored.shape) != tuple(live.shape):
+        return False
+    a, b = stored.detach().to(live.device), live.detach()
+    if a.is_floating_point() or a.is_complex():  # bits, so that a NaN equals the same NaN
+        a, b = _bits(a), _bits(b)
+    return bool(torch.equal(a, b))
+
+
+def _bits(tensor):
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    return tensor.contiguous().view(torch.uint8)
+
+
+def digest(tensor) -> bytes:
+    """A hash of a tensor's bits: bitwise equality of two tensors that are not both at hand."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+
+
+def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> None:
+    """Raise ProbeSkip when the rerun machinery does not reproduce the call's live outputs (module docstring).
+    `rerun(source)` reruns the call at the primary site from `source`."""
+    live_in, live_out = rec.live_inputs or {}, rec.live_outputs or {}
+    rec.live_inputs = rec.live_outputs = None
+    forced = rec.forced()
+    consumed = all(exact(source, tensor_path(rec.key, FORWARD, n), v) for n, v in live_in.items())
+    consumed = consumed and all(child.outputs_exact for child in forced)
+    rec.outputs_exact = all(exact(source, tensor_path(rec.key, FORWARD, n), v) for n, v in live_out.items())
+    if consumed:
+        run, again = primary, (lambda: rerun(source))
+    else:
+        live = {tensor_path(rec.key, FORWARD, n): v for n, v in live_in.items()}
+        for child in forced:
+            live.update((tensor_path(child.key, FORWARD, n), v) for n, v in (child.kept_outputs or {}).items())
+        alive = LiveSource(source, live)
+        run, again = rerun(alive), (lambda: rerun(alive))
+    differ = _differences(run, live_out)
+    if differ and _beyond_spread(run, again, differ, live_out):
+        name, err = differ[0]
+        what = "the reference's" if consumed else "its own live"
+        raise ProbeSkip(f"not reproducible from its inputs: its rerun on {what} values gives {name} off the live "
+                        f"call's by rel_l2 {err:.2e} (state, a counter or a layout no rerun carries)")
+    if not rec.outputs_exact and rec.parent is not None:  # the caller's check reruns on these
+        rec.kept_outputs = {n: v.clone() for n, v in live_out.items()}
+    for child in forced:
+        child.kept_outputs = None
+
+
+def _differences(run: RunResult, live_out: dict) -> list[tuple[str, float]]:
+    found = []
+    for name, value in live_out.items():
+        mine = run.forward.get(name)
+        if mine is None or (FORWARD, name) in run.passed:
+            continue
+        if not exact_tensor(mine, value):
+            found.append((name, rel_l2(value, mine)))
+    return found
+
+
+def _beyond_spread(run: RunResult, again, differ: list, live_out: dict) -> bool:
+    """Whether the differences exceed the device's own run-to-run spread (0 on the CPU: deterministic)."""
+    if all(v.device.type == "cpu" for v in live_out.values()):
+        return True
+    second = again()
+    spread = max((rel_l2(run.forward[n], second.forward[n]) for n, _ in differ if n in second.forward),
+                 default=0.0)
+    return not all(err <= SPREAD_FACTOR * spread for _, err in differ)

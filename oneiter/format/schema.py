@@ -190,7 +190,8 @@ LOCAL_FIELDS = (
 rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
 side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
 calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
-the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`)."""
+the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`,
+with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md)."""
 
 
 @dataclass(frozen=True)

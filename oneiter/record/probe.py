@@ -39,12 +39,15 @@ stays in the local error. `noise_reference` is the same for the reference's prec
   runs); `low` is the probed rerun itself. One extra device rerun per calibrated call; blind to a kernel that is
   wrong only in the low precision.
 A call is calibrated only when one of its tensors is off by more than one unit roundoff of its dtype (below
-that, nothing can flag it), or when a parameter it contributes to needs it.
+that, nothing can flag it), or when a parameter it contributes to needs it. When the high run fails (an op
+without float64: `torch._grouped_mm`), a bf16/fp16 run tries float32, else the noise is a Monte Carlo estimate
+in the run's own precision (`montecarlo.py`); the rows' `calibration` says so (`cpu:float32`, `cpu:monte_carlo`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -63,6 +66,7 @@ from oneiter.format.schema import (
 )
 from oneiter.record.capture import CallRecord
 from oneiter.record.fidelity import check_forward
+from oneiter.record.montecarlo import MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.optimizer_rows import check_updates, optimizer_rows
 from oneiter.record.options import CALIBRATIONS
 from oneiter.record.randomness import RecordedOp, recorded_random_ops
@@ -167,8 +171,9 @@ class LocalProbe(ABC):
         self.optimizer = None
         self._sums = _Sums()
         self._contributors: dict[str, list[CallRecord]] = {}
-        self._calibrated: set[int] = set()
         self._expected_updates: dict[str, bytes] = {}  # parameter -> digest of its checked shadow update
+        self._calibrated: dict[int, str] = {}  # id(call) -> how its noise was measured (the rows' `calibration`)
+        self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
 
     @property
     def random_ops(self) -> list[RecordedOp]:
@@ -249,6 +254,9 @@ class LocalProbe(ABC):
 
     def after_step(self) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
         """The optimizer has stepped (state_after is taken): check the shadow step against it (teacher forced)."""
+    def _reference_sampling(self) -> tuple[Site, float] | None:
+        """Where the reference's precision is sampled by Monte Carlo, and its unit roundoff (None: not measured)."""
+        return None
 
     # -- module calls -----------------------------------------------------------------------------------------------
     def _probe(self, rec: CallRecord) -> None:
@@ -322,26 +330,74 @@ class LocalProbe(ABC):
                 row.calibration = where
 
     def _noise(self, rec: CallRecord, primary: RunResult | None):
-        """(noise_target, noise_reference, where) by (phase, name); parameter contributions go into the sums.
+        """(noise_target, noise_reference, how) by (phase, name); parameter contributions go into the sums.
         `primary` None: this call's primary rerun is not at hand (calibration after backward) and is redone if
-        needed, with the run's autocast set explicitly."""
+        needed, with the run's autocast set explicitly. `how`: where, and `:float32`/`:monte_carlo` when the
+        high-precision run failed (an op without a float64 kernel) and the noise was estimated without it."""
         high_site, low_site, where = self._calibration_sites()
-        high = self._run(rec, high_site)
         if primary is None and self._rerun_primary(low_site):
             primary = self._run(rec, self._primary_site(explicit=True))
         low = primary if low_site is None else self._run(rec, low_site)
-        runs = {"high": high, "low": low}
-        noise_t = _rel_all(low, high)
-        noise_r: dict = {}
         reference = self._reference_run(rec, primary)
-        if reference is not None:
-            runs["reference"] = reference
-            noise_r = _rel_all(reference, high)
-        if id(rec) not in self._calibrated:
-            self._calibrated.add(id(rec))
-            for site, run in runs.items():
+        high, how = self._high(rec, high_site, where)
+        if high is None:
+            noise_t, noise_r = self._monte_carlo(rec, low_site, low, reference)
+        else:
+            noise_t = _rel_all(low, high)
+            noise_r = _rel_all(reference, high) if reference is not None else {}
+            self._add(rec, {"high": high})
+        self._add(rec, {"low": low, **({"reference": reference} if reference is not None else {})})
+        self._calibrated.setdefault(id(rec), how)
+        return noise_t, noise_r, how
+
+    def _high(self, rec: CallRecord, site: Site, where: str) -> tuple[RunResult | None, str]:
+        """The high-precision run and how the noise is labelled; float32 when float64 fails in a coarser run
+        (bf16, fp16); (None, where:monte_carlo) when no higher precision runs."""
+        try:
+            return self._run(rec, site), where
+        except (ProbeSkip, OneIterError):
+            raise
+        except Exception:
+            if site.cast != "float64" or self.run_roundoff <= unit_roundoff("float32"):
+                return None, f"{where}:{MONTE_CARLO}"
+        try:
+            return self._run(rec, replace(site, cast="float32")), f"{where}:float32"
+        except (ProbeSkip, OneIterError):
+            raise
+        except Exception:
+            return None, f"{where}:{MONTE_CARLO}"
+
+    def _monte_carlo(self, rec: CallRecord, low_site: Site | None, low: RunResult, reference: RunResult | None):
+        """The noise without a higher precision: `SAMPLES` reruns in the run's own precision, inputs
+        and weights perturbed at its unit roundoff (`rerun.Perturbation`), each against the unperturbed run; the
+        RMS of their rel_l2, scaled (`montecarlo.py`, docs/blame.md). The same for the reference's precision
+        when it is measured. The samples go into the sums (`mc<k>`, `mc_ref<k>`) for the parameter rows."""
+        base_site = low_site or Site("low", self.device, live=False, cast="live", autocast=self.amp, params="live",
+                                     trusted=False)
+        base = low if low_site is not None else self._run(rec, base_site)
+        runs = {"mc_base": base}
+        samples = [self._run(rec, replace(base_site, name=f"mc{k}", perturb=(SEED + k, self.run_roundoff)))
+                   for k in range(SAMPLES)]
+        runs.update((f"mc{k}", run) for k, run in enumerate(samples))
+        noise_t = _spread(base, samples)
+        noise_r: dict = {}
+        sampling = self._reference_sampling() if reference is not None else None
+        if sampling is not None:
+            site, roundoff = sampling
+            refs = [self._run(rec, replace(site, name=f"mc_ref{k}", perturb=(SEED + k, roundoff)))
+                    for k in range(SAMPLES)]
+            noise_r = _spread(reference, refs)
+            runs.update((f"mc_ref{k}", run) for k, run in enumerate(refs))
+            runs["mc_ref_base"] = reference
+        self._add(rec, runs)
+        return noise_t, noise_r
+
+    def _add(self, rec: CallRecord, runs: dict[str, RunResult]) -> None:
+        """Add a call's runs to the sums, each site once per call."""
+        for site, run in runs.items():
+            if (id(rec), site) not in self._added:
+                self._added.add((id(rec), site))
                 self._sums.add(site, run)
-        return noise_t, noise_r, where
 
     def _calibration_sites(self) -> tuple[Site, Site | None, str]:
         if self.where == "device":
@@ -380,22 +436,55 @@ class LocalProbe(ABC):
             self.rows.append(row)
 
     def _calibrated_value(self, name: str, records: list[CallRecord], row: JudgedRow) -> None:
-        """Noise of a parameter gradient (summed over calls) or of a buffer's update, calibrating calls as needed."""
-        for rec in records:
-            if id(rec) not in self._calibrated:
-                try:
+        """Noise of a parameter gradient (summed over calls) or of a buffer's update, calibrating calls as needed.
+        When any contributing call had no high-precision run, every one is sampled and the sums' spread is used."""
+        try:
+            for rec in records:
+                if id(rec) not in self._calibrated:
                     self._noise(rec, None)
                     self.source.clear()
-                except Exception as err:
-                    row.calibration = f"failed: {type(err).__name__}: {first_line(err)}"[:200]
-                    return
+            sampled = any(self._calibrated[id(rec)].endswith(MONTE_CARLO) for rec in records)
+            for rec in records if sampled else ():
+                if (id(rec), "mc0") not in self._added:
+                    self._monte_carlo_again(rec)
+        except Exception as err:
+            row.calibration = f"failed: {type(err).__name__}: {first_line(err)}"[:200]
+            return
+        if sampled:
+            self._sampled_value(name, row)
+            return
         high, low = self._sums.get("high", name), self._sums.get("low" if self.where == "cpu" else "primary", name)
         if high is None or low is None:
             return
         row.noise_target = rel_l2(high, low)
         ref = self._sums.get("reference", name)
         row.noise_reference = rel_l2(high, ref) if ref is not None else self._reference_default(row.noise_target)
-        row.calibration = self.where
+        row.calibration = self._calibrated[id(records[0])].partition(":")[0] + (
+            ":float32" if any(self._calibrated[id(r)].endswith("float32") for r in records) else "")
+
+    def _monte_carlo_again(self, rec: CallRecord) -> None:
+        """Monte Carlo samples of a call that was calibrated in a higher precision: a parameter it contributes to
+        shares a call that could not be."""
+        _, low_site, _ = self._calibration_sites()
+        primary = self._run(rec, self._primary_site(explicit=True)) if self._rerun_primary(low_site) else None
+        low = primary if low_site is None else self._run(rec, low_site)
+        self._monte_carlo(rec, low_site, low, self._reference_run(rec, primary))
+        self.source.clear()
+
+    def _sampled_value(self, name: str, row: JudgedRow) -> None:
+        """A summed value's Monte Carlo noise: the spread of the summed samples around the summed base runs."""
+        base = self._sums.get("mc_base", name)
+        samples = [self._sums.get(f"mc{k}", name) for k in range(SAMPLES)]
+        if base is None or any(s is None for s in samples):
+            return
+        row.noise_target = spread(base, samples)
+        ref_base = self._sums.get("mc_ref_base", name)
+        refs = [self._sums.get(f"mc_ref{k}", name) for k in range(SAMPLES)]
+        if ref_base is not None and all(r is not None for r in refs):
+            row.noise_reference = spread(ref_base, refs)
+        else:
+            row.noise_reference = self._reference_default(row.noise_target)
+        row.calibration = f"{self.where}:{MONTE_CARLO}"
 
 
 class TeacherForcedProbe(LocalProbe):
@@ -452,6 +541,11 @@ class TeacherForcedProbe(LocalProbe):
     def _reference_run(self, rec: CallRecord, primary: RunResult | None) -> RunResult | None:
         site = self._reference_site()
         return self._run(rec, site) if site is not None else None
+
+    def _reference_sampling(self) -> tuple[Site, float] | None:
+        site = self._reference_site()
+        return None if site is None else (site, unit_roundoff(dtype_name(self.ref_precision[1] or
+                                                                           self.ref_precision[0])))
 
     def _reference_site(self) -> Site | None:
         """The reference's own precision on the CPU, when it is not finer than the target's. Equal: its noise is
@@ -536,6 +630,9 @@ class AgainstCpuProbe(LocalProbe):
     def _reference_run(self, rec: CallRecord, primary: RunResult | None) -> RunResult | None:
         return primary  # the float32 CPU recomputation is the reference here
 
+    def _reference_sampling(self) -> tuple[Site, float] | None:
+        return self._primary_site(), unit_roundoff("float32")
+
 
 def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str = "cpu"):
     """A `RecordingSession` probe factory: teacher forced against the open reference `ref`."""
@@ -586,6 +683,17 @@ def _rel_all(run: RunResult, high: RunResult) -> dict[tuple[str, str], float]:
         for name, value in mine.items():
             if name in theirs:
                 out[(phase, name)] = rel_l2(theirs[name], value)
+    return out
+
+
+def _spread(base: RunResult, samples: list[RunResult]) -> dict[tuple[str, str], float]:
+    """The Monte Carlo noise of every tensor of `base`: `montecarlo.spread` of its perturbed samples."""
+    out = {}
+    for phase, attr in ((FORWARD, "forward"), (BACKWARD, "backward")):
+        for name, value in getattr(base, attr).items():
+            values = [getattr(s, attr).get(name) for s in samples]
+            if all(v is not None for v in values):
+                out[(phase, name)] = spread(value, values)
     return out
 
 

@@ -13,7 +13,9 @@ belong to the child's computation). A `Site` says where the rerun runs and in wh
 the target device as it is (`live`), or `torch.func.functional_call` with parameters cast or taken from the
 reference's state_before, on the CPU or the device, with or without autocast. Random ops of C's own code take
 the source's recorded values; buffers and RNG states are restored afterwards, so the real iteration never sees
-a rerun.
+a rerun. A site may also *perturb* every floating value the rerun reads (inputs, forced children's outputs and
+gradients, the gradients fed to backward, weights and buffers): the Monte Carlo samples of the calibration
+(`Perturbation`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from oneiter.errors import OneIterError
@@ -34,8 +37,10 @@ from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
+from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "tensor_stats", "rel_l2", "with_layout"]
+__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "tensor_stats",
+           "rel_l2", "with_layout"]
 
 AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -56,6 +61,8 @@ class Site:
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
     `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
+    (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
     """
 
     name: str
@@ -65,6 +72,7 @@ class Site:
     autocast: Any  # a torch dtype, None for no autocast, or AMBIENT
     params: str
     trusted: bool
+    perturb: tuple[int, float] | None = None
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -72,6 +80,30 @@ class Site:
         if self.cast == "source":
             return stored_dtype
         return getattr(torch, self.cast)
+
+
+class Perturbation:
+    """The random relative perturbation of a Monte Carlo sample: each floating value x becomes x * (1 + s * eps),
+    s a random sign, eps = 2u for the unit roundoff u of the run's precision or of x's dtype (the coarser): about
+    one unit in the last place of the precision the value is computed in, in a random direction. Computed in x's
+    dtype (float32 at least, never float64: the devices this is for may have none). The signs come from numpy's
+    generator seeded per sample (reproducible, and no torch random op the rerun's replay of recorded random ops
+    would take for the model's). `Perturbation(None)` changes nothing."""
+
+    def __init__(self, spec: tuple[int, float] | None):
+        self.roundoff = spec[1] if spec else 0.0
+        self.generator = np.random.default_rng(int(spec[0])) if spec else None
+
+    def __call__(self, tensor):
+        if self.generator is None or not tensor.is_floating_point() or tensor.numel() == 0:
+            return tensor
+        eps = 2.0 * max(self.roundoff, unit_roundoff(str(tensor.dtype)))
+        sign = torch.from_numpy(self.generator.integers(0, 2, size=tuple(tensor.shape), dtype=np.int8))
+        sign = sign.to(tensor.device)
+        work = torch.promote_types(tensor.dtype, torch.float32)
+        factor = (sign.to(work) * (2.0 * eps) + (1.0 - eps))  # 1 - eps or 1 + eps
+        with torch.no_grad():
+            return (tensor.to(work) * factor).to(tensor.dtype)
 
 
 @dataclass
@@ -100,6 +132,7 @@ class Rerunner:
         self.random_ops = random_ops
         self.names = names
         self._state: dict[str, Any] = {}
+        self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)
 
     def run(self, rec: CallRecord, site: Site, forced: list[CallRecord]) -> RunResult:
         try:
@@ -116,6 +149,7 @@ class Rerunner:
         module = rec.module
         if rec.args is None or rec.output is None:
             raise ProbeSkip("the call's structure was not kept")
+        self.perturb = Perturbation(None if site.live else site.perturb)  # a retry draws the same sample again
         leaves: dict[str, Any] = {}
         given: dict[int, int] = {}  # id -> version of every tensor handed in
 
@@ -166,7 +200,7 @@ class Rerunner:
         for name, out in outputs.items():
             path = tensor_path(rec.key, BACKWARD, grad_name(name))
             if out.requires_grad and self.source.has(path):
-                pairs.append((name, out, self.source.tensor(path).to(site.device, out.dtype)))
+                pairs.append((name, out, self.perturb(self.source.tensor(path).to(site.device, out.dtype))))
         if not pairs:
             return {}, {}, {}
         seeds, internal = _external_grads(pairs)
@@ -185,7 +219,7 @@ class Rerunner:
             raise ProbeSkip(f"{what} was not recorded")
         stored = self.source.tensor(path)
         if stored.is_floating_point() or stored.is_complex():
-            return stored.to(site.device, site.dtype_for(slot.dtype, stored.dtype), copy=True)
+            return self.perturb(stored.to(site.device, site.dtype_for(slot.dtype, stored.dtype), copy=True))
         return stored.to(site.device, copy=True)
 
     def _params(self, rec: CallRecord, site: Site, skip: set[int]) -> dict[str, tuple[str, Any]]:
@@ -204,7 +238,7 @@ class Rerunner:
             stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
             base = stored if stored is not None else tensor.detach()
             if base.is_floating_point() or base.is_complex():
-                value = base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True)
+                value = self.perturb(base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True))
             else:
                 value = base.to(site.device, copy=True)
             if is_param and tensor.requires_grad and value.is_floating_point():
@@ -425,7 +459,7 @@ class _Forcing:
         path = tensor_path(child.key, BACKWARD, grad_name(name))
         if not self.rerunner.source.has(path):
             return None
-        grad = self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True)
+        grad = self.rerunner.perturb(self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True))
         self.produced[id(grad)] = grad._version
         self._alive.append(grad)
         return grad

@@ -56,6 +56,8 @@ class Site:
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
     `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
+    operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Site:
     autocast: Any  # a torch dtype, None for no autocast, or AMBIENT
     params: str
     trusted: bool
+    reduced: tuple = ()
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -100,6 +103,7 @@ class Rerunner:
         self.random_ops = random_ops
         self.names = names
         self._state: dict[str, Any] = {}
+        self.rounded = 0  # ops whose operands the last run rounded (a site with `reduced`)
 
     def run(self, rec: CallRecord, site: Site, forced: list[CallRecord]) -> RunResult:
         try:
@@ -137,6 +141,7 @@ class Rerunner:
             stack.enter_context(_isolated(module, site.device, self.target_device))
             stack.enter_context(trusted.running(site.trusted))
             stack.enter_context(_autocast(site, self.target_device))
+            reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
             buffers = self._buffers(rec.module, site, params, skip)
             before = {c: t.detach().clone() for c, t in buffers.items()}
@@ -151,6 +156,7 @@ class Rerunner:
             changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
             backward, param_grads, internal = self._backward(rec, site, outputs, leaves, params, anchor)
             internal.update(_inherited(outputs, forcing))
+        self.rounded = reduced.rounded if reduced is not None else 0
         given.update(forcing.produced)
         forward = {**outputs, **forcing.inputs}
         backward.update(forcing.grad_outputs)
@@ -455,6 +461,18 @@ def _autocast(site: Site, target_device) -> Iterator[None]:
         if site.autocast is not None:
             stack.enter_context(torch.autocast(device_type=site.device.type, dtype=site.autocast))
         yield
+
+
+@contextmanager
+def _reduced(site: Site) -> Iterator[Any]:
+    """The site's reduced-precision operands (`reduced.ReducedOperands`) for forward and backward, or nothing."""
+    if not site.reduced:
+        yield None
+        return
+    from oneiter.record.reduced import ReducedOperands
+
+    with ReducedOperands(dict(site.reduced)) as mode:
+        yield mode
 
 
 @contextmanager

@@ -45,6 +45,7 @@ that, nothing can flag it), or when a parameter it contributes to needs it.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -367,8 +368,6 @@ class LocalProbe(ABC):
 
     def _reduced_attrs(self) -> dict:
         """The /local attributes saying which reduced modes the calibration reproduced, and for how many calls."""
-        import json
-
         low = self.reduced if self.where == "cpu" else {}  # device calibration: the device runs its own modes
         site = self._reference_site()
         ref = dict(site.reduced) if site is not None else {}

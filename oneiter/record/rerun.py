@@ -33,6 +33,7 @@ from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
+from oneiter.record.reduced import ReducedOperands
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "tensor_stats", "rel_l2"]
@@ -469,8 +470,6 @@ def _reduced(site: Site) -> Iterator[Any]:
     if not site.reduced:
         yield None
         return
-    from oneiter.record.reduced import ReducedOperands
-
     with ReducedOperands(dict(site.reduced)) as mode:
         yield mode
 

@@ -38,7 +38,8 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "RANDOM", "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "RAW_BITS", "check_name", "call_key",
+    "RANDOM", "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "RAW_BITS", "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
@@ -57,6 +58,12 @@ STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_a
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
+# root attribute (JSON): the reduced-precision flags in force (TF32, HF32) and the float32 op families they reduce
+PRECISION_MODES = "precision_modes"
+# /local attributes: the families the calibration's reruns reproduced reduced for each side (JSON), and for how
+# many calls they rounded operands
+REDUCED_TARGET, REDUCED_CALLS = "reduced_target", "reduced_calls"
+REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls_reference"
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
 RAW_BITS = {

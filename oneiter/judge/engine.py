@@ -37,6 +37,11 @@ from oneiter.format.layout import Entry, IterationFile, reading
 from oneiter.format.schema import (
     LOCAL,
     LOSS,
+    PRECISION_MODES,
+    REDUCED_CALLS,
+    REDUCED_CALLS_REFERENCE,
+    REDUCED_REFERENCE,
+    REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
@@ -60,6 +65,7 @@ from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
 from oneiter.judge.verdict import STATS_REASON, Culprit, Verdict, culprit_reason, decide, json_ready, settle_rows
 from oneiter.runtime.precision import amp_dtype_name
+from oneiter.runtime.precision_modes import from_attr, reduced
 
 __all__ = [
     "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",
@@ -154,6 +160,9 @@ class CompareResult:
     """Calls the local probe could not rerun: {module, call, reason}."""
     notes: list[str] = field(default_factory=list)
     """Warnings about the comparison itself (e.g. a tolerance file written for another device)."""
+    precision: Optional[dict] = None
+    """The reduced-precision float32 modes (TF32...) each side ran, and those the calibration reproduced
+    (`_precision`); None when neither side ran any."""
 
     @property
     def has_local(self) -> bool:
@@ -483,6 +492,7 @@ def compare_local(
             )
         result = CompareResult(str(path), str(path), _meta(tgt), _meta(tgt), [], None, {"target": _loss(tgt)})
         parents = _read_local(result, tgt, noise or NoisePolicy())
+        result.precision = _precision(None, tgt)
         result.rows = [
             Row(r.row_key[0], r.row_key[1], r.phase, r.row_key[3], "diverged" if r.flagged else "match",
                 dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics.as_metrics())
@@ -498,6 +508,26 @@ def compare_local(
         return result
 
 
+def _precision(ref: Optional[IterationFile], tgt: IterationFile) -> Optional[dict]:
+    """What each side ran reduced (its root attribute `precision_modes`: family -> mode, and whose flags) and what
+    the target's calibration reproduced (its /local attributes); None when no side ran anything reduced."""
+    sides = {"target": from_attr(tgt.meta.get(PRECISION_MODES))}
+    if ref is not None:
+        sides["reference"] = from_attr(ref.meta.get(PRECISION_MODES))
+    if not any(reduced(m) for m in sides.values()):
+        return None
+    attrs = tgt.local_attrs() if tgt.has(LOCAL) else {}
+    out: dict[str, Any] = {}
+    for side, modes in sides.items():
+        out[side] = {**reduced(modes), "flags": modes.get("flags") or ""}
+    out["calibrated"] = {"target": reduced(from_attr(attrs.get(REDUCED_TARGET))),
+                         "target_calls": int(attrs.get(REDUCED_CALLS) or 0),
+                         "reference": reduced(from_attr(attrs.get(REDUCED_REFERENCE))),
+                         "reference_calls": int(attrs.get(REDUCED_CALLS_REFERENCE) or 0),
+                         "where": str(attrs.get("calibrate") or "")}
+    return out
+
+
 def _nonfinite_count(array) -> int:
     import numpy as np
 
@@ -508,6 +538,7 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     """Record what blame finds (local errors, the culprit and its chain, what no probe explains, NaN/Inf and its
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
+    result.precision = _precision(ref, tgt)
     found = _culprit(result, parents)
     if not found:
         found = _unattributed(result, ref, tgt, policy, noise)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from oneiter.judge.findings import MEASURED, UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.runtime.precision_modes import describe, reduced
 
 if TYPE_CHECKING:  # only for annotations: the engine imports this module
     from oneiter.judge.blame import LocalResult
@@ -142,6 +143,9 @@ class Verdict:
     num_flagged: int
     worst_local: Optional[dict]
     largest_rel_l2: float
+    precision: Optional[dict] = None
+    """The reduced-precision float32 modes (TF32...) each side ran and the calibration reproduced
+    (`engine._precision`); None when neither side ran any."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -188,7 +192,7 @@ class Verdict:
             "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
             "num_diverged": self.num_diverged, "local_kind": self.local_kind, "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
-            "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2,
+            "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
         }
 
     @classmethod
@@ -213,10 +217,10 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged", "worst_local",
-        "largest_rel_l2")
+        "largest_rel_l2", "precision")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-               "worst_local")
+               "worst_local", "precision")
 
 
 def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
@@ -269,6 +273,7 @@ def decide(result: CompareResult) -> Verdict:
         worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics), default=0.0),
+        precision=result.precision,
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -451,6 +456,7 @@ def _details(v: Verdict) -> list[str]:
         lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
     lines.append(_basis_line(v))
     if v.basis != "first_divergence":
+        lines += _precision_lines(v.precision)
         lines += _local_lines(v)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
@@ -475,6 +481,32 @@ def _basis_line(v: Verdict) -> str:
     kind = "teacher-forced replay" if v.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
     return (f"basis: each call's own error ({kind}): {v.num_local} tensors of {v.num_local_calls} calls "
             f"judged, {v.num_flagged} above their expected noise")
+
+
+def _precision_lines(p: Optional[dict]) -> list[str]:
+    """What each side ran in a reduced float32 precision (TF32 convolutions...), and how the noise accounts for it."""
+    if not p:
+        return []
+    cal = p.get("calibrated") or {}
+    lines = []
+    for side in ("target", "reference"):
+        ran = describe(p.get(side) or {})
+        if not ran:
+            continue
+        emulated = reduced(cal.get(side) or {})
+        calls = int(cal.get(f"{side}_calls") or 0)
+        modes = "/".join(sorted({m.upper() for m in emulated.values()}))
+        if emulated:
+            how = f"the noise of {calls} calls calibrated with {modes} operands" if calls else \
+                f"reproduced with {modes} operands, but no call needed calibration"
+        elif side == "target":
+            how = "calibrated on the device, which runs them so" if cal.get("where") == "device" else "not reproduced"
+        elif reduced(p.get("reference")) == reduced(p.get("target")):
+            how = "as the target: the target's noise stands for it"
+        else:
+            how = "finer than the target's precision: its noise is not measured"
+        lines.append(f"precision: the {side} ran float32 {ran}: {how}")
+    return lines
 
 
 def _local_lines(v: Verdict) -> list[str]:

@@ -34,7 +34,8 @@ stays in the local error. `noise_reference` is the same for the reference's prec
 - `cpu` (default): both on the CPU, `high` in float64, with the reference's weights. Trusted kernels: a device
   kernel that is wrong only in low precision still shows. `--inject-fault` faults (they stand for device kernels)
   and `--fallback` do not apply there. Cost: two (three if the reference ran in another precision) CPU reruns of
-  each calibrated call.
+  each calibrated call. A side whose float32 matmuls or convolutions ran TF32/HF32 (its `precision_modes`:
+  `runtime/precision_modes.py`) has those ops' operands rounded the same way in its CPU rerun (`reduced.py`).
 - `device`: `high` on the target device in a higher precision (float32 for bf16/fp16 runs, float64 for float32
   runs); `low` is the probed rerun itself. One extra device rerun per calibrated call; blind to a kernel that is
   wrong only in the low precision.
@@ -46,6 +47,7 @@ in the run's own precision (`montecarlo.py`); the rows' `calibration` says so (`
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Any
@@ -58,6 +60,11 @@ from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
     PARAM_GRADS,
+    PRECISION_MODES,
+    REDUCED_CALLS,
+    REDUCED_CALLS_REFERENCE,
+    REDUCED_REFERENCE,
+    REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
     LocalRow,
@@ -73,6 +80,7 @@ from oneiter.record.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
 from oneiter.record.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
+from oneiter.runtime.precision_modes import MANTISSA_BITS, from_attr, reduced
 
 __all__ = ["PROBED", "LocalProbe", "TeacherForcedProbe", "AgainstCpuProbe", "MemorySource", "CALIBRATIONS",
            "teacher_forced_factory", "against_cpu_factory", "reference_precision"]
@@ -152,7 +160,8 @@ class LocalProbe(ABC):
     PARAMS = "live"  # whose weights the calibration reruns use: the live module's or the reference's
 
     def __init__(self, source, device, *, amp=None, dtype=None, calibrate: str = "cpu",
-                 ref_precision=None, random_ops: list[RecordedOp] | None = None):
+                 ref_precision=None, random_ops: list[RecordedOp] | None = None, modes: dict | None = None,
+                 ref_modes: dict | None = None):
         if calibrate not in CALIBRATIONS:
             raise OneIterError(f"calibrate must be one of {', '.join(CALIBRATIONS)}, got '{calibrate}'")
         self.source = _Cached(source)
@@ -163,6 +172,11 @@ class LocalProbe(ABC):
         self.calibrate = calibrate  # as asked (the table's attribute)
         self.where = calibrate  # where the noise is measured in fact
         self.ref_precision = ref_precision  # (dtype name, amp dtype) of the reference when it differs from ours
+        # the float32 op families each side ran reduced (TF32 convolutions: `runtime/precision_modes.py`): the
+        # CPU reruns standing for a side round those ops' operands the same way (`reduced.py`)
+        self.reduced = reduced(modes)
+        self.ref_reduced = reduced(ref_modes) if ref_modes is not None else dict(self.reduced)
+        self._reduced_calls: dict[str, set[int]] = {"low": set(), "reference": set()}
         self.rows: list[JudgedRow] = []
         self.unprobed: list[tuple[str, int, str]] = []
         self.num_calls = 0
@@ -217,6 +231,7 @@ class LocalProbe(ABC):
         rows = [row.local_row(seqs) for row in self.rows]
         attrs = {"kind": self.KIND, "calibrate": self.calibrate, "num_calls": self.num_calls,
                  "num_unprobed": len(self.unprobed)}
+        attrs.update(self._reduced_attrs())
         return rows, list(self.unprobed), attrs
 
     # -- what each mode decides -------------------------------------------------------------------------------------
@@ -338,7 +353,9 @@ class LocalProbe(ABC):
         if primary is None and self._rerun_primary(low_site):
             primary = self._run(rec, self._primary_site(explicit=True))
         low = primary if low_site is None else self._run(rec, low_site)
+        self._note_reduced("low", low_site, rec)
         reference = self._reference_run(rec, primary)
+        self._note_reduced("reference", self._reference_site_used, rec)
         high, how = self._high(rec, high_site, where)
         if high is None:
             noise_t, noise_r = self._monte_carlo(rec, low_site, low, reference)
@@ -405,12 +422,36 @@ class LocalProbe(ABC):
                         trusted=False)
             return high, None, "device"
         high = Site("high", _CPU, live=False, cast="float64", autocast=None, params=self.PARAMS, trusted=True)
-        low = Site("low", _CPU, live=False, cast="live", autocast=self.amp, params="live", trusted=True)
+        low = Site("low", _CPU, live=False, cast="live", autocast=self.amp, params="live", trusted=True,
+                   reduced=tuple(sorted(self.reduced.items())))
         return high, low, "cpu"
+
+    _reference_site_used: Site | None = None  # the site of the last reference run (`_reference_run`)
+
+    def _note_reduced(self, side: str, site: Site | None, rec: CallRecord) -> None:
+        """Count the call when the rerun standing for `side` rounded operands of a governed op."""
+        if site is not None and site.reduced and self.rerunner.rounded:
+            self._reduced_calls[side].add(id(rec))
+
+    def _reduced_attrs(self) -> dict:
+        """The /local attributes saying which reduced modes the calibration reproduced, and for how many calls."""
+        low = self.reduced if self.where == "cpu" else {}  # device calibration: the device runs its own modes
+        site = self._reference_site()
+        ref = dict(site.reduced) if site is not None else {}
+        return {REDUCED_TARGET: json.dumps(low, sort_keys=True), REDUCED_CALLS: len(self._reduced_calls["low"]),
+                REDUCED_REFERENCE: json.dumps(ref, sort_keys=True),
+                REDUCED_CALLS_REFERENCE: len(self._reduced_calls["reference"])}
+
+    def _reference_site(self) -> Site | None:
+        """The rerun standing for the reference's precision, where one is measured (teacher forced only)."""
+        return None
+
+    def _same_as_reference(self) -> bool:
+        return self.ref_precision is None and self.ref_reduced == self.reduced
 
     def _reference_default(self, noise_target: float) -> float:
         """noise_reference when it was not measured: ours (same precision), or 0 (a finer reference precision)."""
-        return noise_target if self.ref_precision is None else 0.0
+        return noise_target if self._same_as_reference() else 0.0
 
     def _higher(self) -> str:
         low = self.amp is not None or self.dtype in (torch.bfloat16, torch.float16)
@@ -539,7 +580,7 @@ class TeacherForcedProbe(LocalProbe):
         return low_site is None  # device calibration: the primary rerun is its low-precision side
 
     def _reference_run(self, rec: CallRecord, primary: RunResult | None) -> RunResult | None:
-        site = self._reference_site()
+        site = self._reference_site_used = self._reference_site()
         return self._run(rec, site) if site is not None else None
 
     def _reference_sampling(self) -> tuple[Site, float] | None:
@@ -549,14 +590,17 @@ class TeacherForcedProbe(LocalProbe):
 
     def _reference_site(self) -> Site | None:
         """The reference's own precision on the CPU, when it is not finer than the target's. Equal: its noise is
-        ours; finer (a float32 reference for a bf16 target): negligible next to ours, not measured."""
-        if self.ref_precision is None:
+        ours; finer (a float32 reference for a bf16 target, an IEEE float32 one for a TF32 target): negligible
+        next to ours, not measured. Its reduced-precision ops (a CUDA reference's TF32 convolutions) are rounded
+        as it ran them."""
+        if self._same_as_reference():
             return None
-        ref_dtype, ref_amp = self.ref_precision
-        if unit_roundoff(dtype_name(ref_amp or ref_dtype)) < self.run_roundoff:
+        ref_dtype, ref_amp = self.ref_precision or (dtype_name(self.dtype), self.amp)
+        if _roundoff(ref_dtype, ref_amp, self.ref_reduced) < _roundoff(dtype_name(self.dtype), self.amp,
+                                                                        self.reduced):
             return None
-        return Site("reference", _CPU, live=False, cast="source", autocast=self.ref_precision[1],
-                    params="reference", trusted=True)
+        return Site("reference", _CPU, live=False, cast="source", autocast=ref_amp, params="reference",
+                    trusted=True, reduced=tuple(sorted(self.ref_reduced.items())))
 
     def _buffer_rows(self) -> None:
         """One row per buffer a single call updated (BatchNorm's running statistics) against its state_after."""
@@ -634,20 +678,23 @@ class AgainstCpuProbe(LocalProbe):
         return self._primary_site(), unit_roundoff("float32")
 
 
-def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str = "cpu"):
-    """A `RecordingSession` probe factory: teacher forced against the open reference `ref`."""
+def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str = "cpu", modes=None):
+    """A `RecordingSession` probe factory: teacher forced against the open reference `ref`. `modes`: this run's
+    reduced-precision modes (`precision_modes.current`); the reference's are in its root attributes."""
     def factory(_sink):
         return TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
                                   ref_precision=reference_precision(ref.meta, amp, dtype),
-                                  random_ops=recorded_random_ops(ref))
+                                  random_ops=recorded_random_ops(ref), modes=modes,
+                                  ref_modes=from_attr(ref.meta.get(PRECISION_MODES)))
 
     return factory
 
 
-def against_cpu_factory(device, *, amp=None, dtype=None, calibrate: str = "cpu"):
+def against_cpu_factory(device, *, amp=None, dtype=None, calibrate: str = "cpu", modes=None):
     """A `RecordingSession` probe factory: against a float32 CPU recomputation of the run's own kept values."""
     def factory(sink):
-        return AgainstCpuProbe(MemorySource(sink.keep), device, amp=amp, dtype=dtype, calibrate=calibrate)
+        return AgainstCpuProbe(MemorySource(sink.keep), device, amp=amp, dtype=dtype, calibrate=calibrate,
+                               modes=modes, ref_modes={})
 
     return factory
 
@@ -658,6 +705,14 @@ def reference_precision(meta: dict, amp, dtype):
     ref_amp = _amp_dtype(meta.get("amp"))
     mine = (dtype_name(dtype or torch.float32), amp)
     return None if (ref_dtype, ref_amp) == mine else (ref_dtype, ref_amp)
+
+
+def _roundoff(dtype: str, amp, modes: dict[str, str]) -> float:
+    """The unit roundoff a run computes in: its dtype's or autocast's, or its reduced float32 modes' (TF32: 2^-11)."""
+    base = unit_roundoff(dtype_name(amp or dtype))
+    if amp is None and dtype_name(dtype) == "float32" and modes:
+        base = max(base, *(2.0 ** -(MANTISSA_BITS[m] + 1) for m in modes.values()))
+    return base
 
 
 def _amp_dtype(text):

@@ -46,12 +46,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import BATCH, LOSS, RANDOM, STATE_BEFORE
+from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
 from oneiter.record.reference import load_state
 from oneiter.record.session import RecordingSession, atomic_output, check_output
+from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
@@ -231,6 +232,8 @@ class Recorder:
         try:
             self.ref = stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None
             self.device = _device_of(self.model)
+            # the reduced-precision flags in force (TF32...): in the file, and reproduced by the calibration
+            self.precision_modes = precision_modes.current(self.device.type)
             self._swap = self._load_reference() if self.ref is not None else None
             tmp = stack.enter_context(atomic_output(self.out, opts.force))
             probe_factory, self.local_kind = self._probe_factory()
@@ -430,7 +433,8 @@ class Recorder:
         from oneiter.record.probe import against_cpu_factory, teacher_forced_factory  # imports torch
 
         opts = self.options
-        settings = {"amp": _amp_dtype(opts.amp), "dtype": _param_dtype(self.model), "calibrate": opts.calibrate}
+        settings = {"amp": _amp_dtype(opts.amp), "dtype": _param_dtype(self.model), "calibrate": opts.calibrate,
+                    "modes": self.precision_modes}
         if opts.against == "cpu":
             return against_cpu_factory(self.device, **settings), "against_cpu"
         if self.ref is None or not opts.isolate:
@@ -466,6 +470,7 @@ class Recorder:
             "fallback": json.dumps(opts.fallback),
             "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
+            PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind

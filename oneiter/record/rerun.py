@@ -36,6 +36,7 @@ from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
+from oneiter.record.reduced import ReducedOperands
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 from oneiter.runtime.precision import unit_roundoff
 
@@ -63,6 +64,8 @@ class Site:
     `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
     `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
     (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
+    `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
+    operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Site:
     params: str
     trusted: bool
     perturb: tuple[int, float] | None = None
+    reduced: tuple = ()
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -133,6 +137,7 @@ class Rerunner:
         self.names = names
         self._state: dict[str, Any] = {}
         self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)
+        self.rounded = 0  # ops whose operands the last run rounded (a site with `reduced`)
 
     def run(self, rec: CallRecord, site: Site, forced: list[CallRecord]) -> RunResult:
         try:
@@ -172,6 +177,7 @@ class Rerunner:
             stack.enter_context(_isolated(module, site.device, self.target_device))
             stack.enter_context(trusted.running(site.trusted))
             stack.enter_context(_autocast(site, self.target_device))
+            reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
             buffers = self._buffers(rec.module, site, params, skip)
             before = {c: t.detach().clone() for c, t in buffers.items()}
@@ -186,6 +192,7 @@ class Rerunner:
             changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
             backward, param_grads, internal = self._backward(rec, site, outputs, leaves, params, anchor)
             internal.update(_inherited(outputs, forcing))
+        self.rounded = reduced.rounded if reduced is not None else 0
         given.update(forcing.produced)
         forward = {**outputs, **forcing.inputs}
         backward.update(forcing.grad_outputs)
@@ -514,6 +521,16 @@ def _autocast(site: Site, target_device) -> Iterator[None]:
         if site.autocast is not None:
             stack.enter_context(torch.autocast(device_type=site.device.type, dtype=site.autocast))
         yield
+
+
+@contextmanager
+def _reduced(site: Site) -> Iterator[Any]:
+    """The site's reduced-precision operands (`reduced.ReducedOperands`) for forward and backward, or nothing."""
+    if not site.reduced:
+        yield None
+        return
+    with ReducedOperands(dict(site.reduced)) as mode:
+        yield mode
 
 
 @contextmanager

@@ -1,6 +1,7 @@
 """What isolation costs: `record --replay` seconds with and without the per-call local reruns (and calibration).
 
-    python bench/bench_isolation.py [--repeat 3] [--dir /tmp/oneiter-bench-iso] [--amp bf16]
+    python bench/bench_isolation.py [--repeat 3] [--dir /tmp/oneiter-bench-iso] [--amp bf16] [--threads N]
+    python bench/bench_isolation.py --fidelity-ab [--threads 1]    # what the fidelity check costs
 
 For resnet18 (batch 8, 224x224) and a small Hugging Face Llama (transformers, random config: hidden 128,
 4 layers, 4 heads, sequence 64, batch 8), each in its own fresh process (`import torch` excluded from timings):
@@ -54,6 +55,9 @@ except ImportError:  # an older checkout (before/after figures)
     except ImportError:
         from oneiter.recorders.record import RecordOptions, record
 kwargs = {kwargs}
+if {no_check}:  # the fidelity check off (record/fidelity.py): the A/B of what it costs
+    from oneiter.record.probe import TeacherForcedProbe
+    TeacherForcedProbe.CHECKS_LIVE = False
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), force=True, **kwargs))
 print(json.dumps({{"seconds": time.perf_counter() - t0, "file_bytes": s.file_bytes}}))
@@ -67,19 +71,26 @@ def run(code: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench(name: str, model: str, batch: int, folder: Path, repeat: int, amp) -> dict:
+def bench(name: str, model: str, batch: int, folder: Path, repeat: int, amp, fidelity_ab: bool = False,
+          model_args: dict | None = None, threads: dict | None = None) -> dict:
     ref = folder / f"{name}_ref.h5"
-    run(RECORD.format(out=str(ref), kwargs=repr({"model": model, "batch_size": batch})))
+    run(RECORD.format(out=str(ref), kwargs=repr({"model": model, "batch_size": batch, **(model_args or {})}),
+                      no_check=False))
     found = {}
-    for isolate in (False, True):
-        extra = {"replay": ref, "model": model, "isolate": isolate, **({"amp": amp} if amp else {})}
-        code = RECORD.format(out=str(folder / f"{name}_tgt.h5"), kwargs=repr(extra)).replace(
+    variants = {"plain": (False, False), "isolated": (True, False)}
+    if fidelity_ab:  # isolated with the fidelity check (the default) and without it
+        variants = {"unchecked": (True, True), "isolated": (True, False)}
+    for label, (isolate, no_check) in variants.items():
+        extra = {"replay": ref, "model": model, "isolate": isolate, **({"amp": amp} if amp else {}),
+                 **(threads or {})}
+        code = RECORD.format(out=str(folder / f"{name}_tgt.h5"), kwargs=repr(extra), no_check=no_check).replace(
             "PosixPath(", "Path(")
         runs = [run(code) for _ in range(repeat)]
-        found["isolated" if isolate else "plain"] = {
+        found[label] = {
             "seconds": statistics.median(r["seconds"] for r in runs), "all": [round(r["seconds"], 2) for r in runs],
             "file_bytes": runs[-1]["file_bytes"]}
-    found["ratio"] = found["isolated"]["seconds"] / found["plain"]["seconds"]
+    base = found["unchecked" if fidelity_ab else "plain"]
+    found["ratio"] = found["isolated"]["seconds"] / base["seconds"]
     return found
 
 
@@ -88,20 +99,33 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/oneiter-bench-iso"))
     parser.add_argument("--amp", default=None)
-    parser.add_argument("--only", default=None, help="resnet18 or hf_llama")
+    parser.add_argument("--only", default=None, help="resnet18, hf_llama or llama_118m")
+    parser.add_argument("--fidelity-ab", action="store_true",
+                        help="isolated replays with the fidelity check (default) vs without it, instead of isolation "
+                             "on/off; adds the 118 M llama_tiny (dim 1024, 8 layers, batch 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the target's thread count (another reduction order: every value downstream of the first "
+                             "differing one is inexact, so the check reruns those calls on the live values)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     llama = args.dir / "hf_llama_bench.py"
     llama.write_text(HF_LLAMA)
-    cases = {"resnet18": ("resnet18", 8), "hf_llama": (f"{llama}:build", 8)}
+    cases = {"resnet18": ("resnet18", 8, None), "hf_llama": (f"{llama}:build", 8, None)}
+    if args.fidelity_ab:
+        cases["llama_118m"] = ("llama_tiny", 2, {"model_args": {"dim": 1024, "num_layers": 8, "vocab_size": 8192,
+                                                                   "num_heads": 16}})
     results = {}
-    for name, (model, batch) in cases.items():
+    threads = {"threads": args.threads} if args.threads else None
+    for name, (model, batch, model_args) in cases.items():
         if args.only and name != args.only:
             continue
-        results[name] = r = bench(name, model, batch, args.dir, args.repeat, args.amp)
-        print(f"{name:9s} replay without isolation {r['plain']['seconds']:6.2f} s {r['plain']['all']}, "
-              f"with {r['isolated']['seconds']:6.2f} s {r['isolated']['all']} ({r['ratio']:.2f}x); "
-              f"files {r['plain']['file_bytes'] / 1e6:.0f} / {r['isolated']['file_bytes'] / 1e6:.0f} MB", flush=True)
+        results[name] = r = bench(name, model, batch, args.dir, args.repeat, args.amp, args.fidelity_ab, model_args,
+                                  threads)
+        base = "unchecked" if args.fidelity_ab else "plain"
+        print(f"{name:10s} replay {'without the fidelity check' if args.fidelity_ab else 'without isolation'} "
+              f"{r[base]['seconds']:6.2f} s {r[base]['all']}, with {r['isolated']['seconds']:6.2f} s "
+              f"{r['isolated']['all']} ({r['ratio']:.2f}x); files {r[base]['file_bytes'] / 1e6:.0f} / "
+              f"{r['isolated']['file_bytes'] / 1e6:.0f} MB", flush=True)
     print(json.dumps(results))
 
 

@@ -10,7 +10,7 @@ import json
 import h5py
 import pytest
 import torch
-from conftest import MODEL_FILES, record_small, replay, replay_with_fault, run_cli
+from conftest import MODEL_FILES, record_small, replay_with_fault, run_cli
 
 STRIDED = str(MODEL_FILES / "strided.py:build")
 MIXER = str(MODEL_FILES / "mixer.py:build")

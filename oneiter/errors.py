@@ -102,7 +102,7 @@ class user_code:
         if exc is None or isinstance(exc, OneIterError) or not isinstance(exc, Exception):
             return False
         frame = user_frame(tb)
-        place = self.locate(exc, frame) if self.locate is not None else None
+        place = self._place(exc, frame)
         if place is None and frame is None:
             return False
         what, where = place or (self.what, f"at {frame[0]}:{frame[1]}, in {frame[2]}")
@@ -112,3 +112,11 @@ class user_code:
         text = text[:300]
         raise UserCodeError(f"{what} raised {type(exc).__name__}: {text} ({where}; ONEITER_TRACEBACK=1 shows the "
                             f"traceback)") from exc
+
+    def _place(self, exc: BaseException, frame: tuple | None) -> tuple[str, str] | None:
+        if self.locate is None:
+            return None
+        try:
+            return self.locate(exc, frame)
+        except Exception:  # noqa: BLE001 - finding the place must never hide the exception it describes
+            return None

@@ -48,7 +48,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BATCH, LOSS, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
-from oneiter.record import culprit
+from oneiter.record import raised_at
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
 from oneiter.record.capture import next_node_number
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
@@ -359,25 +359,25 @@ class Recorder:
     def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
         layers.1.mlp@0`, `at file.py:31, in forward` — or None when it cannot say (`errors.user_code`'s
-        `locate`; `record/culprit.py` finds it). Call it inside the block, before the exception leaves it."""
+        `locate`; `record/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
         if self._stack is None:
             return None
         capture = self.session.module_capture
         if self.phase in (Phase.OPEN, Phase.FORWARD):
-            return culprit.forward_place(capture, exc.__traceback__, frame)
+            return raised_at.forward_place(capture, exc.__traceback__, frame)
         if self.phase is not Phase.BACKWARD:
             return None
-        node = culprit.function_node(exc.__traceback__) if frame is not None else None
+        node = raised_at.function_node(exc.__traceback__) if frame is not None else None
         if node is not None:
-            return culprit.backward_place(capture, node, frame)
+            return raised_at.backward_place(capture, node, frame)
         failed = self._failed_backward
-        node = culprit.changed_saved_node(failed[1], exc) if failed is not None and failed[0] is exc else None
+        node = raised_at.changed_saved_node(failed[1], exc) if failed is not None and failed[0] is exc else None
         if node is None or self._first_call is None:
             return None
         opts = self.options
         autocast = autocast_for(self.device, opts.amp) if opts.amp and opts.manage_autocast else None
-        created, note = culprit.creation_frame(self.model, self._first_call, capture, node, autocast)
-        return culprit.backward_place(capture, node, created, note)
+        created, note = raised_at.creation_frame(self.model, self._first_call, capture, node, autocast)
+        return raised_at.backward_place(capture, node, created, note)
 
     def _patch_backward(self, stack: ExitStack) -> None:
         import torch

@@ -1,6 +1,6 @@
 """An exception of the user's own model, in forward or in backward, is bad input (exit 2, one line naming the module
 call, the phase, the user's line and the exception); a bug of oneiter stays exit 3 (`errors.user_code`,
-`record/culprit.py`). The model file is tests/model_files/user_errors.py (mode by --model-arg or its env variable)."""
+`record/raised_at.py`). The model file is tests/model_files/user_errors.py (mode by --model-arg or its env variable)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "user_code", "user_frame"]
+from typing import Callable
+
+__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "user_code", "user_frame",
+           "innermost_user"]
 
 
 class OneIterError(Exception):
@@ -55,8 +58,14 @@ def user_frame(tb) -> tuple[str, int, str] | None:
     was raised in oneiter's own code (a bug) or nowhere in the user's."""
     frames = []
     while tb is not None:
-        frames.append(tb.tb_frame.f_code and (tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
         tb = tb.tb_next
+    return innermost_user(frames)
+
+
+def innermost_user(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
+    """The innermost of `frames` (outermost first: (file, line, function)) that is the user's own code; None when
+    oneiter's own code comes first (a bug of oneiter) or no frame is the user's."""
     for filename, line, func in reversed(frames):
         owner = _frame_owner(filename)
         if owner == "oneiter" and func in _TRANSPARENT:
@@ -73,10 +82,18 @@ _TRANSPARENT = {"__torch_dispatch__", "__torch_function__"}
 
 class user_code:
     """`with user_code("the model's forward"):` — an exception of the user's own code becomes one `UserCodeError`
-    line naming their frame (exit 2); oneiter's own errors and bugs pass through unchanged."""
+    line naming their frame (exit 2); oneiter's own errors and bugs pass through unchanged.
 
-    def __init__(self, what: str):
+    `locate(exc, frame)`, when given, says more about where it was raised: None, or `(what, where)` — what raised
+    (`the forward of layers.1.mlp@0`) and where, in words (`at file.py:31, in forward`). It may claim an error no
+    user frame was found for (`frame` None): autograd's engine raises from C++ for a tensor the user's forward
+    saved and then changed in place.
+    """
+
+    def __init__(self, what: str, locate: Callable[[BaseException, tuple | None], tuple[str, str] | None]
+                 | None = None):
         self.what = what
+        self.locate = locate
 
     def __enter__(self) -> "user_code":
         return self
@@ -85,8 +102,21 @@ class user_code:
         if exc is None or isinstance(exc, OneIterError) or not isinstance(exc, Exception):
             return False
         frame = user_frame(tb)
-        if frame is None:
+        place = self._place(exc, frame)
+        if place is None and frame is None:
             return False
-        text = " ".join(str(exc).split())[:300]
-        raise UserCodeError(f"{self.what} raised {type(exc).__name__}: {text} (at {frame[0]}:{frame[1]}, "
-                            f"in {frame[2]}; ONEITER_TRACEBACK=1 shows the traceback)") from exc
+        what, where = place or (self.what, f"at {frame[0]}:{frame[1]}, in {frame[2]}")
+        text = " ".join(str(exc).split())
+        if place is not None:  # autograd's advice to rerun under anomaly detection: `locate` followed it already
+            text = text.split(" Hint: enable anomaly detection")[0]
+        text = text[:300]
+        raise UserCodeError(f"{what} raised {type(exc).__name__}: {text} ({where}; ONEITER_TRACEBACK=1 shows the "
+                            f"traceback)") from exc
+
+    def _place(self, exc: BaseException, frame: tuple | None) -> tuple[str, str] | None:
+        if self.locate is None:
+            return None
+        try:
+            return self.locate(exc, frame)
+        except Exception:  # noqa: BLE001 - finding the place must never hide the exception it describes
+            return None

@@ -40,7 +40,7 @@ from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 
-__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink"]
+__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 PROBED = "probed"  # a CallRecord's status once its local probe succeeded
@@ -189,7 +189,9 @@ class ModuleCapture:
         self._handles: list = []
         self._names: dict[int, str] = {}
         self._calls_per_module: dict[str, int] = {}
-        self._stack: list[tuple[str, CallRecord | None]] = []
+        self._stack: list[tuple[str, CallRecord | None, int, str]] = []  # open calls: key, record, first node, path
+        self.node_ranges: list[tuple[int, int, str]] = []  # per finished call: [first, end) node numbers, key
+        self.node_gaps: list[tuple[int, int]] = []  # [first, end) numbers of nodes the hooks themselves created
         self._seq = itertools.count()
         self._input_grads = InputGradTracker()
         self._pending_grads: dict[str, Any] = {}
@@ -223,15 +225,59 @@ class ModuleCapture:
         """A context in which calls are not captured (a probe's rerun)."""
         return _Suspend(self)
 
+    def open_calls(self) -> list[tuple[str, str]]:
+        """(key, module path) of the calls whose forward has begun and not returned, outermost first: where an
+        exception raised in forward is (the post-hooks never ran)."""
+        return [(key, path) for key, _record, _first, path in self._stack]
+
+    def path_of(self, module) -> str | None:
+        """The recorded path of a module of the model (None: not recorded)."""
+        return self._names.get(id(module))
+
+    def call_of_node(self, number: int) -> str | None:
+        """The innermost call whose forward created the autograd node numbered `number` (`Node._sequence_nr()`),
+        or None (created outside every recorded call: the loss)."""
+        best = None
+        for first, end, key in self.node_ranges:
+            if first <= number < end and (best is None or first > best[0]):
+                best = (first, key)
+        return best[1] if best is not None else None
+
     # -- forward ----------------------------------------------------------------------------------------------------
     def _pre_hook(self, module, args: tuple, kwargs: dict):
         if self._suspended:
             return None
+        before = next_node_number()
+        self._begin_call(module, args, kwargs)
+        self._note_gap(before)
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        if self._suspended:
+            return None
+        before = next_node_number()
+        self._end_call(output)
+        self._note_gap(before)
+        return None
+
+    def _note_gap(self, before: int) -> None:
+        """Autograd nodes a hook itself created (the input-gradient anchor, a probe's rerun): not the model's."""
+        after = next_node_number()
+        if after > before >= 0:
+            self.node_gaps.append((before, after))
+
+    def model_node_index(self, number: int, first: int) -> int:
+        """How many nodes the model itself created from node number `first` up to `number`: the hooks' own nodes
+        (`node_gaps`) left out, so a rerun of the forward without hooks finds the same node at `first + index`."""
+        hooks = sum(max(0, min(end, number) - max(begin, first)) for begin, end in self.node_gaps)
+        return number - first - hooks
+
+    def _begin_call(self, module, args: tuple, kwargs: dict) -> None:
         path = self._names[id(module)]
         call = self._calls_per_module.get(path, 0)
         self._calls_per_module[path] = call + 1
         key = call_key(path, call)
-        parent_key, parent = self._stack[-1] if self._stack else ("", None)
+        parent_key, parent = self._stack[-1][:2] if self._stack else ("", None)
         begin = self.random_count()
         attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
                  "parent": parent_key, "random_begin": begin}
@@ -255,13 +301,11 @@ class ModuleCapture:
                 record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
-        self._stack.append((key, record))
-        return None
+        self._stack.append((key, record, next_node_number(), path))
 
-    def _post_hook(self, module, args, kwargs, output):
-        if self._suspended:
-            return None
-        key, record = self._stack.pop()
+    def _end_call(self, output) -> None:
+        key, record, first, _path = self._stack.pop()
+        self.node_ranges.append((first, next_node_number(), key))
         group = call_path(key, FORWARD)
         named = list(flatten(output, "output"))
         for name, value in named:
@@ -286,7 +330,6 @@ class ModuleCapture:
                 record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
             with self.suspended():
                 self.probe.after_call(record)
-        return None
 
     def _input_grad_sink(self, key: str):
         hooks: dict[str, Callable] = {}
@@ -338,6 +381,14 @@ def _layout(value) -> dict | None:
     import torch
 
     return layout_attrs(layout_of(value)) if value.layout == torch.strided else None
+
+
+def next_node_number() -> int:
+    """The sequence number the next autograd node created on this thread gets (-1 where torch cannot say)."""
+    import torch
+
+    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return peek() if peek is not None else -1
 
 
 def _is_tensor(value) -> bool:

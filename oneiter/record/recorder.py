@@ -48,7 +48,9 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
+from oneiter.record import raised_at
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.record.capture import next_node_number
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
 from oneiter.record.reference import load_state
 from oneiter.record.session import RecordingSession, atomic_output, check_output
@@ -199,6 +201,8 @@ class Recorder:
         self._loss = None
         self._explicit_loss = False
         self._grad_versions: dict[str, int] = {}
+        self._first_call: tuple | None = None  # the model's first call: (args, kwargs, its first node number)
+        self._failed_backward: tuple | None = None  # (the exception backward raised, the tensor it ran on)
 
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
@@ -279,6 +283,7 @@ class Recorder:
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
             self.session = self._modes = self.ref = self._swap = None
+            self._first_call = self._failed_backward = None
 
     def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
         self._end_autocast()
@@ -347,9 +352,35 @@ class Recorder:
 
     def _first_forward(self, module, args, kwargs):
         if not self._advance(Phase.FORWARD):
+            if self._first_call is None:  # after rec.inputs(): the arguments are the batch already
+                self._first_call = (args, kwargs, next_node_number())
             return None
         new_args, new_kwargs = self._take_batch(args, kwargs)
+        self._first_call = (new_args, new_kwargs, next_node_number())
         return (new_args, new_kwargs) if self._swap is not None else None
+
+    def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
+        """Where in the model an exception of this block was raised: (what, where) — `the forward of
+        layers.1.mlp@0`, `at file.py:31, in forward` — or None when it cannot say (`errors.user_code`'s
+        `locate`; `record/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
+        if self._stack is None:
+            return None
+        capture = self.session.module_capture
+        if self.phase in (Phase.OPEN, Phase.FORWARD):
+            return raised_at.forward_place(capture, exc.__traceback__, frame)
+        if self.phase is not Phase.BACKWARD:
+            return None
+        node = raised_at.function_node(exc.__traceback__) if frame is not None else None
+        if node is not None:
+            return raised_at.backward_place(capture, node, frame)
+        failed = self._failed_backward
+        node = raised_at.changed_saved_node(failed[1], exc) if failed is not None and failed[0] is exc else None
+        if node is None or self._first_call is None:
+            return None
+        opts = self.options
+        autocast = autocast_for(self.device, opts.amp) if opts.amp and opts.manage_autocast else None
+        created, note = raised_at.creation_frame(self.model, self._first_call, capture, node, autocast)
+        return raised_at.backward_place(capture, node, created, note)
 
     def _patch_backward(self, stack: ExitStack) -> None:
         import torch
@@ -359,18 +390,26 @@ class Recorder:
 
         def backward(tensor, *args, **kwargs):
             if not recorder._advance(Phase.BACKWARD):
-                return original(tensor, *args, **kwargs)
+                return recorder._backward(original, tensor, args, kwargs)
             recorder._estimate()
             recorder._end_autocast()
             recorder.session.phase = "backward"
             if not recorder._explicit_loss:
                 recorder._loss = tensor.detach()
-            result = original(tensor, *args, **kwargs)
+            result = recorder._backward(original, tensor, args, kwargs)
             recorder._read_grads()  # before anything (clipping, unscaling) changes them
             return result
 
         torch.Tensor.backward = backward
         stack.callback(setattr, torch.Tensor, "backward", original)
+
+    def _backward(self, original, tensor, args: tuple, kwargs: dict):
+        """Run backward; if it raises, keep the tensor it ran on: `locate` walks its graph for the failing node."""
+        try:
+            return original(tensor, *args, **kwargs)
+        except Exception as exc:
+            self._failed_backward = (exc, tensor)
+            raise
 
     def _estimate(self) -> None:
         """Forward is done: what was queued so far, as much again for the gradients of the same tensors, the

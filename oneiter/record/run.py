@@ -159,7 +159,7 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         with recorder as rec:
             batch = rec.inputs(*setup.inputs)
             setup.inputs = batch if len(setup.inputs) != 1 else (batch,)
-            with user_code("the training iteration (the model's forward, its loss or backward)"):
+            with user_code("the training iteration (the model's forward, its loss or backward)", rec.locate):
                 train_step(setup)
     summary = recorder.summary
     summary.seconds = time.perf_counter() - started

@@ -2,13 +2,15 @@
 
     python bench/sensitivity.py [--dir /tmp/oneiter-sensitivity] [--quick]
 
-Uses the model files of tests/model_files (tiny Hugging Face Llama/GPT-2/BERT, a U-Net, an MLP-Mixer, a CNN with
-functional code in its forward). Each fault lives *inside the model file* (faultkit, env ONEITER_TEST_FAULT): an
-instance's wrapped forward, a patched class, a replaced torch function (forward or backward only), functional
-code in the root. For every model a float32 CPU reference is recorded once; each target replays it with one
-fault of one size in one precision and is compared. A fault is *named* when the verdict's culprit is the module
-call (and phase) where the fault lives, *wrong* when another call is named, *missed* when the verdict is a MATCH
-(or unattributed). Clean targets (no fault) in every precision count *false alarms*. Prints one table.
+Uses the model files of tests/model_files (tiny Hugging Face Llama/GPT-2/BERT/Qwen3-MoE, a U-Net, an MLP-Mixer, a
+CNN with functional code in its forward, a token mixer on strided views, an MLP with a vendor optimizer). Each
+fault lives *inside the model file* (faultkit, env ONEITER_TEST_FAULT): an instance's wrapped forward, a patched
+class, a replaced torch function (forward or backward only), functional code in the root, a kernel wrong only for
+strided inputs, an optimizer's option. For every model a float32 CPU reference is recorded once; each target
+replays it with one fault of one size in one precision and is compared. A fault is *named* when the verdict's
+culprit is the module call (and phase) where the fault lives, *wrong* when another call is named, *missed* when the
+verdict is a MATCH (or unattributed). Clean targets (no fault) and benign ones (`BENIGN`: a vendor optimizer in its
+own arithmetic) in every precision count *false alarms*. Prints one table.
 """
 
 from __future__ import annotations
@@ -40,7 +42,18 @@ FAULTS = [
     ("hf_bert", "class:BertIntermediate", "bert.encoder.layer.0.intermediate", 0, "forward"),
     ("unet", "function:interpolate", "(root)", 0, "forward"),
     ("mixer", "class:ChannelMixing", "layers.0.channel_mix", 0, "forward"),
+    # fault shapes a rerun must reproduce to see (record/fidelity.py): kernels wrong only for strided inputs (a
+    # transposed slice with a storage offset; the Mixer's token-mixing fc1), an optimizer option in an instance
+    # attribute (its size is ignored: the option is the fault), experts with no float64 kernel (Monte Carlo noise)
+    ("strided", "stride:linear", "blocks.0.fc", 0, "forward"),
+    ("strided", "stride_bwd:linear", "blocks.1.fc", 0, "backward"),
+    ("mixer", "stride:linear", "layers.0.token_mix.fc1", 0, "forward"),
+    ("vendor_optim", "optimizer:eps_inside_sqrt", "0", 0, "optimizer"),
+    ("hf_moe", "instance:model.layers.0.mlp.experts", "model.layers.0.mlp.experts", 0, "forward"),
 ]
+# benign differences that must stay a MATCH in every precision, counted with the clean runs: a vendor optimizer
+# with AdamW's algorithm in its own arithmetic
+BENIGN = [("vendor_optim", "optimizer:vendor")]
 PRECISIONS = {
     "fp32 (1 thread)": ({"threads": 1}, (1e-5, 1e-4, 1e-3)),
     "bf16 autocast": ({"amp": "bf16"}, (0.005, 0.01, 0.02, 0.05)),
@@ -80,12 +93,13 @@ def _outcome(v: dict, where: tuple, what: str) -> str:
 
 
 def _run_clean(table, label: str, models: list, options: dict, verdict_of) -> None:
-    """Count the clean (no fault) targets of every model in one precision: match or false alarm."""
-    for model in models:
-        v = verdict_of(model, "", options)
+    """Count the clean (no fault) and benign targets of every model in one precision: match or false alarm."""
+    runs = [(model, "") for model in models] + [(m, spec) for m, spec in BENIGN if m in models]
+    for model, spec in runs:
+        v = verdict_of(model, spec, options)
         table[(label, "clean")]["false alarm" if v["status"] != "match" else "match"] += 1
         if v["status"] != "match":
-            print(f"  false alarm: {model} {label}: {v.get('basis')} {v.get('module')} {v.get('phase')}")
+            print(f"  false alarm: {model} {spec} {label}: {v.get('basis')} {v.get('module')} {v.get('phase')}")
 
 
 def _run_faults(table, label: str, sizes: tuple, faults: list, options: dict, verdict_of) -> None:

@@ -17,6 +17,9 @@ and, once backward is over, one row per parameter gradient (the sum of every cal
 functional code in its own `forward` is judged too. A child whose own probe failed is not forced: it runs live inside
 its parent, and its computation counts as the parent's.
 
+**Checked against the live call.** Teacher forced, a call's rerun counts only where it reproduces the call as it
+ran live (`fidelity.py`); a call whose rerun does not is listed in `/unprobed` as not reproducible, never cleared.
+
 **Two modes** (who is trusted), one class each over the shared `LocalProbe`:
 - `TeacherForcedProbe` (`record --replay`): the source is the reference file; each call of the target runs again
   on the target's device on the reference's inputs and output gradients; its results are judged against the

@@ -308,11 +308,13 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
     for i, r in enumerate(rows):
         if r.metrics is None or r.status not in ("match", "diverged"):
             continue  # missing/shape/dtype rows are judged as structural divergences
-        if same_precision and r.status != "diverged":
-            continue  # the same precision on both sides: within the dtype's tolerance is explained
+        up = upstream.upstream(r, unprobed, covered)
+        if same_precision and r.status != "diverged" and up != 0.0:
+            continue  # the same precision on both sides: within the dtype's tolerance is explained, unless nothing
+            # it was computed from differs (then only its own rounding is, below)
         finding = _gross_finding(i, r, upstream, noise)
         if finding is None:
-            finding = _drift_finding(i, r, upstream.upstream(r, unprobed, covered), noise, amp)
+            finding = _drift_finding(i, r, up, noise, amp)
         if finding is not None:
             found.append(finding)
     return found

@@ -343,9 +343,13 @@ class ModuleCapture:
     def _grad_hook(self, key: str, name: str):
         group = call_path(key, BACKWARD)
 
+        checks = getattr(self.probe, "backward_checks", None)  # record/fidelity.py: the live gradients' digests
+
         def hook(grad):
             if grad is not None:
                 self.sink.put(group, name, grad)
+                if checks is not None:
+                    checks.live_grad(key, name, grad)
                 attrs: dict[str, Any] = {}
                 self._mark_seq(key, seq_kind(name), attrs)
                 if attrs:

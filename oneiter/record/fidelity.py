@@ -11,14 +11,18 @@ its verdict counts:
   live inputs, the forced children's live outputs: `LiveSource`) and those outputs must equal the live ones.
   Bitwise on a deterministic device (the CPU); elsewhere a mismatch is weighed against the same-precision spread,
   measured there and then by running the same rerun twice (`spread`).
+- **Backward** (on the CPU). Where everything the call's backward consumed live (the gradients w.r.t. its
+  outputs, the input gradients its forced children handed back, and its forward's consumed values) equals the
+  reference's bitwise, its live input gradients must equal the primary rerun's (`BackwardChecks`: digests, kept
+  from the rerun until the live backward has run). Elsewhere the backward is not checked: the live gradients of
+  a call whose values differ arrive after its rerun is gone, and digests cannot weigh a device's spread.
 - **Optimizer.** The shadow step on the reference's weights and gradients is the check when the live weights and
   gradients equal the reference's bitwise; otherwise the copy is stepped once more from the live ones. After the
   real step, each parameter's live value must equal the checked step's (`Digests`).
 
 A call that fails is not cleared by its rerun: `probe.py` drops its rows and lists it in `/unprobed` with the
 reason (`not reproducible from its inputs: ...`), and the judge then holds its live values to what their inputs
-explain (`judge/blame.py`), naming it when they are off by more. Backward values are not checked this way (the
-live gradients arrive after the rerun's are gone); docs/blame.md says so.
+explain (`judge/blame.py`), naming it when they are off by more.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ import hashlib
 
 import torch
 
-from oneiter.format.schema import FORWARD, tensor_path
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, tensor_path
 from oneiter.record.capture import CallRecord
 from oneiter.record.rerun import ProbeSkip, RunResult, rel_l2
 
-__all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR"]
+__all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR", "BackwardChecks"]
 
 # a rerun on a nondeterministic device reproduces the live call when it is within this many times the spread of
 # two reruns of the same call
@@ -79,9 +83,10 @@ def digest(tensor) -> bytes:
     return hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
 
 
-def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> None:
+def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> bool:
     """Raise ProbeSkip when the rerun machinery does not reproduce the call's live outputs (module docstring).
-    `rerun(source)` reruns the call at the primary site from `source`."""
+    `rerun(source)` reruns the call at the primary site from `source`. Returns whether everything the call
+    consumed was bitwise the reference's (the primary rerun was the check)."""
     live_in, live_out = rec.live_inputs or {}, rec.live_outputs or {}
     rec.live_inputs = rec.live_outputs = None
     forced = rec.forced()
@@ -106,6 +111,7 @@ def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> None:
         rec.kept_outputs = {n: v.clone() for n, v in live_out.items()}
     for child in forced:
         child.kept_outputs = None
+    return consumed
 
 
 def _differences(run: RunResult, live_out: dict) -> list[tuple[str, float]]:
@@ -127,3 +133,38 @@ def _beyond_spread(run: RunResult, again, differ: list, live_out: dict) -> bool:
     spread = max((rel_l2(run.forward[n], second.forward[n]) for n, _ in differ if n in second.forward),
                  default=0.0)
     return not all(err <= SPREAD_FACTOR * spread for _, err in differ)
+
+
+class BackwardChecks:
+    """The backward half of the check, on the CPU: what each exactly-fed call's live backward must give."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, bytes] = {}  # backward path -> digest of the live gradient
+        self.pending: list[tuple[str, int, dict, dict]] = []
+        self.num_checked = 0
+
+    def live_grad(self, key: str, name: str, grad) -> None:
+        """A live gradient the capture recorded (`calls/<key>/backward/<name>`)."""
+        self.live[tensor_path(key, BACKWARD, name)] = digest(grad)
+
+    def expect(self, rec: CallRecord, primary: RunResult, read: dict) -> None:
+        """After a call's exactly-fed primary rerun: the digests of the backward values it read from the reference
+        (`read`: path -> tensor) and of the input gradients it produced."""
+        consumed = {path: digest(t) for path, t in read.items() if path.split("/")[-2] == BACKWARD}
+        produced = {tensor_path(rec.key, BACKWARD, name): digest(value) for name, value in primary.backward.items()
+                    if ":" not in name and (BACKWARD, name) not in primary.passed}
+        if consumed and produced:
+            self.pending.append((rec.path or ROOT_MODULE, rec.call, consumed, produced))
+
+    def failures(self) -> list[tuple[str, int, str]]:
+        """(module, call, gradient) of each call whose live backward, fed exactly what its rerun was, differs."""
+        found = []
+        for module, call, consumed, produced in self.pending:
+            if any(self.live.get(path) != d for path, d in consumed.items()):
+                continue  # what it consumed live differs (or was not captured): not checked
+            self.num_checked += 1
+            bad = [path for path, d in produced.items() if path in self.live and self.live[path] != d]
+            if bad:
+                found.append((module, call, bad[0].rpartition("/")[2]))
+        self.pending, self.live = [], {}
+        return found

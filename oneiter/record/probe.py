@@ -75,7 +75,7 @@ from oneiter.format.schema import (
     tensor_path,
 )
 from oneiter.record.capture import CallRecord
-from oneiter.record.fidelity import check_forward
+from oneiter.record.fidelity import BackwardChecks, check_forward
 from oneiter.record.montecarlo import MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.optimizer_rows import check_updates, optimizer_rows
 from oneiter.record.options import CALIBRATIONS
@@ -122,6 +122,10 @@ class _Cached:
 
     def clear(self) -> None:
         self._seen.clear()
+
+    def read(self) -> dict:
+        """What was read since `clear()`, by path."""
+        return dict(self._seen)
 
     def uncached(self, path: str):
         """A read that is not remembered: the parameter-gradient and optimizer rows read each parameter's
@@ -540,6 +544,11 @@ class TeacherForcedProbe(LocalProbe):
     PARAMS = "reference"
     CHECKS_LIVE = True
 
+    def __init__(self, source, device, **kwargs):
+        super().__init__(source, device, **kwargs)
+        # digests are bitwise: only where reruns are deterministic (the CPU)
+        self.backward_checks = BackwardChecks() if self.CHECKS_LIVE and self.device.type == "cpu" else None
+
     def _check(self, rec: CallRecord, primary: RunResult) -> None:
         if not self.CHECKS_LIVE:  # off only for bench/bench_isolation.py's A/B of what the check costs
             return
@@ -550,7 +559,19 @@ class TeacherForcedProbe(LocalProbe):
             live.source = source
             return live.run(rec, self._primary_site(), rec.forced())
 
-        check_forward(rec, primary, self.source, rerun)
+        if check_forward(rec, primary, self.source, rerun) and self.backward_checks is not None:
+            self.backward_checks.expect(rec, primary, self.source.read())
+
+    def after_backward(self, *, step_later: bool = False) -> None:
+        """The backward half of the fidelity check first: a call whose live backward its rerun does not reproduce
+        loses its backward rows and is listed as not reproducible."""
+        if self.backward_checks is not None:
+            for module, call, grad in self.backward_checks.failures():
+                self.rows = [r for r in self.rows if not (r.module == module and r.call == call
+                                                          and r.phase == BACKWARD)]
+                self.unprobed.append((module, call, f"not reproducible from its inputs: fed exactly the reference's "
+                                      f"values, its live backward gives another {grad} than its rerun"))
+        super().after_backward(step_later=step_later)
 
     def after_step(self) -> None:
         """Each parameter's live update against the checked shadow step's (`optimizer_rows.check_updates`)."""

@@ -95,6 +95,24 @@ def test_a_rerun_that_does_not_reproduce_the_call_is_never_cleared(refs, tmp_pat
     assert unprobed["reason"].startswith("not reproducible from its inputs: its rerun on the reference's values")
 
 
+def test_a_backward_the_rerun_does_not_reproduce_is_named_by_error_growth(refs, tmp_path, monkeypatch):
+    """The same without layouts, for a kernel wrong only in its strided backward: fed exactly the reference's
+    values, the live backward gives another input gradient than the rerun's; the call is not reproducible, and its
+    gradient (1e-3 off, from gradients bitwise equal to the reference's) is named although inside tolerance."""
+    import oneiter.record.rerun as rerun
+
+    monkeypatch.setattr(rerun, "with_layout", lambda value, layout: value)
+    ref, tgt = refs(STRIDED), tmp_path / "tgt.h5"
+    replay_with_fault(ref, tgt, "stride_bwd:linear", monkeypatch)
+    code, verdict = _verdict(ref, tgt, tmp_path)
+    assert code == 1 and verdict["basis"] == "unattributed", verdict
+    assert (verdict["module"], verdict["call"], verdict["phase"], verdict["tensor"]) == (
+        "blocks.1.fc", 0, "backward", "grad_input.0")
+    [unprobed] = verdict["unprobed"]
+    assert (unprobed["module"], unprobed["call"]) == ("blocks.1.fc", 0)
+    assert "its live backward gives another grad_input.0 than its rerun" in unprobed["reason"]
+
+
 def test_an_update_a_copy_cannot_reproduce_is_no_drift(refs, tmp_path, monkeypatch):
     """A copy of the optimizer that lost its option: the live update differs from the checked shadow step, the
     rows go, and the update (from weights and gradients bitwise equal to the reference's) is unattributed, never

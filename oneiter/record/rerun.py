@@ -190,7 +190,13 @@ class Rerunner:
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
             changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
-            backward, param_grads, internal = self._backward(rec, site, outputs, leaves, params, anchor)
+            # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
+            # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
+            # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
+            # saw the tensor's whole gradient, every consumer's (earlier blocks' too). Seeding it would flow
+            # straight back through the input's clone and add that whole to grad_input: a false alarm.
+            seeded = {n: v for n, v in outputs.items() if given.get(id(v)) != v._version}
+            backward, param_grads, internal = self._backward(rec, site, seeded, leaves, params, anchor)
             internal.update(_inherited(outputs, forcing))
         self.rounded = reduced.rounded if reduced is not None else 0
         given.update(forcing.produced)

@@ -36,6 +36,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, call_key, natural_key, tensor_to_numpy
 from oneiter.record.capture import flatten, host_copy
 from oneiter.record.reference import load_reference
+from oneiter.record.structure import flatten_call
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import load_model, spec_for_replay
 from oneiter.runtime.precision import apply_dtype, autocast_for, torch_dtype
@@ -235,7 +236,11 @@ class _Runner:
             forward_seconds, backward_seconds = time.perf_counter() - start, None
             outputs = dict(flatten(output, "output"))
             grad_names = {name[5:]: name for name in self.entries if name.startswith("grad_output")}
-            pairs = [(outputs[o], g) for o, g in grad_names.items() if getattr(outputs.get(o), "requires_grad", False)]
+            # an output that is an input handed back unchanged gets no seed: its recorded gradient is every
+            # consumer's, the recorded grad_input only this layer's own (the probes' rerun does the same)
+            given = {id(v): v._version for _, v in flatten_call(args, kwargs) if isinstance(v, torch.Tensor)}
+            pairs = [(outputs[o], g) for o, g in grad_names.items() if getattr(outputs.get(o), "requires_grad", False)
+                     and given.get(id(outputs[o])) != outputs[o]._version]
             targets = {**leaves, **self.params}
             grads = None
             if pairs and targets:
@@ -247,7 +252,8 @@ class _Runner:
                 self.sync()
                 backward_seconds = time.perf_counter() - start
         if judge:
-            self.notes = _derived_outputs(outputs) if grads is not None else []
+            seeded = {n: t for n, t in outputs.items() if given.get(id(t)) != getattr(t, "_version", None)}
+            self.notes = _derived_outputs(seeded) if grads is not None else []
             got = {n: v for n, v in outputs.items() if n in self.entries}
             if grads is not None:
                 # autograd.grad returns one gradient per target

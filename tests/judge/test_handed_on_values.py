@@ -109,3 +109,11 @@ def test_a_fault_behind_the_handed_on_value_is_named(spec, fault, options, expec
     assert (culprit["module"], culprit["call"], culprit["phase"], culprit["tensor"]) == expected
     assert culprit["ratio"] > 4
     assert {r.module for r in compare_files(ref, tgt).local if r.flagged} == flagged
+
+
+def test_replaying_one_layer_that_hands_its_input_on_matches(refs):
+    """`oneiter replay --layer`: the handed-on input gets no gradient seed there either (its recorded gradient is
+    every consumer's), so a clean layer checks exact and no note blames a derived output."""
+    res = run_cli("replay", refs(HANDOFF), "--layer", "blocks.1", "--model", HANDOFF)
+    assert res.exit_code == 0, res.output
+    assert "note:" not in res.output and "grad_input.1" in res.output

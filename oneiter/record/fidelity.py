@@ -13,9 +13,10 @@ its verdict counts:
   measured there and then by running the same rerun twice (`spread`).
 - **Backward** (on the CPU). Where everything the call's backward consumed live (the gradients w.r.t. its
   outputs, the input gradients its forced children handed back, and its forward's consumed values) equals the
-  reference's bitwise, its live input gradients must equal the primary rerun's (`BackwardChecks`: digests, kept
-  from the rerun until the live backward has run). Elsewhere the backward is not checked: the live gradients of
-  a call whose values differ arrive after its rerun is gone, and digests cannot weigh a device's spread.
+  reference's bitwise, its live input gradients must equal the primary rerun's up to summation order
+  (`BackwardChecks`: sketches kept from the rerun until the live backward has run). Elsewhere the backward is not
+  checked: the live gradients of a call whose values differ arrive after its rerun is gone, and sketches cannot
+  weigh a device's spread.
 - **Optimizer.** The shadow step on the reference's weights and gradients is the check when the live weights and
   gradients equal the reference's bitwise; otherwise the copy is stepped once more from the live ones. After the
   real step, each parameter's live value must equal the checked step's (`Digests`).
@@ -29,11 +30,13 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, tensor_path
 from oneiter.record.capture import CallRecord
 from oneiter.record.rerun import ProbeSkip, RunResult, rel_l2
+from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR", "BackwardChecks"]
 
@@ -136,35 +139,75 @@ def _beyond_spread(run: RunResult, again, differ: list, live_out: dict) -> bool:
 
 
 class BackwardChecks:
-    """The backward half of the check, on the CPU: what each exactly-fed call's live backward must give."""
+    """The backward half of the check, on the CPU: what each exactly-fed call's live backward must give.
+
+    The live input gradient of a call is read from its own autograd nodes and summed there (`input_grads.py`), the
+    rerun's by autograd: where an input feeds several of the call's ops (a residual), the two sum the same terms in
+    another order, so they agree to rounding, not bit for bit. Each is kept as a sketch (`sketch`: its norm and its
+    projections on a few fixed random vectors), from which the distance of the two is estimated; it must be within
+    `ORDER_FACTOR` unit roundoffs of the gradient's norm. A wrong backward kernel is many orders above that."""
 
     def __init__(self) -> None:
-        self.live: dict[str, bytes] = {}  # backward path -> digest of the live gradient
+        self.live: dict[str, tuple] = {}  # backward path -> sketch of the live gradient
         self.pending: list[tuple[str, int, dict, dict]] = []
         self.num_checked = 0
 
     def live_grad(self, key: str, name: str, grad) -> None:
         """A live gradient the capture recorded (`calls/<key>/backward/<name>`)."""
-        self.live[tensor_path(key, BACKWARD, name)] = digest(grad)
+        path = tensor_path(key, BACKWARD, name)
+        self.live[path] = sketch(grad, path)
 
     def expect(self, rec: CallRecord, primary: RunResult, read: dict) -> None:
-        """After a call's exactly-fed primary rerun: the digests of the backward values it read from the reference
+        """After a call's exactly-fed primary rerun: sketches of the backward values it read from the reference
         (`read`: path -> tensor) and of the input gradients it produced."""
-        consumed = {path: digest(t) for path, t in read.items() if path.split("/")[-2] == BACKWARD}
-        produced = {tensor_path(rec.key, BACKWARD, name): digest(value) for name, value in primary.backward.items()
-                    if ":" not in name and (BACKWARD, name) not in primary.passed}
+        consumed = {path: sketch(t, path) for path, t in read.items() if path.split("/")[-2] == BACKWARD}
+        produced = {}
+        for name, value in primary.backward.items():
+            if ":" not in name and (BACKWARD, name) not in primary.passed:
+                path = tensor_path(rec.key, BACKWARD, name)
+                produced[path] = sketch(value, path)
         if consumed and produced:
             self.pending.append((rec.path or ROOT_MODULE, rec.call, consumed, produced))
 
-    def failures(self) -> list[tuple[str, int, str]]:
-        """(module, call, gradient) of each call whose live backward, fed exactly what its rerun was, differs."""
+    def failures(self) -> list[tuple[str, int, str, float]]:
+        """(module, call, gradient, relative distance) of each call whose live backward, fed exactly what its
+        rerun was, differs by more than summation order does."""
         found = []
         for module, call, consumed, produced in self.pending:
-            if any(self.live.get(path) != d for path, d in consumed.items()):
+            if any(path not in self.live or self.live[path][0] != s[0] for path, s in consumed.items()):
                 continue  # what it consumed live differs (or was not captured): not checked
             self.num_checked += 1
-            bad = [path for path, d in produced.items() if path in self.live and self.live[path] != d]
-            if bad:
-                found.append((module, call, bad[0].rpartition("/")[2]))
+            for path, mine in produced.items():
+                live = self.live.get(path)
+                distance = _distance(mine, live) if live is not None else 0.0
+                if distance > ORDER_FACTOR * mine[3]:
+                    found.append((module, call, path.rpartition("/")[2], distance))
+                    break
         self.pending, self.live = [], {}
         return found
+
+
+ORDER_FACTOR = 16.0  # unit roundoffs of relative distance another summation order may give (measured: <= 2)
+_PROJECTIONS = 4
+
+
+def sketch(tensor, path: str) -> tuple:
+    """(digest, norm, projections, unit roundoff) of a tensor: enough to tell bitwise equality (the digest) and
+    estimate the distance of two tensors of the same path (projections on `_PROJECTIONS` random Gaussian vectors
+    seeded by the path: each projection of a difference has the difference's norm as its standard deviation)."""
+    flat = tensor.detach().to("cpu").reshape(-1)
+    values = flat.to(torch.float64).numpy()
+    # numpy's generator: a torch random op here (a gradient hook of the live backward) would be taken for one of
+    # the model's by the random-op replay
+    rng = np.random.default_rng(int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little"))
+    projections = [float(values @ rng.standard_normal(values.size)) for _ in range(_PROJECTIONS)]
+    roundoff = unit_roundoff(str(tensor.dtype).removeprefix("torch.")) if tensor.is_floating_point() else 0.0
+    return digest(flat), float(np.linalg.norm(values)), projections, roundoff
+
+
+def _distance(a: tuple, b: tuple) -> float:
+    """The estimated relative distance ||a - b|| / ||a|| of two sketched tensors (0 when bitwise equal)."""
+    if a[0] == b[0]:
+        return 0.0
+    spread = (sum((x - y) ** 2 for x, y in zip(a[2], b[2], strict=True)) / len(a[2])) ** 0.5
+    return spread / a[1] if a[1] else float("inf")

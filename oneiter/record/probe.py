@@ -566,11 +566,12 @@ class TeacherForcedProbe(LocalProbe):
         """The backward half of the fidelity check first: a call whose live backward its rerun does not reproduce
         loses its backward rows and is listed as not reproducible."""
         if self.backward_checks is not None:
-            for module, call, grad in self.backward_checks.failures():
+            for module, call, grad, distance in self.backward_checks.failures():
                 self.rows = [r for r in self.rows if not (r.module == module and r.call == call
                                                           and r.phase == BACKWARD)]
                 self.unprobed.append((module, call, f"not reproducible from its inputs: fed exactly the reference's "
-                                      f"values, its live backward gives another {grad} than its rerun"))
+                                      f"values, its live backward gives another {grad} than its rerun (rel_l2 "
+                                      f"~{distance:.1e})"))
         super().after_backward(step_later=step_later)
 
     def after_step(self) -> None:

@@ -285,6 +285,22 @@ class _Upstream:
             return self._call_inputs(r)
         return None  # covered by a probe
 
+    def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
+        """Whether everything an entry no probe covers was computed from is known and bitwise equal to the
+        reference's (an update from exact gradients; an unprobed call's output from exact inputs)."""
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return False
+        if r.phase == "optimizer":
+            sources = [self.errors.get((r.module, 0, "param_grad", r.tensor))]
+        elif r.phase == "param_grad":
+            sources = self._module_errors(r.module, ("forward.in", "backward.in"))
+        elif (r.module, r.call) in unprobed and not is_input(r.tensor):
+            kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+            sources = [e for k in kinds for e in self.by_call.get((r.module, r.call, k), [])]
+        else:
+            return False
+        return bool(sources) and all(e == 0.0 for e in sources)
+
     def inputs(self, r) -> float:
         """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
         if r.phase == "optimizer":
@@ -308,13 +324,13 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
     for i, r in enumerate(rows):
         if r.metrics is None or r.status not in ("match", "diverged"):
             continue  # missing/shape/dtype rows are judged as structural divergences
-        up = upstream.upstream(r, unprobed, covered)
-        if same_precision and r.status != "diverged" and up != 0.0:
+        exact = upstream.exact(r, unprobed, covered)
+        if same_precision and r.status != "diverged" and not exact:
             continue  # the same precision on both sides: within the dtype's tolerance is explained, unless nothing
             # it was computed from differs (then only its own rounding is, below)
         finding = _gross_finding(i, r, upstream, noise)
         if finding is None:
-            finding = _drift_finding(i, r, up, noise, amp)
+            finding = _drift_finding(i, r, upstream.upstream(r, unprobed, covered), noise, amp, exact)
         if finding is not None:
             found.append(finding)
     return found
@@ -334,12 +350,14 @@ def _gross_finding(i: int, r, upstream: _Upstream, noise: NoisePolicy) -> Option
                       f"beyond what it was computed from (within {source:.2e}) and what rounding drift does")
 
 
-def _drift_finding(i: int, r, up: Optional[float], noise: NoisePolicy, amp: str) -> Optional[Finding]:
+def _drift_finding(i: int, r, up: Optional[float], noise: NoisePolicy, amp: str,
+                   exact: bool = False) -> Optional[Finding]:
     """An `unexplained` finding when the entry differs by more than `factor` times the error it inherits (`up`;
-    None: a probe covers it) or its precision's floor."""
+    None: a probe covers it) or its precision's floor; outside tolerance at all when everything it was computed
+    from is bitwise the reference's (`exact`)."""
     if up is None:
         return None
-    if up == 0.0 and r.status == "diverged":  # nothing it was computed from differs: no drift makes this
+    if exact and r.status == "diverged":  # nothing it was computed from differs: no drift makes this
         return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e}, although everything it was computed "
                           "from is bitwise equal to the reference's (so no accumulated drift)")
     dtype = r.dtype_target or r.dtype or "float32"

@@ -10,7 +10,7 @@ its verdict counts:
   outputs must equal the live outputs. Otherwise the call is rerun once more on the target's own live values (the
   live inputs, the forced children's live outputs: `LiveSource`) and those outputs must equal the live ones.
   Bitwise on a deterministic device (the CPU); elsewhere a mismatch is weighed against the same-precision spread,
-  measured there and then by running the same rerun twice (`spread`).
+  measured there and then by running the same rerun twice (`_beyond_spread`).
 - **Backward** (on the CPU). Where everything the call's backward consumed live (the gradients w.r.t. its
   outputs, the input gradients its forced children handed back, and its forward's consumed values) equals the
   reference's bitwise, its live input gradients must equal the primary rerun's up to summation order
@@ -19,7 +19,7 @@ its verdict counts:
   weigh a device's spread.
 - **Optimizer.** The shadow step on the reference's weights and gradients is the check when the live weights and
   gradients equal the reference's bitwise; otherwise the copy is stepped once more from the live ones. After the
-  real step, each parameter's live value must equal the checked step's (`Digests`).
+  real step, each parameter's live value must equal the checked step's (`optimizer_rows.check_updates`).
 
 A call that fails is not cleared by its rerun: `probe.py` drops its rows and lists it in `/unprobed` with the
 reason (`not reproducible from its inputs: ...`), and the judge then holds its live values to what their inputs

@@ -227,6 +227,7 @@ class _Runner:
         import torch
 
         args, kwargs, leaves = self._arguments()
+        given = {id(v): v._version for _, v in flatten_call(args, kwargs) if isinstance(v, torch.Tensor)}
         with torch.enable_grad():
             self.sync()
             start = time.perf_counter()
@@ -236,9 +237,8 @@ class _Runner:
             forward_seconds, backward_seconds = time.perf_counter() - start, None
             outputs = dict(flatten(output, "output"))
             grad_names = {name[5:]: name for name in self.entries if name.startswith("grad_output")}
-            # an output that is an input handed back unchanged gets no seed: its recorded gradient is every
-            # consumer's, the recorded grad_input only this layer's own (the probes' rerun does the same)
-            given = {id(v): v._version for _, v in flatten_call(args, kwargs) if isinstance(v, torch.Tensor)}
+            # an output that is an input handed back unchanged (same version as before the call) gets no seed: its
+            # recorded gradient is every consumer's, the recorded grad_input only this layer's own (as in rerun.py)
             pairs = [(outputs[o], g) for o, g in grad_names.items() if getattr(outputs.get(o), "requires_grad", False)
                      and given.get(id(outputs[o])) != outputs[o]._version]
             targets = {**leaves, **self.params}

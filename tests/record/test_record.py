@@ -185,8 +185,8 @@ def test_user_mistakes_are_refused_with_one_line(tmp_path, resnet_ref):
         "def broken(batch_size):\n"
         "    raise ValueError('no such dataset')\n")
     cases = [
-        (["--model", f"{bad}:build"], "error: the training iteration (the model's forward, its loss or backward) "
-         f"raised RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x3 and 5x2) (at {bad}:10, in forward;"),
+        (["--model", f"{bad}:build"], "error: the forward of (root)@0 raised RuntimeError: mat1 and mat2 shapes "
+         f"cannot be multiplied (2x3 and 5x2) (at {bad}:10, in forward;"),
         (["--model", f"{bad}:broken"], f"error: the model builder raised ValueError: no such dataset (at {bad}:18, "
          "in broken;"),
         (["--model", "resnet18", "--include", "^nothing$"], "error: --include ['^nothing$'] / exclude [] leave no "

@@ -14,9 +14,9 @@ its verdict counts:
 - **Backward** (on the CPU). Where everything the call's backward consumed live (the gradients w.r.t. its
   outputs, the input gradients its forced children handed back, and its forward's consumed values) equals the
   reference's bitwise, its live input gradients must equal the primary rerun's up to summation order
-  (`BackwardChecks`: sketches kept from the rerun until the live backward has run). Elsewhere the backward is not
-  checked: the live gradients of a call whose values differ arrive after its rerun is gone, and sketches cannot
-  weigh a device's spread.
+  (`BackwardChecks`: fingerprints and distances kept from the rerun until the live backward has run). Elsewhere
+  the backward is not checked: the live gradients of a call whose values differ arrive after its rerun is gone, and
+  a fingerprint cannot weigh a device's spread.
 - **Optimizer.** The shadow step on the reference's weights and gradients is the check when the live weights and
   gradients equal the reference's bitwise; otherwise the copy is stepped once more from the live ones. After the
   real step, each parameter's live value must equal the checked step's (`optimizer_rows.check_updates`).
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 
-import numpy as np
 import torch
 
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, tensor_path
@@ -80,10 +79,19 @@ def _bits(tensor):
     return tensor.contiguous().view(torch.uint8)
 
 
-def digest(tensor) -> bytes:
-    """A hash of a tensor's bits: bitwise equality of two tensors that are not both at hand."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes(), digest_size=16).digest()
+def digest(tensor) -> tuple:
+    """A fingerprint of a tensor's bits, to tell bitwise equality of two tensors that are not both at hand: its
+    dtype, shape, and two wrapping integer sums of its bits (plain and squared), reduced where the tensor lives.
+    Two tensors that differ by rounding somewhere differ in these sums but for a coincidence of both."""
+    t = tensor.detach()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size())
+    if bits is None or t.is_complex():
+        flat = t.to("cpu").contiguous().reshape(-1)
+        return str(t.dtype), tuple(t.shape), hashlib.blake2b(flat.view(torch.uint8).numpy().tobytes()).digest()
+    v = t.contiguous().reshape(-1).view(bits)
+    # the squares wrap in the bits' own width: a mix that catches +1 ulp here and -1 ulp there, which the plain
+    # sum does not
+    return str(t.dtype), tuple(t.shape), int(v.sum(dtype=torch.int64)), int((v * v).sum(dtype=torch.int64))
 
 
 def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> bool:
@@ -143,71 +151,62 @@ class BackwardChecks:
 
     The live input gradient of a call is read from its own autograd nodes and summed there (`input_grads.py`), the
     rerun's by autograd: where an input feeds several of the call's ops (a residual), the two sum the same terms in
-    another order, so they agree to rounding, not bit for bit. Each is kept as a sketch (`sketch`: its norm and its
-    projections on a few fixed random vectors), from which the distance of the two is estimated; it must be within
-    `ORDER_FACTOR` unit roundoffs of the gradient's norm. A wrong backward kernel is many orders above that."""
+    another order, so they agree to rounding, not bit for bit. So when the live gradient is not bitwise the rerun's,
+    its distance to the reference's (read then) may exceed the rerun's by at most `ORDER_FACTOR` unit roundoffs;
+    a wrong backward kernel is orders of magnitude above that. `reference(path)` reads the reference's tensor."""
 
-    def __init__(self) -> None:
-        self.live: dict[str, tuple] = {}  # backward path -> sketch of the live gradient
-        self.pending: list[tuple[str, int, dict, dict]] = []
+    def __init__(self, reference) -> None:
+        self.reference = reference
+        self.live: dict[str, tuple] = {}  # backward path -> fingerprint of the live gradient
+        self.live_rel: dict[str, float] = {}  # backward path -> rel_l2 of the live gradient to the reference's
+        self.produced: dict[str, tuple] = {}  # backward path -> (fingerprint, rel_l2 to the reference, roundoff)
+        self._seen: dict[str, tuple] = {}  # backward path -> fingerprint of the reference's tensor
+        self.pending: list[tuple[str, int, dict, list]] = []
         self.num_checked = 0
 
     def live_grad(self, key: str, name: str, grad) -> None:
         """A live gradient the capture recorded (`calls/<key>/backward/<name>`)."""
         path = tensor_path(key, BACKWARD, name)
-        self.live[path] = sketch(grad, path)
+        mine = self.live[path] = digest(grad)
+        expected = self.produced.get(path)
+        if expected is not None and expected[0] != mine:
+            self.live_rel[path] = rel_l2(self.reference(path), grad)
 
-    def expect(self, rec: CallRecord, primary: RunResult, read: dict) -> None:
-        """After a call's exactly-fed primary rerun: sketches of the backward values it read from the reference
-        (`read`: path -> tensor) and of the input gradients it produced."""
-        consumed = {path: sketch(t, path) for path, t in read.items() if path.split("/")[-2] == BACKWARD}
-        produced = {}
+    def expect(self, rec: CallRecord, primary: RunResult, read: dict, reference) -> None:
+        """After a call's exactly-fed primary rerun: fingerprints of the backward values it read from the reference
+        (`read`: path -> tensor) and of the input gradients it produced, with their distance to the reference's
+        (`reference(path)`: the probe's cached read, which judging the rows needs anyway)."""
+        consumed = {}
+        for path, t in read.items():
+            if path.split("/")[-2] == BACKWARD:  # a reference tensor: the same for every call that reads it
+                consumed[path] = self._seen[path] if path in self._seen else self._seen.setdefault(path, digest(t))
+        produced = []
         for name, value in primary.backward.items():
-            if ":" not in name and (BACKWARD, name) not in primary.passed:
-                path = tensor_path(rec.key, BACKWARD, name)
-                produced[path] = sketch(value, path)
+            path = tensor_path(rec.key, BACKWARD, name)
+            if ":" in name or (BACKWARD, name) in primary.passed or reference(path) is None:
+                continue
+            roundoff = unit_roundoff(str(value.dtype).removeprefix("torch.")) if value.is_floating_point() else 0.0
+            self.produced[path] = (digest(value), rel_l2(reference(path), value), roundoff)
+            produced.append(path)
         if consumed and produced:
             self.pending.append((rec.path or ROOT_MODULE, rec.call, consumed, produced))
 
     def failures(self) -> list[tuple[str, int, str, float]]:
-        """(module, call, gradient, relative distance) of each call whose live backward, fed exactly what its
-        rerun was, differs by more than summation order does."""
+        """(module, call, gradient, excess distance) of each call whose live backward, fed exactly what its rerun
+        was, differs from the rerun's by more than summation order does."""
         found = []
         for module, call, consumed, produced in self.pending:
-            if any(path not in self.live or self.live[path][0] != s[0] for path, s in consumed.items()):
+            if any(self.live.get(path) != d for path, d in consumed.items()):
                 continue  # what it consumed live differs (or was not captured): not checked
             self.num_checked += 1
-            for path, mine in produced.items():
-                live = self.live.get(path)
-                distance = _distance(mine, live) if live is not None else 0.0
-                if distance > ORDER_FACTOR * mine[3]:
-                    found.append((module, call, path.rpartition("/")[2], distance))
+            for path in produced:
+                fingerprint, rerun_rel, roundoff = self.produced[path]
+                excess = self.live_rel.get(path, rerun_rel) - rerun_rel
+                if self.live.get(path, fingerprint) != fingerprint and excess > ORDER_FACTOR * roundoff:
+                    found.append((module, call, path.rpartition("/")[2], excess))
                     break
-        self.pending, self.live = [], {}
+        self.pending, self.live, self.live_rel, self.produced, self._seen = [], {}, {}, {}, {}
         return found
 
 
-ORDER_FACTOR = 16.0  # unit roundoffs of relative distance another summation order may give (measured: <= 2)
-_PROJECTIONS = 4
-
-
-def sketch(tensor, path: str) -> tuple:
-    """(digest, norm, projections, unit roundoff) of a tensor: enough to tell bitwise equality (the digest) and
-    estimate the distance of two tensors of the same path (projections on `_PROJECTIONS` random Gaussian vectors
-    seeded by the path: each projection of a difference has the difference's norm as its standard deviation)."""
-    flat = tensor.detach().to("cpu").reshape(-1)
-    values = flat.to(torch.float64).numpy()
-    # numpy's generator: a torch random op here (a gradient hook of the live backward) would be taken for one of
-    # the model's by the random-op replay
-    rng = np.random.default_rng(int.from_bytes(hashlib.blake2b(path.encode(), digest_size=8).digest(), "little"))
-    projections = [float(values @ rng.standard_normal(values.size)) for _ in range(_PROJECTIONS)]
-    roundoff = unit_roundoff(str(tensor.dtype).removeprefix("torch.")) if tensor.is_floating_point() else 0.0
-    return digest(flat), float(np.linalg.norm(values)), projections, roundoff
-
-
-def _distance(a: tuple, b: tuple) -> float:
-    """The estimated relative distance ||a - b|| / ||a|| of two sketched tensors (0 when bitwise equal)."""
-    if a[0] == b[0]:
-        return 0.0
-    spread = (sum((x - y) ** 2 for x, y in zip(a[2], b[2], strict=True)) / len(a[2])) ** 0.5
-    return spread / a[1] if a[1] else float("inf")
+ORDER_FACTOR = 16.0  # unit roundoffs of relative distance another summation order may add

@@ -193,8 +193,8 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
     return rows, ""
 
 
-def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged: dict) -> dict[str, bytes]:
-    """Digests of the weights the live step must produce: the shadow step's, when every live weight and gradient
+def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged: dict) -> dict[str, tuple]:
+    """Fingerprints of the weights the live step must produce: the shadow step's, when every live weight and gradient
     of the chunk equals the reference's; else a step of the copy from the live ones."""
     live = {names[id(p)]: p for group in opt.param_groups for p in group["params"]
             if id(p) in names and (chunk is None or id(p) in chunk)}
@@ -215,7 +215,7 @@ def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
     return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), p.grad)
 
 
-def check_updates(model, expected: dict[str, bytes]) -> list[str]:
+def check_updates(model, expected: dict[str, tuple]) -> list[str]:
     """The parameters whose live value after the step differs from the checked shadow step's."""
     return [name for name, p in model.named_parameters() if name in expected and digest(p) != expected[name]]
 

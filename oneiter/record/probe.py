@@ -192,7 +192,7 @@ class LocalProbe(ABC):
         self.optimizer = None
         self._sums = _Sums()
         self._contributors: dict[str, list[CallRecord]] = {}
-        self._expected_updates: dict[str, bytes] = {}  # parameter -> digest of its checked shadow update
+        self._expected_updates: dict[str, tuple] = {}  # parameter -> fingerprint of its checked update
         self._calibrated: dict[int, str] = {}  # id(call) -> how its noise was measured (the rows' `calibration`)
         self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
 
@@ -547,7 +547,9 @@ class TeacherForcedProbe(LocalProbe):
     def __init__(self, source, device, **kwargs):
         super().__init__(source, device, **kwargs)
         # digests are bitwise: only where reruns are deterministic (the CPU)
-        self.backward_checks = BackwardChecks() if self.CHECKS_LIVE and self.device.type == "cpu" else None
+        self.backward_checks = None
+        if self.CHECKS_LIVE and self.device.type == "cpu":
+            self.backward_checks = BackwardChecks(lambda path: self.source.uncached(path))
 
     def _check(self, rec: CallRecord, primary: RunResult) -> None:
         if not self.CHECKS_LIVE:  # off only for bench/bench_isolation.py's A/B of what the check costs
@@ -560,7 +562,8 @@ class TeacherForcedProbe(LocalProbe):
             return live.run(rec, self._primary_site(), rec.forced())
 
         if check_forward(rec, primary, self.source, rerun) and self.backward_checks is not None:
-            self.backward_checks.expect(rec, primary, self.source.read())
+            self.backward_checks.expect(rec, primary, self.source.read(),
+                                        lambda path: self.source.tensor(path) if self.source.has(path) else None)
 
     def after_backward(self, *, step_later: bool = False) -> None:
         """The backward half of the fidelity check first: a call whose live backward its rerun does not reproduce
@@ -570,8 +573,8 @@ class TeacherForcedProbe(LocalProbe):
                 self.rows = [r for r in self.rows if not (r.module == module and r.call == call
                                                           and r.phase == BACKWARD)]
                 self.unprobed.append((module, call, f"not reproducible from its inputs: fed exactly the reference's "
-                                      f"values, its live backward gives another {grad} than its rerun (rel_l2 "
-                                      f"~{distance:.1e})"))
+                                      f"values, its live backward gives another {grad} than its rerun (rel_l2 to "
+                                      f"the reference's {distance:.1e} more)"))
         super().after_backward(step_later=step_later)
 
     def after_step(self) -> None:

@@ -659,7 +659,7 @@ class TeacherForcedProbe(LocalProbe):
                                   "clipping or unscaling), which a recording does not hold"))
             return
         rows, why = optimizer_rows(self.optimizer, self.model, self.rerunner, self.device,
-                                   lambda row: row.needs_noise(self.run_roundoff),
+                                   lambda row: row.needs_noise(0.0),  # the step runs outside autocast
                                    self._expected_updates if self.CHECKS_LIVE else None)
         if why:
             self.unprobed.append(("(optimizer)", 0, why))

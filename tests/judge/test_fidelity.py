@@ -159,3 +159,13 @@ def test_a_faithful_copy_keeps_instance_options_and_never_touches_the_original()
     opt.step()
     assert torch.equal(p.detach(), q.detach())
     del sched
+
+
+def test_an_optimizer_option_is_named_under_bf16_autocast(refs, tmp_path, monkeypatch):
+    """The update runs outside autocast, in the parameters' float32: its error is calibrated whenever it is above
+    float32's roundoff, not only above bf16's (which hid a 1.5e-3 fault)."""
+    ref, tgt = refs(OPTIM), tmp_path / "tgt.h5"
+    replay_with_fault(ref, tgt, "optimizer:eps_inside_sqrt", monkeypatch, amp="bf16")
+    code, verdict = _verdict(ref, tgt, tmp_path)
+    culprit = verdict["culprit"]
+    assert code == 1 and (culprit["module"], culprit["phase"], culprit["tensor"]) == ("0", "optimizer", "weight")

@@ -276,6 +276,7 @@ class LocalProbe(ABC):
 
     def after_step(self) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
         """The optimizer has stepped (state_after is taken): check the shadow step against it (teacher forced)."""
+
     def _reference_sampling(self) -> tuple[Site, float] | None:
         """Where the reference's precision is sampled by Monte Carlo, and its unit roundoff (None: not measured)."""
         return None

@@ -550,7 +550,7 @@ class TeacherForcedProbe(LocalProbe):
         # digests are bitwise: only where reruns are deterministic (the CPU)
         self.backward_checks = None
         if self.CHECKS_LIVE and self.device.type == "cpu":
-            self.backward_checks = BackwardChecks(lambda path: self.source.uncached(path))
+            self.backward_checks = BackwardChecks(self.source.uncached)  # not a lambda over self: no cycle
 
     def _check(self, rec: CallRecord, primary: RunResult) -> None:
         if not self.CHECKS_LIVE:  # off only for bench/bench_isolation.py's A/B of what the check costs

@@ -59,17 +59,28 @@ def run_cli(*args):
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    """One small float32 CPU reference per built-in model, recorded on first use."""
+    """One small float32 CPU reference per built-in model or model file (a `file.py:build` spec), recorded clean on
+    first use."""
     made = {}
 
     def get(model: str) -> Path:
         if model not in made:
-            out = tmp_path_factory.mktemp(f"ref_{model}") / "ref.h5"
+            out = tmp_path_factory.mktemp("ref") / "ref.h5"
             record_small(out, model)
             made[model] = out
         return made[model]
 
     return get
+
+
+def compare_verdict(ref: Path, tgt: Path, tmp_path: Path) -> tuple[int, dict]:
+    """`oneiter compare ref tgt --json`: its exit code (0 or 1, asserted) and the JSON report's verdict."""
+    import json
+
+    report = tmp_path / "report.json"
+    res = run_cli("compare", ref, tgt, "--json", report)
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads(report.read_text())["verdict"]
 
 
 def replay(ref: Path, out: Path, **kwargs):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import MODEL_FILES, record_small, replay, replay_with_fault, run_cli
+from conftest import MODEL_FILES, compare_verdict, record_small, replay, replay_with_fault, run_cli
 
 from oneiter.judge.engine import compare_files
 
@@ -26,28 +26,6 @@ MIXER = str(MODEL_FILES / "mixer.py:build")
 UNPROBEABLE = str(MODEL_FILES / "unprobeable.py:build")
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """One float32 CPU reference per model file, recorded clean on first use."""
-    made = {}
-
-    def get(spec: str):
-        if spec not in made:
-            out = tmp_path_factory.mktemp("ref") / "ref.h5"
-            record_small(out, spec, batch_size=2)
-            made[spec] = out
-        return made[spec]
-
-    return get
-
-
-def _verdict(ref, tgt, tmp_path) -> tuple[int, dict]:
-    report = tmp_path / "report.json"
-    res = run_cli("compare", ref, tgt, "--json", report)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(report.read_text())["verdict"]
 
 
 # (model, fault, replay options, expected culprit: module, call, phase, tensor or None)
@@ -101,10 +79,10 @@ FAULTED = [
 @pytest.mark.parametrize("spec,fault,options,expected", FAULTED,
                          ids=[f"{s.rpartition('/')[2].split('.')[0]}-{f}-{'-'.join(map(str, o.values())) or 'fp32'}"
                               for s, f, o, _ in FAULTED])
-def test_a_fault_in_model_code_is_named(spec, fault, options, expected, refs, tmp_path, monkeypatch):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+def test_a_fault_in_model_code_is_named(spec, fault, options, expected, references, tmp_path, monkeypatch):
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, fault, monkeypatch, **options)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     culprit = verdict["culprit"]
     assert code == 1 and verdict["status"] == "diverged" and verdict["basis"] == "local_error", verdict
     assert (culprit["module"], culprit["call"], culprit["phase"], culprit["tensor"]) == expected
@@ -126,16 +104,16 @@ CLEAN += [(CNN, {"dtype": "bfloat16"}), (LLAMA, {"dtype": "float64"})]
 @pytest.mark.parametrize("spec,options", CLEAN,
                          ids=[f"{s.rpartition('/')[2].split('.')[0]}-{'-'.join(map(str, o.values()))}"
                               for s, o in CLEAN])
-def test_clean_targets_are_a_match(spec, options, refs, tmp_path):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+def test_clean_targets_are_a_match(spec, options, references, tmp_path):
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay(ref, tgt, **options)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 0 and verdict["status"] == "match" and verdict["basis"] == "local_error", verdict
     assert verdict["unprobed"] == [] and verdict["num_local"] > 20
 
 
-def test_every_call_is_probed_including_keyword_calls_and_the_root(refs, tmp_path):
-    ref, tgt = refs(LLAMA), tmp_path / "tgt.h5"
+def test_every_call_is_probed_including_keyword_calls_and_the_root(references, tmp_path):
+    ref, tgt = references(LLAMA), tmp_path / "tgt.h5"
     replay(ref, tgt, amp="bf16")
     result = compare_files(ref, tgt)
     probed = {(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}
@@ -158,8 +136,8 @@ def test_a_cache_argument_is_snapshotted_for_the_rerun(tmp_path, monkeypatch):
     assert verdict["culprit"]["module"] == "model.layers.0.self_attn"
 
 
-def test_calibrating_on_the_device_names_the_same_culprit(refs, tmp_path, monkeypatch):
-    ref, clean, faulty = refs(LLAMA), tmp_path / "clean.h5", tmp_path / "faulty.h5"
+def test_calibrating_on_the_device_names_the_same_culprit(references, tmp_path, monkeypatch):
+    ref, clean, faulty = references(LLAMA), tmp_path / "clean.h5", tmp_path / "faulty.h5"
     replay(ref, clean, amp="bf16", calibrate="device")
     result = compare_files(ref, clean)
     assert result.status == "match"
@@ -170,8 +148,8 @@ def test_calibrating_on_the_device_names_the_same_culprit(refs, tmp_path, monkey
     assert (culprit["module"], culprit["phase"]) == ("model.layers.1.mlp.down_proj", "forward")
 
 
-def test_calibrate_option_on_the_command_line(refs, tmp_path):
-    ref = refs(CNN)
+def test_calibrate_option_on_the_command_line(references, tmp_path):
+    ref = references(CNN)
     res = run_cli("record", "--replay", ref, "--model", CNN, "--amp", "bf16", "--calibrate", "device",
                   "-o", tmp_path / "t.h5")
     assert res.exit_code == 0, res.output
@@ -190,17 +168,17 @@ def test_a_call_that_cannot_be_rerun_is_judged_inside_its_parent(tmp_path, monke
     assert [(u["module"], u["reason"]) for u in result.unprobed] == [
         ("once", "rerun failed: RuntimeError: Once ran twice in one iteration")]
     replay_with_fault(ref, faulty, "instance:once", monkeypatch)
-    code, verdict = _verdict(ref, faulty, tmp_path)
+    code, verdict = compare_verdict(ref, faulty, tmp_path)
     assert code == 1 and verdict["culprit"]["module"] == "(root)"
     assert verdict["culprit"]["tensor"] == "out@0:input.0"
     assert [u["module"] for u in verdict["culprit_includes"]] == ["once"]
 
 
-def test_a_fault_no_probe_can_see_is_unattributed_not_a_match(refs, tmp_path, monkeypatch):
+def test_a_fault_no_probe_can_see_is_unattributed_not_a_match(references, tmp_path, monkeypatch):
     """The loss function runs outside the model: a wrong cross_entropy there is no call's fault."""
-    ref, tgt = refs(CNN), tmp_path / "tgt.h5"
+    ref, tgt = references(CNN), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, "function:cross_entropy", monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 1 and verdict["status"] == "diverged" and verdict["basis"] == "unattributed", verdict
     assert verdict["culprit"] is None and "loss" in verdict["loss_unexplained"]
     res = run_cli("compare", ref, tgt)

@@ -5,37 +5,14 @@ the report says when the rerun machinery cannot reproduce a call (`oneiter/recor
 
 from __future__ import annotations
 
-import json
-
 import h5py
 import pytest
 import torch
-from conftest import MODEL_FILES, record_small, replay_with_fault, run_cli
+from conftest import MODEL_FILES, compare_verdict, replay_with_fault
 
 STRIDED = str(MODEL_FILES / "strided.py:build")
 MIXER = str(MODEL_FILES / "mixer.py:build")
 OPTIM = str(MODEL_FILES / "vendor_optim.py:build")
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    made = {}
-
-    def get(spec: str):
-        if spec not in made:
-            out = tmp_path_factory.mktemp("ref") / "ref.h5"
-            record_small(out, spec, batch_size=2)
-            made[spec] = out
-        return made[spec]
-
-    return get
-
-
-def _verdict(ref, tgt, tmp_path) -> tuple[int, dict]:
-    report = tmp_path / "report.json"
-    res = run_cli("compare", ref, tgt, "--json", report)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(report.read_text())["verdict"]
 
 
 NAMED = [
@@ -50,10 +27,10 @@ NAMED = [
 
 
 @pytest.mark.parametrize("spec,fault,expected", NAMED, ids=[f for _, f, _ in NAMED])
-def test_fault_shapes_are_named_where_they_live(spec, fault, expected, refs, tmp_path, monkeypatch):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+def test_fault_shapes_are_named_where_they_live(spec, fault, expected, references, tmp_path, monkeypatch):
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, fault, monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     culprit = verdict["culprit"]
     assert code == 1 and verdict["basis"] == "local_error", verdict
     assert (culprit["module"], culprit["call"], culprit["phase"], culprit["tensor"]) == expected
@@ -62,49 +39,49 @@ def test_fault_shapes_are_named_where_they_live(spec, fault, expected, refs, tmp
 
 @pytest.mark.parametrize("spec,fault", [(STRIDED, ""), (OPTIM, ""), (OPTIM, "optimizer:vendor")],
                          ids=["strided-clean", "torch-adamw", "vendor-adamw-own-arithmetic"])
-def test_benign_targets_stay_a_match(spec, fault, refs, tmp_path, monkeypatch):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+def test_benign_targets_stay_a_match(spec, fault, references, tmp_path, monkeypatch):
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, fault, monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 0 and verdict["status"] == "match" and verdict["unprobed"] == [], verdict
     with h5py.File(tgt) as f:
         phases = {row["phase"].decode() for row in f["local"][()]}
     assert "optimizer" in phases if spec == OPTIM else "forward" in phases
 
 
-def test_strides_and_storage_offsets_are_recorded(refs):
-    with h5py.File(refs(STRIDED)) as f:
+def test_strides_and_storage_offsets_are_recorded(references):
+    with h5py.File(references(STRIDED)) as f:
         strided = f["calls/blocks.0.fc@0/forward/input.0"]
         plain = f["calls/blocks.0.proj@0/forward/input.0"]
         assert list(strided.attrs["stride"]) == [56, 1, 8] and strided.attrs["storage_offset"] == 8
         assert "stride" not in plain.attrs and "storage_offset" not in plain.attrs
 
 
-def test_a_rerun_that_does_not_reproduce_the_call_is_never_cleared(refs, tmp_path, monkeypatch):
+def test_a_rerun_that_does_not_reproduce_the_call_is_never_cleared(references, tmp_path, monkeypatch):
     """Without layout-faithful reruns the stride fault never fires in the rerun: the fidelity check sees the rerun
     miss the live output, lists the call as not reproducible, and the caller whose rerun contains it is named."""
     import oneiter.record.rerun as rerun
 
     monkeypatch.setattr(rerun, "with_layout", lambda value, layout: value)
-    ref, tgt = refs(STRIDED), tmp_path / "tgt.h5"
+    ref, tgt = references(STRIDED), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, "stride:linear", monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 1 and verdict["culprit"]["module"] == "blocks.0" and verdict["culprit"]["phase"] == "forward"
     [unprobed] = verdict["unprobed"]
     assert (unprobed["module"], unprobed["call"]) == ("blocks.0.fc", 0)
     assert unprobed["reason"].startswith("not reproducible from its inputs: its rerun on the reference's values")
 
 
-def test_a_backward_the_rerun_does_not_reproduce_is_named_by_error_growth(refs, tmp_path, monkeypatch):
+def test_a_backward_the_rerun_does_not_reproduce_is_named_by_error_growth(references, tmp_path, monkeypatch):
     """The same without layouts, for a kernel wrong only in its strided backward: fed exactly the reference's
     values, the live backward gives another input gradient than the rerun's; the call is not reproducible, and its
     gradient (1e-3 off, from gradients bitwise equal to the reference's) is named although inside tolerance."""
     import oneiter.record.rerun as rerun
 
     monkeypatch.setattr(rerun, "with_layout", lambda value, layout: value)
-    ref, tgt = refs(STRIDED), tmp_path / "tgt.h5"
+    ref, tgt = references(STRIDED), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, "stride_bwd:linear", monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 1 and verdict["basis"] == "unattributed", verdict
     assert (verdict["module"], verdict["call"], verdict["phase"], verdict["tensor"]) == (
         "blocks.1.fc", 0, "backward", "grad_input.0")
@@ -113,7 +90,7 @@ def test_a_backward_the_rerun_does_not_reproduce_is_named_by_error_growth(refs, 
     assert "its live backward gives another grad_input.0 than its rerun" in unprobed["reason"]
 
 
-def test_an_update_a_copy_cannot_reproduce_is_no_drift(refs, tmp_path, monkeypatch):
+def test_an_update_a_copy_cannot_reproduce_is_no_drift(references, tmp_path, monkeypatch):
     """A copy of the optimizer that lost its option: the live update differs from the checked shadow step, the
     rows go, and the update (from weights and gradients bitwise equal to the reference's) is unattributed, never
     drift."""
@@ -127,9 +104,9 @@ def test_an_update_a_copy_cannot_reproduce_is_no_drift(refs, tmp_path, monkeypat
         return copy
 
     monkeypatch.setattr(rows, "faithful_copy", lossy)
-    ref, tgt = refs(OPTIM), tmp_path / "tgt.h5"
+    ref, tgt = references(OPTIM), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, "optimizer:eps_inside_sqrt", monkeypatch)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 1 and verdict["basis"] == "unattributed", verdict
     assert (verdict["module"], verdict["phase"], verdict["tensor"]) == ("0", "optimizer", "weight")
     assert "bitwise equal" in verdict["reason"]
@@ -161,11 +138,11 @@ def test_a_faithful_copy_keeps_instance_options_and_never_touches_the_original()
     del sched
 
 
-def test_an_optimizer_option_is_named_under_bf16_autocast(refs, tmp_path, monkeypatch):
+def test_an_optimizer_option_is_named_under_bf16_autocast(references, tmp_path, monkeypatch):
     """The update runs outside autocast, in the parameters' float32: its error is calibrated whenever it is above
     float32's roundoff, not only above bf16's (which hid a 1.5e-3 fault)."""
-    ref, tgt = refs(OPTIM), tmp_path / "tgt.h5"
+    ref, tgt = references(OPTIM), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, "optimizer:eps_inside_sqrt", monkeypatch, amp="bf16")
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     culprit = verdict["culprit"]
     assert code == 1 and (culprit["module"], culprit["phase"], culprit["tensor"]) == ("0", "optimizer", "weight")

@@ -10,37 +10,13 @@ and that false alarm hid any real fault later in causal order (the first block's
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from conftest import MODEL_FILES, record_small, replay, replay_with_fault, run_cli
+from conftest import MODEL_FILES, compare_verdict, replay, replay_with_fault, run_cli
 
 from oneiter.judge.engine import compare_files
 
 HANDOFF = str(MODEL_FILES / "handoff.py:build")
 T5 = str(MODEL_FILES / "hf_t5.py:build")
-
-
-@pytest.fixture(scope="module")
-def refs(tmp_path_factory):
-    """One float32 CPU reference per model file, recorded clean on first use."""
-    made = {}
-
-    def get(spec: str):
-        if spec not in made:
-            out = tmp_path_factory.mktemp("ref") / "ref.h5"
-            record_small(out, spec, batch_size=2)
-            made[spec] = out
-        return made[spec]
-
-    return get
-
-
-def _verdict(ref, tgt, tmp_path) -> tuple[int, dict]:
-    report = tmp_path / "report.json"
-    res = run_cli("compare", ref, tgt, "--json", report)
-    assert res.exit_code in (0, 1), res.output
-    return res.exit_code, json.loads(report.read_text())["verdict"]
 
 
 def _t5(*options):
@@ -53,18 +29,18 @@ CLEAN += _t5({"seed": 3}, {"threads": 1}, {"amp": "bf16"})
 
 
 @pytest.mark.parametrize("spec,options", CLEAN)
-def test_clean_replays_are_a_match(spec, options, refs, tmp_path):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+def test_clean_replays_are_a_match(spec, options, references, tmp_path):
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay(ref, tgt, **options)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     assert code == 0 and verdict["status"] == "match" and verdict["basis"] == "local_error", verdict
     assert verdict["unprobed"] == [] and verdict["num_local"] > 20
 
 
-def test_the_handed_on_gradient_is_still_judged_and_exact(refs, tmp_path):
+def test_the_handed_on_gradient_is_still_judged_and_exact(references, tmp_path):
     """The later blocks' own consumption of the bias is a judged row (not dropped as passed on), and on an exact
     replay it is bit for bit the reference's."""
-    ref, tgt = refs(HANDOFF), tmp_path / "tgt.h5"
+    ref, tgt = references(HANDOFF), tmp_path / "tgt.h5"
     replay(ref, tgt)
     rows = {(r.module, r.tensor): r for r in compare_files(ref, tgt).local if r.phase == "backward"}
     for block in ("blocks.1", "blocks.2"):
@@ -99,11 +75,11 @@ FAULTED += [
 
 
 @pytest.mark.parametrize("spec,fault,options,expected,flagged", FAULTED)
-def test_a_fault_behind_the_handed_on_value_is_named(spec, fault, options, expected, flagged, refs, tmp_path,
+def test_a_fault_behind_the_handed_on_value_is_named(spec, fault, options, expected, flagged, references, tmp_path,
                                                      monkeypatch):
-    ref, tgt = refs(spec), tmp_path / "tgt.h5"
+    ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, fault, monkeypatch, **options)
-    code, verdict = _verdict(ref, tgt, tmp_path)
+    code, verdict = compare_verdict(ref, tgt, tmp_path)
     culprit = verdict["culprit"]
     assert code == 1 and verdict["status"] == "diverged" and verdict["basis"] == "local_error", verdict
     assert (culprit["module"], culprit["call"], culprit["phase"], culprit["tensor"]) == expected
@@ -111,9 +87,9 @@ def test_a_fault_behind_the_handed_on_value_is_named(spec, fault, options, expec
     assert {r.module for r in compare_files(ref, tgt).local if r.flagged} == flagged
 
 
-def test_replaying_one_layer_that_hands_its_input_on_matches(refs):
+def test_replaying_one_layer_that_hands_its_input_on_matches(references):
     """`oneiter replay --layer`: the handed-on input gets no gradient seed there either (its recorded gradient is
     every consumer's), so a clean layer checks exact and no note blames a derived output."""
-    res = run_cli("replay", refs(HANDOFF), "--layer", "blocks.1", "--model", HANDOFF)
+    res = run_cli("replay", references(HANDOFF), "--layer", "blocks.1", "--model", HANDOFF)
     assert res.exit_code == 0, res.output
     assert "note:" not in res.output and "grad_input.1" in res.output

@@ -14,6 +14,7 @@ from typing import Callable
 
 from oneiter.errors import OneIterError
 from oneiter.judge.engine import compare_files
+from oneiter.outputs import resolve_folder
 from oneiter.record.run import SpecOptions, record
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
@@ -55,7 +56,7 @@ def run_demo(
     fault = fault or DEFAULT_FAULT.get(model)
     if fault is None:
         raise OneIterError(f"no default fault layer for model '{model}': pass --fault PATH")
-    directory = Path(directory)
+    directory = resolve_folder(directory, "--dir")
     directory.mkdir(parents=True, exist_ok=True)
     ref, tgt = directory / "reference.h5", directory / "target.h5"
     args = DEMO_ARGS.get(model, {})

@@ -48,6 +48,26 @@ FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1
 BUILTIN = ("resnet18", "mobilenet_v2", "llama_tiny")
 
 
+@pytest.fixture(scope="session")
+def files(tmp_path_factory):
+    """The MLP recordings of `tests/format/mutants.py`: the reference, a plain recording equal to it, and a copy of
+    that with one output changed (shared by the exit-code and output tests)."""
+    import sys
+
+    import h5py
+
+    sys.path.insert(0, str(Path(__file__).parent / "format"))
+    import mutants
+
+    folder = tmp_path_factory.mktemp("mlp_files")
+    pair = mutants.make_pair(folder)
+    diverged = folder / "diverged.h5"
+    diverged.write_bytes(pair.plain.read_bytes())
+    with h5py.File(diverged, "r+") as f:
+        f["calls/0@0/forward/output"][0, 0] += 1.0
+    return pair.ref, pair.plain, diverged
+
+
 def run_cli(*args):
     """Run the real `oneiter` app in-process; returns typer's Result (exit_code, stdout, stderr, output)."""
     from typer.testing import CliRunner

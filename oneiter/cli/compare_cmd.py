@@ -2,13 +2,13 @@
 
 Thin on purpose: the work is in `oneiter.judge.engine` (and `report` for output; `ranks` for the files of a
 multi-rank run). torch/numpy are imported inside the command so `oneiter --help` stays fast. Exit codes: 0 match,
-1 divergence, 2 bad input or inconclusive (the result's `exit_code`), 3 an internal error. Report files are
-written atomically (`report.atomic`).
+1 divergence, 2 bad input or inconclusive (the result's `exit_code`), 3 an internal error. Every output path is
+resolved by `oneiter.outputs` before the comparison runs: files are written whole or not at all, devices, FIFOs
+and `/dev/stdout` directly, `-` is stdout for --json and --csv.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -66,7 +66,8 @@ ShowAll = Annotated[bool, typer.Option("--all", help="Show every entry, not only
 JsonOut = Annotated[
     Optional[Path], typer.Option("--json", metavar="FILE", help="Write the full report as JSON ('-': stdout).")
 ]
-CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry.")]
+CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry ('-': "
+                                                                              "stdout).")]
 Tolerances = Annotated[
     Optional[Path],
     typer.Option("--tolerances", metavar="FILE", help=
@@ -79,18 +80,16 @@ TbOut = Annotated[
 ]
 
 
-def _check_output(option: str, path: Optional[Path], inputs: tuple[Path, ...]) -> None:
-    """Refuse an output path that is one of the inputs, or whose folder does not exist."""
-    if path is None or str(path) == "-":
-        return
-    for given in inputs:
-        same = path.resolve() == given.resolve() or (path.exists() and given.exists() and os.path.samefile(path, given))
-        if same:
-            raise OneIterError(f"{option} {path} would overwrite the input recording '{given}': choose another file")
-    if path.is_dir():
-        raise OneIterError(f"{option} {path} is a directory, expected a file path")
-    if not path.resolve().parent.is_dir():
-        raise OneIterError(f"{option} {path}: folder '{path.parent}' does not exist")
+def _destinations(json_path, csv_path, html_path, inputs: tuple[Path, ...]) -> dict:
+    """Each report output resolved (`oneiter.outputs`) before anything runs: a refused one is one line, exit 2;
+    two that would write the same file, or both to stdout, are refused too."""
+    from oneiter.outputs import check_distinct, resolve
+
+    given = [("--json", json_path, True), ("--csv", csv_path, True), ("--html", html_path, False)]
+    dests = {option: resolve(path, option, stdout_ok=ok, inputs=inputs) for option, path, ok in given
+             if path is not None}
+    check_distinct(list(dests.items()))
+    return dests
 
 
 @handle_errors
@@ -114,40 +113,41 @@ def compare(
     from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
-    outputs = [("--json", json_path), ("--csv", csv_path), ("--html", html_path)]
-    for option, path in outputs:
-        _check_output(option, path, inputs)
-    json_to_stdout = json_path is not None and str(json_path) == "-"
-    files = [p.resolve() for _, p in outputs if p is not None and str(p) != "-"]
-    if len(files) != len(set(files)):
-        raise OneIterError("--json, --csv and --html must write to different files")
+    dests = _destinations(json_path, csv_path, html_path, inputs)
+    if tb_dir is not None:
+        from oneiter.outputs import resolve_folder
+
+        resolve_folder(tb_dir, "--tensorboard")
+    # a report written to stdout (`--json -`, `--csv /dev/stdout`) is all stdout carries: the human report goes to
+    # stderr
+    to_stdout = any(d.to_stdout for d in dests.values())
     if target is not None and (is_ranked(reference) or is_ranked(target)):
-        unsupported = [o for o, p in [*outputs[1:], ("--tensorboard", tb_dir)] if p is not None]
+        unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tb_dir else [])
         if unsupported:
             raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
-        raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, json_path))
+        raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
+                                        to_stdout))
 
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
 
-    # with `--json -` stdout carries only the JSON, so the human report moves to stderr
-    report.print_report(err if json_to_stdout else out, result, show_all=show_all)
-    _emit_json(json_path, result.to_json)
-    if csv_path is not None:
-        report.write_csv(result, csv_path)
-        err.print(f"wrote {csv_path}", markup=False)
-    if html_path is not None:
+    report.print_report(err if to_stdout else out, result, show_all=show_all)
+    _emit_json(dests.get("--json"), result.to_json)
+    if "--csv" in dests:
+        report.write_csv(result, dests["--csv"])
+        _wrote(dests["--csv"])
+    if "--html" in dests:
         from oneiter.report.html import write_html
 
-        write_html(result, html_path)
-        err.print(f"wrote {html_path}", markup=False)
+        write_html(result, dests["--html"])
+        _wrote(dests["--html"])
     if tb_dir is not None:
         from oneiter.report.tensorboard import write_tensorboard
 
         event_file = write_tensorboard(result, tb_dir, result.reference, result.target)
         err.print(f"wrote {event_file} (view: tensorboard --logdir {tb_dir})", markup=False)
     if suggest:
-        _print_suggestion(result, err if json_to_stdout else out)
+        _print_suggestion(result, err if to_stdout else out)
     raise typer.Exit(result.exit_code)
 
 
@@ -162,20 +162,23 @@ def _print_suggestion(result, console) -> None:
         console.print(terminal_text(line), markup=False)
 
 
-def _emit_json(json_path: Optional[Path], document) -> None:
-    """`--json FILE` writes the report; `--json -` prints it alone on stdout. `document()` builds it."""
-    if json_path is None:
+def _emit_json(dest, document) -> None:
+    """`--json FILE` writes the report (resolved by `oneiter.outputs`: whole or not at all for a file, directly to
+    a device, FIFO or stdout); `document()` builds it."""
+    if dest is None:
         return
     import json
 
-    text = json.dumps(document(), indent=1, allow_nan=False)
-    if str(json_path) == "-":
-        out.out(text, highlight=False)
-        return
-    from oneiter.report.atomic import write_text_atomic
+    from oneiter.outputs import write_text
 
-    write_text_atomic(json_path, text + "\n")  # whole or not at all: never a 0-byte report
-    err.print(f"wrote {json_path}", markup=False)
+    write_text(dest, json.dumps(document(), indent=1, allow_nan=False) + "\n")
+    _wrote(dest)
+
+
+def _wrote(dest) -> None:
+    """`wrote FILE` on stderr for a report written to a file or device (not for stdout, which the reader sees)."""
+    if dest.kind != "stdout":
+        err.print(f"wrote {terminal_text(dest.given)}", markup=False)
 
 
 def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None, tolerances: Optional[Path] = None):
@@ -188,7 +191,8 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
     return result
 
 
-def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_path) -> int:
+def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_dest,
+                   to_stdout: bool) -> int:
     """Rank by rank (`oneiter.judge.ranks`, shown by `oneiter.report.ranks`): overall verdict, one line per rank,
     reports; returns the exit code."""
     from oneiter.api import compare_ranks
@@ -198,9 +202,8 @@ def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_a
     set_outcome(result.exit_code)
     for note in result.notes:
         err.print(f"warning: {terminal_text(note)}", markup=False)
-    json_to_stdout = json_path is not None and str(json_path) == "-"
-    print_ranked(err if json_to_stdout else out, result, show_all=show_all)
-    _emit_json(json_path, result.to_json)
+    print_ranked(err if to_stdout else out, result, show_all=show_all)
+    _emit_json(json_dest, result.to_json)
     return result.exit_code
 
 

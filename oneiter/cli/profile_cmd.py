@@ -179,11 +179,12 @@ def diff_command(
 
     if sort not in DIFF_SORTS:
         raise OneIterError(f"--sort must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
+    from oneiter.outputs import resolve, write_text
+
+    dest = None if json_out is None else resolve(json_out, "--json", stdout_ok=True)
     diff = diff_profiles(dir_a, dir_b)
-    payload = json.dumps(diff.to_json(), indent=1)
-    if json_out is not None and str(json_out) == "-":
-        out.print(payload, markup=False, highlight=False)
-        return
-    if json_out is not None:
-        json_out.write_text(payload + "\n", encoding="utf-8")
+    if dest is not None:
+        write_text(dest, json.dumps(diff.to_json(), indent=1) + "\n")
+        if dest.to_stdout:
+            return
     out.print(format_diff(diff, limit or None, sort), markup=False)

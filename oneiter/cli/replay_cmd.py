@@ -14,8 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from oneiter.cli import options as opt
-from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out
-from oneiter.errors import OneIterError
+from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out, terminal_text
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -110,16 +109,6 @@ def print_report(console, result) -> None:
     console.print(_timing_line(result), markup=False)
 
 
-def _check_json_path(path: Optional[Path], recording: Path) -> None:
-    """Refuse, before the run, a --json path that is the recording itself or whose folder does not exist."""
-    if path is None or str(path) == "-":
-        return
-    if path.resolve() == recording.resolve():
-        raise OneIterError(f"--json {path} would overwrite the recording '{recording}': choose another file")
-    if path.is_dir() or not path.resolve().parent.is_dir():
-        raise OneIterError(f"--json {path}: expected a file path in an existing folder")
-
-
 @handle_errors
 def replay(
     file: File,
@@ -133,18 +122,17 @@ def replay(
             "that runs. Built-in models default to the recorded name.")] = None,
 ) -> None:
     from oneiter.judge.layer import replay_layer
+    from oneiter.outputs import resolve, write_text
 
-    _check_json_path(json_path, file)
+    # resolved before the run (`oneiter.outputs`): a refused path is one line; never the recording itself
+    dest = None if json_path is None else resolve(json_path, "--json", stdout_ok=True, inputs=(file,))
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model)
-    to_stdout = json_path is not None and str(json_path) == "-"
+    to_stdout = dest is not None and dest.to_stdout
     print_report(err if to_stdout else out, result)
-    if to_stdout:
-        out.out(json.dumps(result.as_dict(), indent=1), highlight=False)
-    elif json_path is not None:
-        from oneiter.report.atomic import write_text_atomic
-
-        write_text_atomic(json_path, json.dumps(result.as_dict(), indent=1) + "\n")
-        err.print(f"wrote {json_path}")
+    if dest is not None:
+        write_text(dest, json.dumps(result.as_dict(), indent=1) + "\n")
+        if not to_stdout:
+            err.print(f"wrote {terminal_text(dest.given)}", markup=False)
     raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
 
 

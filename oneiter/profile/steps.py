@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from oneiter.outputs import file_in
 from oneiter.profile.schedule import ProfileSchedule
 from oneiter.profile.summary import FORMAT, write_summary
 from oneiter.profile.tables import build_tables, format_memory, format_modules, format_ops
@@ -157,7 +158,7 @@ class CycleExporter:
         opts = self.options
         stem = trace_stem(opts.model, self.summary["device"], self.summary["rank"], steps, opts.dtype, opts.amp)
         entry: dict[str, Any] = {"cycle": cycle, "steps": steps}
-        entry.update(write_trace(prof, self.out_dir / (stem + TRACE_SUFFIX)))
+        entry.update(write_trace(prof, file_in(self.out_dir, stem + TRACE_SUFFIX, "--out")))
         self.summary["files"].append(entry["trace"])
         memory_sort = opts.memory_sort if opts.profile_memory else None
         entry.update(build_tables(prof, len(steps), self.module_info, by_shape=opts.record_shapes,
@@ -173,7 +174,7 @@ class CycleExporter:
             )
         entry["memory_snapshot"] = self._snapshot(stem)
         entry["tables"] = stem + ".tables.txt"
-        (self.out_dir / entry["tables"]).write_text(self._tables_text(entry), encoding="utf-8")
+        file_in(self.out_dir, entry["tables"], "--out").write_text(self._tables_text(entry), encoding="utf-8")
         self.summary["files"].append(entry["tables"])
         self.summary["cycles"].append(entry)
         write_summary(self.out_dir, self.summary)
@@ -183,7 +184,7 @@ class CycleExporter:
         if memory is None:
             return None
         name = stem + ".memory_snapshot.pickle"
-        memory._dump_snapshot(str(self.out_dir / name))
+        memory._dump_snapshot(str(file_in(self.out_dir, name, "--out")))
         self.summary["files"].append(name)
         return name
 

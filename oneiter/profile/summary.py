@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from oneiter.errors import FormatError, OneIterError
+from oneiter.outputs import file_in, resolve_folder
 
 __all__ = ["SUMMARY_NAME", "FORMAT", "check_out_dir", "prepare_out_dir", "write_summary", "read_summary"]
 
@@ -43,9 +44,7 @@ def _previous_files(out_dir: Path) -> list[Path]:
 def check_out_dir(out_dir: Path, force: bool) -> list[Path]:
     """Refuse an output that is a file, or a directory holding a previous oneiter profile unless `force`;
     return the previous profile's files (what `prepare_out_dir` removes). Creates nothing."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise OneIterError(f"output '{out_dir}' exists and is not a directory; choose another -o/--out")
+    out_dir = resolve_folder(out_dir, "--out")  # a folder through links; a file, device or dangling link refused
     previous = _previous_files(out_dir) if out_dir.is_dir() else []
     if previous and not force:
         raise OneIterError(
@@ -68,8 +67,8 @@ def prepare_out_dir(out_dir: Path, force: bool) -> Path:
 
 def write_summary(out_dir: Path, summary: dict[str, Any]) -> Path:
     """Write `summary.json` atomically (a reader never sees half a file)."""
-    path = Path(out_dir) / SUMMARY_NAME
-    tmp = path.with_name(f".{SUMMARY_NAME}.tmp")
+    path = file_in(out_dir, SUMMARY_NAME, "--out")
+    tmp = file_in(out_dir, f".{SUMMARY_NAME}.tmp", "--out")
     tmp.write_text(json.dumps(summary, indent=1, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oneiter.outputs import file_in
 from oneiter.profile.module_ranges import BWD, FWD, split_marker
 
 __all__ = ["TRACE_SUFFIX", "REWRITE_LIMIT", "trace_stem", "write_trace", "read_trace"]
@@ -56,7 +57,7 @@ def trace_stem(model: str, device: str, rank: int, steps: list[int], dtype: str 
 def write_trace(prof, path: Path) -> dict[str, Any]:
     """Export `prof`'s trace once, rewrite it (backward spans, trace name) and gzip it to `path`."""
     start = time.perf_counter()
-    tmp = path.with_name(f".{path.name}.tmp.json")
+    tmp = file_in(path.parent, f".{path.name}.tmp.json", "--out")  # never a link planted there
     try:
         prof.export_chrome_trace(str(tmp))
         json_bytes = tmp.stat().st_size

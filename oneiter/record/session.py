@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 from oneiter.errors import OneIterError
 from oneiter.format.schema import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
+from oneiter.outputs import resolve
 from oneiter.record.capture import ModuleCapture, TensorSink
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
@@ -36,18 +37,16 @@ class OutputExists(OneIterError, FileExistsError):
 
 
 def check_output(out: Path, force: bool) -> Path:
-    """Refuse to overwrite an existing file without `force`, and fail early on a missing directory."""
+    """The regular file a recording goes to: `out`, or the file a symlink `out` leads to (written there, so the
+    link stays a link: `oneiter.outputs.resolve`). Refuses a directory, a device, a FIFO, a socket, a missing
+    folder, and an existing file without `force`."""
     out = Path(out)
     if out.is_dir():
         raise OneIterError(f"out '{out}' is a directory; give a file name such as {out / 'run.h5'}", param="out")
-    if out.exists() and not out.is_file():
-        raise OneIterError(f"out '{out}' exists and is not a regular file (a device, a pipe, a socket): "
-                           f"give a file name", param="out")
-    if out.exists() and not force:
+    target = resolve(out, "out", streams=False).path
+    if target.exists() and not force:
         raise OutputExists(f"out '{out}' already exists; pass force=True to overwrite it", param="out")
-    if not out.parent.exists():
-        raise OneIterError(f"out '{out}': its directory '{out.parent}' does not exist", param="out")
-    return out
+    return target
 
 
 def _temp_prefix(out: Path) -> str:
@@ -107,14 +106,15 @@ def _terminate_as_exit() -> Iterator[None]:
 def atomic_output(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary path beside `out`; rename it to `out` only if the block succeeds, else delete it (also on
     SIGTERM/SIGHUP). Stale temporary files of killed runs are removed first."""
-    out = check_output(out, force)
+    given, out = out, check_output(out, force)
     remove_stale_temps(out)
     tmp = out.with_name(f"{_temp_prefix(out)}{os.getpid()}")
     try:
         with _terminate_as_exit():
             yield tmp
         if out.exists() and not force:
-            raise OutputExists(f"out '{out}' appeared while recording; pass force=True to overwrite it", param="out")
+            raise OutputExists(f"out '{given}' appeared while recording; pass force=True to overwrite it",
+                               param="out")
         os.replace(tmp, out)
     finally:
         if tmp.exists():

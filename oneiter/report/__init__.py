@@ -4,5 +4,4 @@
 - `ranks.py`       the terminal report of a multi-rank comparison
 - `html.py`        the self-contained HTML page
 - `tensorboard.py` TensorBoard curves and histograms
-- `atomic.py`      report files written whole or not at all (temporary file + rename)
 """

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 from oneiter.judge.engine import PHASES, CompareResult
 from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
-from oneiter.report.atomic import write_text_atomic
+from oneiter.outputs import Destination, destination, write_text
 
 __all__ = [
     "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
@@ -396,12 +396,12 @@ def render_html(result: Union[CompareResult, Document]) -> str:
             f"</section>{_embedded(doc)}<script>{_JS}</script></body></html>\n")
 
 
-def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path]) -> Path:
-    """Write the report page for `result_json` (the dict of `CompareResult.to_json`, or a CompareResult) to `path`."""
-
-    path = Path(path)
-    write_text_atomic(path, render_html(result_json))  # whole or not at all
-    return path
+def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path, Destination]) -> Path:
+    """Write the report page for `result_json` (the dict of `CompareResult.to_json`, or a CompareResult) to `path`:
+    a file (whole or not at all), a device, a FIFO or `/dev/stdout` (`oneiter.outputs`)."""
+    dest = destination(path, "--html")
+    write_text(dest, render_html(result_json))
+    return Path(dest.given)
 
 
 _CSS = """

@@ -33,6 +33,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.numbers import flat_numbers
 from oneiter.judge.engine import PHASES, CompareResult
 from oneiter.judge.verdict import entry_name, num
+from oneiter.outputs import resolve_folder
 from oneiter.report.html import Document, as_document, culprit_row, find_row, verdict_of
 
 __all__ = ["write_tensorboard", "MAX_HISTOGRAMS", "NUM_BINS"]
@@ -58,7 +59,7 @@ def write_tensorboard(
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     doc = as_document(result)
-    log_dir = Path(log_dir)
+    log_dir = resolve_folder(log_dir, "--tensorboard")  # a folder (through symlinks), never a file or device
     log_dir.mkdir(parents=True, exist_ok=True)
     if any(log_dir.glob("events.out.tfevents.*")):
         warnings.warn(f"{log_dir} already holds event files: TensorBoard will mix this comparison with them "

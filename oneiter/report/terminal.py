@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from oneiter.judge.engine import CompareResult, Row, nan_inf_text
-from oneiter.report.atomic import atomic_output
+from oneiter.outputs import Destination, destination, open_text
 
 __all__ = ["to_json", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
            "AFTER"]
@@ -64,12 +64,14 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     return result.to_json()
 
 
-def write_csv(result: CompareResult, path: str | Path) -> None:
+def write_csv(result: CompareResult, path: str | Path | Destination) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
-    the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics."""
+    the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics. `path`: a file
+    (written whole or not at all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
 
     rows = [result.row_dict(i) for i in range(len(result.rows))]
-    with atomic_output(path, errors="backslashreplace", newline="") as fh:  # whole or not at all
+    dest = destination(path, "--csv", stdout_ok=True)
+    with open_text(dest, errors="backslashreplace", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])
         writer.writeheader()
         for data in rows:

@@ -10,28 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import h5py
 import pytest
 from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "format"))
-import mutants  # noqa: E402
 
 INTERNAL = ("error: internal error: RuntimeError: boom — please report it at the oneiter issue tracker; "
             "ONEITER_TRACEBACK=1 shows the traceback")
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """The MLP reference, a plain recording equal to it, and a copy of that with one output changed."""
-    folder = tmp_path_factory.mktemp("exit_codes")
-    pair = mutants.make_pair(folder)
-    diverged = folder / "diverged.h5"
-    diverged.write_bytes(pair.plain.read_bytes())
-    with h5py.File(diverged, "r+") as f:
-        f["calls/0@0/forward/output"][0, 0] += 1.0
-    return pair.ref, pair.plain, diverged
 
 
 def _boom(*args, **kwargs):
@@ -118,7 +103,7 @@ def test_a_failed_report_write_leaves_no_file_and_keeps_the_old_one(files, tmp_p
     def full_disk(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("oneiter.report.atomic.os.fsync", full_disk)
+    monkeypatch.setattr("oneiter.outputs.os.fsync", full_disk)
     out = tmp_path / "report.out"
     res = run_cli("compare", ref, diverged, option, out)
     assert res.exit_code == 2 and res.stderr.strip().splitlines()[-1] == "error: [Errno 28] No space left on device"

@@ -109,7 +109,7 @@ def test_bad_inputs_are_exit_2(resnet_ref, tmp_path):
     assert run_cli(resnet_ref, "-l", "fc", "--repeat", "0").exit_code == 2
     assert run_cli(resnet_ref).exit_code == 2  # --layer is required
     res = run_cli(resnet_ref, "-l", "fc", "--json", resnet_ref)
-    assert res.exit_code == 2 and "would overwrite the recording" in res.stderr
+    assert res.exit_code == 2 and "would overwrite the input recording" in res.stderr
 
 
 def test_a_layer_that_differs_from_its_recording_is_exit_1(resnet_ref, tmp_path):

@@ -77,11 +77,11 @@ def test_outputs_that_are_inputs_or_not_regular_files_are_refused(tmp_path, resn
     assert res.exit_code == 2 and "is the reference being replayed" in res.stderr
     assert resnet_ref.read_bytes() == before
     res = run_cli("record", "--model", "resnet18", "-o", "/dev/null", "--force")
-    assert res.exit_code == 2 and "'/dev/null' exists and is not a regular file" in res.stderr
+    assert res.exit_code == 2 and "--out '/dev/null': is a character device, not a regular file" in res.stderr
     fifo = tmp_path / "pipe.h5"
     os.mkfifo(fifo)
     res = run_cli("record", "--model", "resnet18", "-o", fifo, "--force")
-    assert res.exit_code == 2 and "is not a regular file" in res.stderr
+    assert res.exit_code == 2 and "is a FIFO (named pipe), not a regular file" in res.stderr
 
 
 def test_record_refuses_when_the_filesystem_lacks_the_space(tmp_path, monkeypatch):

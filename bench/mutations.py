@@ -2,14 +2,16 @@
 
     python bench/mutations.py [--examples 200] [--timeout 20] [--dir /tmp/oneiter-mutations]
 
-Uses the generators of tests/format/mutants.py (the ones tests/format/test_mutations.py runs in-process, 1,045
+Uses the generators of tests/format/mutants.py (the ones tests/format/test_mutations.py runs in-process, 1,239
 examples in all) with `--examples` per category, and checks every mutant in a forked child, so that a crash of
 the HDF5 library (a signal) or a hang inside C code is counted rather than taking the run down. Per mutant:
-`compare REF MUTANT`, `inspect MUTANT` and the replay read path (`mutants.check`). Prints one row per category:
-cases tried; clean outcomes (exit 0/1/2, one line on stderr for 2), of which refused with exit 2; tracebacks
-(exit 3, an escaping exception, a traceback or several lines on stderr); false matches (exit 0 after judged
-values were changed); hangs (over `--timeout` seconds); crashes (the child died of a signal). Hypothesis stops a
-category early when its space of distinct mutations is exhausted, so "tried" may be below `--examples`.
+`compare REF MUTANT`, `inspect MUTANT` and the replay read path (`mutants.check`; `limits`: `replay --layer`
+too). Prints one row per category: cases tried; of the clean outcomes (exit 0/1/2, one line on stderr for 2) those
+refused (compare exit 2), judged (exit 1) and matched (exit 0, where the mutation changed nothing judged);
+tracebacks (exit 3, an escaping exception, a traceback or several lines on stderr); false matches (exit 0 after a
+mutation that changed what is judged or forged a structure: `mutants.MUST_NOT_MATCH`); hangs (over `--timeout`
+seconds); crashes (the child died of a signal). Hypothesis stops a category early when its space of distinct
+mutations is exhausted, so "tried" may be below `--examples`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import mutants  # noqa: E402
 
 
 def run_forked(pair, mutation, mutant: Path, timeout: float) -> str:
-    """The outcome of `mutants.check` run in a forked child: clean, traceback, false_match, hang or crash."""
+    """The outcome of `mutants.check` run in a forked child: refused, judged, matched, traceback, false_match, hang
+    or crash."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: check, report one word, leave without cleanup
@@ -40,8 +43,8 @@ def run_forked(pair, mutation, mutant: Path, timeout: float) -> str:
         try:
             found = mutants.check(pair, mutation, mutant, timeout=timeout)
             word = mutants.outcome(found)
-            if word == "clean" and found.get("compare_exit") == 2:
-                word = "refused"
+            if word == "clean":
+                word = {2: "refused", 1: "judged"}.get(found.get("compare_exit"), "matched")
         except BaseException:  # noqa: BLE001
             word = "traceback"
         os.write(write_end, word.encode())
@@ -90,14 +93,13 @@ def main() -> None:
     scratch.mkdir(parents=True, exist_ok=True)
     pair = mutants.make_pair(scratch)
     mutants._cli("inspect", pair.ref)  # warm up (imports) before forking
-    columns = ("tried", "clean", "refused", "traceback", "false_match", "hang", "crash")
+    columns = ("tried", "refused", "judged", "matched", "traceback", "false_match", "hang", "crash")
     print(f"{'category':18} " + " ".join(f"{c:>11}" for c in columns) + "  seconds")
     totals: collections.Counter = collections.Counter()
     for category in mutants.CATEGORIES:
         started = time.monotonic()
         tally = run_category(pair, category, args.examples, args.timeout, scratch)
         tally["tried"] = sum(tally.values())
-        tally["clean"] += tally["refused"]  # refused (exit 2, one line) is a clean outcome too
         totals.update(tally)
         print(f"{category:18} " + " ".join(f"{tally[c]:>11}" for c in columns)
               + f"  {time.monotonic() - started:7.1f}", flush=True)

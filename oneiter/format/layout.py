@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from oneiter.errors import FormatError, OneIterError
-from oneiter.format import validate
+from oneiter.format import consistency, validate
 from oneiter.format.mapped import MappedReader
 from oneiter.format.schema import (
     BACKWARD,
@@ -33,7 +33,6 @@ from oneiter.format.schema import (
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
-    STATS_VALUES,
     UNPROBED,
     UNPROBED_FIELDS,
     LocalRow,
@@ -220,16 +219,37 @@ class IterationFile:
             raise
 
     def _validate(self) -> None:
-        """Everything a reader relies on, checked once here (`format/validate.py`, docs/format.md "Reading
-        untrusted files"): root attributes, then every link and dataset of the file, then the /stats table."""
+        """Everything a reader relies on, checked once here (docs/format.md "Reading untrusted files"): root
+        attributes, then every link and dataset of the file (`format/validate.py`), then what they form: the call
+        tree, the /stats, /random, /local and /unprobed tables and the batch size (`format/consistency.py`)."""
         validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
         self._tree = validate.check_tree(self.file, self.path)
+        groups, datasets = self._tree.groups, self._tree.datasets
+        consistency.check_calls(groups, self.path)
+        self._stats_index = self._read_stats()
+        consistency.check_random(groups, datasets, self.path)
+        consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
+        self._pass_through: set[tuple[str, int]] = set()
+        if self.local_kind() and LOCAL in datasets:
+            params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
+            self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,
+                                                         params, self.path)
+
+    def _read_stats(self) -> dict[str, tuple]:
+        """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`), each row checked
+        (`consistency.stats_index`); empty for a full recording."""
+        self._stats_raw: dict[str, tuple] = {}
+        table = self.file.get(STATS)
+        if table is None:
+            return {}
         try:
-            _ = self.stats_index  # read for its side effect: parsing the table checks every row now, on open
+            self._stats_raw = consistency.stats_index(table[()], self.path)
         except FormatError:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged row
             raise FormatError(f"'{self.path}': the /{STATS} table cannot be read ({_first_line(exc)})") from None
+        return {p: (Stats(values, checksum, kind), dtype, shape)
+                for p, (values, checksum, kind, dtype, shape) in self._stats_raw.items()}
 
     def __enter__(self) -> "IterationFile":
         return self
@@ -264,17 +284,6 @@ class IterationFile:
     @property
     def stats_index(self) -> dict[str, tuple]:
         """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`); empty for a full recording."""
-        if getattr(self, "_stats_index", None) is None:
-            self._stats_index = {}
-            table = self.file.get(STATS)
-            if table is not None:
-                for row in table[()]:
-                    shape = tuple(int(s) for s in plain(row["shape"]).split(",") if s)
-                    if any(s < 0 for s in shape):
-                        raise ValueError(f"negative dimension in shape '{plain(row['shape'])}'")
-                    stats = Stats([row[n] for n in STATS_VALUES], (row["checksum0"], row["checksum1"]),
-                                  plain(row["checksum_kind"]))
-                    self._stats_index[plain(row["path"])] = (stats, plain(row["dtype"]), shape)
         return self._stats_index
 
     def dataset_id(self, path: str):
@@ -343,15 +352,18 @@ class IterationFile:
         return str(self.meta.get("local", "") or "")
 
     def local_rows(self) -> list[LocalRow]:
-        """The rows of `/local` (empty without local data)."""
-        table = self.file.get(LOCAL)
-        if table is None:
-            return []
-        rows = []
-        for rec in table[()]:
-            values = {n: plain(rec[n]) for n, _ in LOCAL_FIELDS}
-            rows.append(LocalRow(**values))
-        return rows
+        """The rows of `/local` (empty without local data), read once."""
+        if getattr(self, "_local_rows", None) is None:
+            table = self.file.get(LOCAL)
+            self._local_rows = [] if table is None else [
+                LocalRow(**{n: plain(rec[n]) for n, _ in LOCAL_FIELDS}) for rec in table[()]]
+        return list(self._local_rows)
+
+    def pass_through_calls(self) -> set[tuple[str, int]]:
+        """(module, call) of the calls of a recording with local data that have nothing of their own to judge (every
+        output they recorded is one of their inputs: `consistency.check_local`); the judge holds their outputs to
+        their inputs, as it does an unprobed call's."""
+        return set(self._pass_through)
 
     def local_attrs(self) -> dict[str, Any]:
         return self.attrs(LOCAL)

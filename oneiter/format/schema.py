@@ -38,7 +38,8 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "RANDOM", "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
+    "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
+    "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
     "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "RAW_BITS", "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
@@ -64,6 +65,16 @@ PRECISION_MODES = "precision_modes"
 # many calls they rounded operands
 REDUCED_TARGET, REDUCED_CALLS = "reduced_target", "reduced_calls"
 REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls_reference"
+
+# overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
+# than one tensor: native_dropout keeps its output and its mask
+RANDOM_OPS = frozenset({
+    "bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "exponential_", "geometric_",
+    "cauchy_", "log_normal_", "multinomial", "random_", "poisson", "binomial", "_standard_gamma",
+    "_sample_dirichlet", "rrelu_with_noise", "rrelu_with_noise_",
+})
+RANDOM_OUTPUTS = {"native_dropout": 2}
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
 RAW_BITS = {

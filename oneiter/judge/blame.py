@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
@@ -39,7 +39,7 @@ from oneiter.judge.metrics import Metrics
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
 __all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
-           "nan_origin", "unexplained_rows", "loss_unexplained", "PHASE_ORDER"]
+           "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
 
@@ -243,19 +243,69 @@ def _gross(r) -> bool:
     return limit is not None and r.metrics.rel_l2 >= limit[0] and r.metrics.cosine <= limit[1]
 
 
-class _Upstream:
-    """The engine's accumulated errors, indexed by entry and by call, to find the largest error of what an entry
-    was computed from."""
+class Sources:
+    """The engine's accumulated errors, indexed by entry and by call: the largest error of what an entry was
+    computed from, and whether all of it is bitwise the reference's (`exact_*`).
 
-    def __init__(self, rows: list, loss: dict[str, Optional[float]]):
+    What a call's own code computes from, in a phase (what its teacher-forced rerun is fed): forward, its inputs
+    and its children's outputs; backward, the same plus its output gradients and its children's input gradients.
+    An entry is *exact* when it was measured and is bitwise equal (rel_l2 and max_abs 0, NaN/Inf where the
+    reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
+    or a child with no recorded output, is not)."""
+
+    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None):
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
+        self.keys: dict[tuple[str, int, str], list[tuple]] = {}
         for (module, call, phase, tensor), err in self.errors.items():
             kind = "in" if is_input(tensor) else "out"
             self.by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
+            self.keys.setdefault((module, call, f"{phase}.{kind}"), []).append((module, call, phase, tensor))
+        self.bitwise = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None
+                      and r.status in ("match", "diverged") and _bitwise(r.metrics)}
+        self.children: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        for child, parent in (parents or {}).items():
+            if parent is not None:
+                self.children.setdefault(parent, []).append(child)
+        self.calls_of: dict[str, list[int]] = {}
+        for module, call in {(m, c) for m, c, _ in self.by_call}:
+            self.calls_of.setdefault(module, []).append(call)
+        self.all_exact = bool(self.errors) and all(
+            k in self.bitwise for k in self.errors if k[2] in (FORWARD, BACKWARD))
         self.everything = max(self.errors.values(), default=0.0)
         self.root_out = max(self.by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
         self.loss_err = _scalar_error(loss)
+
+    def exact_call(self, module: str, call: int, phase: str) -> bool:
+        """Whether everything a call's own code computed from in `phase` is known and bitwise the reference's."""
+        own = ("forward.in",) if phase == FORWARD else ("forward.in", "backward.in")
+        theirs = ("forward.out",) if phase == FORWARD else ("forward.out", "backward.out")
+        keys = [k for kind in own for k in self.keys.get((module, call, kind), [])]
+        if not keys:
+            return False
+        for child in self.children.get((module, call), []):
+            found = [k for kind in theirs for k in self.keys.get((*child, kind), [])]
+            if not found:
+                return False
+            keys += found
+        return all(k in self.bitwise for k in keys)
+
+    def exact_local(self, r: LocalResult, world_size: int = 1) -> bool:
+        """Whether everything the local row's value was computed from is bitwise the reference's: its call's
+        sources (forward, backward); for a parameter gradient (summed over every call that used it, shared weights
+        included) every recorded forward and backward entry; for an update, its exact gradient (a buffer: its
+        module's forward sources). Gradients averaged over ranks are no rank's own: never exact there."""
+        if r.phase in (FORWARD, BACKWARD):
+            return self.exact_call(r.module, r.call, r.phase)
+        if world_size > 1:
+            return False
+        if r.phase == "param_grad":
+            return self.all_exact
+        grad = (r.module, 0, "param_grad", r.tensor)
+        if grad in self.errors:
+            return grad in self.bitwise
+        calls = self.calls_of.get(r.module, [])
+        return bool(calls) and all(self.exact_call(r.module, c, FORWARD) for c in calls)
 
     def _module_errors(self, module: str, kinds: tuple[str, ...]) -> list[float]:
         """The errors of every call of `module` of the given kinds (`forward.in`, ...), in index order."""
@@ -291,15 +341,12 @@ class _Upstream:
         if (r.module, r.call, r.phase, r.tensor) in covered:
             return False
         if r.phase == "optimizer":
-            sources = [self.errors.get((r.module, 0, "param_grad", r.tensor))]
-        elif r.phase == "param_grad":
-            sources = self._module_errors(r.module, ("forward.in", "backward.in"))
-        elif (r.module, r.call) in unprobed and not is_input(r.tensor):
-            kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
-            sources = [e for k in kinds for e in self.by_call.get((r.module, r.call, k), [])]
-        else:
-            return False
-        return bool(sources) and all(e == 0.0 for e in sources)
+            return (r.module, 0, "param_grad", r.tensor) in self.bitwise
+        if r.phase == "param_grad":  # summed over every call that used it (shared weights too): every entry
+            return self.all_exact
+        if (r.module, r.call) in unprobed and not is_input(r.tensor):
+            return self.exact_call(r.module, r.call, r.phase)
+        return False
 
     def inputs(self, r) -> float:
         """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
@@ -312,14 +359,16 @@ class _Upstream:
 
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
-                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "") -> list[Finding]:
+                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "",
+                     sources: Optional[Sources] = None) -> list[Finding]:
     """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
     does not explain, in causal order.
 
-    `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed;
-    `covered` the keys of parameter-gradient and optimizer entries that have a local row of their own.
+    `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed
+    (or that had nothing of their own to judge); `covered` the keys of parameter-gradient and optimizer entries
+    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one).
     """
-    upstream = _Upstream(rows, loss)
+    upstream = sources or Sources(rows, loss)
     found = []
     for i, r in enumerate(rows):
         if r.metrics is None or r.status not in ("match", "diverged"):
@@ -336,7 +385,66 @@ def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePol
     return found
 
 
-def _gross_finding(i: int, r, upstream: _Upstream, noise: NoisePolicy) -> Optional[Finding]:
+# How closely a value computed from exact sources must agree with its own rerun, in units of the run's roundoff:
+# on the CPU the fidelity check held the rerun to the live call bitwise (what is left is the two metrics' own
+# float64 arithmetic); elsewhere within 4x the rerun-to-rerun spread, which nondeterministic kernels give.
+AGREE_ULPS = {"cpu": 4.0, "device": 64.0}
+AGREE_REL = 0.01  # and in any case within 1 % of the larger error
+
+
+def own_values(rows: list, local: list[LocalResult], sources: Sources, *, on_cpu: bool, run_dtype: str,
+               world_size: int = 1, update_scale: Optional[Callable[[str, str], float]] = None
+               ) -> tuple[list[Finding], set[int]]:
+    """Entries computed from values all bitwise the reference's: their accumulated error *is* their own code's
+    error, so it must agree with their local row (`Sources.exact_local`). One that does not is an `unexplained`
+    finding, whichever way: the value is not what its code computes from those values (a gradient scaled after
+    backward, a wrong accumulation), or its local row claims an error the value does not have (a damaged or
+    forged file). Returns the findings and the rows that agree and are outside tolerance: their own rounding,
+    never accumulated drift (`verdict.settle_rows` labels them `rounding`). Flagged rows are the culprit's
+    business and left alone.
+
+    A parameter's update row measures the update (after - before, relative to the reference's update), its entry
+    the updated value (relative to the updated value): `update_scale(module, tensor)` gives ||after|| / ||update||
+    of the reference, which turns one into the other (read only where the updated value is not bitwise the
+    reference's; without it, those are not checked)."""
+    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(rows)}
+    found, rounding = [], set()
+    ulps = AGREE_ULPS["cpu" if on_cpu else "device"]
+    for lr in local:
+        i = index.get(lr.row_key)
+        if lr.flagged or i is None or rows[i].metrics is None or rows[i].status not in ("match", "diverged"):
+            continue
+        if not sources.exact_local(lr, world_size):
+            continue
+        acc, own, what = rows[i].metrics.rel_l2, lr.rel_l2, "rel_l2"
+        floor = max(unit_roundoff(lr.dtype), unit_roundoff(run_dtype))
+        if lr.phase == "optimizer" and (lr.module, 0, "param_grad", lr.tensor) in sources.errors and acc > 0:
+            if update_scale is None:
+                continue
+            scale = update_scale(lr.module, lr.tensor)  # ||after|| / ||update||: the updated value's rounding too
+            acc, floor, what = acc * scale, floor * max(scale, 1.0), "rel_l2 of its update"
+        limit = max(AGREE_REL * max(acc, own), ulps * floor)
+        if abs(acc - own) <= limit:  # NaN on either side is no agreement
+            if rows[i].status == "diverged":
+                rounding.add(i)
+            continue
+        if acc > own:
+            why = (f"{what} {acc:.2e}, although everything it was computed from is bitwise the reference's and "
+                   f"its own code, rerun on those values, differs by only {own:.2e}: the value is not what its "
+                   f"code computes")
+        else:
+            why = (f"{what} {acc:.2e}, from values all bitwise the reference's, yet its local row claims its own "
+                   f"code differs by {own:.2e}: the file contradicts itself")
+        found.append(Finding.of("unexplained", i, why))
+    return found, rounding
+
+
+def _bitwise(m) -> bool:
+    """Measured bitwise equal: no difference at all (NaN/Inf where the reference has them)."""
+    return m.rel_l2 == 0 and m.max_abs == 0 and not m.nonfinite_differs
+
+
+def _gross_finding(i: int, r, upstream: Sources, noise: NoisePolicy) -> Optional[Finding]:
     """An `unexplained` finding for a diverged entry far off (see GROSS) from inputs that are close: no rounding
     drift does this, whatever the local rows say (they cover each call's own code; this value did not come out
     of it)."""

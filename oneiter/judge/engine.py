@@ -15,10 +15,11 @@ presentation (`oneiter.report`, the CLI). Steps:
    match.
 
 Row statuses: match, diverged, missing_in_target, missing_in_reference, shape_mismatch, dtype_mismatch, and, with
-local data, drift (outside tolerance, but the call's own code is within noise: accumulated error; `verdict.py`
-settles it); every one but `match` and `drift` is a divergence. Stored dtypes may differ without a dtype_mismatch
-only when the two runs were made in different precisions on purpose (meta `dtype`/`amp` differ): the values are
-then compared in float64 with the tolerance of the lower-precision dtype.
+local data, drift (outside tolerance, but the call's own code is within noise: accumulated error) and rounding
+(outside tolerance, but computed from values bitwise the reference's: the call's own error, within its noise;
+`verdict.py` settles both); every one but `match`, `rounding` and `drift` is a divergence. Stored dtypes may
+differ without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta
+`dtype`/`amp` differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ from oneiter.format.schema import (
 from oneiter.judge.blame import (
     LocalResult,
     NoisePolicy,
+    Sources,
     culprit_chain,
     find_culprit,
     local_results,
     loss_unexplained,
     nan_origin,
+    own_values,
     unexplained_rows,
 )
 from oneiter.judge.findings import Finding, row_findings
@@ -73,8 +76,9 @@ __all__ = [
 ]
 
 PHASES = ("forward", "backward", "param_grad", "optimizer")
-STATUSES = ("match", "drift", "diverged", "missing_in_target", "missing_in_reference", "shape_mismatch",
+STATUSES = ("match", "rounding", "drift", "diverged", "missing_in_target", "missing_in_reference", "shape_mismatch",
             "dtype_mismatch")
+NOT_DIVERGED = ("match", "rounding", "drift")
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
              "faults", "torch_version", "oneiter_version")
@@ -99,8 +103,9 @@ class Row:
 
     @property
     def diverged(self) -> bool:
-        """A divergence (drift, accumulated error whose calls are each within noise, is not)."""
-        return self.status not in ("match", "drift")
+        """A divergence (drift, accumulated error whose calls are each within noise, is not; nor is rounding, a
+        call's own error within its noise on values bitwise the reference's)."""
+        return self.status not in NOT_DIVERGED
 
     @property
     def name(self) -> str:
@@ -163,6 +168,9 @@ class CompareResult:
     precision: Optional[dict] = None
     """The reduced-precision float32 modes (TF32...) each side ran, and those the calibration reproduced
     (`_precision`); None when neither side ran any."""
+    rounding: set[int] = field(default_factory=set)
+    """Rows outside tolerance computed from values all bitwise the reference's, whose error is their own code's
+    and within its noise (`blame.own_values`): `rounding`, never drift."""
 
     @property
     def has_local(self) -> bool:
@@ -539,9 +547,17 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
     result.precision = _precision(ref, tgt)
+    sources = Sources(result.rows, result.loss, parents)
+    own: list[Finding] = []
+    if result.local_kind == "teacher_forced":
+        own, result.rounding = own_values(
+            result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
+            run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
+            world_size=int(tgt.meta.get("world_size") or 1), update_scale=functools.partial(_update_scale, ref))
     found = _culprit(result, parents)
     if not found:
-        found = _unattributed(result, ref, tgt, policy, noise)
+        found = sorted([*own, *_unattributed(result, ref, tgt, policy, noise, sources)],
+                       key=lambda f: (f.entry is None, f.entry or 0))
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
@@ -584,13 +600,14 @@ def _culprit(result: CompareResult, parents: dict) -> list[Finding]:
 
 
 def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy,
-                  noise: NoisePolicy) -> list[Finding]:
+                  noise: NoisePolicy, sources: Sources) -> list[Finding]:
     """With no call to blame: the entries no probe covers and the loss, where the precision does not explain
-    them; without local data, the loss outside its tolerance."""
+    them; without local data, the loss outside its tolerance. Calls with nothing of their own to judge (their
+    outputs are their inputs) are held to their inputs like unprobed ones."""
     if not result.local_kind:
         return _loss_outside(result.loss, policy, _loss_dtype(tgt))
     same = _run_precision(ref.meta) == _run_precision(tgt.meta)
-    unprobed = {(u["module"], u["call"]) for u in result.unprobed}
+    unprobed = {(u["module"], u["call"]) for u in result.unprobed} | tgt.pass_through_calls()
     if not tgt.meta.get("random_replay", True):  # random ops drew this run's own values: not judged locally
         unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
                      if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
@@ -600,7 +617,7 @@ def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile,
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
                     if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
     found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
-                             amp=amp_dtype_name(tgt.meta.get("amp")))
+                             amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources)
     return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
 
 
@@ -617,13 +634,25 @@ def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> list[
     return []
 
 
+def _update_scale(ref: IterationFile, module: str, tensor: str) -> float:
+    """||after|| / ||after - before|| of the reference's parameter `module.tensor` (inf: it did not move)."""
+    name = tensor if module == ROOT_MODULE else f"{module}.{tensor}"
+    before, after = ref.state(STATE_BEFORE).get(name), ref.state(STATE_AFTER).get(name)
+    if before is None or after is None or ref.is_stats(before) or ref.is_stats(after):
+        return math.inf
+    a, b = ref.read(after).astype(np.float64), ref.read(before).astype(np.float64)
+    update = float(np.linalg.norm(a - b))
+    return float(np.linalg.norm(a)) / update if update else math.inf
+
+
 def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:
     """Unprobed calls that ran live inside the culprit's rerun (their unprobed ancestors lead up to it)."""
     failed = {(u["module"], u["call"]): u for u in unprobed}
     found = []
     for key, entry in failed.items():
-        at = parents.get(key)
-        while at is not None and at in failed:
+        at, seen = parents.get(key), {key}
+        while at is not None and at in failed and at not in seen:  # the file's parents form a tree (validated)
+            seen.add(at)
             at = parents.get(at)
         if at == (culprit.module, culprit.call):
             found.append(entry)

@@ -32,7 +32,8 @@ PRIORITY = {
     "loss": 10,
 }
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
-MEASURED = ("match", "diverged", "drift")  # row statuses of entries both sides hold with one shape and dtype
+# row statuses of entries both sides hold with one shape and dtype
+MEASURED = ("match", "diverged", "drift", "rounding")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.judge.engine import CompareResult, compare_files
 from oneiter.judge.verdict import RankedVerdict, decide_ranked, json_ready
-from oneiter.runtime.distributed import RANK_FILE
+from oneiter.runtime.distributed import LOOKS_RANKED, RANK_FILE
 
 __all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks"]
 
@@ -101,9 +101,13 @@ def _rank_files(path: Path) -> list[tuple[str, int, Path]]:
         candidates, wanted = path.parent.glob("*.rank*.h5"), _stem(path)
     found = []
     for file in candidates:
-        match = RANK_FILE.match(file.name)
-        if match and wanted in (None, match["stem"]) and file.is_file():
-            found.append((match["stem"], int(match["rank"]), file))
+        looks = LOOKS_RANKED.match(file.name)
+        if looks is None or wanted not in (None, looks["stem"]) or not file.is_file():
+            continue
+        if RANK_FILE.match(file.name) is None:  # rank00, rank0001, a rank of 20 digits: never silently skipped
+            raise FormatError(f"'{file}' looks like a rank file but is not named <name>.rank<R>.h5 with R as "
+                              f"torchrun numbers ranks (0, 1, ... without leading zeros): rename or remove it")
+        found.append((looks["stem"], int(looks["rank"]), file))
     return found
 
 
@@ -133,14 +137,33 @@ def find_rank_files(path: str | os.PathLike) -> dict[int, Path]:
         raise OneIterError(f"{where} holds rank files of {len(stems)} runs ({', '.join(stems)}): give one run, "
                            f"e.g. {path / (stems[0] + '.h5')}")
     files = {rank: file for _, rank, file in sorted(found)}
-    with IterationFile(files[min(files)]) as first:
-        world_size = int(first.meta.get("world_size") or 1)
-    num_ranks = max(world_size, max(files) + 1)
-    missing = sorted(set(range(num_ranks)) - set(files))
-    if missing:
-        raise OneIterError(f"{where}: rank {missing[0]} of {num_ranks} is missing (found ranks "
+    world_size = _check_rank_files(files)
+    missing = next((r for r in range(len(files) + 1) if r not in files), None)  # sized by the files found
+    if len(files) < world_size:
+        raise OneIterError(f"{where}: rank {missing} of {world_size} is missing (found ranks "
                            f"{', '.join(map(str, files))})")
     return files
+
+
+def _check_rank_files(files: dict[int, Path]) -> int:
+    """Each rank file records the rank its name says and one world size, which every rank number is below;
+    returns that world size."""
+    sizes: dict[int, int] = {}
+    for rank, file in files.items():
+        with IterationFile(file) as f:
+            size, own = int(f.meta.get("world_size") or 1), f.meta.get("rank")
+        if own is not None and own != rank:
+            raise FormatError(f"'{file}' is named rank {rank} but records rank {own}")
+        if rank >= size:
+            raise FormatError(f"'{file}' is rank {rank}, but its run has world_size {size}: ranks are 0 to "
+                              f"{size - 1}")
+        sizes[rank] = size
+    first = min(sizes)
+    for rank, size in sorted(sizes.items()):
+        if size != sizes[first]:
+            raise FormatError(f"the rank files disagree on the world size: rank {first} says {sizes[first]}, rank "
+                              f"{rank} says {size}")
+    return sizes[first]
 
 
 def _check_pairs(refs: dict[int, Path], tgts: dict[int, Path], reference, target) -> None:

@@ -21,8 +21,9 @@ could be measured: nothing was judged, so it is not a pass; exit code 2, input t
 
 **Row statuses** follow the same rule as the flags beside them (`settle_rows`): a row whose own local error is
 flagged is `diverged` even inside tolerance; with local data, a row outside tolerance whose own code is within
-noise (and that nothing else explains badly) is `drift`; `match` is inside tolerance and not flagged; missing,
-shape and dtype statuses stay as the engine set them.
+noise (and that nothing else explains badly) is `drift`, or `rounding` when everything it was computed from is
+bitwise the reference's (then the difference is its own call's, never accumulated: `blame.own_values`); `match`
+is inside tolerance and not flagged; missing, shape and dtype statuses stay as the engine set them.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class Verdict:
     precision: Optional[dict] = None
     """The reduced-precision float32 modes (TF32...) each side ran and the calibration reproduced
     (`engine._precision`); None when neither side ran any."""
+    num_rounding: int = 0
+    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -190,7 +193,8 @@ class Verdict:
             "unprobed": list(self.unprobed), "unexplained": list(self.unexplained),
             "loss_unexplained": self.loss_unexplained, "first_divergence": self.first_divergence,
             "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
-            "num_diverged": self.num_diverged, "local_kind": self.local_kind, "num_local": self.num_local,
+            "num_rounding": self.num_rounding, "num_diverged": self.num_diverged, "local_kind": self.local_kind,
+            "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
         }
@@ -216,11 +220,11 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 # the keys of `Verdict.as_dict()` that are the verdict's own; every other one belongs to the entry it names
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
-        "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged", "worst_local",
-        "largest_rel_l2", "precision")
+        "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
+        "worst_local", "largest_rel_l2", "precision")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
-               "num_matched", "num_drift", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-               "worst_local", "precision")
+               "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
+               "num_flagged", "worst_local", "precision")
 
 
 def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
@@ -240,7 +244,8 @@ def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
         elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
             row.status, row.reason = "diverged", unexplained[i]
         elif row.status == "diverged" and not row.metrics.nonfinite_differs:
-            row.status = "drift"
+            # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
+            row.status = "rounding" if i in result.rounding else "drift"
 
 
 def decide(result: CompareResult) -> Verdict:
@@ -256,7 +261,7 @@ def decide(result: CompareResult) -> Verdict:
         basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
     status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
     entry = None if top is None else _named(result, top)
-    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift")}
+    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding")}
     worst = max(result.local, key=lambda r: r.ratio, default=None)
     verdict = Verdict(
         status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
@@ -266,7 +271,7 @@ def decide(result: CompareResult) -> Verdict:
         unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
         loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
-        num_diverged=len(rows) - counts["match"] - counts["drift"], local_kind=result.local_kind,
+        num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
         num_local=len(result.local),
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
@@ -395,6 +400,9 @@ def _local_match(v: Verdict) -> tuple[str, str]:
     if v.num_drift:
         parts.append(f"{v.num_drift} of {v.num_entries} entries are outside tolerance: accumulated "
                      f"drift, which this verdict does not rest on")
+    if v.num_rounding:
+        parts.append(f"{v.num_rounding} are outside tolerance from values bitwise the reference's: their own call's "
+                     f"rounding, within its noise")
     if v.unprobed:
         parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
     return title, "; ".join(parts)
@@ -468,7 +476,9 @@ def _first_divergence_line(first: dict) -> str:
     size = f" (rel_l2 {_sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
     if _nonfinite_differs(first) and first.get("num_nan_ref") is not None:
         size = f" ({_nan_inf(first)})"
-    drift = ": accumulated drift, which the verdict does not rest on" if first.get("entry_status") == "drift" else ""
+    drift = {"drift": ": accumulated drift, which the verdict does not rest on",
+             "rounding": ": its own call's rounding (computed from values bitwise the reference's), within its "
+                         "noise"}.get(str(first.get("entry_status")), "")
     return (f"first divergence: #{first.get('index')} {entry_name(first)}{size}, the first entry outside "
             f"tolerance{drift}")
 

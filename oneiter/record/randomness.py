@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oneiter.errors import FormatError, OneIterError
-from oneiter.format.schema import RANDOM, group_path
+from oneiter.errors import OneIterError
+from oneiter.format.schema import RANDOM, RANDOM_OPS, group_path
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",
@@ -47,13 +47,6 @@ __all__ = [
 ]
 
 
-# overload packet names of aten ops whose values come from an RNG
-RANDOM_OPS = frozenset({
-    "bernoulli", "bernoulli_", "native_dropout", "rand", "rand_like", "randn", "randn_like", "randint",
-    "randint_like", "randperm", "normal", "normal_", "uniform", "uniform_", "exponential_", "geometric_",
-    "cauchy_", "log_normal_", "multinomial", "random_", "poisson", "binomial", "_standard_gamma",
-    "_sample_dirichlet", "rrelu_with_noise", "rrelu_with_noise_",
-})
 _BERNOULLI = frozenset({"bernoulli", "bernoulli_"})
 _DROPOUT_MASK = frozenset({"bernoulli_", "native_dropout"})  # one nn.Dropout: CPU vs fused device kernel
 _RRELU = frozenset({"rrelu_with_noise", "rrelu_with_noise_"})
@@ -173,13 +166,7 @@ def recorded_random_ops(iteration_file) -> list[RecordedOp]:
     for index in sorted(outputs):
         outs = sorted(outputs[index])
         ops.append(RecordedOp(index, outs[0][3], tuple(o[1] for o in outs), tuple(o[2] for o in outs)))
-    expected = int(group.attrs.get("num_ops", len(ops)))
-    found = [op.index for op in ops]
-    if found != list(range(expected)):
-        missing = sorted(set(range(expected)) - set(found))[:5]
-        raise FormatError(f"'{iteration_file.path}': group '{RANDOM}' should hold random ops 0..{expected - 1}, "
-                          f"got {len(found)} (first missing: {missing}); the file is damaged")
-    return ops
+    return ops  # numbered 0..num_ops-1, each with the outputs its op records: `format/consistency.py`
 
 
 def _shape(shape) -> str:

@@ -415,7 +415,8 @@ h2{font-size:16px;margin:18px 0 6px}table{border-collapse:collapse}td,th{padding
 #rows th{position:sticky;top:0;background:#eee;cursor:pointer}#rows td.num{text-align:right}
 #rows td.entry{word-break:break-all}#rows tr:nth-child(even){background:#fafafa}
 tr.s-diverged td:nth-child(3){color:#c62828}tr.s-match td:nth-child(3){color:#2e7d32}
-tr.s-drift td:nth-child(3){color:#a15c00}#rows td:nth-child(4){color:#c62828;font-weight:bold}
+tr.s-drift td:nth-child(3){color:#a15c00}tr.s-rounding td:nth-child(3){color:#5d7a2e}
+#rows td:nth-child(4){color:#c62828;font-weight:bold}
 tr.first{outline:2px solid #c62828;font-weight:bold}tr.culprit{background:#fff3c4!important;font-weight:bold}
 tr.flagged td.ratio{color:#c62828;font-weight:bold}tr.gap td{color:#888;text-align:center}
 svg text{font:11px system-ui,sans-serif}svg .tick{fill:#555}svg .axis{fill:#333;font-size:12px}

@@ -148,7 +148,7 @@ def _write_scalars(writer, doc: Document) -> None:
 
 
 def _write_histograms(writer, doc: Document, ref_path, tgt_path, *, limit: int) -> None:
-    """Elementwise target - reference of up to `limit` measured rows outside tolerance (diverged or drift): the
+    """Elementwise target - reference of up to `limit` measured rows outside tolerance (diverged, drift, rounding): the
     culprit and the NaN/Inf origin (when the document names them), then the rest in causal order; a tensor stored
     once under two names (a layer's output is the next one's input) gets one histogram."""
     verdict = verdict_of(doc)
@@ -160,7 +160,7 @@ def _write_histograms(writer, doc: Document, ref_path, tgt_path, *, limit: int) 
         for i in order:
             row = doc["rows"][i]
             key = (row["module"], row["call"], row["phase"], row["tensor"])
-            outside = row["status"] in ("diverged", "drift")
+            outside = row["status"] in ("diverged", "drift", "rounding")
             if done >= limit or not outside or key not in ref_paths or key not in tgt_paths:
                 continue  # also rows of a document made from other files than these
             ident = (ref.file[ref_paths[key]].id, tgt.file[tgt_paths[key]].id)

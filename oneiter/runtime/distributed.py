@@ -29,12 +29,15 @@ from oneiter.errors import OneIterError
 from oneiter.runtime.devices import DEVICE_TYPES, device_type
 
 __all__ = [
-    "RANK_FILE", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path", "init_process_group",
-    "process_group", "local_device", "wrap_ddp", "backend_for",
+    "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
+    "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for",
 ]
 
 # `run.rank3.h5` -> stem `run`, rank 3
-RANK_FILE = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>\d+)\.h5$")
+# a rank file's name: `<stem>.rank<R>.h5`, R written as torchrun numbers ranks (no leading zeros, at most 9 digits);
+# LOOKS_RANKED catches the names that look like one and are not (rank00, rank99999999999999999999)
+RANK_FILE = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>0|[1-9]\d{0,8})\.h5$")
+LOOKS_RANKED = re.compile(r"^(?P<stem>.+)\.rank(?P<rank>\d+)\.h5$")
 
 
 @dataclass(frozen=True)

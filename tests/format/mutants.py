@@ -1,15 +1,22 @@
 """Hostile copies of a small recording, and what reading one must do: shared by tests/format/test_mutations.py
 (hypothesis, in-process) and bench/mutations.py (more examples, each in a forked child that may crash or hang).
 
-`make_pair(folder)` records a 2-layer MLP through the public `oneiter.Recorder`: a reference, a replay target
-(local data) and a plain second recording (no local data: every entry judged directly). A `Mutation` says what to
-change in a copy of one of them; `apply` writes the mutant; `check` runs `compare`, `inspect` and the replay read
-path on it and classifies the outcome:
+`make_pair(folder)` records a 2-layer MLP with a dropout through the public `oneiter.Recorder`: a reference, a
+replay target (local data), a plain second recording (no local data: every entry judged directly) and a
+statistics-level one (`level="stats"`: a `/stats` table). A `Mutation` says what to change in a copy of one of them
+(or, for `rank_names`, in a 2-rank directory made of them); `apply` writes the mutant; `check` runs `compare`,
+`inspect` and the replay read path on it (`limits`: `oneiter replay --layer` too) and classifies the outcome:
 
 - `clean`: exit 0, 1 or 2; exit 2 with exactly one line on stderr (`error: ...`); no traceback anywhere;
 - `traceback`: anything else (exit 3, an exception escaping, a traceback or several lines on stderr);
-- `false_match`: exit 0 from compare although judged values were changed beyond any tolerance;
+- `false_match`: exit 0 from compare although the mutation changed what is judged, or forged a structure or a
+  number no honest recording holds (`Mutation.must_not_match`);
 - `hang`: over the time limit (`check` raises `Hang`, a BaseException, from a SIGALRM timer).
+
+The categories after `scale_values` are the structures a reader walks (`format/consistency.py`): parents that form a
+cycle, a second group for one module call, a second `/stats` row, `/stats` and `/local` numbers out of range or
+contradicting each other, a call's local rows deleted, accumulated entries of a replay scaled while its local rows
+stay, `/random` ops that disagree with their names or count, numbers at their limits, and rank file names.
 """
 
 from __future__ import annotations
@@ -27,13 +34,18 @@ import numpy as np
 CATEGORIES = (
     "bit_flip", "attr_value", "attr_type", "attr_missing", "delete", "to_group", "to_soft_link", "to_external_link",
     "to_string", "external_storage", "virtual", "scale_values",
+    "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values", "local_deleted",
+    "scale_entries", "random_ops", "limits", "rank_names",
 )
+# mutations that forge what no honest recording holds, or change what is judged: compare must never say MATCH
+MUST_NOT_MATCH = {"scale_values", "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values",
+                  "local_deleted", "scale_entries", "rank_names"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     category: str
-    base: str  # "target" (replay, local data) or "plain" (a second plain recording)
+    base: str  # "target" (replay, local data), "plain" (a second plain recording) or "stats" (`level="stats"`)
     path: str = ""  # the object (dataset or group; "" the root) mutated
     attr: str = ""
     value: Any = None
@@ -41,16 +53,17 @@ class Mutation:
 
     @property
     def judged_change(self) -> bool:
-        """Judged values changed beyond any tolerance: compare must never say MATCH (exit 0)."""
-        return self.category == "scale_values"
+        """Judged values changed beyond any tolerance, or a forged structure or number: compare must never say
+        MATCH (exit 0)."""
+        return self.category in MUST_NOT_MATCH
 
 
 class Pair:
     """The recordings and what is in them: `datasets`, `groups` ("" the root), `attrs` ((object path, name)),
     `judged` (what compare judges) per base ("target", "plain"), and each base file's bytes in `data`."""
 
-    def __init__(self, ref: Path, target: Path, plain: Path):
-        self.ref, self.target, self.plain = ref, target, plain
+    def __init__(self, ref: Path, target: Path, plain: Path, stats: Path):
+        self.ref, self.target, self.plain, self.stats = ref, target, plain, stats
         self.datasets: dict[str, list[str]] = {}
         self.groups: dict[str, list[str]] = {}
         self.attrs: dict[str, list[tuple[str, str]]] = {}
@@ -66,10 +79,19 @@ def _mlp():
     from torch import nn
 
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Dropout(0.25))
 
 
-def _record(out: Path, replay: Path | None = None) -> None:
+def build(batch_size: int = 3):
+    """The MLP as a model file (`tests/format/mutants.py:build`), for `oneiter replay --layer` of a mutant."""
+    import torch
+
+    model = _mlp()
+    torch.manual_seed(1)
+    return model, (torch.randn(batch_size, 4),), lambda out: out.square().mean()
+
+
+def _record(out: Path, replay: Path | None = None, level: str = "full") -> None:
     import torch
 
     import oneiter
@@ -78,7 +100,8 @@ def _record(out: Path, replay: Path | None = None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
     x = torch.randn(3, 4)
-    with oneiter.Recorder(model, out, optimizer=opt, replay=replay, name="mlp") as rec:
+    with oneiter.Recorder(model, out, optimizer=opt, replay=replay, name="mlp", level=level,
+                          meta={"batch_size": 3}) as rec:
         opt.zero_grad(set_to_none=True)
         loss = model(rec.inputs(x)).square().mean()
         loss.backward()
@@ -87,12 +110,13 @@ def _record(out: Path, replay: Path | None = None) -> None:
 
 def make_pair(folder: Path) -> Pair:
     folder = Path(folder)
-    ref, target, plain = folder / "ref.h5", folder / "target.h5", folder / "plain.h5"
+    ref, target, plain, stats = (folder / f"{name}.h5" for name in ("ref", "target", "plain", "stats"))
     _record(ref)
     _record(target, replay=ref)
     _record(plain)
-    pair = Pair(ref, target, plain)
-    for base, path in (("target", target), ("plain", plain)):
+    _record(stats, level="stats")
+    pair = Pair(ref, target, plain, stats)
+    for base, path in (("target", target), ("plain", plain), ("stats", stats)):
         datasets, groups, attrs, judged = _contents(path)
         pair.datasets[base], pair.groups[base], pair.attrs[base] = datasets, groups, attrs
         pair.judged[base] = judged
@@ -120,7 +144,10 @@ def _contents(path: Path) -> tuple[list, list, list, list]:
 
 # -- applying a mutation --------------------------------------------------------------------------------------------
 def apply(pair: Pair, m: Mutation, out: Path, scratch: Path) -> Path:
-    """Write the mutant of `m.base` to `out` (and any file it refers to into `scratch`)."""
+    """Write the mutant of `m.base` to `out` (and any file it refers to into `scratch`); a `rank_names` mutant is
+    a directory of rank files (returned)."""
+    if m.category == "rank_names":
+        return _rank_mutant(pair, m, out, scratch)
     data = pair.data[m.base]
     if m.category == "bit_flip":
         buf = bytearray(data)
@@ -130,7 +157,7 @@ def apply(pair: Pair, m: Mutation, out: Path, scratch: Path) -> Path:
         return out
     out.write_bytes(data)
     with h5py.File(out, "r+") as f:
-        obj = f[m.path] if m.path else f
+        obj = f[m.path] if m.path and m.path in f else f  # the new categories' paths name calls and rows
         edit = _EDITS.get(m.category)
         if edit is None:
             raise ValueError(m.category)
@@ -284,7 +311,8 @@ def check(pair: Pair, m: Mutation, mutant: Path, timeout: float = 20.0) -> dict[
     signal.setitimer(signal.ITIMER_REAL, timeout)
     found: dict[str, Any] = {}
     try:
-        res = _cli("compare", pair.ref, mutant)
+        reference = mutant.parent / "ranks" / "ref" if mutant.is_dir() else pair.ref  # rank_names: two folders
+        res = _cli("compare", reference, mutant)
         found["compare"] = _classify(res)
         found["compare_exit"] = res.exit_code
         found["compare_stderr"] = res.stderr
@@ -295,6 +323,10 @@ def check(pair: Pair, m: Mutation, mutant: Path, timeout: float = 20.0) -> dict[
         found["inspect_exit"] = res.exit_code
         found["inspect_stderr"] = res.stderr
         found["replay_read"] = _replay_read(mutant)
+        if m.category == "limits":  # what a replay builds before it reads anything else
+            res = _cli("replay", mutant, "--layer", "0", "--model", f"{Path(__file__).resolve()}:build")
+            found["replay_layer"] = _classify(res)
+            found["replay_layer_exit"] = res.exit_code
     except Hang:
         found["hang"] = True
     finally:
@@ -307,7 +339,7 @@ def outcome(found: dict[str, Any]) -> str:
     """One word for a checked mutant: clean, traceback, false_match or hang."""
     if found.get("hang"):
         return "hang"
-    kinds = [found.get(k) for k in ("compare", "inspect", "replay_read")]
+    kinds = [found.get(k) for k in ("compare", "inspect", "replay_read", "replay_layer")]
     for bad in ("false_match", "traceback"):
         if bad in kinds:
             return bad
@@ -437,3 +469,239 @@ _STRATEGIES = {
     "to_external_link": _external_links, "to_string": _strings, "external_storage": _external_storages,
     "virtual": _virtuals, "scale_values": _scalings,
 }
+
+
+# -- the structures a reader walks (`format/consistency.py`) --------------------------------------------------------
+def _calls_of(f) -> list[str]:
+    return sorted(f["calls"])
+
+
+def _parent_cycle(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """m.path: a call; m.value: the call made its parent (itself, or one whose parent is made this call)."""
+    f[f"calls/{m.path}"].attrs["parent"] = m.value
+    if m.value != m.path:
+        f[f"calls/{m.value}"].attrs["parent"] = m.path
+    if "unprobed" in f and m.attr == "unprobed":  # listed as unprobed too: a reader walks its parents
+        old = f["unprobed"][()]
+        module, _, call = m.path.rpartition("@")
+        row = np.array([(module.encode(), int(call), b"forged")], dtype=old.dtype)
+        del f["unprobed"]
+        f.create_dataset("unprobed", data=np.concatenate([old, row]))
+
+
+def _duplicate_call(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """The call m.path's output changed x100, and the reference's group for it copied in under another name
+    (m.value), its `module` and `call` attributes kept."""
+    out = f"calls/{m.path}/forward/output"
+    if out in f:
+        f[out][...] = f[out][()] * np.float32(100.0) + np.float32(1.0)
+    with h5py.File(pair.ref, "r") as ref:
+        ref.copy(f"calls/{m.path}", f["calls"], name=m.value)
+
+
+def _duplicate_stats(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """A second /stats row for row m.value's entry, its values x1000 and a new checksum, before the original."""
+    table = f["stats"][()]
+    i = int(m.value) % len(table)
+    row = table[i].copy()
+    for name in ("min", "max", "mean", "l2", "abs_sum"):
+        row[name] = row[name] * 1000.0 + 1.0
+    row["checksum0"] += 1
+    del f["stats"]
+    f.create_dataset("stats", data=np.concatenate([table[:i], [row], table[i:]]))
+
+
+def _set_row(table_name: str):
+    def edit(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+        """Row m.path (an index) of a table: each column of m.value (a dict) set."""
+        table = f[table_name][()]
+        i = int(m.path) % len(table)
+        for column, value in m.value:
+            table[column][i] = value
+        f[table_name][...] = table
+    return edit
+
+
+def _delete_local_rows(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """Every /local row of call m.path deleted (it is not listed in /unprobed), its forward output times m.value."""
+    module, _, call = m.path.rpartition("@")
+    table = f["local"][()]
+    keep = table[[not (r["module"].decode() == module and int(r["call"]) == int(call)) for r in table]]
+    del f["local"]
+    f.create_dataset("local", data=keep)
+    out = f"calls/{m.path}/forward/output"
+    if out in f:
+        f[out][...] = f[out][()] * np.float32(m.value)
+
+
+def _scale_entry(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """An accumulated entry of a replay (its local rows untouched) times m.value."""
+    f[m.path][...] = f[m.path][()] * np.float32(m.value)
+
+
+def _random_edit(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """/random: m.attr `num_ops` or `op` (of the first op) set to m.value, or `delete` the first op."""
+    group = f["random"]
+    first = sorted(group)[0]
+    if m.attr == "num_ops":
+        group.attrs["num_ops"] = m.value
+    elif m.attr == "op":
+        group[first].attrs["op"] = m.value
+    else:
+        del group[first]
+
+
+def _root_limit(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    f.attrs[m.attr] = m.value
+
+
+_EDITS.update({
+    "parent_cycle": _parent_cycle, "duplicate_call": _duplicate_call, "duplicate_stats": _duplicate_stats,
+    "stats_values": _set_row("stats"), "local_values": _set_row("local"), "local_deleted": _delete_local_rows,
+    "scale_entries": _scale_entry, "random_ops": _random_edit, "limits": _root_limit,
+})
+
+
+# -- rank files: a 2-rank run made of the single-process recordings ------------------------------------------------
+def rank_dirs(pair: Pair, folder: Path) -> tuple[Path, Path]:
+    """`ref/ref.rank{0,1}.h5` (the reference, as ranks 0 and 1 of 2) and `tgt/tgt.rank{0,1}.h5` (the replay)."""
+    import shutil
+
+    made = []
+    for name, source in (("ref", pair.ref), ("tgt", pair.target)):
+        where = folder / name
+        where.mkdir(parents=True, exist_ok=True)
+        for rank in (0, 1):
+            path = where / f"{name}.rank{rank}.h5"
+            shutil.copy(source, path)
+            with h5py.File(path, "r+") as f:
+                f.attrs["rank"], f.attrs["world_size"] = rank, 2
+        made.append(where)
+    return made[0], made[1]
+
+
+def _rank_mutant(pair: Pair, m: Mutation, out: Path, scratch: Path) -> Path:
+    """A copy of the 2-rank target directory with m.attr done to it: `extra` (tgt.rank0.h5 diverged, a clean
+    copy named m.value beside it), `rank_attr` (rank 1's file says rank m.value), `world` (rank 1's file says
+    world_size m.value), or `rename` (rank 1's file renamed m.value)."""
+    import shutil
+
+    _, tgt = rank_dirs(pair, scratch / "ranks")
+    folder = out.with_suffix("")
+    shutil.rmtree(folder, ignore_errors=True)  # hypothesis runs every example in one test's folder
+    shutil.copytree(tgt, folder)
+    one = folder / "tgt.rank1.h5"
+    if m.attr == "extra":
+        shutil.copy(folder / "tgt.rank0.h5", folder / m.value)
+        with h5py.File(folder / "tgt.rank0.h5", "r+") as f:
+            f["calls/0@0/forward/output"][...] = f["calls/0@0/forward/output"][()] * np.float32(100.0)
+    elif m.attr in ("rank_attr", "world"):
+        with h5py.File(one, "r+") as f:
+            f.attrs["rank" if m.attr == "rank_attr" else "world_size"] = m.value
+    else:
+        one.rename(folder / m.value)
+    return folder
+
+
+def _cycles(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    calls = [g.split("/")[1] for g in pair.groups["target"] if g.count("/") == 1 and g.startswith("calls/")]
+
+    def make(call, other, unprobed):
+        return Mutation(category, "target", call, "unprobed" if unprobed else "", other)
+    return st.builds(make, st.sampled_from(calls), st.sampled_from(calls), st.booleans())
+
+
+def _duplicates(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    calls = [g.split("/")[1] for g in pair.groups["plain"] if g.count("/") == 1 and g.startswith("calls/")]
+    return st.builds(lambda base, call, name: Mutation(category, base, call, value=f"{name}@0"), bases,
+                     st.sampled_from(calls), st.sampled_from(["zz", "copy", "a.b"]))
+
+
+def _stats_duplicates(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return st.builds(lambda i: Mutation(category, "stats", value=i), st.integers(0, 200))
+
+
+_STATS_FORGED = (  # (column, value) sets no honest /stats row holds
+    (("numel", float("inf")),), (("numel", -1.0),), (("numel", 2.5),), (("numel", 1e30),), (("nan", -1.0),),
+    (("inf", 1e9),), (("l2", float("inf")),), (("l2", -1.0),), (("abs_sum", float("nan")),),
+    (("min", float("inf")),), (("max", float("-inf")),), (("min", 5.0), ("max", 1.0)), (("shape", b"-1,3"),),
+    (("shape", b"99999999999999999999999"),),
+)
+_LOCAL_FORGED = (  # (column, value) sets no honest /local row holds
+    (("rel_l2", -1.0),), (("rel_l2", float("-inf")),), (("max_abs", -1.0),), (("cosine", 2.0),),
+    (("nan", 100), ("nan_ref", 0), ("mismatch", 0)), (("inf", 5), ("mismatch", -5)), (("numel", -1),),
+    (("mismatch", 10**9),), (("noise_target", -1.0),), (("noise_target", 10.0), ("rel_l2", 1.0)),
+    (("noise_target", 10.0), ("rel_l2", 1.0), ("max_abs", 1.0)), (("module", b"nowhere"),), (("call", 7),),
+    (("phase", b"sideways"),), (("dtype", b"float99"),), (("seq", -3),),
+    (("noise_reference", float("inf")), ("noise_target", float("inf")), ("rel_l2", 0.5), ("max_abs", 0.5)),
+)
+
+
+def _row_sets(base: str, forged: tuple):
+    def strategy(pair: Pair, category: str, bases):
+        from hypothesis import strategies as st
+
+        return st.builds(lambda i, cols: Mutation(category, base, str(i), value=cols), st.integers(0, 200),
+                         st.sampled_from(forged))
+    return strategy
+
+
+def _deleted_rows(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    calls = [g.split("/")[1] for g in pair.groups["target"] if g.count("/") == 1 and g.startswith("calls/")]
+    return st.builds(lambda call, k: Mutation(category, "target", call, value=k), st.sampled_from(calls),
+                     st.sampled_from([1.5, 3.0, 1000.0]))
+
+
+def _entry_scalings(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    entries = [d for d in pair.datasets["target"] if d.startswith(("param_grads/", "state_after/", "calls/"))
+               and "/backward/" not in d and ("/forward/output" in d or not d.startswith("calls/"))]
+    return st.builds(lambda p, k: Mutation(category, "target", p, value=k), st.sampled_from(entries),
+                     st.sampled_from([1.5, 3.0, 1000.0, -1.0]))
+
+
+def _random_mutations(pair: Pair, category: str, bases):
+    """The plain recording's /random (a replay draws no values of its own: it holds none)."""
+    from hypothesis import strategies as st
+
+    values = st.one_of(
+        st.tuples(st.just("num_ops"), st.sampled_from([2**62, 2**31, 0, 7, -1])),
+        st.tuples(st.just("op"), st.sampled_from(["aten.native_dropout.default", "aten.add.Tensor", "x",
+                                                  "aten.randperm.default"])),
+        st.tuples(st.just("delete"), st.just(None)))
+    return st.builds(lambda av: Mutation(category, "plain", "random", av[0], av[1]), values)
+
+
+def _limits(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    values = st.sampled_from([("batch_size", 2**31), ("batch_size", 2**62), ("world_size", 2**40),
+                              ("num_calls", 2**62), ("num_random_ops", 2**62), ("rank", 2**40), ("seed", 2**62)])
+    return st.builds(lambda base, av: Mutation(category, base, "", av[0], av[1]), bases, values)
+
+
+def _rank_names(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    values = st.sampled_from([("extra", "tgt.rank00.h5"), ("extra", "tgt.rank01.h5"),
+                              ("extra", "tgt.rank99999999999999999999.h5"), ("rank_attr", 0), ("rank_attr", 5),
+                              ("world", 2**40), ("world", 1), ("world", 3), ("rename", "tgt.rank2.h5"),
+                              ("rename", "tgt.rank1000000000.h5")])
+    return st.builds(lambda av: Mutation(category, "target", "", av[0], av[1]), values)
+
+
+_STRATEGIES.update({
+    "parent_cycle": _cycles, "duplicate_call": _duplicates, "duplicate_stats": _stats_duplicates,
+    "stats_values": _row_sets("stats", _STATS_FORGED), "local_values": _row_sets("target", _LOCAL_FORGED),
+    "local_deleted": _deleted_rows, "scale_entries": _entry_scalings, "random_ops": _random_mutations,
+    "limits": _limits, "rank_names": _rank_names,
+})

@@ -133,15 +133,20 @@ def test_values_far_beyond_their_inputs_never_match_even_with_clean_local_rows(p
 @pytest.mark.parametrize("value", [np.nan, np.inf, -1.0])
 def test_stored_noise_never_excuses_a_local_error(pair, tmp_path, value):
     """Every local row claims a large error and a useless noise: NaN (not calibrated) falls back to the floor,
-    inf and negatives are no measurement; the run must diverge either way."""
+    inf is no measurement: the run must diverge; a negative noise is out of range: the file is refused."""
     def edit(f):
         table = f["local"][()]
         table["rel_l2"] = 0.5
+        table["max_abs"] = 0.5
         table["noise_target"] = value
         table["noise_reference"] = value
         f["local"][...] = table
 
     bad = _mutate(pair / "tgt.h5", tmp_path / "noise.h5", edit)
+    if value < 0:
+        res = run_cli("compare", pair / "ref.h5", bad)
+        assert res.exit_code == 2 and "noise_target -1.0, expected >= 0 (or NaN)" in res.stderr
+        return
     result = oneiter.compare(pair / "ref.h5", bad)
     assert result.status == "diverged" and result.culprit is not None
 

@@ -150,16 +150,23 @@ def test_five_writers_state_one_verdict(case, outputs):
 def test_a_match_on_local_data_says_what_it_rests_on(outputs):
     out, doc = outputs["bf16"], outputs["bf16"]["json"]
     v = doc["verdict"]
-    assert v["num_drift"] > 400 and v["num_diverged"] == 0 and v["num_matched"] + v["num_drift"] == v["num_entries"]
+    assert v["num_drift"] > 400 and v["num_diverged"] == 0
+    assert v["num_matched"] + v["num_drift"] + v["num_rounding"] == v["num_entries"]
     assert doc["counts"]["drift"] == v["num_drift"] and doc["counts"]["diverged"] == 0
+    # the first conv's output, computed from the batch (bitwise the reference's), is its own rounding, not drift
+    assert doc["counts"]["rounding"] == v["num_rounding"] > 0
+    assert doc["rows"][v["first_divergence"]["index"]]["status"] == "rounding"
+    assert (f"{v['num_rounding']} are outside tolerance from values bitwise the reference's: their own call's "
+            f"rounding, within its noise") in v["headline"]
     title = "MATCH: no call's own error exceeds its expected noise x4"
     assert v["headline"].startswith(title + ": ")
     assert (f"{v['num_drift']} of {v['num_entries']} entries are outside tolerance: accumulated drift, which this "
             f"verdict does not rest on") in v["headline"]
     for text in (out["terminal"], out["html"], out["tb"]):
         assert title in text and "within tolerance (largest" not in text  # never "all N entries within tolerance"
-    assert f"{len(doc['rows'])} entries: {v['num_matched']} match, {v['num_drift']} drift" in out["html"]
-    assert f"entries   {len(doc['rows'])}: {v['num_matched']} match, {v['num_drift']} drift" in out["terminal"]
+    counts = f"{v['num_matched']} match, {v['num_rounding']} rounding, {v['num_drift']} drift"
+    assert f"{len(doc['rows'])} entries: {counts}" in out["html"]
+    assert f"entries   {len(doc['rows'])}: {counts}" in out["terminal"]
 
 
 def test_culprit_and_first_divergence_are_labelled_apart(outputs):
@@ -187,6 +194,8 @@ def test_a_row_status_never_contradicts_its_flag(case, outputs, tmp_path):
             assert (row["num_nan_ref"], row["num_inf_ref"]) != (row["num_nan_target"], row["num_inf_target"]), row
         elif row["status"] == "drift":
             assert row["num_out"] > 0, row
+        elif row["status"] == "rounding":  # its own error, within noise, from values bitwise the reference's
+            assert row["num_out"] > 0 and local and not local["flagged"], row
         else:
             assert row["status"] == "match" and row["num_out"] == 0, row
     # the culprit's own forward, backward and weight gradient; its containers' own code is within noise

@@ -1,0 +1,288 @@
+"""What a recording's parts form, checked as structures before any reader walks them (`IterationFile` runs these
+after `validate.py`'s walk has checked every link, type and byte count).
+
+A file can hold well-typed objects that still make no sense together, and a reader that trusts them can loop
+forever (a call that is its own parent), let one copy hide another (two groups for one module call, two `/stats`
+rows for one entry), allocate without bound (`num_ops` 2**62) or pass forged numbers as a MATCH (a negative error,
+NaN counts that contradict their mismatch count, a call whose rows were deleted). So, one line naming the object
+(`FormatError`, exit 2) for:
+
+- **calls** (`check_calls`): each group's name is `<module>@<call>` of its own `module` and `call` attributes (one
+  group per module call); a `parent` is "" or another call of the file, and following parents ends (no cycle);
+- **`/stats`** (`stats_index`): one row per entry path; `numel` a whole number >= 0 that the shape's dimensions
+  multiply to; NaN/Inf counts whole, >= 0, together at most `numel`; `l2` and `abs_sum` >= 0; `min <= max` and
+  both finite when any element is finite;
+- **`/random`** (`check_random`): ops numbered 0..num_ops-1 with no gap (`num_ops` is the number found, checked
+  before anything is sized by it), each op's outputs numbered 0..k-1 under one `op` name, an op name
+  (`aten.<op>.<overload>`) of a random op with the outputs it records (native_dropout: output and mask);
+- **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
+  builder makes at least one per sample): a replay builds the model with it before it loads the recorded batch;
+- **`/local`, `/unprobed`** (`check_local`): rows name calls of the file (parameter rows: a recorded parameter or
+  buffer), phases and dtypes it knows, one row per (call, phase, tensor); errors >= 0 or NaN, cosine in [-1, 1] or
+  NaN, an error of 0 exactly when the largest difference is 0; counts whole and >= 0, NaN/Inf counts at most
+  `numel`, and `mismatch` (positions whose NaN/Inf differ) at least |nan - nan_ref| and |inf - inf_ref| and at most
+  nan + nan_ref + inf + inf_ref; noise >= 0 or NaN. Every call of a recording with local data has rows, an
+  `/unprobed` entry, or nothing of its own to judge (every output it recorded is one of its inputs, stored once:
+  a dropout with p=0, an identity): a call with no verdict is never silent. Those pass-through calls are returned,
+  and the judge holds their outputs to their inputs as it does an unprobed call's.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from oneiter.errors import FormatError
+from oneiter.format.schema import (
+    BACKWARD,
+    BATCH,
+    CALLS,
+    FORWARD,
+    RANDOM,
+    RANDOM_OPS,
+    RANDOM_OUTPUTS,
+    RAW_BITS,
+    ROOT_MODULE,
+    STATS_VALUES,
+    LocalRow,
+    call_key,
+    plain,
+)
+
+__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "OPTIMIZER_CALL",
+           "LOCAL_PHASES"]
+
+_RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
+OPTIMIZER_CALL = ("(optimizer)", 0)  # how /unprobed names the optimizer's shadow step
+LOCAL_PHASES = ("forward", "backward", "param_grad", "optimizer")
+_TENSOR_DTYPES = {"float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                  "uint32", "uint64", "bool", "complex64", "complex128", *RAW_BITS}
+_WIDE = ("float64", "complex128", "int64", "uint64")  # sums of squares of these may overflow float64
+_MAX_ELEMENTS = 2**62  # more elements than any machine holds: a count above it is no count
+
+
+def _fail(path, text: str) -> FormatError:
+    return FormatError(f"'{path}': {text}")
+
+
+def _whole(value: Any) -> bool:
+    """A whole number (an int, or a float that holds one exactly) from 0 to _MAX_ELEMENTS."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, float):
+        return math.isfinite(value) and value.is_integer() and 0 <= value <= _MAX_ELEMENTS
+    return isinstance(value, int) and 0 <= value <= _MAX_ELEMENTS
+
+
+# -- calls ----------------------------------------------------------------------------------------------------------
+def check_calls(groups: dict[str, tuple[dict, list]], path) -> None:
+    """One group per module call, parents that exist and form a tree (`groups`: the walk's `Tree.groups`)."""
+    keys = groups[CALLS][1] if CALLS in groups else []
+    parents: dict[str, str] = {}
+    for key in keys:
+        attrs = groups[f"{CALLS}/{key}"][0]
+        own = call_key(str(attrs["module"]), int(attrs["call"]))
+        if own != key:
+            raise _fail(path, f"call group '{key}' has module '{attrs['module']}' and call {attrs['call']}, whose "
+                              f"group is '{own}': one group per module call")
+        parents[key] = str(attrs.get("parent") or "")
+    for key, parent in parents.items():
+        if parent and parent not in parents:
+            raise _fail(path, f"call group '{key}' has parent '{parent}', which is no call of the file")
+    done: set[str] = set()
+    for key in parents:
+        seen: list[str] = []
+        at = key
+        while at and at not in done:
+            if at in seen:
+                raise _fail(path, f"call group '{key}': its parents form a cycle ({' -> '.join([*seen, at])})")
+            seen.append(at)
+            at = parents[at]
+        done.update(seen)
+
+
+# -- /stats ---------------------------------------------------------------------------------------------------------
+def stats_index(rows, path) -> dict[str, tuple]:
+    """path -> (values, checksum, kind, dtype name, shape) of every `/stats` row, each checked (module docstring)."""
+    index: dict[str, tuple] = {}
+    for i, row in enumerate(rows):
+        entry = plain(row["path"])
+        if entry in index:
+            raise _fail(path, f"/stats row {i}: a second row for '{entry}' (one row per entry)")
+        values = [float(row[n]) for n in STATS_VALUES]
+        shape = _stats_shape(plain(row["shape"]), i, entry, path)
+        _check_stats_values(dict(zip(STATS_VALUES, values, strict=True)), shape, plain(row["dtype"]), i, entry, path)
+        index[entry] = (values, (int(row["checksum0"]), int(row["checksum1"])), plain(row["checksum_kind"]),
+                        plain(row["dtype"]), shape)
+    return index
+
+
+def _stats_shape(text: str, i: int, entry: str, path) -> tuple[int, ...]:
+    parts = [p for p in str(text).split(",") if p]
+    if not all(p.isdigit() and len(p) <= 19 for p in parts):
+        raise _fail(path, f"/stats row {i} ('{entry}'): shape '{text}' is not a list of dimensions >= 0")
+    return tuple(int(p) for p in parts)
+
+
+def _check_stats_values(v: dict[str, float], shape: tuple[int, ...], dtype: str, i: int, entry: str, path) -> None:
+    where = f"/stats row {i} ('{entry}')"
+    for name in ("numel", "nan", "inf"):
+        if not _whole(v[name]):
+            raise _fail(path, f"{where}: {name} {v[name]!r} is not a whole number >= 0")
+    if math.prod(shape) != v["numel"]:
+        raise _fail(path, f"{where}: numel {int(v['numel'])} but shape {list(shape)}")
+    if v["nan"] + v["inf"] > v["numel"]:
+        raise _fail(path, f"{where}: {int(v['nan'])} NaN and {int(v['inf'])} Inf among {int(v['numel'])} elements")
+    for name in ("l2", "abs_sum"):  # over the finite elements: only float64 values are large enough to overflow
+        if not v[name] >= 0 or (math.isinf(v[name]) and dtype not in _WIDE):  # NaN fails too
+            raise _fail(path, f"{where}: {name} {v[name]!r}, expected >= 0 (finite for {dtype})")
+    if v["nan"] + v["inf"] < v["numel"]:  # some element is finite: min, max and mean are numbers
+        if not all(math.isfinite(v[n]) for n in ("min", "max", "mean")) or v["min"] > v["max"]:
+            raise _fail(path, f"{where}: min {v['min']!r}, max {v['max']!r}, mean {v['mean']!r}: expected finite "
+                              f"numbers with min <= max")
+
+
+# -- /random --------------------------------------------------------------------------------------------------------
+def check_random(groups: dict[str, tuple[dict, list]], datasets: dict, path) -> None:
+    """Random ops 0..num_ops-1, each with its outputs under one op name of a random op (module docstring)."""
+    if RANDOM not in groups:
+        return
+    attrs, names = groups[RANDOM]
+    ops: dict[int, dict[int, str]] = {}
+    for name in names:
+        head, _, out = name.partition(".")
+        ops.setdefault(int(head), {})[int(out or 0)] = datasets[f"{RANDOM}/{name}"].attrs.get("op")
+    num_ops = attrs.get("num_ops", len(ops))
+    if num_ops != len(ops) or (ops and max(ops) != len(ops) - 1):
+        gap = next((k for k in range(len(ops)) if k not in ops), len(ops))
+        raise _fail(path, f"group '/{RANDOM}' says num_ops {num_ops} but holds {len(ops)} random ops (first "
+                          f"missing: {gap}); the file is damaged")
+    for index, outputs in ops.items():
+        _check_random_op(index, outputs, path)
+
+
+def _check_random_op(index: int, outputs: dict[int, str], path) -> None:
+    where = f"random op {index}"
+    kinds = set(outputs.values())
+    if len(kinds) != 1:
+        raise _fail(path, f"{where}: its outputs name different ops ({', '.join(sorted(map(str, kinds)))})")
+    op = kinds.pop()
+    match = _RANDOM_OP.fullmatch(str(op))
+    if match is None or match["packet"] not in RANDOM_OPS:
+        raise _fail(path, f"{where}: op '{op}' is not a random aten op (aten.<op>.<overload>)")
+    wanted = RANDOM_OUTPUTS.get(match["packet"], 1)
+    found = sorted(outputs)
+    if found != list(range(wanted)):
+        raise _fail(path, f"{where}: {op} records {wanted} output(s), the file holds {len(found)} ({found})")
+
+
+# -- batch_size -----------------------------------------------------------------------------------------------------
+def check_batch_size(meta: dict[str, Any], datasets: dict, stats: dict[str, tuple], path) -> None:
+    """`batch_size` at most the recorded batch's elements (a replay builds the model with it, first)."""
+    size = meta.get("batch_size")
+    if not isinstance(size, int) or size <= 1:
+        return
+    shapes = [d.shape for p, d in datasets.items() if p.startswith(BATCH + "/")]
+    shapes += [s[4] for p, s in stats.items() if p.startswith(BATCH + "/")]
+    held = sum(math.prod(s) for s in shapes)
+    if held and size > held:
+        raise _fail(path, f"root attribute 'batch_size' is {size}, but the recorded batch holds {held} elements "
+                          f"in all (a builder makes at least one per sample)")
+
+
+# -- /local and /unprobed -------------------------------------------------------------------------------------------
+def check_local(rows: list[LocalRow], unprobed: list[tuple[str, int, str]], groups: dict[str, tuple[dict, list]],
+                datasets: dict, params: set[str], path) -> set[tuple[str, int]]:
+    """The local rows and unprobed entries checked (module docstring); returns the calls with nothing of their own
+    to judge (pass-through: every recorded output is one of their inputs)."""
+    calls = _calls(groups)
+    seen: set[tuple] = set()
+    judged: set[tuple[str, int]] = set()
+    for i, row in enumerate(rows):
+        _check_local_row(i, row, calls, params, path)
+        if row.key in seen:
+            raise _fail(path, f"/local row {i}: a second row for {_name(row)} (one row per tensor)")
+        seen.add(row.key)
+        judged.add((row.module, row.call))
+    listed = set()
+    for i, (module, call, reason) in enumerate(unprobed):
+        if (module, call) not in calls and (module, call) != OPTIMIZER_CALL:
+            raise _fail(path, f"/unprobed row {i} names {module}@{call}, which is no call of the file")
+        if not isinstance(reason, str) or call < 0:
+            raise _fail(path, f"/unprobed row {i}: expected a call >= 0 and a reason")
+        listed.add((module, call))
+    silent = sorted(set(calls) - judged - listed)
+    passing = set()
+    for module, call in silent:
+        if not _passes_through(calls[(module, call)], groups, datasets):
+            raise _fail(path, f"call {module}@{call} holds local data for no tensor and is not listed in /unprobed: "
+                              f"its rows are missing, so the file is damaged (record the target again)")
+        passing.add((module, call))
+    return passing
+
+
+def _calls(groups: dict[str, tuple[dict, list]]) -> dict[tuple[str, int], str]:
+    keys = groups[CALLS][1] if CALLS in groups else []
+    found = {}
+    for key in keys:
+        attrs = groups[f"{CALLS}/{key}"][0]
+        found[(str(attrs["module"]) or ROOT_MODULE, int(attrs["call"]))] = key
+    return found
+
+
+def _name(row: LocalRow) -> str:
+    return f"{row.module}@{row.call} {row.phase} {row.tensor}"
+
+
+def _check_local_row(i: int, row: LocalRow, calls: dict, params: set[str], path) -> None:
+    where = f"/local row {i} ({_name(row)})"
+    if row.phase not in LOCAL_PHASES:
+        raise _fail(path, f"{where}: phase '{row.phase}' is none of {', '.join(LOCAL_PHASES)}")
+    if row.phase in (FORWARD, BACKWARD) and (row.module, row.call) not in calls:
+        raise _fail(path, f"{where}: {row.module}@{row.call} is no call of the file")
+    if row.phase not in (FORWARD, BACKWARD):
+        name = row.tensor if row.module == ROOT_MODULE else f"{row.module}.{row.tensor}"
+        if name not in params or row.call != 0:
+            raise _fail(path, f"{where}: '{name}' (call {row.call}) is no recorded parameter or buffer (whose rows "
+                              f"have call 0)")
+    if row.dtype not in _TENSOR_DTYPES:
+        raise _fail(path, f"{where}: dtype '{row.dtype}' is no tensor dtype")
+    _check_local_numbers(row, where, path)
+
+
+def _check_local_numbers(row: LocalRow, where: str, path) -> None:
+    counts = {n: getattr(row, n) for n in ("numel", "nan_ref", "inf_ref", "nan", "inf", "mismatch", "seq")}
+    for name, value in counts.items():
+        if not _whole(value):
+            raise _fail(path, f"{where}: {name} {value!r}, expected a whole number >= 0")
+    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference"):
+        value = getattr(row, name)
+        if not (math.isnan(value) or value >= 0):
+            raise _fail(path, f"{where}: {name} {value!r}, expected >= 0 (or NaN)")
+    if not (math.isnan(row.cosine) or -1.0 - 1e-9 <= row.cosine <= 1.0 + 1e-9):
+        raise _fail(path, f"{where}: cosine {row.cosine!r}, expected from -1 to 1")
+    if row.rel_l2 > 0 and row.max_abs == 0:  # (the other way round, squares of tiny differences may underflow)
+        raise _fail(path, f"{where}: rel_l2 {row.rel_l2!r} with max_abs 0: no difference, yet an error")
+    if row.nan + row.inf > row.numel or row.nan_ref + row.inf_ref > row.numel:
+        raise _fail(path, f"{where}: more NaN/Inf than its {row.numel} elements")
+    low = max(abs(row.nan - row.nan_ref), abs(row.inf - row.inf_ref))
+    high = min(row.numel, row.nan + row.nan_ref + row.inf + row.inf_ref)
+    if not low <= row.mismatch <= high:
+        raise _fail(path, f"{where}: mismatch {row.mismatch} with NaN {row.nan_ref}|{row.nan} and Inf "
+                          f"{row.inf_ref}|{row.inf} (reference|target): expected from {low} to {high}")
+
+
+def _passes_through(key: str, groups: dict[str, tuple[dict, list]], datasets: dict) -> bool:
+    """Whether every output a call recorded is one of its inputs, stored once (forward: an input; backward: an
+    output gradient): nothing of its own to judge."""
+    for phase, inputs, outputs in ((FORWARD, ("input", "kwarg"), ("output",)),
+                                   (BACKWARD, ("grad_output",), ("grad_input", "grad_kwarg"))):
+        names = groups.get(f"{CALLS}/{key}/{phase}", ({}, []))[1]
+        addrs = {datasets[f"{CALLS}/{key}/{phase}/{n}"].addr for n in names
+                 if n.split(".", 1)[0] in inputs and f"{CALLS}/{key}/{phase}/{n}" in datasets}
+        for name in names:
+            stored = datasets.get(f"{CALLS}/{key}/{phase}/{name}")
+            if name.split(".", 1)[0] in outputs and (stored is None or stored.addr not in addrs):
+                return False
+    return True

@@ -170,7 +170,10 @@ class CompareResult:
     (`_precision`); None when neither side ran any."""
     rounding: set[int] = field(default_factory=set)
     """Rows outside tolerance computed from values all bitwise the reference's, whose error is their own code's
-    and within its noise (`blame.own_values`): `rounding`, never drift."""
+    and within its noise (`blame.own_values`), and every row stored as the same pair of datasets (a layer's output
+    is the next one's input): `rounding`, never drift."""
+    stored: list = field(default_factory=list, repr=False)
+    """Per row, the identity of the pair of datasets it compares (hard links share one); None when unmeasured."""
 
     @property
     def has_local(self) -> bool:
@@ -389,6 +392,7 @@ class _Judge:
         self.ref, self.tgt, self.policy = ref, tgt, policy
         self.same_precision = _run_precision(ref.meta) == _run_precision(tgt.meta)
         self.cache: dict[tuple, Metrics] = {}
+        self.stored: dict[tuple, tuple] = {}  # row key -> (reference dataset, target dataset) it compared
 
     def row(self, re_: Optional[Entry], te: Optional[Entry]) -> Row:
         entry = re_ or te
@@ -416,6 +420,7 @@ class _Judge:
         row.tolerance = tol
         # a dataset hard-linked under two names (a layer's output is the next one's input) is judged once
         key = (dataset_id(self.ref, re_.path), dataset_id(self.tgt, te.path), tol.atol, tol.rtol)
+        self.stored[(row.module, row.call, row.phase, row.tensor)] = key[:2]
         metrics = self.cache.get(key)
         if metrics is None:
             if self.ref.is_stats(re_.path) or self.tgt.is_stats(te.path):  # `--level stats` on either side
@@ -554,6 +559,9 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
             result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
             run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
             world_size=int(tgt.meta.get("world_size") or 1), update_scale=functools.partial(_update_scale, ref))
+    if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
+        same = {result.stored[i] for i in result.rounding}
+        result.rounding = {i for i, ident in enumerate(result.stored) if ident is not None and ident in same}
     found = _culprit(result, parents)
     if not found:
         found = sorted([*own, *_unattributed(result, ref, tgt, policy, noise, sources)],
@@ -676,12 +684,14 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
     judge = _Judge(ref, tgt, policy)
     rows = [judge.row(r, t) for r, t in pairs]
+    stored = [judge.stored.get((r.module, r.call, r.phase, r.tensor)) for r in rows]
     first = next((i for i, row in enumerate(rows) if row.status != "match"), None)  # before blame: no drift yet
     return CompareResult(
         reference=str(ref.path), target=str(tgt.path),
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
         notes=[note] if note and first is not None else [],  # two equal recordings need no explaining
+        stored=stored,
     )
 
 

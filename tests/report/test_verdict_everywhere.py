@@ -153,9 +153,13 @@ def test_a_match_on_local_data_says_what_it_rests_on(outputs):
     assert v["num_drift"] > 400 and v["num_diverged"] == 0
     assert v["num_matched"] + v["num_drift"] + v["num_rounding"] == v["num_entries"]
     assert doc["counts"]["drift"] == v["num_drift"] and doc["counts"]["diverged"] == 0
-    # the first conv's output, computed from the batch (bitwise the reference's), is its own rounding, not drift
+    # the first conv's output, computed from the batch (bitwise the reference's), is its own rounding, not drift,
+    # and so is the same tensor as the next call's input
     assert doc["counts"]["rounding"] == v["num_rounding"] > 0
-    assert doc["rows"][v["first_divergence"]["index"]]["status"] == "rounding"
+    first = v["first_divergence"]["index"]
+    pair = [(r["module"], r["tensor"]) for r in doc["rows"][first:first + 2]]
+    assert pair == [("conv1", "output"), ("bn1", "input.0")]
+    assert doc["rows"][first]["status"] == doc["rows"][first + 1]["status"] == "rounding"
     assert (f"{v['num_rounding']} are outside tolerance from values bitwise the reference's: their own call's "
             f"rounding, within its noise") in v["headline"]
     title = "MATCH: no call's own error exceeds its expected noise x4"
@@ -195,7 +199,7 @@ def test_a_row_status_never_contradicts_its_flag(case, outputs, tmp_path):
         elif row["status"] == "drift":
             assert row["num_out"] > 0, row
         elif row["status"] == "rounding":  # its own error, within noise, from values bitwise the reference's
-            assert row["num_out"] > 0 and local and not local["flagged"], row
+            assert row["num_out"] > 0 and not (local and local["flagged"]), row
         else:
             assert row["status"] == "match" and row["num_out"] == 0, row
     # the culprit's own forward, backward and weight gradient; its containers' own code is within noise

@@ -16,9 +16,11 @@ presentation (`oneiter.report`, the CLI). Steps:
 
 Row statuses: match, diverged, missing_in_target, missing_in_reference, shape_mismatch, dtype_mismatch, and, with
 local data, drift (outside tolerance, but the call's own code is within noise: accumulated error; `verdict.py`
-settles it); every one but `match` and `drift` is a divergence. Stored dtypes may differ without a dtype_mismatch
-only when the two runs were made in different precisions on purpose (meta `dtype`/`amp` differ): the values are
-then compared in float64 with the tolerance of the lower-precision dtype.
+settles it); not_judged for a parameter's update when the target's optimizer did not start from the reference's
+state (`format/optimizer_state.py`: measured and shown, never judged); every other one is a divergence. Stored
+dtypes may differ without a dtype_mismatch only when the two runs were made in different precisions on purpose
+(meta `dtype`/`amp` differ): the values are then compared in float64 with the tolerance of the lower-precision
+dtype.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     LOCAL,
     LOSS,
@@ -59,7 +62,7 @@ from oneiter.judge.blame import (
     nan_origin,
     unexplained_rows,
 )
-from oneiter.judge.findings import Finding, row_findings
+from oneiter.judge.findings import MEASURED, NOT_JUDGED, Finding, row_findings
 from oneiter.judge.metrics import Metrics, compare_arrays
 from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
@@ -73,7 +76,7 @@ __all__ = [
 ]
 
 PHASES = ("forward", "backward", "param_grad", "optimizer")
-STATUSES = ("match", "drift", "diverged", "missing_in_target", "missing_in_reference", "shape_mismatch",
+STATUSES = ("match", "drift", "diverged", NOT_JUDGED, "missing_in_target", "missing_in_reference", "shape_mismatch",
             "dtype_mismatch")
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
@@ -99,8 +102,9 @@ class Row:
 
     @property
     def diverged(self) -> bool:
-        """A divergence (drift, accumulated error whose calls are each within noise, is not)."""
-        return self.status not in ("match", "drift")
+        """A divergence (drift, accumulated error whose calls are each within noise, is not; nor is an entry not
+        judged)."""
+        return self.status not in ("match", "drift", NOT_JUDGED)
 
     @property
     def name(self) -> str:
@@ -647,13 +651,30 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
     judge = _Judge(ref, tgt, policy)
     rows = [judge.row(r, t) for r, t in pairs]
-    first = next((i for i, row in enumerate(rows) if row.status != "match"), None)  # before blame: no drift yet
+    unjudged = _updates_not_judged(ref, tgt, rows)
+    # before blame: no drift yet
+    first = next((i for i, row in enumerate(rows) if row.status not in ("match", NOT_JUDGED)), None)
+    notes = [note] if note and first is not None else []  # two equal recordings need no explaining
     return CompareResult(
         reference=str(ref.path), target=str(tgt.path),
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
-        notes=[note] if note and first is not None else [],  # two equal recordings need no explaining
+        notes=notes + ([unjudged] if unjudged else []),
     )
+
+
+def _updates_not_judged(ref: IterationFile, tgt: IterationFile, rows: list[Row]) -> Optional[str]:
+    """When the target's optimizer did not start from the reference's state (`format/optimizer_state.py`), every
+    parameter's update row is `not_judged`, with the reason; returns the reason (None: updates are judged)."""
+    why = updates_not_judged(str(ref.meta.get(OPTIMIZER_STATE) or ""), str(tgt.meta.get(OPTIMIZER_STATE) or ""),
+                             str(tgt.meta.get("optimizer") or ""))
+    if why is None:
+        return None
+    trained = {(r.module, r.tensor) for r in rows if r.phase == "param_grad"}  # parameters (buffers have no grad)
+    for row in rows:
+        if row.phase == "optimizer" and (row.module, row.tensor) in trained and row.status in MEASURED:
+            row.status, row.reason = NOT_JUDGED, "its optimizer did not start from the reference's state (see verdict)"
+    return why
 
 
 def _meta(f: IterationFile) -> dict[str, Any]:

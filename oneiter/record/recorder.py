@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
 from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record import raised_at
@@ -456,9 +457,10 @@ class Recorder:
         """Load the reference's weights and buffers into the model; return the swap that hands out its batch."""
         _check_world_size(self.ref, self.rank)
         load_state(self.model, self.ref)
-        if any(opt.state for opt in self.optimizers):
-            warnings.warn("the optimizer has state (momentum, moments) that a recording does not hold: state_after "
-                          "may differ from the reference's even when every gradient matches", stacklevel=3)
+        why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), state_of(self.optimizers),
+                                 _optimizer_names(self.optimizers))
+        if why:
+            warnings.warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
 
     def _stats_groups(self):
@@ -500,7 +502,7 @@ class Recorder:
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
-            "optimizer": ",".join(type(o).__name__.lower() for o in self.optimizers),
+            "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: state_of(self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -570,6 +572,10 @@ def _optimizer_list(optimizer) -> list:
             raise OneIterError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
                                f"{type(item).__name__}", param="optimizer")
     return items
+
+
+def _optimizer_names(optimizers) -> str:
+    return ",".join(type(o).__name__.lower() for o in optimizers)
 
 
 def _check_world_size(ref, info) -> None:

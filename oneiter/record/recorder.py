@@ -38,13 +38,12 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from oneiter.errors import OneIterError
+from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
 from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
@@ -271,6 +270,7 @@ class Recorder:
             raise
         self._stack = stack
         self._advance(Phase.OPEN)
+        self.session.enter_phase("forward")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -299,6 +299,7 @@ class Recorder:
             if self.phase is Phase.OPEN:
                 raise _never_called()
             self._read_grads()
+            self.session.enter_phase("writing")
             self.session.state_after()
             counts = self.session.finish(self._loss, self._modes.summary())
         self.summary = RecordSummary(
@@ -394,7 +395,7 @@ class Recorder:
                 return recorder._backward(original, tensor, args, kwargs)
             recorder._estimate()
             recorder._end_autocast()
-            recorder.session.phase = "backward"
+            recorder.session.enter_phase("backward")
             if not recorder._explicit_loss:
                 recorder._loss = tensor.detach()
             result = recorder._backward(original, tensor, args, kwargs)
@@ -433,6 +434,7 @@ class Recorder:
     def _before_step(self, optimizer, args, kwargs):
         self._read_grads()
         if self._advance(Phase.STEPPED):
+            self.session.enter_phase("step")
             changed = any(p.grad is not None and p.grad._version != self._grad_versions.get(n)
                           for n, p in self.model.named_parameters())
             self.session.before_step(changed)
@@ -444,6 +446,8 @@ class Recorder:
         if not self._advance(Phase.GRADS):
             return
         self._modes.close()
+        if self.session.probe is not None:
+            self.session.enter_phase("probes")
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
@@ -460,7 +464,7 @@ class Recorder:
         why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), state_of(self.optimizers),
                                  _optimizer_names(self.optimizers))
         if why:
-            warnings.warn(why, stacklevel=3)
+            warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
 
     def _stats_groups(self):
@@ -587,8 +591,8 @@ def _check_world_size(ref, info) -> None:
     if info.distributed:
         raise OneIterError(f"replay {ref.path.name} was recorded with {theirs} ranks, this run has "
                            f"{info.world_size}: run torchrun with --nproc-per-node {theirs}", param="replay")
-    warnings.warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as "
-                  f"usual, but param_grads and updated weights are not averaged and will differ", stacklevel=2)
+    warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as usual, "
+         f"but param_grads and updated weights are not averaged and will differ", stacklevel=2)
 
 
 def _size(nbytes: float) -> str:

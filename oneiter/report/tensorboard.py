@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
+from oneiter.errors import warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.numbers import flat_numbers
 from oneiter.judge.engine import PHASES, CompareResult
@@ -61,8 +61,8 @@ def write_tensorboard(
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     if any(log_dir.glob("events.out.tfevents.*")):
-        warnings.warn(f"{log_dir} already holds event files: TensorBoard will mix this comparison with them "
-                      "(write each comparison into its own folder)", stacklevel=2)
+        warn(f"{log_dir} already holds event files: TensorBoard will mix this comparison with them (write each "
+             "comparison into its own folder)")
     # the pid alone is not unique enough: two comparisons in one process within a second would share a name
     suffix = f".oneiter.{time.time_ns()}"
     writer = EventFileWriter(str(log_dir), filename_suffix=suffix)

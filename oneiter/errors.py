@@ -1,11 +1,17 @@
-"""Typed errors. Anything a user can cause raises `OneIterError`; the CLI prints it as one line and exits 2."""
+"""Typed errors and warnings. Anything a user can cause raises `OneIterError`; the CLI prints it as one line and
+exits 2. Anything oneiter warns about goes through `warn`: a `OneIterWarning` (filter it, or turn it into an error,
+like any Python warning) shown as one line, `warning: <message>`, without the file, line and source line Python's
+default display adds, and above a running tqdm progress bar (a Trainer's) rather than inside it."""
 
 from __future__ import annotations
 
-from typing import Callable
+import sys
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
-__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "user_code", "user_frame",
-           "innermost_user"]
+__all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "OneIterWarning", "warn",
+           "one_line_warnings", "warning_line", "user_code", "user_frame", "innermost_user"]
 
 
 class OneIterError(Exception):
@@ -34,6 +40,68 @@ class ModelError(OneIterError):
 
 class UserCodeError(ModelError):
     """The user's own code (a model builder, a forward, a loss) raised: bad input, not a bug of oneiter."""
+
+
+class OneIterWarning(UserWarning):
+    """Something legal but misleading (a replay whose updates cannot be judged, a TensorBoard folder that already
+    holds a comparison...): the run goes on, and the warning says what it changes."""
+
+
+def warning_line(message, category: type = OneIterWarning) -> str:
+    """A warning as one line: `warning: <message>` (another category than oneiter's and UserWarning is named)."""
+    text = " ".join(str(message).split())
+    named = issubclass(category, OneIterWarning) or category is UserWarning
+    return f"warning: {text}" if named else f"warning: {text} ({category.__name__})"
+
+
+def _above_bars(text: str) -> str:
+    """What Python should write for a warning: `text`, or "" when a tqdm progress bar is running (a Trainer's), in
+    which case `tqdm.write` has already put it above the bar, which it draws again."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None) if tqdm is not None else None
+    if not bars:
+        return text
+    try:
+        tqdm.tqdm.write(text.rstrip("\n"), file=sys.stderr)
+    except (OSError, ValueError, AttributeError):  # a closed stderr, another tqdm: Python writes it as usual
+        return text
+    return ""
+
+
+def _format_oneiter(previous):
+    def formatwarning(message, category, filename, lineno, line=None):
+        if isinstance(category, type) and issubclass(category, OneIterWarning):
+            return _above_bars(warning_line(message, category) + "\n")
+        return previous(message, category, filename, lineno, line)
+
+    formatwarning.oneiter = True
+    return formatwarning
+
+
+def warn(message: str, *, stacklevel: int = 2) -> None:
+    """Warn with a `OneIterWarning`, shown as one `warning:` line (see the module docstring). Only its display is
+    changed (`warnings.formatwarning`, for oneiter's category alone): filters, `catch_warnings(record=True)` and
+    `pytest.warns` see it as any warning."""
+    if not getattr(warnings.formatwarning, "oneiter", False):
+        warnings.formatwarning = _format_oneiter(warnings.formatwarning)
+    warnings.warn(message, OneIterWarning, stacklevel=stacklevel + 1)
+
+
+def _show_all(message, category, filename, lineno, file=None, line=None):
+    text = _above_bars(warning_line(message, category) + "\n")
+    try:
+        (file if file is not None else sys.stderr).write(text)
+    except (OSError, ValueError):  # a closed stderr: a warning is not worth an error
+        pass
+
+
+@contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """While active, *every* Python warning (torch's, the user's model's, oneiter's) is shown as one `warning:` line
+    on stderr: what the CLI does, so its stderr holds no file:line and source-line pairs."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_all
+        yield
 
 
 def _frame_owner(filename: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import sysconfig
 from pathlib import Path
@@ -68,13 +69,20 @@ def files(tmp_path_factory):
     return pair.ref, pair.plain, diverged
 
 
+PYTHON_WARNING = re.compile(r"\.py:\d+: \w*Warning|UserWarning")  # how Python's default display shows one
+
+
 def run_cli(*args):
-    """Run the real `oneiter` app in-process; returns typer's Result (exit_code, stdout, stderr, output)."""
+    """Run the real `oneiter` app in-process; returns typer's Result (exit_code, stdout, stderr, output). Every CLI
+    test also checks that no warning reached stderr in Python's own form (file:line, category, source line): the
+    CLI shows each as one `warning:` line."""
     from typer.testing import CliRunner
 
     from oneiter.cli.main import app
 
-    return CliRunner().invoke(app, [str(a) for a in args])
+    res = CliRunner().invoke(app, [str(a) for a in args])
+    assert not PYTHON_WARNING.search(res.stderr), res.stderr
+    return res
 
 
 @pytest.fixture(scope="session")

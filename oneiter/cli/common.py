@@ -20,7 +20,7 @@ from typing import Callable
 import typer
 from rich.console import Console
 
-from oneiter.errors import OneIterError
+from oneiter.errors import OneIterError, one_line_warnings
 
 __all__ = ["out", "err", "handle_errors", "set_outcome", "terminal_text", "EXIT_MATCH", "EXIT_DIVERGED",
            "EXIT_BAD_INPUT", "EXIT_INTERNAL", "ISSUES"]
@@ -113,12 +113,14 @@ def internal_message(exc: BaseException) -> str:
 
 def handle_errors(func: Callable) -> Callable:
     """Map errors to exit codes: user errors (OneIterError, OSError on user files) to one line on stderr and 2,
-    anything else (a bug) to one line and 3, a closed stdout pipe to a quiet exit (see the module docstring)."""
+    anything else (a bug) to one line and 3, a closed stdout pipe to a quiet exit (see the module docstring);
+    Python warnings to one `warning:` line each."""
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         _outcome.clear()
         try:
-            return func(*args, **kwargs)
+            with one_line_warnings():  # every warning, torch's and the model's too: one `warning:` line
+                return func(*args, **kwargs)
         except _PASS_THROUGH:
             raise  # typer.Exit (a command's own exit code), usage errors: typer reports them
         except BrokenPipeError:

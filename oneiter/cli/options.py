@@ -23,6 +23,8 @@ ModelArg = Annotated[
     typer.Option("--model-arg", help="KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable)."),
 ]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
+        "No progress on stderr (off a terminal progress is plain lines: one per phase, then one every few seconds).")]
 RecordingFile = Annotated[
     Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -91,6 +90,7 @@ def profile_command(
             "Refuse schedules that need more training steps than this.")] = 100,
     limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
     force: opt.Force = False,
+    quiet: opt.Quiet = False,
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
@@ -108,7 +108,7 @@ def profile_command(
         memory_sort=memory_sort, module_ranges=module_ranges, measure_overhead=overhead, max_steps=max_steps,
         force=force,
     )  # fmt: skip
-    with _progress(f"profiling {model} on {device}") as on_step:
+    with _progress(f"profiling {model} on {device}", quiet) as on_step:
         result = profile(options, on_step=on_step)
     for note in result.notes:
         err.print(f"note: {note}", markup=False)
@@ -118,11 +118,18 @@ def profile_command(
 
 
 @contextlib.contextmanager
-def _progress(title: str):
-    """`on_step(step, num_steps, phase)` driving a transient progress bar on stderr (silent off a terminal).
-    Refreshed only from the callback, between steps: the profiler's native output filter must not catch it."""
-    if os.environ.get("ONEITER_NO_PROGRESS") or not err.is_terminal:
+def _progress(title: str, quiet: bool = False):
+    """`on_step(step, num_steps, phase)` driving a transient progress bar on stderr; off a terminal plain lines
+    (`cli/progress.py`); nothing when `quiet`. Refreshed only from the callback, between steps: the profiler's
+    native output filter must not catch it."""
+    from oneiter.cli.progress import PlainProgress, plain_line, shows_progress
+
+    if not shows_progress(quiet):
         yield None
+        return
+    if not err.is_terminal:
+        plain = PlainProgress(title, plain_line)
+        yield lambda step, num_steps, phase: plain(phase, f"step {step + 1} of {num_steps}")
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 

@@ -73,6 +73,7 @@ def record_command(
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
+    quiet: opt.Quiet = False,
 ) -> None:
     from oneiter.cli.progress import live_status
     from oneiter.record.run import SpecOptions, record
@@ -89,7 +90,8 @@ def record_command(
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
     prefix = f"[rank {info.rank}] " if info.distributed else ""
-    status = live_status(f"recording {model or replay}") if info.rank == 0 else nullcontext(lambda *_: None)
+    status = live_status(f"recording {model or replay}", quiet=quiet) if info.rank == 0 else \
+        nullcontext(lambda *_: None)
     with status as update:
         summary = record(options, progress=update,
                          notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if info.rank == 0 else None)

@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 
 from oneiter.errors import FormatError
+from oneiter.format.optimizer_state import EMPTY, NOT_RECORDED, OPTIMIZER_STATE
 from oneiter.format.schema import LOCAL_FIELDS, RAW_BITS, STATS_FIELDS, UNPROBED_FIELDS, plain
 
 __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION", "Stored", "Tree"]
@@ -47,7 +48,8 @@ _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "
               "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version")
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
                "fallback_counts": dict}
-_CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu")}
+_CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"),
+            OPTIMIZER_STATE: ("", EMPTY, NOT_RECORDED)}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random")

@@ -13,14 +13,18 @@ so the file reads, compares and replays like one `oneiter record` writes. What t
 - the batch is the keyword arguments of the model's first forward call (`input_ids`, `attention_mask`,
   `labels`, ...), named `kwarg.<name>`; with `replay=` the reference's tensors are put in their place;
 - the loss is the tensor the Trainer's backward runs on (divided by the accumulation steps when there are any);
-- parameter gradients are read right before `optimizer.step()`, after the Trainer's gradient clipping: the
-  gradients the step actually uses;
-- autocast (`bf16=True` / `fp16=True`) is the Trainer's own; the Recorder notes its dtype.
+- parameter gradients are read when that backward returns, *before* the Trainer's gradient clipping (which then
+  changes them in place: the optimizer's update is reported as not judged by the per-call probe, with that
+  reason, and the accumulated comparison of the updated weights still runs);
+- autocast (`bf16=True` / `fp16=True`) is the Trainer's own; the Recorder notes its dtype. accelerate also casts
+  the model's outputs to float32 after the model returns them; for the recorded step the callback takes that cast
+  off (`_own_outputs`), so the model's own outputs are recorded, as in a float32 run.
 
-Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call); the optimizer's
-state (AdamW moments) is not in a recording, so replay a step other than 0 with a stateless optimizer
-(`optim="sgd"`) to compare the updated weights too. If the recorded step raises, the Trainer calls no callback:
-`close()` (or the end of training) removes the hooks and the temporary file.
+Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call). The optimizer's
+state (AdamW's moments, momentum) is not in a recording: from the second step on, a stateful optimizer's updates
+are not judged (rows `not_judged`, and the verdict says why: `oneiter/format/optimizer_state.py`); record step 0,
+or use a stateless optimizer (`optim="sgd"`), to judge them too. If the recorded step raises, the Trainer calls no
+callback: `close()` (or the end of training) removes the hooks and the temporary file.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from types import MethodType
+from typing import Any, Callable, Optional, Sequence, Union
 
 try:
     from transformers import TrainerCallback
@@ -84,6 +89,7 @@ class OneIterCallback(TrainerCallback):
             raise OneIterError(f"replay must be an existing recording (.h5), got '{self.replay}'", param="replay")
         self.summary: Optional[RecordSummary] = None
         self._recorder: Optional[Recorder] = None
+        self._restore_forward: Optional[Callable[[], None]] = None
         self._check_out()
 
     def _check_out(self) -> None:
@@ -107,12 +113,21 @@ class OneIterCallback(TrainerCallback):
         amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
         options = replace(self.options, amp=amp, meta=_meta(args, self.step))
         self._recorder = Recorder.from_options(model, options, optimizer=_torch_optimizer(optimizer))
-        self._recorder.__enter__()
+        self._restore_forward = _own_outputs(model)
+        try:
+            self._recorder.__enter__()
+        except BaseException:
+            self._recorder = None
+            self._put_forward_back()
+            raise
 
     def on_step_end(self, args, state, control, **kwargs):
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
-            recorder.__exit__(None, None, None)
+            try:
+                recorder.__exit__(None, None, None)
+            finally:
+                self._put_forward_back()
             self.summary = recorder.summary
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -122,7 +137,38 @@ class OneIterCallback(TrainerCallback):
         """Abandon a step that did not end (the Trainer raised inside it): hooks removed, no file left."""
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
-            recorder.__exit__(RuntimeError, RuntimeError("the recorded step did not end"), None)
+            try:
+                recorder.__exit__(RuntimeError, RuntimeError("the recorded step did not end"), None)
+            finally:
+                self._put_forward_back()
+
+    def _put_forward_back(self) -> None:
+        restore, self._restore_forward = self._restore_forward, None
+        if restore is not None:
+            restore()
+
+
+def _own_outputs(model) -> Optional[Callable[[], None]]:
+    """Under `bf16=True`/`fp16=True` accelerate replaces `model.forward` by autocast plus `convert_outputs_to_fp32`:
+    the module's hooks then see float32 *copies* of its outputs, made after its own code returned them. A model that
+    returns the loss and the logits it computed it from then returns logits no gradient reaches (the loss used the
+    originals), where a float32 run returns the very logits the loss used: the two recordings would not hold the
+    same gradients. For the recorded step the model's forward is accelerate's autocast alone (the loss is float32
+    either way; the Trainer reads only the loss during training); returns what puts the wrapper back (None: there
+    is none)."""
+    forward = model.__dict__.get("forward")
+    if forward is None:
+        return None
+    convert = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    inner = getattr(convert, "model_forward", None)  # accelerate's ConvertOutputsToFp32 keeps what it wraps here
+    if type(convert).__name__ != "ConvertOutputsToFp32" or inner is None:
+        return None
+    model.forward = MethodType(inner, model) if isinstance(forward, MethodType) else inner
+
+    def restore() -> None:
+        model.forward = forward
+
+    return restore
 
 
 def _torch_optimizer(optimizer):

@@ -17,9 +17,11 @@ presentation (`oneiter.report`, the CLI). Steps:
 Row statuses: match, diverged, missing_in_target, missing_in_reference, shape_mismatch, dtype_mismatch, and, with
 local data, drift (outside tolerance, but the call's own code is within noise: accumulated error) and rounding
 (outside tolerance, but computed from values bitwise the reference's: the call's own error, within its noise;
-`verdict.py` settles both); every one but `match`, `rounding` and `drift` is a divergence. Stored dtypes may
-differ without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta
-`dtype`/`amp` differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.
+`verdict.py` settles both); not_judged for a parameter's update when the target's optimizer did not start from
+the reference's state (`format/optimizer_state.py`: measured and shown, never judged); every other one is a
+divergence. Stored dtypes may differ without a dtype_mismatch only when the two runs were made in different
+precisions on purpose (meta `dtype`/`amp` differ): the values are then compared in float64 with the tolerance of
+the lower-precision dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     LOCAL,
     LOSS,
@@ -62,7 +65,7 @@ from oneiter.judge.blame import (
     own_values,
     unexplained_rows,
 )
-from oneiter.judge.findings import Finding, row_findings
+from oneiter.judge.findings import MEASURED, NOT_JUDGED, Finding, row_findings
 from oneiter.judge.metrics import Metrics, compare_arrays
 from oneiter.judge.stats import compare_stats
 from oneiter.judge.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
@@ -71,14 +74,15 @@ from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.precision_modes import from_attr, reduced
 
 __all__ = [
-    "PHASES", "STATUSES", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible", "reading",
-    "dataset_id", "nan_inf_text",
+    "PHASES", "STATUSES", "NOT_DIVERGED", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible",
+    "reading", "dataset_id", "nan_inf_text",
 ]
 
 PHASES = ("forward", "backward", "param_grad", "optimizer")
-STATUSES = ("match", "rounding", "drift", "diverged", "missing_in_target", "missing_in_reference", "shape_mismatch",
+STATUSES = ("match", "rounding", "drift", "diverged", NOT_JUDGED, "missing_in_target", "missing_in_reference",
+            "shape_mismatch",
             "dtype_mismatch")
-NOT_DIVERGED = ("match", "rounding", "drift")
+NOT_DIVERGED = ("match", "rounding", "drift", NOT_JUDGED)
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
              "faults", "torch_version", "oneiter_version")
@@ -104,7 +108,7 @@ class Row:
     @property
     def diverged(self) -> bool:
         """A divergence (drift, accumulated error whose calls are each within noise, is not; nor is rounding, a
-        call's own error within its noise on values bitwise the reference's)."""
+        call's own error within its noise on values bitwise the reference's; nor an entry not judged)."""
         return self.status not in NOT_DIVERGED
 
     @property
@@ -685,14 +689,31 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
     judge = _Judge(ref, tgt, policy)
     rows = [judge.row(r, t) for r, t in pairs]
     stored = [judge.stored.get((r.module, r.call, r.phase, r.tensor)) for r in rows]
-    first = next((i for i, row in enumerate(rows) if row.status != "match"), None)  # before blame: no drift yet
+    unjudged = _updates_not_judged(ref, tgt, rows)
+    # before blame: no drift yet
+    first = next((i for i, row in enumerate(rows) if row.status not in ("match", NOT_JUDGED)), None)
+    notes = [note] if note and first is not None else []  # two equal recordings need no explaining
     return CompareResult(
         reference=str(ref.path), target=str(tgt.path),
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
-        notes=[note] if note and first is not None else [],  # two equal recordings need no explaining
+        notes=notes + ([unjudged] if unjudged else []),
         stored=stored,
     )
+
+
+def _updates_not_judged(ref: IterationFile, tgt: IterationFile, rows: list[Row]) -> Optional[str]:
+    """When the target's optimizer did not start from the reference's state (`format/optimizer_state.py`), every
+    parameter's update row is `not_judged`, with the reason; returns the reason (None: updates are judged)."""
+    why = updates_not_judged(str(ref.meta.get(OPTIMIZER_STATE) or ""), str(tgt.meta.get(OPTIMIZER_STATE) or ""),
+                             str(tgt.meta.get("optimizer") or ""))
+    if why is None:
+        return None
+    trained = {(r.module, r.tensor) for r in rows if r.phase == "param_grad"}  # parameters (buffers have no grad)
+    for row in rows:
+        if row.phase == "optimizer" and (row.module, row.tensor) in trained and row.status in MEASURED:
+            row.status, row.reason = NOT_JUDGED, "its optimizer did not start from the reference's state (see verdict)"
+    return why
 
 
 def _meta(f: IterationFile) -> dict[str, Any]:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # only for annotations: the engine's rows, blame's local resu
     from oneiter.judge.blame import LocalResult
     from oneiter.judge.engine import Row
 
-__all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "Finding", "row_findings", "strongest", "of_kind"]
+__all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "NOT_JUDGED", "Finding", "row_findings", "strongest", "of_kind"]
 
 PRIORITY = {
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -34,6 +34,8 @@ PRIORITY = {
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
 # row statuses of entries both sides hold with one shape and dtype
 MEASURED = ("match", "diverged", "drift", "rounding")
+# measured and shown, never evidence: a parameter's update when the optimizers did not start from the same state
+NOT_JUDGED = "not_judged"
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,13 @@ class Finding:
 
 def row_findings(rows: list[Row], first_divergence: Optional[int], has_local: bool) -> list[Finding]:
     """What the rows alone show: without local data the first divergence; structural differences (statuses the
-    engine set for entries it could not measure) and NaN/Inf differences, each in causal order."""
+    engine set for entries it could not measure) and NaN/Inf differences, each in causal order (rows not judged are
+    no evidence)."""
     found = [] if has_local or first_divergence is None else [
         Finding.of("first_divergence", first_divergence, rows[first_divergence].reason)]
-    found += [Finding.of("structural", i, row.reason) for i, row in enumerate(rows) if row.status not in MEASURED]
-    found += [Finding.of("nan_inf", i, row.reason) for i, row in enumerate(rows)
+    judged = [(i, row) for i, row in enumerate(rows) if row.status != NOT_JUDGED]
+    found += [Finding.of("structural", i, row.reason) for i, row in judged if row.status not in MEASURED]
+    found += [Finding.of("nan_inf", i, row.reason) for i, row in judged
               if row.metrics is not None and row.metrics.nonfinite_differs]
     return found
 

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from oneiter.judge.findings import MEASURED, UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.judge.findings import MEASURED, NOT_JUDGED, UNATTRIBUTED, Finding, of_kind, strongest
 from oneiter.runtime.precision_modes import describe, reduced
 
 if TYPE_CHECKING:  # only for annotations: the engine imports this module
@@ -149,6 +149,11 @@ class Verdict:
     (`engine._precision`); None when neither side ran any."""
     num_rounding: int = 0
     """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
+    num_not_judged: int = 0
+    """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
+    warnings: tuple[str, ...] = ()
+    """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
+    for another device); every report states them among the details."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -197,6 +202,7 @@ class Verdict:
             "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
+            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings),
         }
 
     @classmethod
@@ -209,8 +215,9 @@ class Verdict:
         verdict = cls(**{
             **own, "entry": None if unnamed else where,
             "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
-            **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained")},
-            "largest_rel_l2": num(d.get("largest_rel_l2")),
+            **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
+                                                           "warnings")},
+            "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
         })
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -221,7 +228,7 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision")
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision")
@@ -261,7 +268,7 @@ def decide(result: CompareResult) -> Verdict:
         basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
     status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
     entry = None if top is None else _named(result, top)
-    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding")}
+    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding", NOT_JUDGED)}
     worst = max(result.local, key=lambda r: r.ratio, default=None)
     verdict = Verdict(
         status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
@@ -277,8 +284,8 @@ def decide(result: CompareResult) -> Verdict:
         num_flagged=sum(r.flagged for r in result.local),
         worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
                                                 "factor": worst.factor},
-        largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics), default=0.0),
-        precision=result.precision,
+        largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
+        precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -371,7 +378,10 @@ def _headline(v: Verdict) -> tuple[str, str]:
     if v.status == "match" and v.basis == "local_error":
         return _local_match(v)
     if v.status == "match":
-        return f"MATCH: all {n} entries within tolerance (largest rel_l2 {num(v.largest_rel_l2) or 0:.2e})", ""
+        judged, unjudged = (f"{n - v.num_not_judged} judged", f"; {v.num_not_judged} updates not judged (why: "
+                            f"below)") if v.num_not_judged else (str(n), "")
+        largest = num(v.largest_rel_l2) or 0
+        return f"MATCH: all {judged} entries within tolerance (largest rel_l2 {largest:.2e}){unjudged}", ""
     if v.status == "inconclusive":
         return ("INCONCLUSIVE: no call's own error could be measured",
                 f"the recording has local data but no local result; {len(v.unprobed)} calls could not "
@@ -405,6 +415,8 @@ def _local_match(v: Verdict) -> tuple[str, str]:
                      f"rounding, within its noise")
     if v.unprobed:
         parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
+    if v.num_not_judged:
+        parts.append(f"{v.num_not_judged} updates not judged (why: below)")
     return title, "; ".join(parts)
 
 
@@ -458,6 +470,7 @@ def _numbers(e: dict) -> str:
 
 def _details(v: Verdict) -> list[str]:
     lines = [v.hint] if v.hint else []
+    lines += [f"warning: {w}" for w in v.warnings]  # they change what the headline means: early
     if v.nan_origin:
         lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
     if v.culprit and v.where.get("entry_status") != "local_error":

@@ -19,7 +19,7 @@ from typing import Any
 from oneiter.profile.module_ranges import display_path
 from oneiter.profile.summary import read_summary
 
-__all__ = ["ProfileDiff", "diff_profiles", "format_diff", "DIFF_SORTS"]
+__all__ = ["ProfileDiff", "diff_profiles", "format_diff", "DIFF_SORTS", "is_leaf"]
 
 DIFF_SORTS = ("delta", "ratio", "model")
 
@@ -121,6 +121,9 @@ def diff_profiles(dir_a: Path | str, dir_b: Path | str) -> ProfileDiff:
         _mean_ops(sum_a, dev_a), _mean_ops(sum_b, dev_b), _op_pair, _one_sided_op)
     for rows in (diff.ops_only_a, diff.ops_only_b):
         rows.sort(key=lambda r: (-r["self_us"], r["name"]))
+    paths = {r["path"] for rows in (diff.modules, diff.modules_only_a, diff.modules_only_b) for r in rows}
+    for row in diff.modules:
+        row["leaf"] = is_leaf(row["path"], paths)  # leaves and containers are ranked apart (`format_diff`)
     return diff
 
 
@@ -221,20 +224,31 @@ def _header_lines(diff: ProfileDiff) -> list[str]:
     ]
 
 
+def is_leaf(path: str, paths) -> bool:
+    """Whether a module path has no child among `paths` (the model itself, "", contains every other one)."""
+    prefix = f"{path}." if path else ""
+    return not any(p != path and p.startswith(prefix) for p in paths)
+
+
 def _module_lines(diff: ProfileDiff, limit: int | None, sort: str) -> list[str]:
-    """The aligned module table."""
-    lines = [
-        "",
-        f"== modules: ms per step, sorted by {sort} ==",
-        f"{'A fwd':>9} {'A bwd':>9} {'B fwd':>9} {'B bwd':>9} {'B/A':>8} {'A MiB':>8} {'B MiB':>8}  module",
-    ]
-    modules = _sorted(diff.modules, sort, "path")
-    for r in _shown(modules, limit):
-        lines.append(
-            f"{_ms(r['a_fwd_us'])} {_ms(r['a_bwd_us'])} {_ms(r['b_fwd_us'])} {_ms(r['b_bwd_us'])} {_x(r['ratio'])} "
-            f"{_mib(r['a_memory'])} {_mib(r['b_memory'])}  {display_path(r['path'])} ({r['type']})"
-        )
-    return lines + _more(modules, limit)
+    """The aligned module tables: leaves (the modules that run the ops) and containers (whose time holds their
+    children's, so the model itself would top any one list) ranked apart."""
+    header = f"{'A fwd':>9} {'A bwd':>9} {'B fwd':>9} {'B bwd':>9} {'B/A':>8} {'A MiB':>8} {'B MiB':>8}  module"
+    lines = []
+    for title, leaf in ((f"leaf modules: ms per step, sorted by {sort}", True),
+                        (f"containers (their time includes their children's): ms per step, sorted by {sort}", False)):
+        modules = _sorted([r for r in diff.modules if r.get("leaf", True) is leaf], sort, "path")
+        if not modules:
+            continue
+        lines += ["", f"== {title} ==", header]
+        for r in _shown(modules, limit):
+            lines.append(
+                f"{_ms(r['a_fwd_us'])} {_ms(r['a_bwd_us'])} {_ms(r['b_fwd_us'])} {_ms(r['b_bwd_us'])} "
+                f"{_x(r['ratio'])} {_mib(r['a_memory'])} {_mib(r['b_memory'])}  {display_path(r['path'])} "
+                f"({r['type']})"
+            )
+        lines += _more(modules, limit)
+    return lines
 
 
 def _op_lines(diff: ProfileDiff, limit: int | None, sort: str) -> list[str]:

@@ -170,4 +170,7 @@ def overhead(profiled: list[float], unprofiled: list[float]) -> Optional[dict[st
         result["verdict"] = (f"{ratio:.2f}x (median {med_p * 1000:.1f} ms profiled over {med_u * 1000:.1f} ms "
                              f"unprofiled; spread {spread_p:.0%} / {spread_u:.0%}, {len(profiled)} and "
                              f"{len(unprofiled)} steps)")
+        if ratio is not None and ratio < 1:
+            result["verdict"] += (": below 1x is noise, not a speed-up (profiling adds work; what it costs here is "
+                                  "smaller than how much one step's time varies from the next)")
     return result

@@ -163,9 +163,8 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
                    expected: dict | None = None) -> tuple[list[JudgedRow], str]:
     """The target's optimizer, stepped from the reference's weights and gradients, against the reference's
     state_after: one row per parameter, or none and the reason the update cannot be judged. `expected` receives,
-    per parameter, the digest of the update the live step must give (`check_updates`; `record/fidelity.py`)."""
-    if any(len(state) for state in opt.state.values()):
-        return [], "the optimizer has state from earlier iterations, which a recording does not hold"
+    per parameter, the digest of the update the live step must give (`check_updates`; `record/fidelity.py`).
+    The caller has checked that the optimizer starts from the reference's state (`format/optimizer_state.py`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     order = {n: i for i, n in enumerate(names.values())}
     rows = []

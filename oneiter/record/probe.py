@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from oneiter.errors import OneIterError
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
@@ -545,8 +546,9 @@ class TeacherForcedProbe(LocalProbe):
     PARAMS = "reference"
     CHECKS_LIVE = True
 
-    def __init__(self, source, device, **kwargs):
+    def __init__(self, source, device, *, ref_optimizer_state: str = "", **kwargs):
         super().__init__(source, device, **kwargs)
+        self.ref_optimizer_state = ref_optimizer_state  # the reference's `optimizer_state` (format/optimizer_state.py)
         # digests are bitwise: only where reruns are deterministic (the CPU)
         self.backward_checks = None
         if self.CHECKS_LIVE and self.device.type == "cpu":
@@ -655,6 +657,8 @@ class TeacherForcedProbe(LocalProbe):
         gradients in place (clipping, unscaling), which the recording does not hold: the update is not judged."""
         if self.model is None or self.optimizer is None:
             return
+        if updates_not_judged(self.ref_optimizer_state, state_of([self.optimizer])):
+            return  # another starting state: no update is judged, clipped or not; compare says why (from the files)
         if grads_changed:
             self.unprobed.append(("(optimizer)", 0, "the gradients changed between backward and the step (gradient "
                                   "clipping or unscaling), which a recording does not hold"))
@@ -717,7 +721,8 @@ def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str 
         return TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
                                   ref_precision=reference_precision(ref.meta, amp, dtype),
                                   random_ops=recorded_random_ops(ref), modes=modes,
-                                  ref_modes=from_attr(ref.meta.get(PRECISION_MODES)))
+                                  ref_modes=from_attr(ref.meta.get(PRECISION_MODES)),
+                                  ref_optimizer_state=str(ref.meta.get(OPTIMIZER_STATE) or ""))
 
     return factory
 

@@ -38,14 +38,14 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from oneiter.errors import OneIterError
+from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
 from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record import raised_at
@@ -270,6 +270,7 @@ class Recorder:
             raise
         self._stack = stack
         self._advance(Phase.OPEN)
+        self.session.enter_phase("forward")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -298,6 +299,7 @@ class Recorder:
             if self.phase is Phase.OPEN:
                 raise _never_called()
             self._read_grads()
+            self.session.enter_phase("writing")
             self.session.state_after()
             counts = self.session.finish(self._loss, self._modes.summary())
         self.summary = RecordSummary(
@@ -393,7 +395,7 @@ class Recorder:
                 return recorder._backward(original, tensor, args, kwargs)
             recorder._estimate()
             recorder._end_autocast()
-            recorder.session.phase = "backward"
+            recorder.session.enter_phase("backward")
             if not recorder._explicit_loss:
                 recorder._loss = tensor.detach()
             result = recorder._backward(original, tensor, args, kwargs)
@@ -432,6 +434,7 @@ class Recorder:
     def _before_step(self, optimizer, args, kwargs):
         self._read_grads()
         if self._advance(Phase.STEPPED):
+            self.session.enter_phase("step")
             changed = any(p.grad is not None and p.grad._version != self._grad_versions.get(n)
                           for n, p in self.model.named_parameters())
             self.session.before_step(changed)
@@ -443,6 +446,8 @@ class Recorder:
         if not self._advance(Phase.GRADS):
             return
         self._modes.close()
+        if self.session.probe is not None:
+            self.session.enter_phase("probes")
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
@@ -456,9 +461,10 @@ class Recorder:
         """Load the reference's weights and buffers into the model; return the swap that hands out its batch."""
         _check_world_size(self.ref, self.rank)
         load_state(self.model, self.ref)
-        if any(opt.state for opt in self.optimizers):
-            warnings.warn("the optimizer has state (momentum, moments) that a recording does not hold: state_after "
-                          "may differ from the reference's even when every gradient matches", stacklevel=3)
+        why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), state_of(self.optimizers),
+                                 _optimizer_names(self.optimizers))
+        if why:
+            warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
 
     def _stats_groups(self):
@@ -500,7 +506,7 @@ class Recorder:
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
-            "optimizer": ",".join(type(o).__name__.lower() for o in self.optimizers),
+            "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: state_of(self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -572,6 +578,10 @@ def _optimizer_list(optimizer) -> list:
     return items
 
 
+def _optimizer_names(optimizers) -> str:
+    return ",".join(type(o).__name__.lower() for o in optimizers)
+
+
 def _check_world_size(ref, info) -> None:
     """A multi-rank reference is replayed with as many ranks (DDP averages gradients over all of them); one of its
     ranks replayed by a single process is allowed, with a warning (debugging one rank)."""
@@ -581,8 +591,8 @@ def _check_world_size(ref, info) -> None:
     if info.distributed:
         raise OneIterError(f"replay {ref.path.name} was recorded with {theirs} ranks, this run has "
                            f"{info.world_size}: run torchrun with --nproc-per-node {theirs}", param="replay")
-    warnings.warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as "
-                  f"usual, but param_grads and updated weights are not averaged and will differ", stacklevel=2)
+    warn(f"replaying one rank of a {theirs}-rank run in a single process: forward and backward compare as usual, "
+         f"but param_grads and updated weights are not averaged and will differ", stacklevel=2)
 
 
 def _size(nbytes: float) -> str:

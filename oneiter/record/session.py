@@ -142,6 +142,7 @@ class RecordingSession:
         `stats_groups(group)` says which groups hold statistics only (`--level stats`)."""
         self.model = model
         self.phase = "forward"
+        self.progress = progress
         self.writer = BackgroundWriter(path, meta, max_bytes=queue_bytes)
         on_capture = (lambda n: progress(self.phase, n)) if progress else None
         self.sink = TensorSink(self.writer, on_capture=on_capture, keep={} if keep_values else None,
@@ -198,8 +199,15 @@ class RecordingSession:
         for i, tensor in enumerate(inputs):
             self.sink.put(BATCH, arg_name(i), tensor)
 
+    def enter_phase(self, phase: str) -> None:
+        """The iteration moves on (forward, backward, probes, parameters, step, writing): tell `progress` at once,
+        not only at the next captured tensor (a phase may capture none: the probes, the step)."""
+        self.phase = phase
+        if self.progress is not None:
+            self.progress(phase, self.sink.num_tensors)
+
     def param_grads(self) -> None:
-        self.phase = "parameters"
+        self.enter_phase("parameters")
         grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
         self._named(PARAM_GRADS, grads)
 

@@ -7,13 +7,16 @@ saved `--json` report can be rendered again later. The page holds, top to bottom
   the words of the terminal report (the document's `verdict` rebuilt by `judge.verdict.Verdict.from_dict`);
 - both runs' metadata and the per-status counts;
 - an error-vs-depth plot (inline SVG drawn here, no JavaScript library): x is the causal position (the `#` of the
-  table), y is rel_l2 on a log scale, one colour per phase; the dashed line is each row's rtol; exact zeros sit on
-  the `0` band at the bottom, NaN/Inf on the band at the top; where the target recorded per-layer local results,
-  the layer's own (upstream-free) error and its expected noise are drawn too; the first divergence, the NaN/Inf
-  origin and the culprit are marked, each with its own label;
-- the table of the rows around the entry the verdict names, NaN/Inf counts right after the status (all rows are
-  in the embedded JSON, `<script
-  type="application/json" id="oneiter-data">`, which a "show all" button and any script can read).
+  table), y is rel_l2 on a log scale, one colour per phase; one flat dashed line per rtol the rows were held to
+  (float32 and bfloat16 rows of a mixed run have two), labelled with their dtypes; exact zeros sit on the `0` band
+  at the bottom, NaN/Inf on the band at the top; where the target recorded per-layer local results, the layer's
+  own (upstream-free) error is drawn as points and its expected noise as a shaded band, every flagged point gets a
+  red ring; the first divergence, the NaN/Inf origin and the culprit are marked, each with its own label;
+- the table of the rows around the entry the verdict names, NaN/Inf counts right after the status, both runs'
+  dtypes (all rows are in the embedded JSON, `<script type="application/json" id="oneiter-data">`, which a "show
+  all" button and any script can read); "divergent only" keeps the flagged rows (`divergent`) and says how many
+  there are. The table scrolls sideways in its own box and its cells never wrap, so a narrow window (800 px) keeps
+  names and numbers whole (`tools/report_screenshots.py` takes screenshots at 1400 and 800 px).
 
 Nothing is fetched from the network: CSS and the small sorting/filtering script are inline. Every string from the
 recording (module names can hold anything) is escaped.
@@ -27,13 +30,13 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from oneiter.judge.engine import PHASES, CompareResult
+from oneiter.judge.engine import NOT_DIVERGED, PHASES, CompareResult
 from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
 from oneiter.outputs import Destination, destination, write_text
 
 __all__ = [
     "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
-    "entry_name", "find_row", "focus_row", "first_divergence", "culprit_row", "PHASE_COLORS",
+    "entry_name", "find_row", "focus_row", "first_divergence", "culprit_row", "PHASE_COLORS", "divergent",
 ]
 
 PHASE_COLORS = {"forward": "#1f77b4", "backward": "#ff7f0e", "param_grad": "#2ca02c", "optimizer": "#9467bd"}
@@ -47,7 +50,9 @@ COLUMNS = [
 ]
 LOCAL_COLUMNS = [("local rel_l2", "local.rel_l2", "sci"), ("expected", "local.expected", "sci"),
                  ("ratio", "local.ratio", "ratio")]
-TAIL_COLUMNS = [("shape", "shape", "shape"), ("dtype", "dtype", "text")]
+TAIL_COLUMNS = [("shape", "shape", "shape"), ("dtype", "dtype", "dtype")]
+# row statuses that are no divergence: what "divergent only" hides (the engine's list, also in the page's script)
+NOT_DIVERGENT = NOT_DIVERGED
 Document = dict[str, Any]
 
 
@@ -230,19 +235,57 @@ def _marker(ax: _Axes, doc: Document, index: int, label: str, element_id: str, *
 
 
 def _tolerance(ax: _Axes, rows: list[dict]) -> str:
-    """Each row's rtol as a dashed step line; rows judged exactly (rtol 0: integers) and unmeasured rows leave gaps."""
-    steps, drawn = [], False
-    for i, r in enumerate(rows):
+    """One horizontal dashed line per rtol the rows were held to, labelled with how many rows and which dtypes: a
+    float32 row next to a bfloat16 one has another rtol, and a line per row would zigzag between the two."""
+    groups: dict[float, set] = {}
+    for r in rows:
         rtol = num(r.get("rtol"))
-        if not rtol or rtol <= 0:
-            drawn = False
-            continue
+        if rtol and rtol > 0:  # rows judged exactly (rtol 0: integers) and unmeasured rows have no line
+            groups.setdefault(rtol, set()).add(_dtypes(r))
+    out, x0, x1 = [], ax.x(-0.5), ax.x(len(rows) - 0.5)
+    for k, (rtol, dtypes) in enumerate(sorted(groups.items())):
         y = ax.y(rtol)
-        steps.append(f"V{y:.1f}" if drawn else f"M{ax.x(i - 0.5):.1f} {y:.1f}")
-        steps.append(f"H{ax.x(i + 0.5):.1f}")
-        drawn = True
-    return (f'<path id="tolerance-line" d="{"".join(steps)}" fill="none" stroke="{TOL_COLOR}" stroke-width="1.5" '
-            'stroke-dasharray="6 4"/>' if steps else "")
+        label = f"rtol {rtol:.1e} ({', '.join(sorted(dtypes))})"
+        out.append(f'<g class="tolerance"><line x1="{x0:.1f}" x2="{x1:.1f}" y1="{y:.1f}" y2="{y:.1f}" '
+                   f'stroke="{TOL_COLOR}" stroke-width="1.5" stroke-dasharray="6 4"/><text x="{x1 - 4:.1f}" '
+                   f'y="{y - 4 - 12 * (k % 2):.1f}" text-anchor="end" class="tick">{_esc(label)}</text></g>')
+    return f'<g id="tolerance-line">{"".join(out)}</g>' if out else ""
+
+
+def _dtypes(row: dict) -> str:
+    ref, tgt = row.get("dtype") or "-", row.get("dtype_target") or "-"
+    return ref if ref == tgt else f"{ref}|{tgt}"
+
+
+def _noise_band(ax: _Axes, local: list[tuple[int, dict]]) -> str:
+    """The expected noise of the rows with local results as one shaded band from the bottom up to it (a row's local
+    error above the band by more than the factor is flagged): a region, not points that look like data. Rows
+    without a local result between two that have one keep the level of the one before."""
+    levels = [(i, num(loc.get("expected"))) for i, loc in local]
+    levels = [(i, v) for i, v in levels if v is not None and v > 0]
+    if not levels:
+        return ""
+    bottom = ax.y(0.0)
+    steps = [f"M{ax.x(levels[0][0] - 0.5):.1f} {bottom:.1f}"]
+    for k, (i, v) in enumerate(levels):
+        end = levels[k + 1][0] - 0.5 if k + 1 < len(levels) else i + 0.5
+        steps.append(f"V{ax.y(v):.1f}H{ax.x(end):.1f}")
+    steps.append(f"V{bottom:.1f}Z")
+    return (f'<path id="noise-band" d="{"".join(steps)}" fill="{NOISE_COLOR}" fill-opacity="0.18" '
+            f'stroke="{NOISE_COLOR}" stroke-width="0.8"/>')
+
+
+def _flagged_marks(ax: _Axes, rows: list[dict], local: list[tuple[int, dict]]) -> list[str]:
+    """A red ring on every flagged local point (not only the culprit's)."""
+    out = []
+    for i, loc in local:
+        if loc.get("flagged"):
+            value = num(loc.get("rel_l2"))
+            out.append(f'<circle class="flagged-mark" cx="{ax.x(i):.1f}" cy="{ax.y(value):.1f}" r="5" fill="none" '
+                       f'stroke="{MARK_COLOR}" stroke-width="1.6"><title>#{i} {_esc(entry_name(rows[i]))}: flagged, '
+                       f'local rel_l2 {_sci(value)} is {num(loc.get("ratio")) or 0:.1f}x its expected noise'
+                       f'</title></circle>')
+    return out
 
 
 def render_svg(doc: Document) -> str:
@@ -255,8 +298,7 @@ def render_svg(doc: Document) -> str:
     parts = _grid(ax, doc)
     parts.append(_tolerance(ax, rows))
     if local:
-        parts += _series(ax, [(i, num(loc.get("expected")), f"#{i} expected noise {_sci(loc.get('expected'))}")
-                              for i, loc in local], NOISE_COLOR, dash="2 3")
+        parts.append(_noise_band(ax, local))
         parts += _series(ax, [(i, num(loc.get("rel_l2")), f"#{i} {entry_name(rows[i])}: local rel_l2 "
                                f"{_sci(loc.get('rel_l2'))} ({num(loc.get('ratio')) or 0:.1f}x expected)")
                               for i, loc in local], LOCAL_COLOR, shape="diamond")
@@ -265,6 +307,7 @@ def render_svg(doc: Document) -> str:
                    f"#{i} {entry_name(r)}: {r['status']}, {r.get('nan_inf') or 'rel_l2 ' + _sci(r.get('rel_l2'))}")
                   for i, r in enumerate(rows) if r["phase"] == phase and r.get("rel_l2") is not None]
         parts += _series(ax, points, PHASE_COLORS.get(phase, "#000"))
+    parts += _flagged_marks(ax, rows, local)
     parts += _markers(ax, doc)
     return (f'<svg id="error-plot" viewBox="0 0 {ax.W} {ax.H}" width="100%" role="img" '
             f'aria-label="rel_l2 per entry along the causal order, log scale">{"".join(parts)}</svg>')
@@ -302,8 +345,18 @@ def _value(row: dict, key: str) -> Any:
     return (value.get(tail) if isinstance(value, dict) else None) if tail else value
 
 
+def divergent(row: dict) -> bool:
+    """Whether a row is flagged: a divergence of its own (diverged, missing, another shape or dtype), or a local
+    error above its expected noise. What the table's "divergent only" box shows."""
+    local = row.get("local")
+    return row.get("status") not in NOT_DIVERGENT or bool(isinstance(local, dict) and local.get("flagged"))
+
+
 def _cell(row: dict, key: str, kind: str) -> str:
     value = _value(row, key)
+    if kind == "dtype":  # both sides: `float32|bfloat16` where they differ
+        ref, tgt = row.get("dtype") or "-", row.get("dtype_target") or "-"
+        return f"<td>{_esc(ref if ref == tgt else f'{ref}|{tgt}')}</td>"
     if kind == "entry":
         return f"<td class='entry'>{_esc(entry_name(row))}</td>"
     if kind == "shape":
@@ -333,14 +386,14 @@ def _table(doc: Document, columns: list[tuple[str, str, str]]) -> str:
         classes = [f"s-{_esc(row['status'])}"] + [name for name, on in flags if on]
         cells = "".join(_cell(row, key, kind) for _, key, kind in columns)
         body.append(f"<tr class='{' '.join(classes)}' data-name='{_esc(entry_name(row))}' "
-                    f"data-status='{_esc(row['status'])}'>{cells}</tr>")
+                    f"data-status='{_esc(row['status'])}' data-divergent='{int(divergent(row))}'>{cells}</tr>")
         last = i
     spec = _esc(json.dumps(columns))
     marks = f"data-first='{'' if first is None else first}' data-culprit='{'' if culprit is None else culprit}'"
     return (f"<p class='note' id='table-note'>Showing {note}; every row is in the embedded data. "
             f"<button id='show-all'>show all {len(doc['rows'])} rows</button></p>"
-            f"<table id='rows' data-columns='{spec}' {marks}><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table>")
+            f"<div class='scroll'><table id='rows' data-columns='{spec}' {marks}><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table></div>")
 
 
 def _runs(doc: Document) -> str:
@@ -353,16 +406,21 @@ def _runs(doc: Document) -> str:
         cells = [label, doc.get(label), *(meta.get(k) for k in keys), None if num(loss) is None else f"{num(loss):.6e}"]
         lines.append("<tr>" + "".join(f"<td>{_esc(c if c not in (None, '') else '-')}</td>" for c in cells) + "</tr>")
     counts = ", ".join(f"{n} {_esc(s)}" for s, n in doc.get("counts", {}).items() if n)
-    return f"<table class='runs'><tr>{head}</tr>{''.join(lines)}</table><p>{len(doc['rows'])} entries: {counts}</p>"
+    return (f"<div class='scroll'><table class='runs'><tr>{head}</tr>{''.join(lines)}</table></div>"
+            f"<p>{len(doc['rows'])} entries: {counts}</p>")
 
 
 def _legend(doc: Document) -> str:
     phases = [p for p in PHASES if any(r["phase"] == p for r in doc["rows"])]
     keys = [f"<span><i style='background:{PHASE_COLORS[p]}'></i>{p}</span>" for p in phases]
-    keys.append(f"<span><i class='dash' style='border-color:{TOL_COLOR}'></i>tolerance (rtol of the row)</span>")
+    keys.append(f"<span><i class='dash' style='border-color:{TOL_COLOR}'></i>tolerance: one line per rtol "
+                f"(rows of another dtype have another)</span>")
     if any(isinstance(r.get("local"), dict) for r in doc["rows"]):
         keys.append(f"<span><i class='diamond' style='background:{LOCAL_COLOR}'></i>local error (layer alone)</span>")
-        keys.append(f"<span><i class='dot' style='border-color:{NOISE_COLOR}'></i>expected noise</span>")
+        keys.append(f"<span><i class='band' style='background:{NOISE_COLOR}'></i>expected noise (band up to "
+                    f"it)</span>")
+        keys.append(f"<span><i class='ring' style='border-color:{MARK_COLOR}'></i>flagged: local error above "
+                    f"its noise x factor</span>")
     if verdict_of(doc).status != "match":
         keys.append(f"<span><i class='ring' style='border-color:{MARK_COLOR}'></i>first divergence / culprit</span>")
     keys.append("<span>hollow points: exactly 0 (bottom band) or NaN/Inf (top band)</span>")
@@ -392,8 +450,11 @@ def render_html(result: Union[CompareResult, Document]) -> str:
             f"<section><h2>Runs</h2>{_runs(doc)}</section>"
             f"<section><h2>Error along the iteration</h2>{render_svg(doc)}{_legend(doc)}</section>"
             f"<section><h2>Entries</h2><p class='controls'><input id='filter' placeholder='filter by name'> "
-            f"<label><input type='checkbox' id='divergent-only'> divergent only</label></p>{_table(doc, columns)}"
-            f"</section>{_embedded(doc)}<script>{_JS}</script></body></html>\n")
+            f"<label><input type='checkbox' id='divergent-only'> divergent only (<span id='divergent-count'>"
+            f"{sum(divergent(r) for r in doc['rows'])}</span> of {len(doc['rows'])} rows flagged)</label></p>"
+            f"{_table(doc, columns)}"
+            f"</section>{_embedded(doc)}<script>var NOT_DIVERGENT={json.dumps(list(NOT_DIVERGENT))};{_JS}</script>"
+            f"</body></html>\n")
 
 
 def write_html(result_json: Union[CompareResult, Document], path: Union[str, Path, Destination]) -> Path:
@@ -409,11 +470,11 @@ body{font:14px/1.4 system-ui,sans-serif;margin:0 24px 40px;color:#222}
 .banner{margin:0 -24px 12px;padding:14px 24px;color:#fff}.banner p.key{font-weight:bold;font-size:16px}
 .banner h1{font-size:20px;margin:0 0 4px;overflow-wrap:anywhere}
 .banner p{margin:2px 0}.banner.match{background:#2e7d32}.banner.diverged{background:#c62828}
-.banner.inconclusive{background:#a15c00}
+.banner.inconclusive{background:#a15c00}.banner p{overflow-wrap:anywhere}
 h2{font-size:16px;margin:18px 0 6px}table{border-collapse:collapse}td,th{padding:2px 8px;text-align:left}
 .runs td,.runs th{border-bottom:1px solid #ddd}#rows{font:12px/1.3 ui-monospace,monospace;width:100%}
 #rows th{position:sticky;top:0;background:#eee;cursor:pointer}#rows td.num{text-align:right}
-#rows td.entry{word-break:break-all}#rows tr:nth-child(even){background:#fafafa}
+#rows td{white-space:nowrap}.scroll{overflow-x:auto;max-width:100%}#rows tr:nth-child(even){background:#fafafa}
 tr.s-diverged td:nth-child(3){color:#c62828}tr.s-match td:nth-child(3){color:#2e7d32}
 tr.s-drift td:nth-child(3){color:#a15c00}tr.s-rounding td:nth-child(3){color:#5d7a2e}
 #rows td:nth-child(4){color:#c62828;font-weight:bold}
@@ -423,7 +484,7 @@ svg text{font:11px system-ui,sans-serif}svg .tick{fill:#555}svg .axis{fill:#333;
 svg .band{fill:#777;font-style:italic}svg .grid{stroke:#e4e4e4}svg .mark{fill:#c62828;font-weight:bold;font-size:12px}
 .legend span{margin-right:16px;white-space:nowrap}.legend i{display:inline-block;width:14px;height:4px;
 margin:0 5px 3px 0;vertical-align:middle}.legend i.dash{height:0;border-top:2px dashed}
-.legend i.dot{height:0;border-top:2px dotted}
+.legend i.dot{height:0;border-top:2px dotted}.legend i.band{height:8px;opacity:.35}
 .legend i.diamond{width:7px;height:7px;transform:rotate(45deg)}.legend i.ring{width:9px;height:9px;
 border:2px solid;border-radius:50%}.note{color:#555}.controls input{margin-right:8px}
 """
@@ -434,7 +495,7 @@ var data=JSON.parse(document.getElementById('oneiter-data').textContent);
 var table=document.getElementById('rows'),cols=JSON.parse(table.dataset.columns),tbody=table.tBodies[0];
 var filter=document.getElementById('filter'),only=document.getElementById('divergent-only');
 function apply(){var q=filter.value.toLowerCase();for(var tr of tbody.rows){if(!tr.dataset.name)continue;
-tr.hidden=(q&&tr.dataset.name.toLowerCase().indexOf(q)<0)||(only.checked&&tr.dataset.status==='match');}}
+tr.hidden=(q&&tr.dataset.name.toLowerCase().indexOf(q)<0)||(only.checked&&tr.dataset.divergent!=='1');}}
 filter.oninput=apply;only.onchange=apply;
 function sortv(td){var v=td.dataset.v;return v===undefined?td.textContent:(v===''?-Infinity:parseFloat(v));}
 Array.prototype.forEach.call(table.tHead.rows[0].cells,function(th,c){th.onclick=function(){
@@ -449,6 +510,7 @@ function get(r,k){var p=k.split('.');return p.length>1?(r[p[0]]?r[p[0]][p[1]]:nu
 function cell(r,k,kind){var td=document.createElement('td'),v=get(r,k);
 if(kind==='entry'){td.textContent=r.module+'@'+r.call+' '+r.phase+' '+r.tensor;td.className='entry';}
 else if(kind==='shape'){td.textContent=v===null?'-':(v.join('x')||'scalar');}
+else if(kind==='dtype'){var a=r.dtype||'-',b=r.dtype_target||'-';td.textContent=a===b?a:a+'|'+b;}
 else if(kind==='text'||kind==='int'){td.textContent=v===null||v===undefined?'-':String(v);}
 else{var n=num(v);td.className=kind==='ratio'?'num ratio':'num';td.dataset.v=n===null?'':String(n);
 td.textContent=n===null?'-':kind==='cos'?n.toFixed(6):kind==='ratio'?n.toFixed(1)+'x':sci(n);}return td;}
@@ -457,6 +519,7 @@ data.rows.forEach(function(r,i){var tr=document.createElement('tr');tr.className
 (String(i)===table.dataset.first?' first':'')+(String(i)===table.dataset.culprit?' culprit':'')+
 (r.local&&r.local.flagged?' flagged':'');
 tr.dataset.name=r.module+'@'+r.call+' '+r.phase+' '+r.tensor;tr.dataset.status=r.status;
+tr.dataset.divergent=(NOT_DIVERGENT.indexOf(r.status)<0||(r.local&&r.local.flagged))?'1':'0';
 cols.forEach(function(c){tr.appendChild(cell(r,c[1],c[2]));});tbody.appendChild(tr);});
 document.getElementById('table-note').textContent='Showing all '+data.rows.length+' rows.';apply();};
 })();

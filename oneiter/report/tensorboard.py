@@ -13,6 +13,12 @@ tensorboard's own event writer and protos: neither TensorFlow nor torch is impor
 - ``error/<module>@<call>/<phase>/<tensor>`` (histograms) the elementwise error target - reference (finite
   elements, in float64) of the first `max_histograms` divergent rows, at the row's step.
 - ``verdict`` (text) the verdict in the words of the terminal and HTML reports (`judge.verdict.Verdict.from_dict`).
+- ``entries`` (text) which entry each step is: a table `step | entry | status` (the scalars' x axis is the row
+  number; hovering a point shows the step, this table names it).
+
+Reading the curves: TensorBoard smooths scalars by default (0.6) and "Ignore outliers in chart scaling" may clip the
+y axis: both hide exactly what this is for (a 12.8x spike at one layer, drawn as a slow tail). Set smoothing to 0,
+untick the outliers box and use a log y axis (docs/reports.md).
 
 One comparison per DIR: TensorBoard merges every event file of a folder into one run, so a second comparison
 written into the same folder mixes its curves with the first (a warning says so). Use DIR/<name> per comparison
@@ -23,12 +29,12 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 
+from oneiter.errors import warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.numbers import flat_numbers
 from oneiter.judge.engine import PHASES, CompareResult
@@ -62,13 +68,14 @@ def write_tensorboard(
     log_dir = resolve_folder(log_dir, "--tensorboard")  # a folder (through symlinks), never a file or device
     log_dir.mkdir(parents=True, exist_ok=True)
     if any(log_dir.glob("events.out.tfevents.*")):
-        warnings.warn(f"{log_dir} already holds event files: TensorBoard will mix this comparison with them "
-                      "(write each comparison into its own folder)", stacklevel=2)
+        warn(f"{log_dir} already holds event files: TensorBoard will mix this comparison with them (write each "
+             "comparison into its own folder)")
     # the pid alone is not unique enough: two comparisons in one process within a second would share a name
     suffix = f".oneiter.{time.time_ns()}"
     writer = EventFileWriter(str(log_dir), filename_suffix=suffix)
     try:
         _write_text(writer, "verdict", _verdict_markdown(doc))
+        _write_text(writer, "entries", _entries_markdown(doc))
         _write_scalars(writer, doc)
         if max_histograms > 0:
             paths = (ref_path or doc["reference"], tgt_path or doc["target"])
@@ -131,6 +138,15 @@ def _verdict_markdown(doc: Document) -> str:
             + ", ".join(f"{k} {v}" for k, v in doc.get("meta", {}).get(label, {}).items() if v not in (None, ""))
             for label in ("reference", "target")]
     return "\n\n".join([f"**{title}**" + (f": {reason}" if reason else ""), *details, "\n".join(runs)])
+
+
+def _entries_markdown(doc: Document) -> str:
+    """Step -> entry: what each x of the scalar curves is (markdown, escaped)."""
+    lines = ["| step | entry | status |", "|---:|---|---|"]
+    for step, row in enumerate(doc["rows"]):
+        name = entry_name(row).replace("|", "\\|").replace("`", "'")
+        lines.append(f"| {step} | `{name}` | {row['status']} |")
+    return "\n".join(lines)
 
 
 def _write_scalars(writer, doc: Document) -> None:

@@ -20,10 +20,11 @@ from rich.table import Table
 from rich.text import Text
 
 from oneiter.judge.engine import CompareResult, Row, nan_inf_text
+from oneiter.judge.findings import MEASURED, NOT_JUDGED
 from oneiter.outputs import Destination, destination, open_text
 
-__all__ = ["to_json", "write_csv", "print_report", "rows_to_show", "print_wide", "safe_text", "BEFORE",
-           "AFTER"]
+__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "rows_to_show", "print_wide",
+           "safe_text", "BEFORE", "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
 
@@ -64,12 +65,47 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     return result.to_json()
 
 
+CSV_LOCAL = ("local_rel_l2", "expected_noise", "ratio", "flagged", "basis")  # the CSV's columns of the local error
+
+
+def row_basis(result: CompareResult, index: int) -> str:
+    """What a row's status rests on: `local_error` (its call's own error against its expected noise),
+    `unattributed` (no probe covers it and the precision does not explain it), `tolerance` (its accumulated error
+    against the dtype's tolerance: drift, or no local data), `structural` (missing, another shape or dtype) or
+    `not_judged` (an update from another optimizer state)."""
+    row = result.rows[index]
+    if row.status == NOT_JUDGED:
+        return NOT_JUDGED
+    if row.status not in MEASURED:
+        return "structural"
+    if result.local_for(row) is not None:
+        return "local_error"
+    if any(u.get("index") == index for u in result.verdict_obj.unexplained):
+        return "unattributed"
+    return "tolerance"
+
+
+def _csv_row(result: CompareResult, index: int) -> dict[str, Any]:
+    """`row_dict`, with the local error, its expected noise, their ratio, the flag and the row's basis after
+    `nan_inf`: what a spreadsheet needs to see why a row is `diverged`."""
+    data = result.row_dict(index)
+    local = result.local_for(result.rows[index])
+    extra = dict.fromkeys(CSV_LOCAL, "") if local is None else {
+        "local_rel_l2": local.rel_l2, "expected_noise": local.expected, "ratio": local.ratio,
+        "flagged": int(local.flagged)}
+    extra["basis"] = row_basis(result, index)
+    keys = list(data)
+    at = keys.index("nan_inf") + 1  # after the status, its role and the NaN/Inf counts; before the metrics
+    return {k: data[k] for k in keys[:at]} | extra | {k: data[k] for k in keys[at:]}
+
+
 def write_csv(result: CompareResult, path: str | Path | Destination) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
-    the first divergence; `nan_inf` (NaN/Inf counts, reference|target) comes before the metrics. `path`: a file
-    (written whole or not at all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
+    the first divergence; `nan_inf` (NaN/Inf counts, reference|target), then `local_rel_l2`, `expected_noise`,
+    `ratio`, `flagged` and `basis` (`row_basis`) come before the metrics. `path`: a file (written whole or not at
+    all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
 
-    rows = [result.row_dict(i) for i in range(len(result.rows))]
+    rows = [_csv_row(result, i) for i in range(len(result.rows))]
     dest = destination(path, "--csv", stdout_ok=True)
     with open_text(dest, errors="backslashreplace", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import FAULT_ENV, MODEL_FILES  # noqa: E402
+from conftest import FAULT_ENV, MODEL_FILES, compare_verdict  # noqa: E402
 
 import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
@@ -29,7 +29,12 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4):
+SGD = {"optim": "sgd", "learning_rate": 0.05, "logging_strategy": "no", "disable_tqdm": True}
+
+
+def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, **args):
+    """A Trainer run of the tiny Llama; `args`: TrainingArguments beyond the few a test needs (default: plain SGD,
+    quiet; `defaults=True`: the Trainer's own defaults, AdamW and gradient clipping)."""
     from transformers import Trainer, TrainingArguments
 
     sys.path.insert(0, str(MODEL_FILES))
@@ -40,10 +45,12 @@ def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 
         model, _inputs, _loss = hf_llama.build(2)
     finally:
         sys.path.remove(str(MODEL_FILES))
+    extra = {} if args.pop("defaults", False) else dict(SGD)
+    extra.update(args)
     args = TrainingArguments(
         output_dir=str(tmp_path / f"trainer-{model_seed}-{data_seed}"), max_steps=steps,
-        per_device_train_batch_size=2, optim="sgd", learning_rate=0.05, report_to="none", save_strategy="no",
-        logging_strategy="no", use_cpu=True, seed=data_seed, dataloader_num_workers=0, disable_tqdm=True,
+        per_device_train_batch_size=2, report_to="none", save_strategy="no", use_cpu=True, seed=data_seed,
+        dataloader_num_workers=0, **extra,
     )
     Trainer(model=model, args=args, train_dataset=_Tokens(data_seed), callbacks=[callback]).train()
     return callback
@@ -95,3 +102,53 @@ def test_callback_arguments_are_checked(tmp_path, trainer_ref):
         OneIterCallback(step=0, out=ref)
     with pytest.raises(OneIterError, match="step must be below the run's 4 steps, got 9"):
         _train(tmp_path, OneIterCallback(step=9, out=tmp_path / "late.h5"), model_seed=0, data_seed=0)
+
+
+# -- the Trainer with its defaults (AdamW, gradient clipping), as the README's example runs it ------------------------
+@pytest.fixture(scope="module")
+def defaults_ref(tmp_path_factory):
+    """Step 1 (AdamW has moments from step 0 by then) of a default-argument Trainer run, recorded once."""
+    tmp = tmp_path_factory.mktemp("hf_defaults")
+    _train(tmp, OneIterCallback(step=1, out=tmp / "ref.h5"), model_seed=0, data_seed=0, steps=2, defaults=True)
+    return tmp / "ref.h5"
+
+
+UPDATES_NOT_JUDGED = "updates not judged: the target's optimizer (adamw) started this step with state from earlier"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_clean_replay_under_the_trainers_defaults_is_a_match(defaults_ref, tmp_path, bf16, recwarn):
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=defaults_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, bf16=bf16)
+    code, verdict = compare_verdict(defaults_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    # the updates are not judged (AdamW's moments are the target's own), and the verdict says why in one line
+    assert [w.split(" started")[0] for w in verdict["warnings"]] == [UPDATES_NOT_JUDGED.split(" started")[0]]
+    assert f"warning: {verdict['warnings'][0]}" in verdict["details"]
+    assert verdict["num_not_judged"] == 21 and verdict["num_diverged"] == 0  # one update per parameter
+    assert verdict["unprobed"] == []  # the state rule decides; no second reason (clipping) for the same rows
+    result = oneiter.compare(defaults_ref, tmp_path / "tgt.h5")
+    assert {r.status for r in result.rows if r.phase == "optimizer"} == {"not_judged"}
+    assert any(r.metrics.max_abs > 0 for r in result.rows if r.phase == "optimizer")  # they do differ
+    if bf16:  # the loss and its logits: the same entries on both sides, whatever the precision
+        keys = {(r.module, r.phase, r.tensor): r.status for r in result.rows if r.module == "(root)"}
+        assert keys[("(root)", "backward", "grad_output.logits")] == "match"
+        assert result.verdict_obj.num_drift > 0  # bf16 drifts, and the verdict does not rest on it
+    else:
+        assert all(r.metrics.max_abs == 0 for r in result.rows if r.phase != "optimizer")
+    # the recorder said so as it recorded (once, as a warning)
+    assert [str(w.message).split(" started")[0] for w in recwarn.list
+            if "updates not judged" in str(w.message)] == [UPDATES_NOT_JUDGED.split(" started")[0]]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_fault_in_the_model_file_is_named_under_the_trainers_defaults(defaults_ref, tmp_path, monkeypatch, bf16):
+    monkeypatch.setenv(FAULT_ENV, "instance:model.layers.1.mlp.down_proj:0.05")
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=defaults_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, bf16=bf16)
+    code, verdict = compare_verdict(defaults_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"], verdict["focus"]) == (1, "diverged", "local_error", "culprit")
+    assert (verdict["module"], verdict["phase"], verdict["tensor"]) == ("model.layers.1.mlp.down_proj", "forward",
+                                                                        "output")
+    assert verdict["headline"].startswith("DIVERGED: culprit model.layers.1.mlp.down_proj@0 forward output")
+

@@ -142,6 +142,11 @@ def test_overhead_is_a_ratio_of_medians_or_says_the_machine_is_too_noisy():
     few = overhead([0.0005], [0.0073, 0.0070, 0.0071])  # one profiled step is no figure (the 0.07x of old)
     assert few["ratio"] is None and "too few" in few["verdict"]
     assert overhead([], [0.1]) is None and overhead([0.1, 0.1], [])["ratio"] is None
+    faster = overhead([0.098, 0.097, 0.099], [0.10, 0.10, 0.101, 0.10, 0.099])  # "faster when profiled"
+    assert faster["ratio"] == pytest.approx(0.98) and faster["verdict"].endswith(
+        ": below 1x is noise, not a speed-up (profiling adds work; what it costs here is smaller than how much one "
+        "step's time varies from the next)")
+    assert "below 1x" not in quiet["verdict"]
 
 
 def test_backward_spans_name_the_root_and_call_n_of_each_module_as_recordings_do(fp32_cli):
@@ -254,6 +259,13 @@ def test_diff_float32_vs_bfloat16_aligns_modules(fp32_cli, bf16_dir):
     assert diff.b["dtype"] == "bfloat16"
     text = format_diff(diff, limit=5)
     assert text.startswith("step time B/A") and "layer" in text
+    # leaves and containers ranked apart: the model itself (a container) cannot top the leaves' list
+    leaves = {r["path"] for r in diff.modules if r["leaf"]}
+    assert "layer3.0.conv1" in leaves and not {"", "layer3", "layer3.0"} & leaves
+    assert len(leaves) == 52  # of 68 paths: 16 containers
+    leaf_part, _, container_part = text.partition("== containers (their time includes their children's)")
+    assert "== leaf modules: ms per step, sorted by delta ==" in leaf_part and "(root)" in container_part
+    assert "(root)" not in leaf_part and "(ResNet)" not in leaf_part
 
 
 def test_cli_diff_writes_json(fp32_cli, bf16_dir, tmp_path):

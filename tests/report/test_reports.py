@@ -193,6 +193,12 @@ def test_tensorboard_curves_equal_the_json_rows(result, pair, tmp_path):
     assert any(math.isinf(e.value) for e in acc.Scalars("rel_l2/forward"))  # c's output: reference all zero
     text = acc.Tensors("verdict")[0].tensor_proto.string_val[0].decode()
     assert "DIVERGED at b@0 forward output" in text
+    # each step is named: the scalars' x axis is the row number, the `entries` table says which entry it is
+    entries = acc.Tensors("entries")[0].tensor_proto.string_val[0].decode().splitlines()
+    assert entries[:2] == ["| step | entry | status |", "|---:|---|---|"] and len(entries) == len(doc["rows"]) + 2
+    for line, row in zip(entries[2:], doc["rows"], strict=True):
+        assert line == f"| {row['index']} | `{row['module']}@{row['call']} {row['phase']} {row['tensor']}` | " \
+                       f"{row['status']} |"
 
 
 def test_tensorboard_histograms_of_divergent_rows(result, pair, tmp_path):

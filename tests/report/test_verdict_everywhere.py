@@ -258,3 +258,67 @@ def test_the_public_api_reads_the_same_verdict(outputs):
         FAULT, "forward", doc["verdict"]["culprit"]["index"])
     assert result.exit_code == 1 and result.verdict() == result.verdict_obj.as_dict()
     assert json.loads(json.dumps(result.to_json())) == doc
+
+
+def test_the_csv_says_why_a_row_is_diverged(outputs):
+    rows, doc = outputs["fault"]["csv"], outputs["fault"]["json"]
+    header = outputs["fault"]["csv_header"]
+    assert header[header.index("nan_inf") + 1:header.index("nan_inf") + 6] == [
+        "local_rel_l2", "expected_noise", "ratio", "flagged", "basis"]
+    culprit = rows[doc["verdict"]["culprit"]["index"]]
+    local = doc["rows"][int(culprit["index"])]["local"]
+    assert (culprit["status"], culprit["basis"], culprit["flagged"]) == ("diverged", "local_error", "1")
+    assert float(culprit["local_rel_l2"]) == local["rel_l2"] and float(culprit["expected_noise"]) == local["expected"]
+    assert float(culprit["ratio"]) == pytest.approx(local["rel_l2"] / local["expected"]) and float(culprit["ratio"]) > 4
+    drift = next(r for r in rows if r["status"] == "drift" and r["basis"] == "local_error")
+    assert float(drift["ratio"]) <= 4 and drift["flagged"] == "0"  # outside tolerance, within its own noise
+    unprobed = next(r for r in rows if r["local_rel_l2"] == "")
+    assert unprobed["basis"] == "tolerance" and unprobed["ratio"] == unprobed["expected_noise"] == ""
+
+
+def _attr_rows(page: str) -> list[dict]:
+    rows = [dict(re.findall(r"data-(\w+)='([^']*)'", tr)) for tr in re.findall(r"<tr class='[^']*'[^>]*>", page)]
+    return [r for r in rows if "name" in r]  # not the `... N rows` gaps
+
+
+@pytest.mark.parametrize("case", list(REPLAYS))
+def test_html_divergent_only_shows_flagged_rows_and_says_how_many(case, outputs):
+    page, doc = outputs[case]["html"], outputs[case]["json"]
+    flagged = [r for r in doc["rows"] if r["status"] == "diverged" or (r["local"] or {}).get("flagged")]
+    count = int(re.search(r"<span id='divergent-count'>(\d+)</span> of (\d+) rows flagged", page)[1])
+    assert count == len(flagged) and count == {"bf16": 0, "fault": 3, "inf": len(flagged)}[case]
+    shown = _attr_rows(page)
+    assert {r["status"] for r in shown if r["divergent"] == "1"} <= {"diverged"}
+    assert {r["status"] for r in shown if r["divergent"] == "0"} <= {"match", "drift", "rounding"}
+    if case == "bf16":  # drift rows (hundreds) are not "divergent": the box hides them
+        assert sum(r["divergent"] == "0" and r["status"] == "drift" for r in shown) > 100
+    # the script filters on the same attribute, and marks rows the same way when it shows all of them
+    assert "only.checked&&tr.dataset.divergent!=='1'" in page
+    assert 'var NOT_DIVERGENT=["match", "rounding", "drift", "not_judged"];' in page
+    assert "NOT_DIVERGENT.indexOf(r.status)<0||(r.local&&r.local.flagged)" in page
+
+
+def test_html_plot_bands_noise_marks_every_flagged_point_and_draws_flat_tolerances(outputs):
+    page = outputs["bf16"]["html"]
+    svg = re.search(r"<svg id=\"error-plot\".*?</svg>", page, re.S)[0]
+    assert '<path id="noise-band"' in svg and "expected noise" not in re.sub(r"<title>.*?</title>", "", svg)
+    tolerance = re.search(r'<g id="tolerance-line">(.*?)</g></g>', svg, re.S)[0]
+    lines = re.findall(r'<line x1="[\d.]+" x2="[\d.]+" y1="([\d.]+)" y2="([\d.]+)"', tolerance)
+    assert len(lines) == 2 and all(a == b for a, b in lines)  # one flat line per rtol: float32, and bf16 rows
+    assert "rtol 1.3e-06 (float32)" in tolerance and "rtol 1.6e-02 (float32|bfloat16)" in tolerance
+    # both dtypes in the table's dtype column
+    assert "<td>float32|bfloat16</td>" in page
+    fault_svg = outputs["fault"]["html"]
+    flagged = sum(bool((r["local"] or {}).get("flagged")) for r in outputs["fault"]["json"]["rows"])
+    assert fault_svg.count('class="flagged-mark"') == flagged == 3
+
+
+def test_html_layout_holds_at_800_px(outputs):
+    """The table scrolls sideways in its own box and no number or name wraps (checked in a real browser by
+    tools/report_screenshots.py: screenshots at 1400 and 800 px)."""
+    page = outputs["fault"]["html"]
+    css = re.search(r"<style>(.*?)</style>", page, re.S)[1]
+    assert "#rows td{white-space:nowrap}" in css and ".scroll{overflow-x:auto;max-width:100%}" in css
+    assert "word-break:break-all" not in css
+    assert "<div class='scroll'><table id='rows'" in page and "<div class='scroll'><table class='runs'>" in page
+    assert re.search(r'<svg id="error-plot" viewBox="0 0 \d+ \d+" width="100%"', page)  # the plot scales down

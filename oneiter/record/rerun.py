@@ -36,6 +36,7 @@ from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
+from oneiter.record.recompute import checkpoint_disabled
 from oneiter.record.reduced import ReducedOperands
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 from oneiter.runtime.precision import unit_roundoff
@@ -168,13 +169,15 @@ class Rerunner:
             given[id(value)] = value._version
             return value
 
-        args = fill(rec.args, make_input)
-        kwargs = fill(rec.kwargs, make_input)
+        with torch.enable_grad():  # the leaves' clones stay in the graph inside a no_grad forward (a reentrant
+            args = fill(rec.args, make_input)  # checkpoint's region) too
+            kwargs = fill(rec.kwargs, make_input)
         anchor = torch.zeros((), device=site.device, requires_grad=True)
         forcing = _Forcing(forced, self, site, anchor)
         skip = {id(m) for c in forced for m in c.module.modules()} if own_only else set()
         with ExitStack() as stack:
             stack.enter_context(_isolated(module, site.device, self.target_device))
+            stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(trusted.running(site.trusted))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))

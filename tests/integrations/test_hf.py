@@ -29,7 +29,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4):
+def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, **training):
     from transformers import Trainer, TrainingArguments
 
     sys.path.insert(0, str(MODEL_FILES))
@@ -43,7 +43,7 @@ def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 
     args = TrainingArguments(
         output_dir=str(tmp_path / f"trainer-{model_seed}-{data_seed}"), max_steps=steps,
         per_device_train_batch_size=2, optim="sgd", learning_rate=0.05, report_to="none", save_strategy="no",
-        logging_strategy="no", use_cpu=True, seed=data_seed, dataloader_num_workers=0, disable_tqdm=True,
+        logging_strategy="no", use_cpu=True, seed=data_seed, dataloader_num_workers=0, disable_tqdm=True, **training,
     )
     Trainer(model=model, args=args, train_dataset=_Tokens(data_seed), callbacks=[callback]).train()
     return callback
@@ -85,6 +85,17 @@ def test_a_replay_with_a_model_code_fault_names_the_layer(trainer_ref, tmp_path,
     verdict = oneiter.compare(ref, tmp_path / "tgt.h5").verdict()
     assert verdict["status"] == "diverged" and verdict["basis"] == "local_error"
     assert (verdict["module"], verdict["phase"]) == ("model.layers.1.mlp.down_proj", "forward")
+
+
+def test_a_replay_with_activation_checkpointing_matches_a_run_without_it(trainer_ref, tmp_path):
+    """The Trainer's `gradient_checkpointing=True` recomputes every decoder layer in backward: no new call, so the
+    replay records exactly the reference's calls and values."""
+    ref, _ = trainer_ref
+    _train(tmp_path, OneIterCallback(step=2, out=tmp_path / "tgt.h5", replay=ref), model_seed=3, data_seed=7,
+           gradient_checkpointing=True)
+    result = oneiter.compare(ref, tmp_path / "tgt.h5")
+    assert result.status == "match" and all(row.metrics.max_abs == 0 for row in result.rows)
+    assert result.verdict()["num_local"] > 100
 
 
 def test_callback_arguments_are_checked(tmp_path, trainer_ref):

@@ -38,11 +38,13 @@ from oneiter.format.schema import (
     group_path,
     layout_attrs,
     seq_kind,
+    shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
 from oneiter.record.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
+from oneiter.runtime.sharding import local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
 
@@ -85,6 +87,7 @@ class TensorSink:
         in place without bumping its version counter (BatchNorm's running stats), so version equality is only
         trusted for activations and gradients.
 
+        A DTensor (FSDP2) is stored as this rank's shard, with its placement (`schema.shard_attrs`).
         The copy and the statistics run outside the iteration's dispatch modes (random-op recording, op
         fallback): they are not the model's ops, and each of their ops would otherwise pass through a Python
         `__torch_dispatch__` (0.1-0.3 ms more per tensor; 0.06 s of a resnet18 stats-level record)."""
@@ -92,6 +95,9 @@ class TensorSink:
 
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
             return
+        placement = placement_of(tensor)
+        if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
+            attrs, tensor = {**(attrs or {}), **shard_attrs(placement)}, local(tensor)
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
 

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
+from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record import raised_at
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
@@ -58,6 +58,7 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
+from oneiter.runtime.sharding import class_name, reduction
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
@@ -495,7 +496,7 @@ class Recorder:
         # a replay is of the reference's model: its name (and how it was built) unless told otherwise
         ref_meta = self.ref.meta if self.ref is not None else {}
         meta = {
-            "model": opts.name or ref_meta.get("model") or type(self.model).__name__,
+            "model": opts.name or ref_meta.get("model") or class_name(self.model),
             "model_args": ref_meta.get("model_args") or "{}", "batch_size": ref_meta.get("batch_size") or 0,
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
@@ -510,6 +511,7 @@ class Recorder:
             "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
+            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind

@@ -178,6 +178,7 @@ class Rerunner:
         with ExitStack() as stack:
             stack.enter_context(_isolated(module, site.device, self.target_device))
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
+            stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
@@ -540,6 +541,35 @@ def _reduced(site: Site) -> Iterator[Any]:
         return
     with ReducedOperands(dict(site.reduced)) as mode:
         yield mode
+
+
+def _is_sharding_hook(hook) -> bool:
+    """A forward hook of FSDP2 (`fully_shard`): it all-gathers and reshards parameters, collectives every rank must
+    join, and registers the gradient reduction."""
+    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
+
+
+@contextmanager
+def _without_sharding_hooks(module) -> Iterator[None]:
+    """FSDP2's forward hooks off on `module` and every module under it for a rerun: a rerun on one rank must run no
+    collective, and must not reduce gradients into the real iteration's. The parameters it reads are those the live
+    call had: a call under an FSDP2 unit runs (and is rerun, when it returns) while its unit's parameters are
+    all-gathered; the unit itself returns after its parameters are sharded again, so its rerun forces its children
+    (a child that is not forced and reads a sharded parameter fails, and the unit is listed as not probed)."""
+    saved = []  # (hook dict, its entries in order): restored as they were, FSDP2's pre-hook first
+    for mod in module.modules():
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(mod, name, None)
+            if hooks and any(_is_sharding_hook(h) for h in hooks.values()):
+                saved.append((hooks, list(hooks.items())))
+                for key in [k for k, h in hooks.items() if _is_sharding_hook(h)]:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
 
 
 @contextmanager

@@ -77,7 +77,7 @@ STATUSES = ("match", "drift", "diverged", "missing_in_target", "missing_in_refer
             "dtype_mismatch")
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
-             "faults", "torch_version", "oneiter_version")
+             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction")
 
 
 @dataclass

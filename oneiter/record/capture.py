@@ -362,7 +362,7 @@ class ModuleCapture:
     def _begin_recomputed(self, module, args: tuple, kwargs: dict) -> None:
         """A call recomputed in backward: no new call. Mapped onto its first execution (a reentrant checkpoint's
         region, whose forward ran without gradients), it gets that call's gradient hooks."""
-        frame = self.recomputations.begin(module)
+        frame = self.recomputations.begin(module, next_node_number())
         if frame.call is not None:
             named = [(grad_name(n), v) for n, v in flatten_call(args, kwargs)]
             frame.pending = (self._input_grads.start(named), next_node_number())

@@ -16,8 +16,10 @@ What the two kinds of checkpoint need for the *backward* entries:
   hooks); backward reruns it with gradients on and differentiates that graph. Each recomputed call is mapped onto
   its first execution (`Recomputations.begin`) and gets the gradient hooks there, named after that call. The
   mapping: the recomputation runs while autograd executes the region's `CheckpointFunctionBackward` node, created
-  right before the region's forward ran, so the region's first call is the first forward call begun after that
-  node; later calls follow the forward's call tree (each call's children in order, then its next sibling), and a
+  right before the region's forward ran, so the region's first call is the first call begun after that node (a
+  forward call; for a reentrant region inside another one, whose node the outer recomputation created, the
+  recomputed call that repeats it); later calls follow the forward's call tree (each call's children in order,
+  then its next sibling), and a
   module that is not the expected one stops the mapping for the rest of that region (its calls then have no
   backward entries, on both sides alike). Calls inside a reentrant forward also have their arguments' structure
   recorded as if gradients were on (`in_reentrant_forward`): their probes then differentiate as the
@@ -145,6 +147,8 @@ class Recomputations:
         self._episode: tuple[int, int] | None = None
         self._stack: list[_Frame] = []
         self._region: _Frame | None = None  # where the running recomputation's region starts in the call tree
+        self._again: list[_Call] = []  # the forward calls mapped recomputed calls repeat, in the order they ran
+        self._again_firsts: list[int] = []  # the node number each of those recomputed calls began at
         self.num_calls = 0  # recomputed module calls
         self.num_mapped = 0  # of those, mapped onto their first execution (reentrant checkpoints)
 
@@ -164,9 +168,9 @@ class Recomputations:
             self._open.pop()
 
     # -- the recomputation --------------------------------------------------------------------------------------------
-    def begin(self, module) -> _Frame:
-        """A recomputed call begins; its frame names the forward call it repeats where that needs gradient hooks
-        (a reentrant checkpoint's region), else None."""
+    def begin(self, module, first: int) -> _Frame:
+        """A recomputed call begins (`first`: the number the next autograd node gets); its frame names the forward
+        call it repeats where that needs gradient hooks (a reentrant checkpoint's region), else None."""
         self.num_calls += 1
         self._new_episode()
         if not self._stack:
@@ -175,6 +179,8 @@ class Recomputations:
             frame = self._child(self._stack[-1], module)
         if frame.call is not None:
             self.num_mapped += 1
+            self._again.append(frame.call)
+            self._again_firsts.append(first)
         self._stack.append(frame)
         return frame
 
@@ -194,14 +200,19 @@ class Recomputations:
             self._region = self._region_start(node)
 
     def _region_start(self, node) -> _Frame | None:
-        """The forward call tree position a reentrant region starts at: the first forward call begun after its
+        """The forward call tree position a reentrant region starts at: the first call begun after its
         `CheckpointFunctionBackward` node was created (None: not a reentrant region)."""
         import torch
 
         if node is None or not isinstance(node, torch.autograd.function.BackwardCFunction):
             return None
-        index = bisect.bisect_right(self._firsts, node._sequence_nr())
-        first = self.calls[index] if index < len(self.calls) else None
+        created = node._sequence_nr()
+        found = []  # the first call begun after the node: in the forward, or (an inner region) recomputed
+        for firsts, calls in ((self._firsts, self.calls), (self._again_firsts, self._again)):
+            index = bisect.bisect_right(firsts, created)
+            if index < len(calls):
+                found.append((firsts[index], calls[index]))
+        first = min(found, key=lambda f: f[0])[1] if found else None
         if first is None or first.grad:
             return None
         return _Frame(first.parent, first.parent.children.index(first))

@@ -58,7 +58,7 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
-from oneiter.runtime.sharding import class_name, reduction
+from oneiter.runtime.sharding import class_name, local, reduction
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
@@ -107,7 +107,8 @@ class Recorder:
     """Record the training iteration run inside the `with` block into the HDF5 file `out`.
 
     Args:
-        model: the live `nn.Module` (the inner module under DDP/FSDP: its names are the recording's names).
+        model: the live `nn.Module` (the inner module under DDP: its names are the recording's names; a model
+            sharded with FSDP2's `fully_shard` as it is).
         out: the `.h5` file to write; never overwritten unless `force=True`.
         optimizer: the optimizer (or a list of them) that steps this iteration, or None.
         replay: a reference recording: its weights, buffers and batch are loaded, its random values replayed,
@@ -223,8 +224,9 @@ class Recorder:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
         check_output(self.out, opts.force)
-        state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # a sharded (FSDP2) tensor is stored as this rank's shard
+        state = sum(local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters())
         # state_before (full unless a stats-level replay), state_after and parameter gradients (full level only)
         before = state if opts.level == "full" or self.replay is None else 0
         self._state_bytes = before + (state + params if opts.level == "full" else 0)

@@ -253,6 +253,10 @@ class Rerunner:
                 continue
             # buffers start where they were before the iteration (the live ones already hold this call's update)
             stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
+            if stored is not None and tuple(stored.shape) != tuple(tensor.shape):
+                # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
+                # call runs: the reference's full values in a replay (in the run's dtype)
+                stored = None
             base = stored if stored is not None else tensor.detach()
             if base.is_floating_point() or base.is_complex():
                 value = self.perturb(base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True))

@@ -1,7 +1,7 @@
 """A user model whose blocks run under `torch.utils.checkpoint` (`checkpointing="reentrant"` or
-`"non_reentrant"`; `""`: not checkpointed), each region holding a block (with dropout inside) and a module shared by
-every region (`squash`); faultable from inside (faultkit): `instance:blocks.1.down`, `function_bwd:gelu` (the
-blocks' `act`), `instance:squash`."""
+`"non_reentrant"`; `""`: not checkpointed), each region holding a block (with dropout inside, and a second
+checkpoint nested in the first) and a module shared by every region (`squash`); faultable from inside (faultkit):
+`instance:blocks.1.down`, `function_bwd:gelu` (the blocks' `act`), `instance:squash`."""
 
 import torch
 import torch.nn as nn
@@ -10,16 +10,24 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
-    def __init__(self, width: int):
+    def __init__(self, width: int, checkpointing: str):
         super().__init__()
+        self.checkpointing = checkpointing
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.act = nn.GELU()
         self.drop = nn.Dropout(0.2)
         self.down = nn.Linear(2 * width, width)
 
+    def inner(self, x):
+        return self.act(self.up(self.norm(x)))
+
     def forward(self, x):
-        return x + self.down(self.drop(self.act(self.up(self.norm(x)))))
+        if self.checkpointing:  # nested in the region its caller checkpoints
+            h = checkpoint(self.inner, x, use_reentrant=self.checkpointing == "reentrant")
+        else:
+            h = self.inner(x)
+        return x + self.down(self.drop(h))
 
 
 class Checkpointed(nn.Module):
@@ -27,7 +35,7 @@ class Checkpointed(nn.Module):
         super().__init__()
         self.checkpointing = checkpointing
         self.inp = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, checkpointing) for _ in range(depth))
         self.squash = nn.Tanh()  # called inside every checkpointed region
         self.out = nn.Linear(width, 4)
 

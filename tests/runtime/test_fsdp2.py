@@ -63,9 +63,14 @@ def test_a_model_that_shards_itself_replays_and_a_fault_on_rank_1_is_named_there
     for result in clean.results.values():
         assert all(row.metrics.max_abs == 0 for row in result.rows)
         assert result.verdict()["unprobed"] == [] and result.verdict()["num_local"] > 30
+        # how the gradients were reduced, in every report's meta (JSON `meta`)
+        assert (result.meta_target["world_size"], result.meta_target["grad_reduction"]) == (2, "reduce_scatter_mean")
     fault = compare_ranks(runs / "ref.h5", runs / "fault.h5")
     assert (fault.status, fault.origin) == ("diverged", 1)
     assert _verdicts(fault) == [(0, "match", None, None), (1, "diverged", "blocks.1.up", "forward")]
+    # its noise was calibrated in float64 on the all-gathered weights the call ran with (not on the file's shard)
+    assert {r.calibration for r in fault.results[1].local if r.module == "blocks.1.up" and r.phase == "forward"} == {
+        "cpu"}
 
 
 def test_a_hand_written_loop_under_fsdp2_records_and_replays(runs):

@@ -44,13 +44,16 @@ __all__ = [
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
-    "layout_attrs",
+    "layout_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
 ]
 
 SCHEMA = "oneiter.iteration"
 # dataset attributes of a call's tensor that was a non-contiguous view in the live call (absent: contiguous from the
 # start of its storage): its strides and storage offset, which a rerun gives the tensor back
 STRIDE, STORAGE_OFFSET = "stride", "storage_offset"
+# a rank's shard of a sharded (FSDP2/DTensor) parameter, gradient or buffer: where it sits in the full tensor
+PLACEMENTS, GLOBAL_SHAPE, GLOBAL_OFFSET = "placements", "global_shape", "global_offset"
+GRAD_REDUCTION = "grad_reduction"  # root attribute: how parameter gradients were reduced over ranks
 SCHEMA_VERSION = 3  # 3: `level` and the `/stats` table (record --level stats)
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
@@ -265,3 +268,15 @@ def layout_attrs(layout: tuple | None) -> dict | None:
     if layout is None:
         return None
     return {STRIDE: [int(x) for x in layout[0]], STORAGE_OFFSET: int(layout[1])}
+
+
+def shard_attrs(placement: tuple | None) -> dict | None:
+    """The dataset attributes (`PLACEMENTS`, `GLOBAL_SHAPE`, `GLOBAL_OFFSET`) of a rank's shard
+    (`runtime.sharding.placement_of`), else None."""
+    if placement is None:
+        return None
+    placements, shape, offset = placement
+    attrs = {PLACEMENTS: placements, GLOBAL_SHAPE: [int(x) for x in shape]}
+    if offset is not None:
+        attrs[GLOBAL_OFFSET] = [int(x) for x in offset]
+    return attrs

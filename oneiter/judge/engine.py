@@ -85,7 +85,7 @@ STATUSES = ("match", "rounding", "drift", "diverged", NOT_JUDGED, "missing_in_ta
 NOT_DIVERGED = ("match", "rounding", "drift", NOT_JUDGED)
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
-             "faults", "torch_version", "oneiter_version")
+             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction")
 
 
 @dataclass
@@ -624,7 +624,7 @@ def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile,
         unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
                      if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
     covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
-    if int(tgt.meta.get("world_size") or 1) > 1:  # DDP averaged them over ranks: not this rank's own numbers
+    if int(tgt.meta.get("world_size") or 1) > 1:  # averaged over ranks (grad_reduction): not this rank's own numbers
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
                     if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}

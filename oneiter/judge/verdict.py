@@ -564,7 +564,7 @@ class RankedVerdict:
     diverged_ranks: tuple[int, ...]
     headline: str
     note: Optional[str]
-    """Why other ranks diverge only from param_grad on (DDP averages gradients), when they do."""
+    """Why other ranks diverge only from param_grad on (gradients are averaged over ranks), when they do."""
 
     @property
     def exit_code(self) -> int:
@@ -601,5 +601,5 @@ def _spread_note(verdicts: dict[int, Verdict], origin: int, diverged: tuple[int,
     if not later:
         return None
     who = f"rank {later[0]} diverges" if len(later) == 1 else f"ranks {', '.join(map(str, later))} diverge"
-    return (f"note: {who} only from param_grad on: DDP averages gradients across ranks, so rank "
-            f"{origin}'s error reaches every rank's gradients and weights")
+    return (f"note: {who} only from param_grad on: gradients are averaged across ranks (DDP's allreduce, FSDP2's "
+            f"reduce-scatter), so rank {origin}'s error reaches every rank's gradients and weights")

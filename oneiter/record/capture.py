@@ -14,6 +14,9 @@ How the hooks avoid the known traps of module hooks:
 - every call is kept (`module@call`), so a module called twice (ResNet's shared ReLU) keeps both calls;
 - keyword arguments and nested arguments are captured like positional ones (`kwarg.hidden_states`,
   `kwarg.position_embeddings.0`), and so are their gradients (`grad_kwarg.hidden_states`);
+- a call made again during backward (activation checkpointing recomputes a region) is no new call: the recorded
+  forward is the first execution (`recompute.py`), and a reentrant checkpoint's recomputed calls get the gradient
+  hooks of the calls they repeat;
 - the hooks never change a value: recording does not change the loss, the gradients or the update bits.
 """
 
@@ -35,10 +38,13 @@ from oneiter.format.schema import (
     group_path,
     layout_attrs,
     seq_kind,
+    shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
 from oneiter.record.input_grads import InputGradTracker
+from oneiter.record.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
+from oneiter.runtime.sharding import local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
 
@@ -81,6 +87,7 @@ class TensorSink:
         in place without bumping its version counter (BatchNorm's running stats), so version equality is only
         trusted for activations and gradients.
 
+        A DTensor (FSDP2) is stored as this rank's shard, with its placement (`schema.shard_attrs`).
         The copy and the statistics run outside the iteration's dispatch modes (random-op recording, op
         fallback): they are not the model's ops, and each of their ops would otherwise pass through a Python
         `__torch_dispatch__` (0.1-0.3 ms more per tensor; 0.06 s of a resnet18 stats-level record)."""
@@ -88,6 +95,9 @@ class TensorSink:
 
         if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
             return
+        placement = placement_of(tensor)
+        if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
+            attrs, tensor = {**(attrs or {}), **shard_attrs(placement)}, local(tensor)
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -196,6 +206,7 @@ class ModuleCapture:
         self._input_grads = InputGradTracker()
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.recomputations = Recomputations()
 
     def __enter__(self) -> "ModuleCapture":
         self.attach()
@@ -248,7 +259,10 @@ class ModuleCapture:
         if self._suspended:
             return None
         before = next_node_number()
-        self._begin_call(module, args, kwargs)
+        if in_backward():
+            self._begin_recomputed(module, args, kwargs)
+        else:
+            self._begin_call(module, args, kwargs)
         self._note_gap(before)
         return None
 
@@ -256,7 +270,10 @@ class ModuleCapture:
         if self._suspended:
             return None
         before = next_node_number()
-        self._end_call(output)
+        if in_backward():
+            self._end_recomputed(output)
+        else:
+            self._end_call(output)
         self._note_gap(before)
         return None
 
@@ -292,9 +309,13 @@ class ModuleCapture:
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
         self._pending_grads[key] = self._input_grads.start([(grad_name(n), v) for n, v in named])
+        self.recomputations.forward_begin(key, module, next_node_number())
         record = None
         if self.probe is not None:
-            pos, kw = skeleton_call(args, kwargs)
+            # inside a reentrant checkpoint the region runs without gradients: its structure is taken as the
+            # recomputation, which differentiates it, will have it
+            as_if_grad = not _grad_enabled() and in_reentrant_forward()
+            pos, kw = skeleton_call(args, kwargs, as_if_grad=as_if_grad)
             record = CallRecord(key, module, path, call, parent, pos, kw, begin)
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
@@ -305,21 +326,20 @@ class ModuleCapture:
 
     def _end_call(self, output) -> None:
         key, record, first, _path = self._stack.pop()
+        self.recomputations.forward_end()
         self.node_ranges.append((first, next_node_number(), key))
         group = call_path(key, FORWARD)
         named = list(flatten(output, "output"))
         for name, value in named:
             self.sink.put(group, name, value, _layout(value))
-            if _wants_grad(value):
-                value.register_hook(self._grad_hook(key, grad_name(name)))
-        self._input_grads.finish(self._pending_grads.pop(key, None), [v for _, v in named],
-                                 self._input_grad_sink(key))
+        self._hook_grads(key, named, self._pending_grads.pop(key, None))
         attrs: dict[str, Any] = {"random_end": self.random_count()}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
         if record is not None:
             record.random_end = attrs["random_end"]
-            record.output = skeleton(output, "output")
+            as_if_grad = not _grad_enabled() and in_reentrant_forward()
+            record.output = skeleton(output, "output", as_if_grad=as_if_grad)
             # outputs that are an input, unchanged (Identity, dropout with p=0): a forced rerun passes them on
             for name, value in named:
                 hit = record.given.get(id(value)) if _is_tensor(value) else None
@@ -328,8 +348,32 @@ class ModuleCapture:
             record.given = {}
             if record.live_inputs is not None:
                 record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
-            with self.suspended():
+            with self.suspended(), untracked():
                 self.probe.after_call(record)
+
+    def _hook_grads(self, key: str, named: list, pending) -> None:
+        """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
+        for name, value in named:
+            if _wants_grad(value):
+                value.register_hook(self._grad_hook(key, grad_name(name)))
+        self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
+
+    # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
+    def _begin_recomputed(self, module, args: tuple, kwargs: dict) -> None:
+        """A call recomputed in backward: no new call. Mapped onto its first execution (a reentrant checkpoint's
+        region, whose forward ran without gradients), it gets that call's gradient hooks."""
+        frame = self.recomputations.begin(module, next_node_number())
+        if frame.call is not None:
+            named = [(grad_name(n), v) for n, v in flatten_call(args, kwargs)]
+            frame.pending = (self._input_grads.start(named), next_node_number())
+
+    def _end_recomputed(self, output) -> None:
+        frame = self.recomputations.end()
+        if frame is None or frame.call is None:
+            return
+        pending, first = frame.pending
+        self.node_ranges.append((first, next_node_number(), frame.call.key))
+        self._hook_grads(frame.call.key, list(flatten(output, "output")), pending)
 
     def _input_grad_sink(self, key: str):
         hooks: dict[str, Callable] = {}
@@ -405,3 +449,9 @@ def _wants_grad(value) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()

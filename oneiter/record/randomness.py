@@ -21,6 +21,14 @@ tensor, with or without requires_grad; `at::dropout` uses the fused `aten.native
 and PrivateUse1 (DIPU) devices. So one nn.Dropout is `bernoulli_` on a CPU reference and `native_dropout` on a
 device target: the replayer treats the two as the same dropout mask and converts between them.
 
+Activation checkpointing reruns a region's forward during backward, random ops included, from the RNG state its
+forward started with (torch restores it): the recomputation must draw what the first execution drew, or the
+gradients would be computed from another dropout mask than the forward's. Each random op of the forward is keyed by
+the state of the generator it draws from, read just before it runs; a random op during backward whose state is
+such a key is that op again: the recorder does not record it twice (torch redraws the same values), the replayer
+gives it the same reference values as the first time. (Without `preserve_rng_state` a recomputation draws anew,
+with or without oneiter; such an op is then a new one on both sides.)
+
 Limits:
 - the target must run the same random ops in the same order with the same shapes, else `OneIterError`;
 - a random value recorded in float32 and replayed into a bfloat16 op is rounded (masks are exact in any dtype);
@@ -32,6 +40,7 @@ Limits:
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import RANDOM, RANDOM_OPS, group_path
+from oneiter.record.recompute import in_backward
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",
@@ -81,6 +91,31 @@ def _random_values(func, args: tuple, result) -> list:
     return [t for t in result if isinstance(t, torch.Tensor)]
 
 
+def rng_key(args: tuple, kwargs: dict) -> bytes | None:
+    """A fingerprint of the state of the generator a random op is about to draw from (its `generator=`, else the
+    default generator of its device), or None where that state cannot be read."""
+    generator = kwargs.get("generator")
+    try:
+        if generator is not None:
+            state = generator.get_state()
+        else:
+            device = _op_device(args, kwargs)
+            if device.type == "cpu":
+                state = torch.get_rng_state()
+            else:
+                state = getattr(torch, device.type).get_rng_state(device)
+    except Exception:  # a device module without get_rng_state: no recomputation is recognised there
+        return None
+    return hashlib.blake2b(state.cpu().numpy().tobytes(), digest_size=16).digest()
+
+
+def _op_device(args: tuple, kwargs: dict):
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device(kwargs.get("device") or "cpu")
+
+
 def _mask_index(packet: str) -> int:
     """Which recorded output holds the mask/noise that dropout-like replays need."""
     return 1 if packet == "native_dropout" else 0
@@ -102,13 +137,22 @@ class RandomRecorder(TorchDispatchMode):
         self.num_ops = 0
         self.ops: list[str] = []
         self.recorded: list[RecordedOp] = []  # the same, as `RandomReplayer` takes them (paths in `group`)
+        self.num_recomputed = 0  # random ops drawn again by activation checkpointing's recomputation
+        self._drawn: dict[bytes, int] = {}  # rng_key before a forward random op -> its index
         self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not is_random(func, args, kwargs):
+            return func(*args, **kwargs)
+        key = rng_key(args, kwargs)
         result = func(*args, **kwargs)
-        if is_random(func, args, kwargs):
-            self._record(func, args, result)
+        if key is not None and in_backward() and key in self._drawn:
+            self.num_recomputed += 1  # a recomputation: torch restored the state, these are the same values
+            return result
+        if key is not None:
+            self._drawn.setdefault(key, self.num_ops)
+        self._record(func, args, result)
         return result
 
     def _record(self, func, args: tuple, result) -> None:
@@ -199,17 +243,26 @@ class RandomReplayer(TorchDispatchMode):
         self.ops = list(recorded_random_ops(reader) if ops is None else ops)
         self.replay = replay  # False: count and check the random ops, keep the values this run drew
         self.num_ops = 0
+        self.num_recomputed = 0  # random ops drawn again by activation checkpointing's recomputation
+        self._drawn: dict[bytes, int] = {}  # rng_key before a forward random op -> its index
         self._lock = threading.Lock()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not is_random(func, args, kwargs):
             return func(*args, **kwargs)
+        key = rng_key(args, kwargs)
         before = args[0].clone() if _packet(func) in _RRELU and self.replay else None  # rrelu_ overwrites its input
         result = func(*args, **kwargs)  # runs: the target's RNG advances as it would without oneiter
-        with self._lock:
-            k = self.num_ops
-            self.num_ops += 1
+        k = self._drawn.get(key) if key is not None and in_backward() else None
+        if k is not None:  # a recomputation of random op k: the values op k was given
+            self.num_recomputed += 1
+        else:
+            with self._lock:
+                k = self.num_ops
+                self.num_ops += 1
+            if key is not None:
+                self._drawn.setdefault(key, k)
         rec = self._expect(k, func, _random_values(func, args, result))
         if not self.replay:
             return result

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Sequence
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
-from oneiter.format.schema import BATCH, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
+from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record import raised_at
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
@@ -58,6 +58,7 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
+from oneiter.runtime.sharding import class_name, local, reduction
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
@@ -106,7 +107,8 @@ class Recorder:
     """Record the training iteration run inside the `with` block into the HDF5 file `out`.
 
     Args:
-        model: the live `nn.Module` (the inner module under DDP/FSDP: its names are the recording's names).
+        model: the live `nn.Module` (the inner module under DDP: its names are the recording's names; a model
+            sharded with FSDP2's `fully_shard` as it is).
         out: the `.h5` file to write; never overwritten unless `force=True`.
         optimizer: the optimizer (or a list of them) that steps this iteration, or None.
         replay: a reference recording: its weights, buffers and batch are loaded, its random values replayed,
@@ -222,8 +224,9 @@ class Recorder:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
         check_output(self.out, opts.force)
-        state = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # a sharded (FSDP2) tensor is stored as this rank's shard
+        state = sum(local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        params = sum(local(p).numel() * p.element_size() for p in self.model.parameters())
         # state_before (full unless a stats-level replay), state_after and parameter gradients (full level only)
         before = state if opts.level == "full" or self.replay is None else 0
         self._state_bytes = before + (state + params if opts.level == "full" else 0)
@@ -501,7 +504,7 @@ class Recorder:
         # a replay is of the reference's model: its name (and how it was built) unless told otherwise
         ref_meta = self.ref.meta if self.ref is not None else {}
         meta = {
-            "model": opts.name or ref_meta.get("model") or type(self.model).__name__,
+            "model": opts.name or ref_meta.get("model") or class_name(self.model),
             "model_args": ref_meta.get("model_args") or "{}", "batch_size": ref_meta.get("batch_size") or 0,
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
@@ -516,6 +519,7 @@ class Recorder:
             "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
+            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
 
 
 def check_structure(model, ref: IterationFile) -> None:
-    """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference."""
-    mine = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
+    sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
+    mine = {name: tuple(local(t).shape) for name, t in model.state_dict().items()}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -34,13 +36,22 @@ def check_structure(model, ref: IterationFile) -> None:
 
 def load_state(model, ref: IterationFile) -> None:
     """Overwrite the model's parameters and buffers with the reference's `state_before`, bit for bit (each value
-    is cast to the live tensor's dtype and copied onto its device by `load_state_dict`)."""
+    is cast to the live tensor's dtype and copied onto its device by `load_state_dict`). A sharded (FSDP2)
+    parameter gets the reference's shard of this rank, copied into its own shard: no collective runs."""
     import torch
 
     check_structure(model, ref)
     state = {name: ref.tensor(path) for name, path in ref.state().items()}
+    live = model.state_dict(keep_vars=True)
+    sharded = [name for name, tensor in live.items() if is_dtensor(tensor)]
     with torch.no_grad():
-        model.load_state_dict(state, strict=True)
+        for name in sharded:
+            local(live[name]).copy_(state.pop(name))
+        if not sharded:
+            model.load_state_dict(state, strict=True)
+            return
+        for name, value in state.items():  # the unsharded rest (buffers), as load_state_dict would copy them
+            live[name].copy_(value)
 
 
 def load_reference(bundle, ref: IterationFile) -> None:

@@ -36,6 +36,7 @@ from oneiter.format.stats import pair_sums
 from oneiter.record import trusted
 from oneiter.record.capture import PROBED, CallRecord
 from oneiter.record.randomness import RandomReplayer, RecordedOp
+from oneiter.record.recompute import checkpoint_disabled
 from oneiter.record.reduced import ReducedOperands
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 from oneiter.runtime.precision import unit_roundoff
@@ -168,13 +169,16 @@ class Rerunner:
             given[id(value)] = value._version
             return value
 
-        args = fill(rec.args, make_input)
-        kwargs = fill(rec.kwargs, make_input)
+        with torch.enable_grad():  # the leaves' clones stay in the graph inside a no_grad forward (a reentrant
+            args = fill(rec.args, make_input)  # checkpoint's region) too
+            kwargs = fill(rec.kwargs, make_input)
         anchor = torch.zeros((), device=site.device, requires_grad=True)
         forcing = _Forcing(forced, self, site, anchor)
         skip = {id(m) for c in forced for m in c.module.modules()} if own_only else set()
         with ExitStack() as stack:
             stack.enter_context(_isolated(module, site.device, self.target_device))
+            stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
+            stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
@@ -249,6 +253,10 @@ class Rerunner:
                 continue
             # buffers start where they were before the iteration (the live ones already hold this call's update)
             stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
+            if stored is not None and tuple(stored.shape) != tuple(tensor.shape):
+                # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
+                # call runs: the reference's full values in a replay (in the run's dtype)
+                stored = None
             base = stored if stored is not None else tensor.detach()
             if base.is_floating_point() or base.is_complex():
                 value = self.perturb(base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True))
@@ -537,6 +545,35 @@ def _reduced(site: Site) -> Iterator[Any]:
         return
     with ReducedOperands(dict(site.reduced)) as mode:
         yield mode
+
+
+def _is_sharding_hook(hook) -> bool:
+    """A forward hook of FSDP2 (`fully_shard`): it all-gathers and reshards parameters, collectives every rank must
+    join, and registers the gradient reduction."""
+    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
+
+
+@contextmanager
+def _without_sharding_hooks(module) -> Iterator[None]:
+    """FSDP2's forward hooks off on `module` and every module under it for a rerun: a rerun on one rank must run no
+    collective, and must not reduce gradients into the real iteration's. The parameters it reads are those the live
+    call had: a call under an FSDP2 unit runs (and is rerun, when it returns) while its unit's parameters are
+    all-gathered; the unit itself returns after its parameters are sharded again, so its rerun forces its children
+    (a child that is not forced and reads a sharded parameter fails, and the unit is listed as not probed)."""
+    saved = []  # (hook dict, its entries in order): restored as they were, FSDP2's pre-hook first
+    for mod in module.modules():
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            hooks = getattr(mod, name, None)
+            if hooks and any(_is_sharding_hook(h) for h in hooks.values()):
+                saved.append((hooks, list(hooks.items())))
+                for key in [k for k, h in hooks.items() if _is_sharding_hook(h)]:
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
 
 
 @contextmanager

@@ -4,8 +4,9 @@ Pipeline: build the model from its spec (with `--replay`, with the reference's s
 it (`--dtype`), move it to its device, attach faults (if asked), then run `train_step` once inside an
 `oneiter.Recorder` — the same class a user's own loop records with, so both write the same file.
 
-Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel; see
-`oneiter.runtime.distributed` for what changes (seed + rank for the batch, averaged gradients, per-rank replay files).
+Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel, or, for
+a model whose builder shards itself with FSDP2 (`fully_shard`), as it is; see `oneiter.runtime.distributed` for what
+changes (seed + rank for the batch, averaged gradients, per-rank replay files).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
 from oneiter.runtime.precision import DTYPES, apply_dtype
+from oneiter.runtime.sharding import is_sharded
 from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step
 
 __all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
@@ -150,7 +152,9 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         stack.close()  # the Recorder opens the reference itself
         apply_dtype(bundle, opts.dtype)
         setup = prepare(bundle, device, opts.optimizer)
-        if info.distributed:  # the call goes through DDP; hooks, faults and state stay on the inner bundle.model
+        # the call goes through DDP, unless the model sharded itself with FSDP2 (which reduces its own gradients);
+        # hooks, faults and state stay on the inner bundle.model
+        if info.distributed and not is_sharded(bundle.model):
             setup = wrap_ddp(setup)
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)

@@ -80,15 +80,18 @@ class Skeleton:
         return [s.name for s in self.slots]
 
 
-def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False) -> Skeleton:
-    """The skeleton of `obj` (a tuple of args: prefix `input`; an output: prefix `output`)."""
+def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad: bool = False) -> Skeleton:
+    """The skeleton of `obj` (a tuple of args: prefix `input`; an output: prefix `output`). `as_if_grad`: every
+    floating tensor is taken to require a gradient (a reentrant checkpoint's region, run without gradients, whose
+    recomputation differentiates it: `recompute.py`)."""
     import torch
 
     slots: list[Slot] = []
 
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
-            slot = Slot(name, value.dtype, value.device, bool(value.requires_grad), tuple(value.shape),
+            grad = value.requires_grad or (as_if_grad and value.is_floating_point())
+            slot = Slot(name, value.dtype, value.device, bool(grad), tuple(value.shape),
                         None if value.layout != torch.strided else layout_of(value))
             slots.append(slot)
             return slot
@@ -104,13 +107,13 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False) -> Skeleto
     return Skeleton(walk(obj, prefix), slots)
 
 
-def skeleton_call(args: tuple, kwargs: dict) -> tuple[Skeleton, Skeleton]:
+def skeleton_call(args: tuple, kwargs: dict, *, as_if_grad: bool = False) -> tuple[Skeleton, Skeleton]:
     """Skeletons of a call's positional (`input...`) and keyword (`kwarg...`) arguments, caches snapshotted."""
-    pos = skeleton(list(args), "input", snapshot_caches=True)
+    pos = skeleton(list(args), "input", snapshot_caches=True, as_if_grad=as_if_grad)
     kw_slots: list[Slot] = []
     kw_tree = {}
     for key, value in kwargs.items():
-        sk = skeleton(value, kwarg_name(key), snapshot_caches=True)
+        sk = skeleton(value, kwarg_name(key), snapshot_caches=True, as_if_grad=as_if_grad)
         kw_tree[key] = sk.tree
         kw_slots.extend(sk.slots)
     return pos, Skeleton(kw_tree, kw_slots)

@@ -94,6 +94,17 @@ def test_a_replay_with_a_model_code_fault_names_the_layer(trainer_ref, tmp_path,
     assert (verdict["module"], verdict["phase"]) == ("model.layers.1.mlp.down_proj", "forward")
 
 
+def test_a_replay_with_activation_checkpointing_matches_a_run_without_it(trainer_ref, tmp_path):
+    """The Trainer's `gradient_checkpointing=True` recomputes every decoder layer in backward: no new call, so the
+    replay records exactly the reference's calls and values."""
+    ref, _ = trainer_ref
+    _train(tmp_path, OneIterCallback(step=2, out=tmp_path / "tgt.h5", replay=ref), model_seed=3, data_seed=7,
+           gradient_checkpointing=True)
+    result = oneiter.compare(ref, tmp_path / "tgt.h5")
+    assert result.status == "match" and all(row.metrics.max_abs == 0 for row in result.rows)
+    assert result.verdict()["num_local"] > 100
+
+
 def test_callback_arguments_are_checked(tmp_path, trainer_ref):
     ref, _ = trainer_ref
     with pytest.raises(OneIterError, match="step must be a non-negative int, got -1"):

@@ -6,6 +6,8 @@ functional code inside `LlamaAttention.forward`. Faults (`faultkit`, env ONEITER
 `function:silu` (lives in `model.layers.0.mlp.act_fn`), `function:scaled_dot_product_attention`
 (`model.layers.0.self_attn`, own code), `class:LlamaRMSNorm` (`model.layers.0.input_layernorm`),
 `instance:model.layers.1.mlp.down_proj`, `instance:model.layers.0.self_attn` (called with keywords).
+`checkpointing="non_reentrant"` or `"reentrant"` turns on Hugging Face's activation checkpointing of every decoder
+layer (`gradient_checkpointing_enable`); `dropout` is the attention's dropout probability.
 """
 
 import torch
@@ -13,12 +15,18 @@ from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401  (u
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def build(batch_size, seq_len=8, use_cache=False, attn="sdpa", hidden=32, layers=2):
+def build(batch_size, seq_len=8, use_cache=False, attn="sdpa", hidden=32, layers=2, checkpointing="", dropout=0.0):
     patch_functions()
     config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
-                         use_cache=use_cache, attn_implementation=attn)
+                         use_cache=use_cache, attn_implementation=attn, attention_dropout=float(dropout))
     model = LlamaForCausalLM(config)
+    if checkpointing:
+        if checkpointing not in ("reentrant", "non_reentrant"):
+            raise ValueError(f"checkpointing must be reentrant or non_reentrant, got {checkpointing!r}")
+        # transformers 5.x's name for `gradient_checkpointing_enable` (deprecated there, the only one in 4.x)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": checkpointing == "reentrant"})
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
 
     def loss_fn(out):

@@ -39,6 +39,10 @@ HELP = "\n\n".join([
     "--rtol / --atol replace them. The terminal report, --json, --csv, --html and --tensorboard state one verdict. "
     "Exit code: 0 match, 1 divergence, 2 bad input or inconclusive (local data, but no call's own error could be "
     "measured), 3 an internal error (please report it).",
+    "Two multi-step recordings (record --steps N, the target with --replay) are compared step by step: the loss, "
+    "gradient and update norms of both runs, each step's error against the band a precision change explains "
+    "(measured by the target's perturbed twin: docs/steps.md); the verdict names the first step outside the band "
+    "(exit 1) and prints the two commands that record it in full (record --step S), where the layer is named.",
     "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
     "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
     "rank and an overall one naming the rank. A rank missing on one side exits 2.",
@@ -130,6 +134,8 @@ def compare(
 
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
+    if not hasattr(result, "rows") or not hasattr(result, "local"):  # two multi-step recordings: step by step
+        raise typer.Exit(_report_steps(result, dests, tb_dir, suggest, show_all, to_stdout))
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
     _emit_json(dests.get("--json"), result.to_json)
@@ -149,6 +155,24 @@ def compare(
     if suggest:
         _print_suggestion(result, err if to_stdout else out)
     raise typer.Exit(result.exit_code)
+
+
+def _report_steps(result, dests: dict, tb_dir, suggest: bool, show_all: bool, to_stdout: bool) -> int:
+    """The reports of two multi-step recordings compared (`report/steps.py`); returns the exit code."""
+    from oneiter.report.steps import print_steps, write_steps_csv, write_steps_html
+
+    if tb_dir is not None or suggest:
+        raise OneIterError(f"{'--tensorboard' if tb_dir is not None else '--suggest'} takes recordings of one "
+                           f"iteration: of two multi-step recordings, record the step the verdict names in full")
+    print_steps(err if to_stdout else out, result, show_all=show_all)
+    _emit_json(dests.get("--json"), result.to_json)
+    if "--csv" in dests:
+        write_steps_csv(result, dests["--csv"])
+        _wrote(dests["--csv"])
+    if "--html" in dests:
+        write_steps_html(result, dests["--html"])
+        _wrote(dests["--html"])
+    return result.exit_code
 
 
 def _print_suggestion(result, console) -> None:

@@ -29,7 +29,8 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   `recorded` or `loaded`, each value named `<parameter>.<key>` of a parameter the file records;
 - **a multi-step recording** (`check_steps`): as many `/steps/<step>` groups as its `steps` attribute says, each
   holding iteration `<step>` (its `iteration` attribute), and signature tables of one row per step whose columns
-  (`format/steps.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed).
+  (`format/steps.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed),
+  and whose loss column is each step's recorded loss.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from oneiter.format.schema import (
     RANDOM_OUTPUTS,
     RAW_BITS,
     ROOT_MODULE,
+    SIGNATURE,
     STATS_VALUES,
     STEPS,
     LocalRow,
@@ -315,9 +317,9 @@ def check_optimizer_state(meta: dict[str, Any], names: list[str], params: set[st
 
 # -- a multi-step recording -----------------------------------------------------------------------------------------
 def check_steps(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], tables: dict[str, tuple], params: set[str],
-                path) -> list[int]:
+                path, losses: dict[int, float] | None = None) -> list[int]:
     """The steps of a multi-step recording, in order (module docstring). `tables`: name -> (array, columns) of the
-    signature tables present."""
+    signature tables present; `losses`: each step's recorded loss, which its `/signature` row must hold."""
     names = groups.get(STEPS, ({}, []))[1]
     steps = sorted(int(n) for n in names)  # names were checked to be step numbers by the walk
     if meta.get("steps") != len(steps) or not steps:
@@ -334,4 +336,10 @@ def check_steps(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], tabl
         norms = array[:, 1:]
         if (norms < 0).any():
             raise _fail(path, f"/{name}: a norm below 0 (a norm is >= 0, or NaN/Inf when a run overflowed)")
+    if SIGNATURE in tables and losses:
+        for row, step in zip(tables[SIGNATURE][0], steps, strict=True):
+            held = losses.get(step)
+            if held is not None and not (row[0] == held or (math.isnan(row[0]) and math.isnan(held))):
+                raise _fail(path, f"/{SIGNATURE}: step {step}'s loss is {row[0]!r}, but the step recorded "
+                                  f"{held!r}")
     return steps

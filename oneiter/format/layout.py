@@ -26,6 +26,7 @@ from oneiter.format.schema import (
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
+    LOSS,
     OPTIMIZER,
     PARAM_GRADS,
     PRECISION_SIGNATURE,
@@ -245,7 +246,9 @@ class IterationFile:
         params = set(first.state(STATE_BEFORE)) if first is not None else set()
         tables = {name: (self._matrix(name), self.attrs(name).get("columns"))
                   for name in (SIGNATURE, TWIN_SIGNATURE, PRECISION_SIGNATURE) if name in self._tree.datasets}
-        steps = consistency.check_steps(self.meta, self._tree.groups, tables, params, self.path)
+        losses = {s: float(v.read(LOSS).reshape(-1)[0]) for s, v in self._steps.items()
+                  if v.has(LOSS) and v.shape_of(LOSS) in ((), (1,))}
+        steps = consistency.check_steps(self.meta, self._tree.groups, tables, params, self.path, losses)
         self._steps = {s: self._steps[s] for s in steps}
         for name, (values, columns) in tables.items():
             self._signatures[name] = Signature(tuple(steps), tuple(columns), values)

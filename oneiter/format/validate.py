@@ -71,7 +71,7 @@ _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`steps.py`)
 _STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE, PRECISION_SIGNATURE)
-_STEP_NAME = re.compile(r"\d{1,12}")
+_STEP_NAME = re.compile(r"0|[1-9]\d{0,11}")  # its number as written: no leading zero
 # torch dtypes stored as the numpy type of the same name (the others are raw bits: `schema.RAW_BITS`)
 _NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                 "uint64", "bool", "complex64", "complex128"}

@@ -9,10 +9,11 @@ Per step:
   group's columns, of the symmetric relative difference |a - b| / max(|a|, |b|) (columns that are 0 on both sides
   left out): how far the target's step is from the reference's, inherited from earlier steps or made by this one;
 - **band** = `BAND_FACTOR` x the larger of the largest `distance(twin, target)` of the group so far and, when the two
-  runs ran in different precisions, `distance(the step in the reference's precision, target)` — the same step from
-  the same start with the same code, its precision alone changed (low-precision weights round every update away:
-  no perturbation shows that) —, and never less than `BAND_FACTOR` x the lower precision's unit roundoff (as a
-  call's expected noise never is): what the precision explains.
+  runs ran in different precisions, `distance(high, target)`, where `high` is the target's own run (its code, its
+  device, from the same start) carried on in the reference's precision: what the precision change alone does to
+  the trajectory, bias included (bf16 weights round small updates away, step after step: no perturbation shows
+  that); never less than `BAND_FACTOR` x the lower precision's unit roundoff (as a call's expected noise never
+  is). That is what the precision explains.
   The twin (`record/twin.py`) is the target's own run with one rounding of the lower precision injected into every
   step, so its drift from the target is the drift a precision change makes on this model, learning rate and
   optimizer, inherited error included; how `BAND_FACTOR` was measured: docs/steps.md (`bench/bench_steps.py`);
@@ -121,7 +122,7 @@ class StepRow:
 
     @property
     def error(self) -> float:
-        return 0.0 if self.bitwise else self.errors.get(self.by, math.nan)
+        return self.errors.get(self.by, math.nan)
 
     @property
     def band(self) -> Optional[float]:
@@ -129,7 +130,7 @@ class StepRow:
 
     @property
     def outside(self) -> bool:
-        return self.nonfinite or (not self.bitwise and any(self._ratio(g) > 1 for g in self.errors))
+        return self.nonfinite or any(self._ratio(g) > 1 for g in self.errors)
 
     @property
     def ratio(self) -> Optional[float]:
@@ -143,7 +144,7 @@ class StepRow:
             out[name] = {"reference": ref, "target": tgt, "difference": _rel(tgt, ref)}
         out.update({"error": self.error, "band": self.band, "ratio": self.ratio, "by": self.by,
                     "nonfinite": self.nonfinite,
-                    "groups": {g: {"error": 0.0 if self.bitwise else self.errors[g], "band": self.bands.get(g)}
+                    "groups": {g: {"error": self.errors[g], "band": self.bands.get(g)}
                                for g in self.errors}})
         if self.twin is not None:
             out["twin"] = dict(zip(("loss", "grad_norm", "update_norm"), self.twin, strict=True))
@@ -369,8 +370,8 @@ def _decide(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], notes: 
                         f"to a measured band; replay with `oneiter record --replay {ref.path} --steps N` for one")
     first_diff = next((r.step for r in rows if not r.bitwise), None)
     flagged = next((r for r in rows if r.outside), None)
-    for row in rows:
-        row.status = "bitwise" if row.bitwise else ("outside band" if row.outside else "within band")
+    for row in rows:  # bitwise statistics and a signature the band does not hold: the file contradicts itself
+        row.status = "outside band" if row.outside else ("bitwise" if row.bitwise else "within band")
     entry = None
     if first_diff is not None and (first_diff == rows[0].step or rows[[r.step for r in rows].index(first_diff) - 1]
                                    .bitwise):

@@ -9,8 +9,10 @@ the table `/signature`.
 
 A replay of a multi-step reference (`replay=`) starts from the reference's first step (weights, buffers,
 optimizer state, bit for bit) and then runs on its own, fed the reference's batch and random values step by step;
-with `run(fn)` each step is also run by the perturbed twin (`record/twin.py`) whose drift from the target is the
-band a precision change explains, kept as `/twin_signature`. `judge/steps.py` compares two such files step by step.
+with `run(fn)` each step is also run by the perturbed twin (`record/twin.py`, kept as `/twin_signature`) and, when
+the reference ran in another precision, by a second copy of the run in the reference's precision (the target's
+code; `/precision_signature`): how far each is from the target is the band a precision change explains.
+`judge/steps.py` compares two such files step by step.
 
     with oneiter.Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec:      # record/recorder.py dispatches here
         rec.run(one_step)                   # one_step(step): the loop's body, calling rec.inputs(...) for its batch
@@ -137,7 +139,7 @@ class StepRecorder:
         self._rows: list[np.ndarray] = []
         self._twin_rows: list[np.ndarray] = []
         self._precision_rows: list[np.ndarray] = []
-        self._start: Twin | None = None  # this step's start, in the reference's precision (`_precision`)
+        self._high: Twin | None = None  # the run in the reference's precision (`_precision`), its own state
         self._done: list[int] = []
         self._twin: Twin | None = None
         self.twin_check = math.nan
@@ -244,8 +246,9 @@ class StepRecorder:
         with metrics, recorder:
             if first and self.ref is not None and self.twin_enabled:
                 self._twin = Twin(self.model, self.optimizers, self._roundoff(recorder), seed=self.options.seed or 0)
-            if self._twin is not None and self._precision() is not None:  # where the step starts, for `run`
-                self._start = Twin(self.model, self.optimizers, 0.0, 0, dtype=self._precision()[0])
+            if first and self._twin is not None and self._precision() is not None:  # the reference's start
+                self._high = Twin.from_reference(self.model, self.optimizers, self.ref.step(step),
+                                                 self._precision()[0])
             self._current = recorder
             try:
                 yield recorder
@@ -282,10 +285,10 @@ class StepRecorder:
                 check = self._twin_step(self._twin.copy(), step, fn, perturb=False)
                 self.twin_check = _distance(check, self._rows[-1])
             self._twin_rows.append(self._twin_step(self._twin, step, fn, perturb=True))
-            start, self._start = self._start, None
-            if start is not None:  # the same step from the same start in the reference's precision
+            if self._high is not None:  # the target's code, run on in the reference's precision
                 dtype, amp = self._precision()
-                self._precision_rows.append(self._twin_step(start, step, fn, perturb=False, amp=amp, dtype=dtype))
+                self._precision_rows.append(self._twin_step(self._high, step, fn, perturb=False, amp=amp,
+                                                            dtype=dtype))
 
     def _precision(self):
         """(torch dtype, amp) of the reference when it ran in another precision than this run, else None."""

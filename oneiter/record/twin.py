@@ -34,6 +34,7 @@ from typing import Iterator
 import torch
 
 from oneiter.errors import OneIterError
+from oneiter.format.schema import OPTIMIZER, optimizer_entry
 from oneiter.record.batch import BatchSwap, map_call, read_batch
 from oneiter.record.fallback import OpFallback
 from oneiter.record.randomness import RandomReplayer
@@ -65,8 +66,8 @@ def _clone_state(state, dtype=None) -> dict:
 class Twin:
     """The twin's own state: a copy of every parameter, gradient, buffer and optimizer state of the live run,
     taken when the run starts (`Twin(model, optimizers, roundoff, seed)`). With `dtype`, the floating copies are
-    cast to it and the gradients left out: the run's state in another precision (`record/steps.py` steps it once
-    in the reference's precision: what the precision alone does to that step)."""
+    cast to it and the gradients left out: the run's state in another precision (`record/steps.py` carries it on
+    in the reference's precision, unperturbed: what the precision change alone does to the run)."""
 
     def __init__(self, model, optimizers, roundoff: float, seed: int, dtype=None):
         self.model, self.optimizers = model, list(optimizers)
@@ -77,6 +78,31 @@ class Twin:
         self.buffers = [(m, name, _copy(b, dtype)) for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
         self.states = [_clone_state(opt.state, dtype) for opt in self.optimizers]
+
+    @classmethod
+    def from_reference(cls, model, optimizers, reference, dtype) -> "Twin":
+        """The reference's start (`reference`: its first step, whose weights, buffers and optimizer state are in
+        full) in `dtype`, on the model's devices: where the run in the reference's precision starts."""
+        twin = cls(model, optimizers, 0.0, 0, dtype=dtype)
+        names = {id(p): n for n, p in model.named_parameters()}
+        stored = reference.state()
+        for i, p in enumerate(twin.params):
+            path = stored.get(names[id(p)])
+            if path is not None and not reference.is_stats(path):
+                twin.weights[i] = reference.tensor(path).to(device=p.device, dtype=twin.weights[i].dtype, copy=True)
+        prefixes = {id(m): prefix for prefix, m in model.named_modules()}
+        for k, (m, name, b) in enumerate(twin.buffers):
+            path = stored.get(f"{prefixes[id(m)]}.{name}".lstrip("."))
+            if path is not None and not reference.is_stats(path):
+                twin.buffers[k] = (m, name, reference.tensor(path).to(device=b.device, dtype=b.dtype, copy=True))
+        held = reference.state(OPTIMIZER)  # the optimizer's state as the reference recorded it, not as loaded
+        for state in twin.states:
+            for p, values in state.items():
+                for key in list(values):
+                    path = held.get(optimizer_entry(names.get(id(p), ""), str(key)))
+                    if path is not None and not reference.is_stats(path) and isinstance(values[key], torch.Tensor):
+                        values[key] = _copy(reference.tensor(path).to(values[key].device), dtype, key)
+        return twin
 
     def copy(self) -> "Twin":
         """An independent copy (the check runs on one and throws it away)."""

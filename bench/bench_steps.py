@@ -5,16 +5,17 @@
     nice -n 10 python bench/bench_steps.py cost                  # resnet18 b8 and the 118 M llama_tiny, 100 steps
     nice -n 10 python bench/bench_steps.py cost --steps 20 --only llama
 
-`band`: for each model (the tiny Hugging Face Llama of the tests with a new batch per step, the built-in
-`llama_tiny` and `resnet18` at small sizes), each optimizer (SGD with momentum, AdamW) and each target — float32 on
-another thread count (other reduction orders: not bitwise), bf16 and fp16 autocast, bfloat16 weights — a reference
-of `--steps` iterations is recorded (2 threads), then replayed by the target (with its twin), and for every step
-and each group of the signature (`format/steps.py`: gradients, updates) the ratio error / drift is printed, where
-drift is the twin's running maximum (floored at the unit roundoff, as the band is): the band is `BAND_FACTOR` times
-the drift, so a clean run is flagged only where this ratio exceeds `BAND_FACTOR`. The largest ratio of each clean
-run is what `BAND_FACTOR` must stay above. Then faults that start at step `--fault-at` (a layer's output scaled by
-1 + REL from that step on, in the target's code: the twin runs it too) show the ratio at that step, and the first
-step the verdict names with the factor in force: how large a fault the band still sees in each precision.
+`band`: for each model (the tiny Hugging Face Llama of the tests, the built-in `llama_tiny` at sequence length 16
+and `resnet18` at 32x32 and batch 8, each with a new batch per step), each optimizer (SGD with momentum, AdamW)
+and each target — float32 on another thread count (other reduction orders: not bitwise where the model is large
+enough to split its reductions), bf16 and fp16 autocast, bfloat16 weights — a reference of `--steps` iterations is
+recorded (2 threads), then replayed by the target (with its twin, and its run in the reference's precision when
+the precisions differ), and for every step and each group of the signature (`format/steps.py`: gradients,
+updates) the ratio error / (band / `BAND_FACTOR`) is printed: a clean run is flagged only where it exceeds
+`BAND_FACTOR`. The largest ratio of each clean run is what `BAND_FACTOR` must stay above. Then faults that start at
+step `--fault-at` (a layer's output scaled by 1 + REL from that step on, in the target's code: its twin and its
+run in the other precision run it too) show the ratio at that step, and the first step the verdict names with the
+factor in force: how large a fault the band still sees in each precision.
 
 `cost`: the plain training step against `record --steps N` (the reference: statistics of every tensor per step),
 its replay (each step also run by the twin) and the file size, for resnet18 at batch 8 (224x224) and the 118 M
@@ -41,6 +42,7 @@ HF = f"{ROOT / 'tests' / 'model_files' / 'hf_llama.py'}:build_steps"
 SPEC = f"{HERE}:build"
 LLAMA_118M = {"dim": 1024, "num_layers": 8, "vocab_size": 8192, "num_heads": 16}
 SMALL = {"resnet18": {"image_size": 32, "num_classes": 10}, "llama_tiny": {"seq_len": 16}, "hf": {}}
+BATCH = {"resnet18": 8, "llama_tiny": 2, "hf": 2}  # BatchNorm over 2 samples of one batch is no training: 8
 FAULT_LAYER = {"resnet18": "fc", "llama_tiny": "layers.1.feed_forward.w2",
                "hf": "model.layers.1.mlp.down_proj"}
 
@@ -56,12 +58,20 @@ def build(batch_size, model="resnet18", fault_at=-1, rel=0.0, **args):
 
         net, inputs, loss_fn, _, step_batch = hf_llama.build_steps(batch_size, **args)
     else:
+        import torch
+
         from oneiter import models
 
-        net, inputs, loss_fn = models.get_builder(model)(batch_size, **args)
+        builder = models.get_builder(model)
+        net, inputs, loss_fn = builder(batch_size, **args)
 
         def step_batch(step):
-            return inputs, loss_fn
+            """A new batch each step: the builder's own (images and labels, or tokens), drawn with seed 1000 + step
+            (the model it builds again is thrown away); the global RNG is left as it was."""
+            with torch.random.fork_rng():
+                torch.manual_seed(1000 + step)
+                _, new_inputs, new_loss = builder(batch_size, **args)
+            return new_inputs, new_loss
 
     if int(fault_at) >= 0:
         scale = 1.0 + float(rel)
@@ -114,8 +124,8 @@ def band(args) -> None:
         model_args = {"model": model, **SMALL[model]}
         for optimizer in ("sgd", "adamw"):
             ref = folder / f"{model}-{optimizer}.h5"
-            _record(ref, model=SPEC, steps=args.steps, optimizer=optimizer, batch_size=2, model_args=model_args,
-                    threads=2)
+            _record(ref, model=SPEC, steps=args.steps, optimizer=optimizer, batch_size=BATCH[model],
+                    model_args=model_args, threads=2)
             for name, target in TARGETS.items():
                 tgt = folder / f"{model}-{optimizer}-{name}.h5"
                 _record(tgt, model=SPEC, replay=ref, **{"threads": 2, **target})

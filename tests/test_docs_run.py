@@ -181,7 +181,7 @@ def _check_toml(block: Block, folder: Path) -> None:
 
 
 def _run_doc(doc: Path, folder: Path, given: Path, monkeypatch) -> None:
-    (folder / "tests").symlink_to(ROOT / "tests")  # `-m tests/model_files/x.py:build` as from the repository root
+    (folder / "tests").symlink_to(ROOT / "tests")  # `-m tests/model_files/hf_llama.py:build`, as from the root
     monkeypatch.chdir(folder)
     monkeypatch.setenv("ONEITER_NO_PROGRESS", "1")
     last, namespace = "", _namespace()  # the python blocks of one document share one namespace, in order

@@ -37,7 +37,7 @@ from typing import IO, Iterator
 from oneiter.errors import OneIterError
 
 __all__ = ["Destination", "OutputError", "resolve", "resolve_folder", "file_in", "open_text", "write_text",
-           "atomic_text", "destination", "check_distinct", "STDOUT"]
+           "atomic_text", "atomic_path", "destination", "check_distinct", "STDOUT"]
 
 STDOUT = "-"
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks followed in one lookup
@@ -244,6 +244,23 @@ def atomic_text(path: str | os.PathLike, *, encoding: str = "utf-8", errors: str
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, _mode_for(path))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_path(path) as tmp: write(tmp)`: for writers that need a path (h5py): `tmp` is a new file beside
+    `path`, renamed over it once the block ends; an exception leaves the previous file and no temporary one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:

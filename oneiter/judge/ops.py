@@ -39,7 +39,7 @@ import numpy as np
 
 from oneiter.errors import DeviceError, FormatError, OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import decode
+from oneiter.format.schema import ROOT_MODULE, call_key, decode
 from oneiter.judge.blame import NoisePolicy
 from oneiter.judge.engine import CompareResult
 from oneiter.judge.metrics import compare_arrays
@@ -203,6 +203,9 @@ def replay_ops(
     factor = NoisePolicy().factor if factor is None else factor
     folder = repro_folder(repro) if repro is not None else None  # refused before anything runs
     reference = read_reference_ops(reference_ops) if reference_ops is not None else None
+    key = call_key("" if layer == ROOT_MODULE else layer, call)
+    if reference is not None and reference["key"] != key:
+        raise OneIterError(f"--reference-ops traced {reference['key']}, not {key}")
     import torch
 
     tracer = OpTracer(keep=lambda row: flagged(row, factor),
@@ -214,8 +217,6 @@ def replay_ops(
     if not trace.grads_comparable:
         result.notes.append("gradients are left out of the program check (recorded output gradients are totals)")
     if reference is not None:
-        if reference["key"] != run.key:
-            raise OneIterError(f"--reference-ops traced {reference['key']}, not {run.key}")
         result.departures = departures(reference["ops"], tracer.rows)
     if folder is not None:
         result.repro = _repro(folder, tracer, result)

@@ -142,8 +142,9 @@ class OpsResult:
                     f"program differs, not a kernel")
         top = max(judged, key=lambda r: r.ratio or 0.0, default=None)
         where = f", highest {top.ratio:.1f}x at {top.op} ({top.phase}, #{top.index})" if top and top.ratio else ""
+        program = "its program gives the reference's tensors" if self.program else "its program was not checked"
         return (f"MATCH: no op of {self.key} is above its expected noise x{self.factor:g} ({len(judged)} ops "
-                f"judged{where}), and its program gives the reference's tensors")
+                f"judged{where}), and {program}")
 
     def lines(self) -> list[str]:
         """Headline, then where the culprit was called, the program check and the sequence comparison."""
@@ -206,14 +207,15 @@ def replay_ops(
     key = call_key("" if layer == ROOT_MODULE else layer, call)
     if reference is not None and reference["key"] != key:
         raise OneIterError(f"--reference-ops traced {reference['key']}, not {key}")
-    import torch
-
-    tracer = OpTracer(keep=lambda row: flagged(row, factor),
-                      reduced=reduced(current(torch.device(device.split(":")[0]).type)))
+    tracer = OpTracer(keep=lambda row: flagged(row, factor), reduced=reduced(current(device.strip().split(":")[0])))
     trace = trace_layer(path, layer, tracer, call=call, device=device, dtype=dtype, amp=amp, model=model)
     run = trace.run
     result = OpsResult(str(path), run.key, run.class_name, run.device, run.dtype, run.amp, factor, tracer.rows,
-                       _program(path, trace, factor), notes=list(run.notes))
+                       [], notes=list(run.notes))
+    if trace.random_values:
+        result.program = _program(path, trace, factor)
+    else:
+        result.notes.append("the program is not checked: the recording holds no values for the call's random ops")
     if not trace.grads_comparable:
         result.notes.append("gradients are left out of the program check (recorded output gradients are totals)")
     if reference is not None:

@@ -142,6 +142,8 @@ class LayerTrace:
     grads_comparable: bool
     """False when an output is computed from another output: recorded output gradients are totals, so the input and
     parameter gradients of a replay are not expected to match (`_derived_outputs`)."""
+    random_values: bool = True
+    """False when the call ran random ops the recording holds no values for: no run reproduces the reference's."""
 
 
 def trace_layer(
@@ -173,7 +175,8 @@ def trace_layer(
             produced["reference"] = dict(reference.checks)
         result.notes = result.notes + target.notes
         recorded = {name: target.paths[name] for name, _ in target.checks}
-    return LayerTrace(result, recorded, produced, grads_comparable=not target.notes)
+    return LayerTrace(result, recorded, produced, grads_comparable=not target.notes,
+                      random_values=opened.random_ops is not None)
 
 
 def _collect(name: str, ref: IterationFile, path: str, got):

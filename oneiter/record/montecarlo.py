@@ -11,8 +11,8 @@ makes, so the spread holds both the inputs' sensitivity and the rounding errors 
 
 `SCALE` makes the estimate comparable to the float64-based one; it was measured on calls that have float64
 (linear, conv, layer norm, softmax, silu, in float32 and bf16): `python bench/monte_carlo_noise.py`. A single aten
-op (`ops.py`, `oneiter replay --ops`) takes `OP_SCALE` instead: each sample and the base carry their own rounding,
-so their difference is about sqrt(2) times one run's error (measured there: `python bench/bench_ops.py`).
+op (`ops.py`, `oneiter replay --ops`, where the CPU has no kernel in the op's dtypes) takes `OP_SCALE` instead: each
+sample and the base carry their own rounding, so their difference is about sqrt(2) times one run's error.
 """
 
 from __future__ import annotations

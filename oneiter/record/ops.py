@@ -14,16 +14,17 @@ each op it:
    counts. An op the CPU cannot run in float64 is rerun through its decomposition (`torch._decomp`), else in float32
    (a bf16/fp16 op), else in its own dtypes on the CPU (`OpRow.reference` says which);
 3. measures the op's expected noise when that error exceeds one unit roundoff of the op's precision (below it
-   nothing can be flagged): as the layer blame's Monte Carlo estimate does (`montecarlo.py`), the op is rerun
-   `SAMPLES` times on the CPU in its own dtypes with every floating input perturbed at that roundoff
-   (`rerun.Perturbation`, the same seeds), and the spread of the samples around the unperturbed rerun, times
-   `OP_SCALE`, is the noise; never below one unit roundoff. The op's precision is the coarsest of its floating
-   outputs' dtypes, or the reduced mode this process runs its family in (TF32 matmuls: `precision_modes`).
+   nothing can be flagged), as the layer blame's calibration does (`probe.py`): the CPU's own error, the op rerun
+   on the CPU in its own dtypes against the higher-precision rerun, never below one unit roundoff. The op's
+   precision is the coarsest of its floating outputs' dtypes, or the reduced mode this process runs its family in
+   (TF32 matmuls and convolutions: `precision_modes`), whose float32 operands the CPU rerun then rounds the same
+   way (`reduced.OPERANDS`). Where no higher precision ran, or the CPU has no kernel in the op's dtypes, the noise
+   is the layer blame's fallback (`montecarlo.py`): `SAMPLES` reruns with every floating input perturbed at that
+   roundoff (`rerun.Perturbation`, the same seeds), their spread around the unperturbed rerun times `OP_SCALE`.
 
-Why not the layer blame's float64-versus-low-precision CPU run: for one op that low-precision run would be the very
-kernel on trial whenever the target is the CPU itself (a bf16 CPU target, a plugin that overrides CPU kernels),
-while a kernel's systematic error (a wrong scale, a wrong formula) does not widen the spread of perturbed reruns.
-The reruns run as trusted recomputations (`trusted.py`): oneiter's own stand-ins for device kernels step aside.
+Like every calibration these reruns are trusted recomputations (`trusted.py`): the CPU's kernels stand for a
+correct kernel, and oneiter's stand-ins for device kernels (`--inject-fault`, the tests' plugins) step aside. A CPU
+kernel that is itself wrong in the op's dtype is therefore invisible here, as it is to the layer blame.
 
 What the tracer does not judge (the row says why): random ops (they take the reference's values), views, ops with
 uninitialized outputs (`empty`) and ops without a tensor output. Integer and bool outputs must equal the rerun's.
@@ -49,13 +50,16 @@ from torch.utils._pytree import tree_flatten, tree_map
 from oneiter.record import trusted
 from oneiter.record.montecarlo import MONTE_CARLO, OP_SCALE, SAMPLES, SEED, spread
 from oneiter.record.randomness import is_random
+from oneiter.record.reduced import OPERANDS
 from oneiter.record.rerun import Perturbation, tensor_stats
 from oneiter.runtime.precision import unit_roundoff
-from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS
+from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, round_mantissa
 
-__all__ = ["OpRow", "OpCase", "OpTracer", "RANDOM_NOTE", "op_name"]
+__all__ = ["OpRow", "OpCase", "OpTracer", "RANDOM_NOTE", "OWN_DTYPES", "UNIT_ROUNDOFF", "op_name"]
 
 RANDOM_NOTE = "random: the reference's values"
+OWN_DTYPES = "cpu, the op's own dtypes"  # `OpRow.reference` of an op no higher precision ran
+UNIT_ROUNDOFF = "unit roundoff"  # `OpRow.noise_from` when the error, or the calibration, is within one
 # ops that move, cast or copy values without computing new ones: left out of the op sequence `judge.ops` compares
 _COPIES = frozenset({"_to_copy", "to", "clone", "copy_", "detach", "alias", "lift_fresh", "lift_fresh_copy",
                      "_unsafe_view", "contiguous", "_copy_from", "_copy_from_and_resize"})
@@ -100,7 +104,8 @@ class OpRow:
     reference: str = ""
     """What the op was rerun as: `cpu float64`, `cpu float64 (decomposition)`, `cpu float32`, `cpu <dtype>`."""
     noise_from: str = ""
-    """`monte_carlo`, or `unit roundoff` when the error was within one (or the op has no CPU run in its dtype)."""
+    """`cpu` (the CPU's own error in the op's dtypes), `monte_carlo`, or `unit roundoff` when the error or that
+    estimate was within one."""
     mismatch: int = 0
     """Positions whose NaN/Inf differ from the rerun's, or integer/bool elements that differ."""
     note: str = ""
@@ -150,8 +155,8 @@ class OpTracer(TorchDispatchMode):
         self.rows: list[OpRow] = []
         self.case: OpCase | None = None
         self.phase = "forward"
-        self._reduced = {op: 2.0 ** -(MANTISSA_BITS[mode] + 1) for family, mode in (reduced or {}).items()
-                         for op in FAMILY_OPS[family]}
+        # aten op -> the explicit mantissa bits its float32 operands keep in this process (TF32: 10)
+        self._bits = {op: MANTISSA_BITS[mode] for family, mode in (reduced or {}).items() for op in FAMILY_OPS[family]}
 
     @contextmanager
     def watching(self, phase: str) -> Iterator[None]:
@@ -227,21 +232,34 @@ class OpTracer(TorchDispatchMode):
             if errors is None:
                 row.note = "not judged: the CPU rerun's outputs differ in number or shape"
                 return None
-            rel, row.mismatch = errors
-            row.rel_l2 = rel
-            row.noise, row.noise_from = row.roundoff, "unit roundoff"
-            if rel > row.roundoff:
-                noise = _monte_carlo(run, host, produced, row.roundoff)
-                if noise is not None:
-                    row.noise, row.noise_from = max(noise, row.roundoff), MONTE_CARLO
+            row.rel_l2, row.mismatch = errors
+            noise, how = None, UNIT_ROUNDOFF
+            if row.rel_l2 > row.roundoff:  # below one unit roundoff nothing can be flagged: no calibration
+                noise, how = self._noise(func, run, host, produced, expected, row.reference)
+            row.noise, row.noise_from = (noise, how) if noise is not None and noise > row.roundoff else (
+                row.roundoff, UNIT_ROUNDOFF)
         return expected
+
+    def _noise(self, func, run, host: tuple, produced: list, expected: list, reference: str) -> tuple:
+        """(noise, how): the CPU's own error in the op's dtypes against the higher-precision rerun (the layer
+        blame's calibration; operands rounded to this process's reduced mode for TF32 families), else a Monte Carlo
+        estimate (`montecarlo.py`) where no higher precision or no CPU kernel in these dtypes ran."""
+        if reference != OWN_DTYPES:
+            bits = self._bits.get(func.overloadpacket.__name__)
+            for candidate in dict.fromkeys((func, run)):
+                low = _run_low(candidate, host, bits, func.overloadpacket.__name__)
+                errors = _errors(expected, low) if low is not None else None
+                if errors is not None:
+                    return errors[0], "cpu"
+        return _monte_carlo(run, host, produced, self._roundoff(func, produced)), MONTE_CARLO
 
     def _roundoff(self, func, produced: list) -> float:
         """The unit roundoff of the op's precision: its coarsest floating output, or its family's reduced mode."""
         floats = [unit_roundoff(str(t.dtype)) for t in produced if t.is_floating_point()]
         base = max(floats) if floats else unit_roundoff("float64")
-        if any(t.dtype == torch.float32 for t in produced):
-            base = max(base, self._reduced.get(func.overloadpacket.__name__, 0.0))
+        bits = self._bits.get(func.overloadpacket.__name__)
+        if bits is not None and any(t.dtype == torch.float32 for t in produced):
+            base = max(base, 2.0 ** -(bits + 1))
         return base
 
 
@@ -254,7 +272,7 @@ def _rerun(func, host: tuple, roundoff: float) -> tuple[list, str, Callable] | N
         attempts.append((decomposition, torch.float64, "cpu float64 (decomposition)"))
     if roundoff > unit_roundoff("float32"):
         attempts.append((func, torch.float32, "cpu float32"))
-    attempts.append((func, None, "cpu, the op's own dtypes"))
+    attempts.append((func, None, OWN_DTYPES))
     for run, dtype, label in attempts:
         args, kwargs = tree_map(lambda x, dt=dtype: _widened(x, dt), host)
         try:
@@ -262,6 +280,18 @@ def _rerun(func, host: tuple, roundoff: float) -> tuple[list, str, Callable] | N
         except Exception:  # noqa: BLE001 - no kernel for this dtype or device: try the next
             continue
     return None
+
+
+def _run_low(run: Callable, host: tuple, bits: int | None, packet: str) -> list | None:
+    """The op on the CPU in its own dtypes (float32 operands of a reduced family rounded to `bits`), or None."""
+    args, kwargs = tree_map(_copy, host)
+    if bits is not None:
+        args = [round_mantissa(a, bits) if i in OPERANDS.get(packet, ()) and isinstance(a, torch.Tensor) else a
+                for i, a in enumerate(args)]
+    try:
+        return _tensors(run(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - no CPU kernel in these dtypes
+        return None
 
 
 def _decomposition(func):
@@ -296,6 +326,8 @@ def _errors(expected: list, produced: list) -> tuple[float, int] | None:
     for want, got in zip(expected, produced, strict=True):
         if tuple(want.shape) != tuple(got.shape):
             return None
+        if want.is_complex() and got.is_complex():  # compared as (real, imaginary) pairs
+            want, got = torch.view_as_real(want.resolve_conj()), torch.view_as_real(got.resolve_conj())
         if got.is_floating_point() and want.is_floating_point():
             stats = tensor_stats(want, got) if got.numel() else {"rel_l2": 0.0, "mismatch": 0}
             worst, mismatch = max(worst, stats["rel_l2"]), mismatch + int(stats["mismatch"])

@@ -4,8 +4,8 @@
 
 runs the op once on the device D (default: the one oneiter traced it on; its vendor plugin is imported for npu, mlu
 and dipu, or name one with --plugin), and once on the CPU in float64 (floating inputs and dtype arguments widened),
-both on the inputs stored in the case, with their strides and storage offsets. It prints the device's error (rel_l2
-against the float64 run), the CPU's own error in the op's dtypes, and the op's expected noise (what its precision
+both on the inputs stored in the case, with their strides and storage offsets. It prints both errors (rel_l2 against the
+float64 run): the device's and the CPU's own in the op's dtypes, then the op's expected noise (what its precision
 does to a correct kernel, measured by oneiter), and exits 1 when the device's error exceeds `factor` times that noise
 (or NaN/Inf sit elsewhere, or integer outputs differ), 0 when it does not, 2 when the case cannot run here.
 
@@ -216,9 +216,9 @@ def report(case: dict, op, tensors: dict, stored: list, got: list, device) -> in
     lines = [f"{case['op']} ({case['phase']}) called at {case['line']}", f"  reference           {how}",
              f"  error on {str(device):10s} rel_l2 {error:.3e}" + (f", {mismatch} elements whose NaN/Inf or integer "
                                                                     "values differ" if mismatch else "")]
-    if torch.device(device).type != "cpu":
-        lines.append(f"  error on cpu        rel_l2 {_cpu_error(op, case, tensors, expected)} (the CPU kernel in the "
-                     "op's own dtypes, for comparison)")
+    same = " (the same run: --device is the CPU)" if torch.device(device).type == "cpu" else ""
+    lines.append(f"  error on cpu        rel_l2 {_cpu_error(op, case, tensors, expected)} (the CPU kernel in the op's "
+                 f"own dtypes){same}")
     lines += [f"  expected noise      rel_l2 {noise:.3e} (its precision on a correct kernel; flagged above "
               f"{factor:g}x)",
               f"  when traced         rel_l2 {float(case['error']):.3e} on {case['device']} ({case['layer']})",

@@ -273,8 +273,11 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     except DeviceError as exc:
         found.why_not = f"the target's device is not on this machine: {exc}"
         return found
-    found.ops = replay_ops(result.reference, culprit.module, call=culprit.call, device=device, dtype=dtype, amp=amp,
-                           model=model)
+    try:
+        found.ops = replay_ops(result.reference, culprit.module, call=culprit.call, device=device, dtype=dtype,
+                               amp=amp, model=model)
+    except OneIterError as exc:  # the comparison's verdict stands; the drill says why it could not run
+        found.why_not = f"the drill failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return found
 
 
@@ -349,7 +352,7 @@ def read_reference_ops(path: str | Path) -> dict[str, Any]:
         if os.path.getsize(path) > MAX_REFERENCE_BYTES:
             raise FormatError(f"--reference-ops '{path}': larger than {MAX_REFERENCE_BYTES} bytes")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FormatError(f"--reference-ops '{path}' cannot be read as JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise FormatError(f"--reference-ops '{path}' is not the --json of `oneiter replay --ops` ({FORMAT} "

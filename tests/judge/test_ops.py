@@ -160,12 +160,21 @@ def test_compare_drill_traces_the_culprit_call_and_shows_its_ops(llama, plugin, 
             f"--amp none --model {LLAMA}") in res.stdout.replace("\n", " ").replace("  ", " ")
 
 
+def test_the_reproducer_imports_the_plugins_of_oneiters_device_table():
+    """repro.py cannot import oneiter's device table, so it holds a copy: the same plugins."""
+    from oneiter.runtime.devices import DEVICE_TYPES
+
+    assert op_case.PLUGINS == {t.name: t.plugin for t in DEVICE_TYPES.values() if t.plugin}
+
+
 def test_bad_op_options_are_one_line_exit_2(llama, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "case.h5").write_bytes(b"mine")
     hostile = tmp_path / "hostile.json"
     hostile.write_text(json.dumps({"format": "oneiter.ops", "version": 1, "key": "model.layers.0@0",
                                    "ops": [{"op": "__import__('os')", "phase": "forward", "computes": True}]}))
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "oneiter.ops", "version": 1, "key": "model.layers.1@0", "ops": []}))
     cases = [
@@ -174,6 +183,7 @@ def test_bad_op_options_are_one_line_exit_2(llama, tmp_path):
         (("--ops", "--repeat", "3"), "with --ops the layer runs once"),
         (("--ops", "--reference-ops", hostile), "op row 0 is not a row of `replay --ops`"),
         (("--ops", "--reference-ops", tmp_path / "taken" / "case.h5"), "cannot be read as JSON"),
+        (("--ops", "--reference-ops", deep), "cannot be read as JSON"),
         (("--ops", "--reference-ops", other), "--reference-ops traced model.layers.1@0, not model.layers.0@0"),
         (("--ops", "--amp", "fp8"), "--amp must be one of bf16, fp16"),
     ]

@@ -39,7 +39,7 @@ import re
 import sys
 import sysconfig
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -102,7 +102,8 @@ class OpRow:
     """Its expected noise (at least one unit roundoff of its precision)."""
     roundoff: float | None = None
     reference: str = ""
-    """What the op was rerun as: `cpu float64`, `cpu float64 (decomposition)`, `cpu float32`, `cpu <dtype>`."""
+    """What the op was rerun as: `cpu float64`, `cpu float64 (decomposition)`, `cpu float32`, or `OWN_DTYPES` (the
+    CPU in the op's own dtypes: no higher precision ran)."""
     noise_from: str = ""
     """`cpu` (the CPU's own error in the op's dtypes), `monte_carlo`, or `unit roundoff` when the error or that
     estimate was within one."""
@@ -165,7 +166,7 @@ class OpTracer(TorchDispatchMode):
         self.phase = phase
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Anomaly Detection has been enabled")
-            anomaly = torch.autograd.detect_anomaly(check_nan=False) if phase == "forward" else _null()
+            anomaly = torch.autograd.detect_anomaly(check_nan=False) if phase == "forward" else nullcontext()
             with anomaly, self:
                 yield
 
@@ -362,11 +363,6 @@ def _widened(x, dtype):
     if isinstance(x, torch.device):
         return torch.device("cpu")
     return x
-
-
-@contextmanager
-def _null() -> Iterator[None]:
-    yield
 
 
 # -- where an op was called from ------------------------------------------------------------------------------------

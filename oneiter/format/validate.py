@@ -34,7 +34,7 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.optimizer_state import EMPTY, NOT_RECORDED, OPTIMIZER_STATE
-from oneiter.format.schema import LOCAL_FIELDS, RAW_BITS, STATS_FIELDS, UNPROBED_FIELDS, plain
+from oneiter.format.schema import LOCAL_FIELDS, RAW_BITS, STATS_FIELDS, STORAGE_OFFSET, STRIDE, UNPROBED_FIELDS, plain
 
 __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION", "Stored", "Tree"]
 
@@ -457,7 +457,28 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
         raise _fail(path, f"'/{full}': expected a numeric tensor dataset, got HDF5 type {dtype}")
     _check_tensor_name(parts, attrs, full, path)
     name = _tensor_dtype_name(attrs, dtype, full, path)
+    if top == "calls":
+        _check_layout(attrs, shape, full, path)
     return Stored(addr, shape, dtype, name, offset, attrs)
+
+
+def _check_layout(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path) -> None:
+    """A call tensor's `stride` and `storage_offset` (both or neither): non-negative integers, one stride per
+    dimension, and a storage a rerun can allocate: at most `MAX_EXPANSION` times the elements the dataset holds
+    (+ 1 Mi), as a compressed dataset may expand (a replay lays the tensor out in a fresh buffer of that size)."""
+    if STRIDE not in attrs and STORAGE_OFFSET not in attrs:
+        return
+    stride, offset = attrs.get(STRIDE), attrs.get(STORAGE_OFFSET)
+    where = f"dataset '/{full}' "
+    if not (isinstance(stride, list) and len(stride) == len(shape) and all(_is_int(s) and s >= 0 for s in stride)):
+        raise _expect(path, where, STRIDE, f"{len(shape)} integers >= 0 (one per dimension)", stride)
+    if not (_is_int(offset) and offset >= 0):
+        raise _expect(path, where, STORAGE_OFFSET, "an integer >= 0", offset)
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if numel else 0
+    if extent > MAX_EXPANSION * numel + 2**20:
+        raise _fail(path, f"'/{full}': its layout (stride {stride}, storage offset {offset}) spans {extent} "
+                          f"elements for the {numel} it holds: refused")
 
 
 def _check_tensor_name(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:

@@ -34,7 +34,18 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.optimizer_state import EMPTY, NOT_RECORDED, OPTIMIZER_STATE
-from oneiter.format.schema import LOCAL_FIELDS, RAW_BITS, STATS_FIELDS, STORAGE_OFFSET, STRIDE, UNPROBED_FIELDS, plain
+from oneiter.format.schema import (
+    GLOBAL_OFFSET,
+    GLOBAL_SHAPE,
+    LOCAL_FIELDS,
+    PLACEMENTS,
+    RAW_BITS,
+    STATS_FIELDS,
+    STORAGE_OFFSET,
+    STRIDE,
+    UNPROBED_FIELDS,
+    plain,
+)
 
 __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION", "Stored", "Tree"]
 
@@ -45,7 +56,7 @@ MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many tim
 
 _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
-              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version")
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
                "fallback_counts": dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"),
@@ -459,7 +470,28 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     name = _tensor_dtype_name(attrs, dtype, full, path)
     if top == "calls":
         _check_layout(attrs, shape, full, path)
+    _check_shard(attrs, shape, full, path)
     return Stored(addr, shape, dtype, name, offset, attrs)
+
+
+def _check_shard(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path) -> None:
+    """A rank's shard of a sharded (FSDP2) tensor: `placements` a string, `global_shape` one integer >= 0 per
+    dimension, each at least the shard's, and `global_offset` (where present) placing the shard inside it."""
+    if PLACEMENTS not in attrs and GLOBAL_SHAPE not in attrs and GLOBAL_OFFSET not in attrs:
+        return
+    where = f"dataset '/{full}' "
+    if not isinstance(attrs.get(PLACEMENTS), str):
+        raise _expect(path, where, PLACEMENTS, "a string (the shard's placements)", attrs.get(PLACEMENTS))
+    full_shape = attrs.get(GLOBAL_SHAPE)
+    if not (isinstance(full_shape, list) and len(full_shape) == len(shape)
+            and all(_is_int(g) and g >= n for g, n in zip(full_shape, shape, strict=True))):
+        raise _expect(path, where, GLOBAL_SHAPE, f"{len(shape)} integers, each at least the shard's {list(shape)}",
+                      full_shape)
+    offset = attrs.get(GLOBAL_OFFSET)
+    if offset is not None and not (isinstance(offset, list) and len(offset) == len(shape) and all(
+            _is_int(o) and 0 <= o and o + n <= g for o, n, g in zip(offset, shape, full_shape, strict=True))):
+        raise _expect(path, where, GLOBAL_OFFSET, "one integer per dimension placing the shard inside "
+                      f"{full_shape}", offset)
 
 
 def _check_layout(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path) -> None:

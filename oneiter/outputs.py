@@ -37,7 +37,7 @@ from typing import IO, Iterator
 from oneiter.errors import OneIterError
 
 __all__ = ["Destination", "OutputError", "resolve", "resolve_folder", "file_in", "open_text", "write_text",
-           "atomic_text", "destination", "check_distinct", "STDOUT"]
+           "atomic_text", "atomic_path", "destination", "check_distinct", "STDOUT"]
 
 STDOUT = "-"
 _MAX_LINKS = 40  # as the kernel's own limit on symlinks followed in one lookup
@@ -237,13 +237,25 @@ def atomic_text(path: str | os.PathLike, *, encoding: str = "utf-8", errors: str
                 newline: str | None = None) -> Iterator[IO[str]]:
     """`with atomic_text(path) as fh: ...`: the regular file `path` appears (or is replaced) only once all was
     written; an exception, a full disk or a file-size limit leaves the previous file and no temporary one."""
+    with atomic_path(path) as tmp, open(tmp, "w", encoding=encoding, errors=errors, newline=newline) as fh:
+        yield fh
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """`with atomic_path(path) as tmp: write(tmp)` (for writers that need a path, as h5py does): `tmp` is a new file
+    beside `path`, synced and renamed over it once the block ends; an exception leaves the previous file and no
+    temporary one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding=encoding, errors=errors, newline=newline) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
+        yield Path(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, _mode_for(path))
         os.replace(tmp, path)
     except BaseException:

@@ -3,7 +3,8 @@
 The rule (CONTRIBUTING.md, "Docs that run"): the blocks of one document run in order, in one fresh folder, with
 tiny shapes. A block is classified by the HTML comment on the line before its fence, else by its language:
 
-- `<!-- doc: run ... -->`: run it. A `bash` block runs line by line in a shell (`oneiter` is this checkout's);
+- `<!-- doc: run ... -->`: run it. A `bash` block runs line by line in a shell (`oneiter` is this checkout's;
+  `tests/model_files/...` is the repository's, as from its root);
   a `python` block is executed in-process (a block whose first line is a comment naming a Python file, as
   `# my_model.py`, is also saved under that name, for the commands after it). `given FILE FILE...` in the marker
   puts those small recordings (and `report.html`) in the folder first. The python blocks of a document share one
@@ -180,6 +181,7 @@ def _check_toml(block: Block, folder: Path) -> None:
 
 
 def _run_doc(doc: Path, folder: Path, given: Path, monkeypatch) -> None:
+    (folder / "tests").symlink_to(ROOT / "tests")  # `-m tests/model_files/hf_llama.py:build`, as from the root
     monkeypatch.chdir(folder)
     monkeypatch.setenv("ONEITER_NO_PROGRESS", "1")
     last, namespace = "", _namespace()  # the python blocks of one document share one namespace, in order

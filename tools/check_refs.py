@@ -37,7 +37,8 @@ SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()
 SUFFIXES = ("py", "md", "c", "toml", "txt", "cfg", "yaml", "yml", "sh")
 # Files a user writes, named in examples and help texts, and other projects' files: never files of this repository.
 EXAMPLES = {"my_model.py", "my_llm.py", "file.py", "npu.toml", "npu.py", "t.toml", "rec.txt", "device_configs.py",
-            "trainer_example.py"}
+            "trainer_example.py", "repro.py", "my_plugin.py", "activations.py", "diopi_configs.py", "gen_input.py",
+            "check_result.py", "acc_check.py", "pytorch_data_dump_instruct.md", "pytorch_accuracy_checker_instruct.md"}
 PATH = re.compile(r"(?<![\w/.:-])((?:\.{0,2}/)?(?:[\w.-]+/)*[\w-]+\.(?:%s))(?![\w/])" % "|".join(SUFFIXES))
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 TICKED = re.compile(r"`([A-Za-z_][\w.]*)`")

@@ -46,12 +46,17 @@ HELP = "\n\n".join([
     "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
     "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
     "rank and an overall one naming the rank. A rank missing on one side exits 2.",
+    "--drill goes one level down, into the culprit call: when the target's device is on this machine (and its model "
+    "can be built: built-in, or named with --model), the call is rerun from the reference's inputs op by op, each "
+    "aten op judged by its own error (`oneiter replay --ops`); otherwise the report prints that command to run on "
+    "the target's machine.",
     "[bold]Examples[/]",
     "  oneiter compare cpu.h5 cuda.h5",
     "  oneiter compare cpu.h5 npu.h5 --rtol 1e-4 --json report.json",
     "  oneiter compare cpu.h5 npu.h5 --all --csv rows.csv",
     "  oneiter compare ref.h5 tgt.h5   [dim](ref.rank*.h5 vs tgt.rank*.h5 when ref.h5 does not exist)[/dim]",
     "  oneiter compare ref_dir/ tgt_dir/ --json -",
+    "  oneiter compare ref.h5 tgt.h5 --drill --model my_model.py:build --html report.html",
 ])
 
 Reference = Annotated[
@@ -111,6 +116,11 @@ def compare(
     suggest: Annotated[bool, typer.Option("--suggest", help=
             "Print the --include that records the first divergence's region in full (after a --level stats "
             "screening).")] = False,
+    drill: Annotated[bool, typer.Option("--drill", help=
+            "Judge the culprit call op by op on this machine when the target's stack is here (else print the "
+            "command).")] = False,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
+            "With --drill: the model file (path/to/file.py:function) the recordings were made from.")] = None,
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.ranks import is_ranked
@@ -126,7 +136,8 @@ def compare(
     # stderr
     to_stdout = any(d.to_stdout for d in dests.values())
     if target is not None and (is_ranked(reference) or is_ranked(target)):
-        unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tb_dir else [])
+        unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tb_dir else []) + (
+            ["--drill"] if drill else [])
         if unsupported:
             raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
@@ -138,14 +149,19 @@ def compare(
         raise typer.Exit(_report_steps(result, dests, tb_dir, suggest, show_all, to_stdout))
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
-    _emit_json(dests.get("--json"), result.to_json)
+    drilled = _drill(result, model, err if to_stdout else out) if drill else None
+
+    def document() -> dict:
+        return {**result.to_json(), **({"drill": drilled} if drilled is not None else {})}
+
+    _emit_json(dests.get("--json"), document)
     if "--csv" in dests:
         report.write_csv(result, dests["--csv"])
         _wrote(dests["--csv"])
     if "--html" in dests:
         from oneiter.report.html import write_html
 
-        write_html(result, dests["--html"])
+        write_html(document(), dests["--html"])
         _wrote(dests["--html"])
     if tb_dir is not None:
         from oneiter.report.tensorboard import write_tensorboard
@@ -173,6 +189,20 @@ def _report_steps(result, dests: dict, tb_dir, suggest: bool, show_all: bool, to
         write_steps_html(result, dests["--html"])
         _wrote(dests["--html"])
     return result.exit_code
+
+
+def _drill(result, model: Optional[str], console) -> Optional[dict]:
+    """`--drill`: the culprit call's op report (or the command to make it) printed; its JSON document, or None."""
+    from oneiter.judge.ops import drill
+    from oneiter.report.ops import print_drill
+
+    found = drill(result, model=model)
+    if found is None:
+        console.print("drill: the verdict names no module call to drill into", markup=False)
+        return None
+    doc = found.as_dict()
+    print_drill(console, doc)
+    return doc
 
 
 def _print_suggestion(result, console) -> None:

@@ -1,8 +1,11 @@
-"""`oneiter replay FILE --layer PATH`: run one recorded layer alone and check it against the recording.
+"""`oneiter replay FILE --layer PATH`: run one recorded layer alone and check it against the recording; with `--ops`,
+judge every aten op it runs by the op's own error (which kernel inside the culprit), with `--repro DIR` write a
+reproducer of the culprit op.
 
-Thin layer over `oneiter.judge.layer.replay_layer` (the run itself: `oneiter.record.layer_replay`); torch is
-imported inside the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance, 1 a
-tensor beyond it, 2 bad input.
+Thin layer over `oneiter.judge.layer.replay_layer` and `oneiter.judge.ops.replay_ops` (the runs themselves:
+`oneiter.record.layer_replay`, `oneiter.record.ops`; the op report: `oneiter.report.ops`); torch is imported inside
+the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance (`--ops`: no op and not the
+program flagged), 1 a tensor beyond it (an op or the program flagged), 2 bad input.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from oneiter.cli import options as opt
-from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, handle_errors, out, terminal_text
+from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, fail, handle_errors, out, terminal_text
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -26,11 +29,22 @@ HELP = "\n\n".join([
     "required one, and the layer's parameter gradients when the layer was called once. On the recording's "
     "device the result should be bitwise equal; elsewhere it is judged with the dtype's default tolerance "
     "(float32: rtol 1.3e-6, atol 1e-5).",
-    "Exit code: 0 every tensor within tolerance, 1 a tensor beyond it, 2 bad input.",
+    "With --ops the layer runs once on this machine's stack (its device, plugins and patched functions) under a "
+    "dispatch mode, forward and backward, and every aten op it dispatches is rerun alone on exactly its own inputs "
+    "in float64 on the CPU: its own error against its expected noise (what its precision does to a correct "
+    "kernel). The first op above 4x its noise is named with its phase, inputs, strides and the line that called "
+    "it. When no op is, but the layer's own code computed exactly does not give the reference's tensors, the "
+    "program differs (an extra scale, another formula); --reference-ops (this command's --json from the "
+    "reference's machine) shows where the op sequences part. --repro DIR writes the culprit op as DIR/repro.py "
+    "and DIR/case.h5, runnable without oneiter.",
+    "Exit code: 0 every tensor within tolerance (--ops: no op and not the program flagged), 1 a tensor beyond it "
+    "(an op or the program flagged), 2 bad input.",
     "[bold]Examples[/]",
     "  oneiter replay ref.h5 --layer layer1.0.conv1",
     "  oneiter replay ref.h5 --layer layer1.0.relu --call 1",
     "  oneiter replay ref.h5 -l layer1.0.conv1 --device cuda --repeat 20 --json conv1.json",
+    "  oneiter replay ref.h5 -l model.layers.0 -m my_llm.py:build --ops --device npu --amp bf16 --repro case/",
+    "  oneiter replay ref.h5 -l model.layers.0 -m my_llm.py:build --ops --json ref_ops.json   [dim](reference)[/dim]",
 ])
 
 File = opt.RecordingFile
@@ -48,6 +62,16 @@ Repeat = Annotated[
 JsonOut = Annotated[
     Optional[Path], typer.Option("--json", metavar="FILE", help="Write the result as JSON ('-': stdout).")
 ]
+Ops = Annotated[bool, typer.Option("--ops", help="Judge every aten op the layer runs by its own error (see above).")]
+Amp = Annotated[Optional[str], typer.Option("--amp", help=
+        "Autocast to run under: bf16, fp16 or none (default: the recording's own).")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help=
+        "Cast the layer and its inputs: float32, bfloat16, float16, float64 (default: the recording's).")]
+ReferenceOps = Annotated[Optional[Path], typer.Option("--reference-ops", metavar="FILE", help=
+        "With --ops: the --json of the same command run on the reference's stack, to show where the op sequences "
+        "part.")]
+Repro = Annotated[Optional[Path], typer.Option("--repro", metavar="DIR", help=
+        "With --ops: write the first flagged op as DIR/repro.py and DIR/case.h5 (runs without oneiter).")]
 
 
 def _sci(value: float) -> str:
@@ -120,20 +144,62 @@ def replay(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help=
             "The model file (path/to/file.py:function) the recording was made from: a recording never picks the code "
             "that runs. Built-in models default to the recorded name.")] = None,
+    ops: Ops = False,
+    amp: Amp = None,
+    dtype: Dtype = None,
+    reference_ops: ReferenceOps = None,
+    repro: Repro = None,
 ) -> None:
-    from oneiter.judge.layer import replay_layer
-    from oneiter.outputs import resolve, write_text
+    from oneiter.outputs import resolve
 
     # resolved before the run (`oneiter.outputs`): a refused path is one line; never the recording itself
     dest = None if json_path is None else resolve(json_path, "--json", stdout_ok=True, inputs=(file,))
-    result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model)
+    run_amp = _amp(amp)
+    if ops:
+        raise typer.Exit(_replay_ops(file, layer, call, device, repeat, model, run_amp, dtype, reference_ops, repro,
+                                     dest))
+    if reference_ops is not None or repro is not None:
+        raise fail("--reference-ops and --repro go with --ops")
+    from oneiter.judge.layer import replay_layer
+
+    result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp)
+    _emit(dest, result.as_dict(), lambda console: print_report(console, result))
+    raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
+
+
+def _amp(amp: Optional[str]):
+    """--amp as `replay_layer` takes it: the recording's own when not given, None for `none`."""
+    from oneiter.record.layer_replay import RECORDED
+
+    if amp is None:
+        return RECORDED
+    return None if amp.lower() == "none" else amp
+
+
+def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_ops, repro, dest) -> int:
+    """`--ops`: the op report; returns the exit code."""
+    if repeat != 1:
+        raise fail("--repeat times a plain replay; with --ops the layer runs once")
+    from oneiter.judge.ops import replay_ops
+    from oneiter.report.ops import print_ops
+
+    result = replay_ops(file, layer, call=call, device=device, dtype=dtype, amp=amp, model=model,
+                        reference_ops=reference_ops, repro=repro)
+    doc = result.as_dict()
+    _emit(dest, doc, lambda console: print_ops(console, doc))
+    return result.exit_code
+
+
+def _emit(dest, document: dict, show) -> None:
+    """The human report (on stderr when the JSON goes to stdout), then the JSON where it was asked for."""
+    from oneiter.outputs import write_text
+
     to_stdout = dest is not None and dest.to_stdout
-    print_report(err if to_stdout else out, result)
+    show(err if to_stdout else out)
     if dest is not None:
-        write_text(dest, json.dumps(result.as_dict(), indent=1) + "\n")
+        write_text(dest, json.dumps(document, indent=1, allow_nan=False) + "\n")
         if not to_stdout:
             err.print(f"wrote {terminal_text(dest.given)}", markup=False)
-    raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
 
 
 def register(app: typer.Typer) -> None:

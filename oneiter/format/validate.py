@@ -36,8 +36,11 @@ import numpy as np
 from oneiter.errors import FormatError
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, VALUES
 from oneiter.format.schema import (
+    GLOBAL_OFFSET,
+    GLOBAL_SHAPE,
     LOCAL_FIELDS,
     OPTIMIZER,
+    PLACEMENTS,
     PRECISION_SIGNATURE,
     RAW_BITS,
     SCHEMA,
@@ -45,6 +48,8 @@ from oneiter.format.schema import (
     SIGNATURE,
     STATS_FIELDS,
     STEPS,
+    STORAGE_OFFSET,
+    STRIDE,
     TWIN_SIGNATURE,
     UNPROBED_FIELDS,
     plain,
@@ -61,7 +66,7 @@ MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many tim
 _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration",
               "steps")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
-              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version")
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
                "fallback_counts": dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
@@ -530,7 +535,49 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
         raise _fail(path, f"'/{full}': expected a numeric tensor dataset, got HDF5 type {dtype}")
     _check_tensor_name(parts, attrs, full, path)
     name = _tensor_dtype_name(attrs, dtype, full, path)
+    if top == "calls":
+        _check_layout(attrs, shape, full, path)
+    _check_shard(attrs, shape, full, path)
     return Stored(addr, shape, dtype, name, offset, attrs)
+
+
+def _check_shard(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path) -> None:
+    """A rank's shard of a sharded (FSDP2) tensor: `placements` a string, `global_shape` one integer >= 0 per
+    dimension, each at least the shard's, and `global_offset` (where present) placing the shard inside it."""
+    if PLACEMENTS not in attrs and GLOBAL_SHAPE not in attrs and GLOBAL_OFFSET not in attrs:
+        return
+    where = f"dataset '/{full}' "
+    if not isinstance(attrs.get(PLACEMENTS), str):
+        raise _expect(path, where, PLACEMENTS, "a string (the shard's placements)", attrs.get(PLACEMENTS))
+    full_shape = attrs.get(GLOBAL_SHAPE)
+    if not (isinstance(full_shape, list) and len(full_shape) == len(shape)
+            and all(_is_int(g) and g >= n for g, n in zip(full_shape, shape, strict=True))):
+        raise _expect(path, where, GLOBAL_SHAPE, f"{len(shape)} integers, each at least the shard's {list(shape)}",
+                      full_shape)
+    offset = attrs.get(GLOBAL_OFFSET)
+    if offset is not None and not (isinstance(offset, list) and len(offset) == len(shape) and all(
+            _is_int(o) and 0 <= o and o + n <= g for o, n, g in zip(offset, shape, full_shape, strict=True))):
+        raise _expect(path, where, GLOBAL_OFFSET, "one integer per dimension placing the shard inside "
+                      f"{full_shape}", offset)
+
+
+def _check_layout(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path) -> None:
+    """A call tensor's `stride` and `storage_offset` (both or neither): non-negative integers, one stride per
+    dimension, and a storage a rerun can allocate: at most `MAX_EXPANSION` times the elements the dataset holds
+    (+ 1 Mi), as a compressed dataset may expand (a replay lays the tensor out in a fresh buffer of that size)."""
+    if STRIDE not in attrs and STORAGE_OFFSET not in attrs:
+        return
+    stride, offset = attrs.get(STRIDE), attrs.get(STORAGE_OFFSET)
+    where = f"dataset '/{full}' "
+    if not (isinstance(stride, list) and len(stride) == len(shape) and all(_is_int(s) and s >= 0 for s in stride)):
+        raise _expect(path, where, STRIDE, f"{len(shape)} integers >= 0 (one per dimension)", stride)
+    if not (_is_int(offset) and offset >= 0):
+        raise _expect(path, where, STORAGE_OFFSET, "an integer >= 0", offset)
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if numel else 0
+    if extent > MAX_EXPANSION * numel + 2**20:
+        raise _fail(path, f"'/{full}': its layout (stride {stride}, storage offset {offset}) spans {extent} "
+                          f"elements for the {numel} it holds: refused")
 
 
 def _check_tensor_name(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:

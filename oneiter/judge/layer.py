@@ -19,7 +19,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import decode
 from oneiter.judge.metrics import compare_arrays
 from oneiter.judge.tolerance import default_tolerance, looser
-from oneiter.record.layer_replay import LayerRun, run_layer
+from oneiter.record.layer_replay import RECORDED, LayerRun, run_layer
 
 __all__ = ["TensorCheck", "LayerReplayResult", "replay_layer", "check_tensor"]
 
@@ -65,11 +65,12 @@ class LayerReplayResult(LayerRun):
 
 def replay_layer(
     path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", repeat: int = 1, dtype: str | None = None,
-    model: str | None = None,
+    model: str | None = None, amp: str | None = RECORDED,
 ) -> LayerReplayResult:
     """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to judge it, then
     `repeat` timed runs (`run_layer` says what each argument means)."""
-    run = run_layer(path, layer, check_tensor, call=call, device=device, repeat=repeat, dtype=dtype, model=model)
+    run = run_layer(path, layer, check_tensor, call=call, device=device, repeat=repeat, dtype=dtype, model=model,
+                    amp=amp)
     return LayerReplayResult(**vars(run))
 
 

@@ -9,10 +9,16 @@ imports judge).
 It is the layer-level analogue of ditorch's `run_op_from_data`: on the recording's device the result should be
 bitwise equal; on another device the error and the time per run show what that one layer costs.
 
+Each input and output gradient gets the strides and storage offset the live call's tensor had (the dataset
+attributes `stride`/`storage_offset`, `rerun.with_layout`), so a kernel wrong only for a transposed view fails here
+too; the random ops the call ran (dropout) take the reference's recorded values (`randomness.RandomReplayer`).
+`trace_layer` runs the same call once under an `ops.OpTracer` (every aten op judged on its own inputs: `ops.py`) and
+again on the CPU in float64, the layer's own program computed exactly, for `oneiter replay --ops`.
+
 Limits, by design:
-- the layer runs in train mode (as recorded); random layers (dropout) draw from a fresh RNG and do not reproduce;
+- the layer runs in train mode (as recorded); a recording without random-op values (the mmengine hook's) leaves
+  dropout to a fresh RNG: it does not reproduce, and the report says so;
 - an argument that was neither a tensor nor an int/float/bool/str/None was not recorded: that call cannot run;
-- inputs are recorded contiguous, so a layer that saw channels_last tensors may round differently on accelerators;
 - parameter gradients are compared only when the layer was called once and shares no parameter with another
   module; a parameter also used functionally elsewhere in the model cannot be detected and would differ.
 """
@@ -33,15 +39,29 @@ import numpy as np
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, call_key, natural_key, tensor_to_numpy
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    ROOT_MODULE,
+    STORAGE_OFFSET,
+    STRIDE,
+    call_key,
+    natural_key,
+    tensor_to_numpy,
+)
+from oneiter.record import trusted
 from oneiter.record.capture import flatten, host_copy
+from oneiter.record.randomness import RandomReplayer, recorded_random_ops
 from oneiter.record.reference import load_reference
+from oneiter.record.rerun import with_layout
 from oneiter.record.structure import flatten_call
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import load_model, spec_for_replay
-from oneiter.runtime.precision import apply_dtype, autocast_for, torch_dtype
+from oneiter.runtime.precision import amp_dtype_name, apply_dtype, autocast_for, torch_dtype, unit_roundoff
 
-__all__ = ["LayerRun", "run_layer", "Check"]
+__all__ = ["LayerRun", "run_layer", "Check", "RECORDED", "LayerTrace", "trace_layer"]
+
+RECORDED = "recorded"  # `amp=RECORDED`: the autocast the recording ran with (its `amp` attribute)
 
 Check = Callable[[str, IterationFile, str, "tuple[np.ndarray, str] | None"], Any]
 """`check(name, recording, recorded path, (array, dtype) produced or None)`: one tensor's check, kept in `checks`."""
@@ -80,38 +100,24 @@ class LayerRun:
 
 def run_layer(
     path: str | Path, layer: str, check: Check, *, call: int = 0, device: str = "cpu", repeat: int = 1,
-    dtype: str | None = None, model: str | None = None,
+    dtype: str | None = None, model: str | None = None, amp: str | None = RECORDED,
 ) -> LayerRun:
     """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to `check` what it
     produced, then `repeat` timed runs.
 
     `layer` is a module path from `named_modules()` ("" or "(root)" for the model itself). `dtype` casts the
-    layer and its floating inputs (default: keep the recorded --dtype); a recorded --amp autocast is applied.
+    layer and its floating inputs (default: keep the recorded --dtype); `amp` is the autocast to run under
+    (`bf16`, `fp16`, None for none; default: the recording's own --amp).
     `model` builds the model: required when the recording was made from a model file (a recording never chooses
     which code runs); a built-in model's recorded name is used when it is None.
     """
     if repeat < 1 or call < 0:
         raise OneIterError(f"expected --repeat >= 1 and --call >= 0, got --repeat {repeat} --call {call}")
-    layer = "" if layer == ROOT_MODULE else layer
-    dev = resolve_device(device)
-    cast = torch_dtype(dtype) if dtype else None
     with IterationFile(path) as ref:
-        attrs, num_calls = _find_call(ref, layer, call)
-        module, param_paths = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
-        module = module.to(device=dev, dtype=cast) if cast is not None else module.to(dev)
-        amp = ref.meta.get("amp") or None
-        result = LayerRun(
-            str(path), layer, call, str(attrs.get("class_name", type(module).__name__)), str(dev),
-            dtype or ref.meta.get("dtype") or "float32", amp, notes=_notes(module),
-        )
-        entries = {e.tensor: e.path for e in ref.entries()
-                   if (e.module, e.call) == (layer or ROOT_MODULE, call) and e.phase in (FORWARD, BACKWARD)}
-        runner = _Runner(ref, module, entries, attrs, param_paths, dev, cast, autocast_for(dev, amp), check)
-        try:  # untimed: a first call pays one-off costs (thread pools, allocator, kernel choice)
-            runner.run(judge=True)
-        except (RuntimeError, TypeError, ValueError) as exc:
-            text = (str(exc).strip().splitlines() or [""])[0]
-            raise OneIterError(f"replaying {result.key} failed: {type(exc).__name__}: {text}") from exc
+        opened = _open(ref, layer, call, device, dtype, amp, model)
+        result = opened.result
+        runner = opened.runner(check, opened.device, opened.cast, result.amp)
+        _checked_run(runner, result.key)  # untimed: a first call pays one-off costs (thread pools, allocator, ...)
         for _ in range(repeat):
             forward_seconds, backward_seconds = runner.run()
             result.forward_seconds.append(forward_seconds)
@@ -119,6 +125,137 @@ def run_layer(
                 result.backward_seconds.append(backward_seconds)
         result.checks, result.notes = runner.checks, result.notes + runner.notes
     return result
+
+
+@dataclass
+class LayerTrace:
+    """What `trace_layer` ran: the layer's run (its `checks` empty), and what each run produced by tensor name
+    (`output`, `grad_input.0`, `param_grad.weight`: host arrays, None where a run produced none), per site:
+    `target` (the traced run: device, dtype and autocast as asked), `float64` (the CPU, float64, no autocast: the
+    layer's own program computed exactly) and, when the recording's precision is coarser than the run's,
+    `reference` (the CPU in the recording's precision)."""
+
+    run: LayerRun
+    recorded: dict[str, str]
+    """Tensor name -> the recorded dataset it is judged against, in report order."""
+    produced: dict[str, dict[str, Any]]
+    grads_comparable: bool
+    """False when an output is computed from another output: recorded output gradients are totals, so the input and
+    parameter gradients of a replay are not expected to match (`_derived_outputs`)."""
+    random_values: bool = True
+    """False when the call ran random ops the recording holds no values for: no run reproduces the reference's."""
+
+
+def trace_layer(
+    path: str | Path, layer: str, tracer, *, call: int = 0, device: str = "cpu", dtype: str | None = None,
+    model: str | None = None, amp: str | None = RECORDED,
+) -> LayerTrace:
+    """Run call `call` of `layer` once under `tracer` (a context per phase: `tracer.watching("forward")`,
+    `ops.OpTracer`), then again on the CPU in float64 (and in the recording's precision when it is coarser than the
+    run's): the runs `oneiter replay --ops` judges. Arguments as `run_layer`'s."""
+    if call < 0:
+        raise OneIterError(f"expected --call >= 0, got --call {call}")
+    import torch
+
+    with IterationFile(path) as ref:
+        opened = _open(ref, layer, call, device, dtype, amp, model)
+        result = opened.result
+        produced: dict[str, dict[str, Any]] = {}
+        target = opened.runner(_collect, opened.device, opened.cast, result.amp)
+        _checked_run(target, result.key, tracer=tracer)
+        produced["target"] = dict(target.checks)
+        cpu = torch.device("cpu")
+        exact = opened.runner(_collect, cpu, torch.float64, None, trusted=True)
+        _checked_run(exact, result.key)
+        produced["float64"] = dict(exact.checks)
+        coarser = opened.reference_precision(result.dtype, result.amp)
+        if coarser is not None:
+            reference = opened.runner(_collect, cpu, torch_dtype(coarser[0]), coarser[1], trusted=True)
+            _checked_run(reference, result.key)
+            produced["reference"] = dict(reference.checks)
+        result.notes = result.notes + target.notes
+        recorded = {name: target.paths[name] for name, _ in target.checks}
+    return LayerTrace(result, recorded, produced, grads_comparable=not target.notes,
+                      random_values=opened.random_ops is not None)
+
+
+def _collect(name: str, ref: IterationFile, path: str, got):
+    return name, got
+
+
+def _checked_run(runner: _Runner, key: str, tracer=None) -> None:
+    """`runner.run(judge=True)`; an error of the layer's own code is one line (exit 2)."""
+    try:
+        runner.run(judge=True, tracer=tracer)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        text = (str(exc).strip().splitlines() or [""])[0]
+        raise OneIterError(f"replaying {key} failed: {type(exc).__name__}: {text}") from exc
+
+
+@dataclass
+class _Opened:
+    """One recorded call, ready to run: the layer with the recorded weights (on the CPU), its tensors by name, the
+    reference's random ops it ran, and the `LayerRun` describing it."""
+
+    ref: IterationFile
+    result: LayerRun
+    module: Any
+    attrs: dict[str, Any]
+    entries: dict[str, str]
+    param_paths: dict[str, str]
+    random_ops: list | None
+    device: Any
+    cast: Any
+
+    def runner(self, check: Check, device, cast, amp: str | None, *, trusted: bool = False) -> _Runner:
+        """A runner over a fresh copy of the layer on `device`, cast to `cast` (None: as recorded), under `amp`."""
+        module = copy.deepcopy(self.module)
+        module = module.to(device=device, dtype=cast) if cast is not None else module.to(device)
+        return _Runner(self, module, device, cast, autocast_for(device, amp), check, trusted)
+
+    def layout(self, name: str) -> tuple | None:
+        """The live tensor's (strides, storage offset) as the recording holds them (validated on open), or None."""
+        attrs = self.ref.attrs(self.entries[name])
+        if attrs.get(STRIDE) is None:
+            return None
+        return tuple(int(s) for s in attrs[STRIDE]), int(attrs.get(STORAGE_OFFSET) or 0)
+
+    def reference_precision(self, dtype: str, amp: str | None) -> tuple[str, str | None] | None:
+        """(dtype, amp) of the recording when it computed in a coarser precision than `dtype`/`amp`, else None."""
+        ref_dtype, ref_amp = str(self.ref.meta.get("dtype") or "float32"), self.ref.meta.get("amp") or None
+        mine = unit_roundoff(amp_dtype_name(amp) or dtype)
+        theirs = unit_roundoff(amp_dtype_name(ref_amp) or ref_dtype)
+        return (ref_dtype, ref_amp) if theirs > mine else None
+
+
+def _open(ref: IterationFile, layer: str, call: int, device: str, dtype: str | None, amp: str | None,
+          model: str | None) -> _Opened:
+    """Find call `call` of `layer` in `ref`, rebuild the layer with the recorded weights, and describe the run."""
+    layer = "" if layer == ROOT_MODULE else layer
+    dev = resolve_device(device)
+    cast = torch_dtype(dtype) if dtype else None
+    attrs, num_calls = _find_call(ref, layer, call)
+    module, param_paths = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
+    amp = (ref.meta.get("amp") or None) if amp == RECORDED else amp
+    autocast_for(dev, amp)  # an unknown --amp is refused here, before anything runs
+    random_ops = _random_ops(ref, attrs)
+    result = LayerRun(
+        str(ref.path), layer, call, str(attrs.get("class_name", type(module).__name__)), str(dev),
+        dtype or ref.meta.get("dtype") or "float32", amp, notes=_notes(module) if random_ops is None else [],
+    )
+    entries = {e.tensor: e.path for e in ref.entries()
+               if (e.module, e.call) == (layer or ROOT_MODULE, call) and e.phase in (FORWARD, BACKWARD)}
+    return _Opened(ref, result, module, attrs, entries, param_paths, random_ops, dev, cast)
+
+
+def _random_ops(ref: IterationFile, attrs: dict[str, Any]) -> list | None:
+    """The reference's random ops this call ran (its `random_begin`..`random_end`), [] when it ran none, None when
+    the recording holds no values for them."""
+    begin, end = int(attrs.get("random_begin", 0) or 0), int(attrs.get("random_end", 0) or 0)
+    if end <= begin:
+        return []
+    ops = recorded_random_ops(ref)
+    return ops[begin:end] if end <= len(ops) else None
 
 
 def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any], int]:
@@ -172,23 +309,26 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
 
 
 def _notes(module) -> list[str]:
+    """For a recording without the values of the call's random ops: say that its dropout layers draw anew."""
     import torch
 
     random = sorted({type(m).__name__ for m in module.modules()
                      if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0})
     if not random:
         return []
-    return [f"contains {', '.join(random)} (p > 0): it draws random numbers, so it is not expected to reproduce"]
+    return [f"contains {', '.join(random)} (p > 0) and the recording holds no values for its random ops: it draws "
+            "new random numbers, so it is not expected to reproduce"]
 
 
 class _Runner:
     """Runs the layer once per `run`, timing forward and backward; `run(judge=True)` also sets `checks`."""
 
-    def __init__(self, ref, module, entries, attrs, param_paths, device, cast, autocast, check: Check):
-        self.ref, self.module, self.entries, self.attrs = ref, module, entries, attrs
-        self.device, self.cast, self.autocast = device, cast, autocast
+    def __init__(self, opened: _Opened, module, device, cast, autocast, check: Check, trusted: bool = False):
+        self.opened, self.ref, self.module, self.attrs = opened, opened.ref, module, opened.attrs
+        self.entries, param_paths = opened.entries, opened.param_paths
+        self.device, self.cast, self.autocast, self.trusted = device, cast, autocast, trusted
         self.params = {f"param_grad.{n}": p for n, p in module.named_parameters() if f"param_grad.{n}" in param_paths}
-        self.param_paths, self.paths = param_paths, {**entries, **param_paths}
+        self.param_paths, self.paths = param_paths, {**self.entries, **param_paths}
         self.check = check
         self.checks: list = []
         self.notes: list[str] = []
@@ -203,6 +343,10 @@ class _Runner:
         dtype = dtype or self.cast
         return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
+    def _laid_out(self, name: str, tensor):
+        """`tensor` with the strides and storage offset the live call's tensor `name` had."""
+        return with_layout(tensor, self.opened.layout(name))
+
     def _arguments(self) -> tuple[list, dict, dict]:
         """Fresh args and kwargs for one run, and {grad_input name: leaf} for inputs whose gradient was recorded."""
         leaves, fed = {}, {}
@@ -214,7 +358,7 @@ class _Runner:
             if name.count(".") == 1 and grad_name in self.entries and tensor.is_floating_point():
                 leaves[grad_name] = tensor.requires_grad_(True)
                 tensor = tensor.clone()  # an in-place layer (ReLU(inplace=True)) must not write into a leaf
-            fed[name] = tensor
+            fed[name] = self._laid_out(name, tensor)
         for attr, value in self.attrs.items():
             if attr.startswith("arg."):  # non-tensor arguments; capture stores None as "None"
                 fed[attr[4:]] = None if value == "None" else value
@@ -222,16 +366,23 @@ class _Runner:
         kwargs = {k: _rebuild(v, f"kwarg.{k}") for k, v in tree.get("kwarg", {}).items()}
         return _rebuild(tree.get("input", {}), "input"), kwargs, leaves
 
-    def run(self, *, judge: bool = False) -> tuple[float, float | None]:
-        """One forward (and backward, when a gradient was recorded); returns their seconds (backward None)."""
+    def _random(self):
+        """The reference's values for the random ops the call ran (none to replay, or none recorded: nothing)."""
+        if not self.opened.random_ops:
+            return contextlib.nullcontext()
+        return RandomReplayer(self.ref, self.device, ops=self.opened.random_ops)
+
+    def run(self, *, judge: bool = False, tracer=None) -> tuple[float, float | None]:
+        """One forward (and backward, when a gradient was recorded); returns their seconds (backward None).
+        `tracer`: a context per phase around the forward and the backward (`ops.OpTracer.watching`)."""
         import torch
 
         args, kwargs, leaves = self._arguments()
         given = {id(v): v._version for _, v in flatten_call(args, kwargs) if isinstance(v, torch.Tensor)}
-        with torch.enable_grad():
+        with self._random(), trusted.running(self.trusted), torch.enable_grad():
             self.sync()
             start = time.perf_counter()
-            with self.autocast if self.autocast is not None else contextlib.nullcontext():
+            with self.autocast if self.autocast is not None else contextlib.nullcontext(), _watch(tracer, FORWARD):
                 output = self.module(*args, **kwargs)
             self.sync()
             forward_seconds, backward_seconds = time.perf_counter() - start, None
@@ -244,11 +395,12 @@ class _Runner:
             targets = {**leaves, **self.params}
             grads = None
             if pairs and targets:
-                grad_outputs = [self._tensor(name, out.dtype) for out, name in pairs]
+                grad_outputs = [self._laid_out(name, self._tensor(name, out.dtype)) for out, name in pairs]
                 self.sync()
                 start = time.perf_counter()
-                grads = torch.autograd.grad([out for out, _ in pairs], list(targets.values()), grad_outputs,
-                                            allow_unused=True)
+                with _watch(tracer, BACKWARD):
+                    grads = torch.autograd.grad([out for out, _ in pairs], list(targets.values()), grad_outputs,
+                                                allow_unused=True)
                 self.sync()
                 backward_seconds = time.perf_counter() - start
         if judge:
@@ -270,6 +422,10 @@ class _Runner:
         if any(n in got for n in self.param_paths):  # else no backward ran: no parameter gradient to attribute
             recorded += list(self.param_paths)
         return [self.check(name, self.ref, self.paths[name], _host(got.get(name))) for name in recorded]
+
+
+def _watch(tracer, phase: str):
+    return contextlib.nullcontext() if tracer is None else tracer.watching(phase)
 
 
 def _host(got) -> tuple[np.ndarray, str] | None:

@@ -10,7 +10,9 @@ stands for the noise. A perturbation of one unit in the last place also reshuffl
 makes, so the spread holds both the inputs' sensitivity and the rounding errors of the computation.
 
 `SCALE` makes the estimate comparable to the float64-based one; it was measured on calls that have float64
-(linear, conv, layer norm, softmax, silu, in float32 and bf16): `python bench/monte_carlo_noise.py`.
+(linear, conv, layer norm, softmax, silu, in float32 and bf16): `python bench/monte_carlo_noise.py`. A single aten
+op (`ops.py`, `oneiter replay --ops`, where the CPU has no kernel in the op's dtypes) takes `OP_SCALE` instead: each
+sample and the base carry their own rounding, so their difference is about sqrt(2) times one run's error.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import math
 
 from oneiter.record.rerun import rel_l2
 
-__all__ = ["MONTE_CARLO", "SAMPLES", "SCALE", "SEED", "spread"]
+__all__ = ["MONTE_CARLO", "SAMPLES", "SCALE", "OP_SCALE", "SEED", "spread"]
 
 MONTE_CARLO = "monte_carlo"  # the `calibration` suffix of a noise estimated this way (`cpu:monte_carlo`)
 SAMPLES = 4  # perturbed reruns per estimate
 SCALE = 0.5  # the RMS spread of the samples times this is comparable to the float64-based noise (measured)
+OP_SCALE = 1 / math.sqrt(2)  # the same for one aten op: two independently rounded runs differ by ~sqrt(2) errors
 SEED = 0x5EED  # sample k's perturbation comes from a generator seeded with SEED + k
 
 
-def spread(base, samples: list) -> float:
-    """`SCALE` x the RMS over the samples of rel_l2(sample, base)."""
+def spread(base, samples: list, scale: float = SCALE) -> float:
+    """`scale` x the RMS over the samples of rel_l2(sample, base)."""
     rels = [rel_l2(base, sample) for sample in samples]
-    return SCALE * math.sqrt(sum(r * r for r in rels) / len(rels))
+    return scale * math.sqrt(sum(r * r for r in rels) / len(rels))

@@ -5,6 +5,8 @@ saved `--json` report can be rendered again later. The page holds, top to bottom
 
 - the verdict banner (green match / red divergence / amber inconclusive): the verdict's headline and details in
   the words of the terminal report (the document's `verdict` rebuilt by `judge.verdict.Verdict.from_dict`);
+- with `compare --drill` (the document's `drill`), right under it, the culprit call's ops: their verdict and table
+  (`report/ops.py`), or the `oneiter replay ... --ops` command to run where the target's stack is;
 - both runs' metadata and the per-status counts;
 - an error-vs-depth plot (inline SVG drawn here, no JavaScript library): x is the causal position (the `#` of the
   table), y is rel_l2 on a log scale, one colour per phase; one flat dashed line per rtol the rows were held to
@@ -33,6 +35,7 @@ from typing import Any, Optional, Union
 from oneiter.judge.engine import NOT_DIVERGED, PHASES, CompareResult
 from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
 from oneiter.outputs import Destination, destination, write_text
+from oneiter.report.ops import ops_section
 
 __all__ = [
     "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
@@ -447,6 +450,7 @@ def render_html(result: Union[CompareResult, Document]) -> str:
         f"<p class='{'key' if line.startswith(key) else ''}'>{_esc(line)}</p>" for line in details)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare: {status}</title>"
             f"<style>{_CSS}</style></head><body><header class='banner {status}' id='verdict'>{banner}</header>"
+            f"{ops_section(doc.get('drill'))}"
             f"<section><h2>Runs</h2>{_runs(doc)}</section>"
             f"<section><h2>Error along the iteration</h2>{render_svg(doc)}{_legend(doc)}</section>"
             f"<section><h2>Entries</h2><p class='controls'><input id='filter' placeholder='filter by name'> "

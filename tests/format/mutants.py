@@ -16,9 +16,11 @@ statistics-level one (`level="stats"`: a `/stats` table). A `Mutation` says what
 The categories after `scale_values` are the structures a reader walks (`format/consistency.py`): parents that form a
 cycle, a second group for one module call, a second `/stats` row, `/stats` and `/local` numbers out of range or
 contradicting each other, a call's local rows deleted, accumulated entries of a replay scaled while its local rows
-stay, `/random` ops that disagree with their names or count, numbers at their limits, rank file names, and (base
-`steps`: a 3-step recording whose optimizer held momentum from the start) the step groups, their numbering and
-iterations, the signature table's shape, columns and norms, and `/optimizer_state` against its attribute.
+stay, `/random` ops that disagree with their names or count, numbers at their limits, rank file names, and
+`layouts`: a call tensor's `stride`/`storage_offset` (what a replay allocates a buffer by) of the wrong type or rank,
+negative, or spanning far more elements than the tensor holds; then (base `steps`: a 3-step recording whose
+optimizer held momentum from the start) the step groups, their numbering and iterations, the signature table's
+shape, columns and norms, and `/optimizer_state` against its attribute.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ CATEGORIES = (
     "bit_flip", "attr_value", "attr_type", "attr_missing", "delete", "to_group", "to_soft_link", "to_external_link",
     "to_string", "external_storage", "virtual", "scale_values",
     "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values", "local_deleted",
-    "scale_entries", "random_ops", "limits", "rank_names", "steps",
+    "scale_entries", "random_ops", "limits", "rank_names", "layouts", "steps",
 )
 # mutations that forge what no honest recording holds, or change what is judged: compare must never say MATCH
 MUST_NOT_MATCH = {"scale_values", "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values",
@@ -352,7 +354,7 @@ def check(pair: Pair, m: Mutation, mutant: Path, timeout: float = 20.0) -> dict[
         found["inspect_exit"] = res.exit_code
         found["inspect_stderr"] = res.stderr
         found["replay_read"] = _replay_read(mutant)
-        if m.category == "limits":  # what a replay builds before it reads anything else
+        if m.category in ("limits", "layouts"):  # what a replay builds before it reads anything else
             res = _cli("replay", mutant, "--layer", "0", "--model", f"{Path(__file__).resolve()}:build")
             found["replay_layer"] = _classify(res)
             found["replay_layer_exit"] = res.exit_code
@@ -630,7 +632,15 @@ def _columns(pair: Pair) -> list[str]:
         return [c.decode() if isinstance(c, bytes) else str(c) for c in f["signature"].attrs["columns"]]
 
 
+def _layout(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """A call tensor's layout attributes: m.value is (stride, storage_offset), None leaving that one out."""
+    for name, value in zip(("stride", "storage_offset"), m.value, strict=True):
+        if value is not None:
+            obj.attrs[name] = value
+
+
 _EDITS.update({
+    "layouts": _layout,
     "parent_cycle": _parent_cycle, "duplicate_call": _duplicate_call, "duplicate_stats": _duplicate_stats,
     "stats_values": _set_row("stats"), "local_values": _set_row("local"), "local_deleted": _delete_local_rows,
     "scale_entries": _scale_entry, "random_ops": _random_edit, "limits": _root_limit, "steps": _steps_edit,
@@ -774,7 +784,19 @@ def _rank_names(pair: Pair, category: str, bases):
     return st.builds(lambda av: Mutation(category, "target", "", av[0], av[1]), values)
 
 
+def _layouts(pair: Pair, category: str, bases):
+    """Layouts no honest recording holds, on the first call's forward tensors (shape (3, 4) or (3, 8), ...)."""
+    from hypothesis import strategies as st
+
+    tensors = [d for d in pair.datasets["plain"] if d.startswith("calls/") and "/forward/" in d]
+    values = st.sampled_from([([2**40, 1], 0), ([1, 2**40], 0), ([-1, 1], 0), ([1], 0), ([1, 1, 1], 0),
+                              ([1.5, 1], 0), ("x", 0), ([4, 1], 2**62), ([4, 1], -3), ([4, 1], "0"), ([4, 1], None),
+                              (None, 0), ([4, 1], 2**31)])
+    return st.builds(lambda p, v: Mutation(category, "plain", p, value=v), st.sampled_from(tensors), values)
+
+
 _STRATEGIES.update({
+    "layouts": _layouts,
     "parent_cycle": _cycles, "duplicate_call": _duplicates, "duplicate_stats": _stats_duplicates,
     "stats_values": _row_sets("stats", _STATS_FORGED), "local_values": _row_sets("target", _LOCAL_FORGED),
     "local_deleted": _deleted_rows, "scale_entries": _entry_scalings, "random_ops": _random_mutations,

@@ -7,10 +7,10 @@ soft links, external links or strings, external raw storage, virtual datasets, j
 tolerance; then the structures a reader walks: parent cycles, a second group for one call, a second /stats row,
 /stats and /local numbers out of range or contradicting each other, a call's local rows deleted, a replay's
 accumulated entries scaled under clean local rows, /random ops that disagree with their names or count, numbers at
-their limits, and rank file names) and every mutant must give exit 0, 1 or 2 (2: one line on stderr), no
-traceback, no hang (a SIGALRM per example), and never exit 0 when it changed what is judged or forged a structure
-(`mutants.MUST_NOT_MATCH`). A summary per category is printed at the end of the session (`pytest -s`);
-`bench/mutations.py` runs the same generators with more examples, each in a forked child.
+their limits, rank file names, and call tensors' layouts a replay would allocate by) and every mutant must give exit
+0, 1 or 2 (2: one line on stderr), no traceback, no hang (a SIGALRM per example), and never exit 0 when it changed
+what is judged or forged a structure (`mutants.MUST_NOT_MATCH`). A summary per category is printed at the end of the
+session (`pytest -s`); `bench/mutations.py` runs the same generators with more examples, each in a forked child.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ EXAMPLES = {  # 1,045 in all. Small spaces (40 datasets to turn into groups, ...
     "scale_values": 40,
     # the structures a reader walks: 194 more, each space small (a few dozen distinct mutations)
     "parent_cycle": 24, "duplicate_call": 14, "duplicate_stats": 10, "stats_values": 28, "local_values": 34,
-    "local_deleted": 18, "scale_entries": 28, "random_ops": 14, "limits": 14, "rank_names": 10,
+    "local_deleted": 18, "scale_entries": 28, "random_ops": 14, "limits": 14, "rank_names": 10, "layouts": 12,
     "steps": 30,  # a multi-step recording's structures: its 30 mutations (`mutants.STEPS_MUTATIONS`)
 }
 assert sum(EXAMPLES.values()) >= 1235 and set(EXAMPLES) == set(mutants.CATEGORIES)
@@ -75,7 +75,7 @@ def _property(category: str):
             assert found["compare_exit"] != 0, (mutation, found)
         if mutation.category in ("to_external_link", "external_storage", "virtual", "to_group", "to_string",
                                  "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values",
-                                 "local_deleted", "rank_names"):
+                                 "local_deleted", "rank_names", "layouts"):
             # these are refused when the file is opened, whatever reads it
             assert found["compare_exit"] == 2 and found["inspect_exit"] == 2, (mutation, found)
             assert found["compare_stderr"].count("\n") == 1 and found["inspect_stderr"].count("\n") == 1

@@ -292,3 +292,19 @@ def test_a_call_with_nothing_of_its_own_needs_no_rows_and_one_with_something_doe
     assert refused(run_cli("compare", tmp_path / "ref.h5", path)) == (
         f"error: '{path}': call 1@0 holds local data for no tensor and is not listed in /unprobed: its rows are "
         f"missing, so the file is damaged (record the target again)")
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"placements": "Shard(dim=0)", "global_shape": [4]}, "attribute 'global_shape': expected 1 integers, each at "
+                                                          "least the shard's [8]"),
+    ({"placements": "Shard(dim=0)", "global_shape": [16], "global_offset": [12]},
+     "attribute 'global_offset': expected one integer per dimension placing the shard inside [16]"),
+    ({"global_shape": [16]}, "attribute 'placements': expected a string (the shard's placements)"),
+])
+def test_a_shards_placement_that_does_not_hold_it_is_refused(pair, tmp_path, attrs, message):
+    """FSDP2 rank files say where each shard sits in the full tensor: it must fit."""
+    def edit(f):
+        f["state_before/0.bias"].attrs.update(attrs)
+    path = mutate(pair, tmp_path, edit, "plain")
+    line = refused(run_cli("inspect", path))
+    assert line.startswith(f"error: '{path}': dataset '/state_before/0.bias' {message}"), line

@@ -195,3 +195,32 @@ def test_kwargs_list_arguments_and_dict_outputs_are_rebuilt(tmp_path, monkeypatc
     assert result.notes and "output.1.aux is computed from output.0" in result.notes[0]
     lin = replay_layer(tmp_path / "mix.h5", "mix.lin", model="mix_model.py:build")
     assert lin.bitwise and not lin.notes
+
+
+def test_inputs_get_the_strides_the_live_call_saw(tmp_path, monkeypatch):
+    """`blocks.0.fc` was handed a transposed slice (storage offset 8): the replay gives its input that layout
+    back, so a kernel wrong only for strided inputs (faultkit's `stride:linear`) fails the replay too."""
+    from conftest import FAULT_ENV, MODEL_FILES
+
+    spec = str(MODEL_FILES / "strided.py:build")
+    ref = tmp_path / "strided.h5"
+    record_small(ref, spec)
+    with IterationFile(ref) as f:
+        attrs = f.attrs("calls/blocks.0.fc@0/forward/input.0")
+    assert (attrs["stride"], attrs["storage_offset"]) == ([56, 1, 8], 8)
+    clean = replay_layer(ref, "blocks.0.fc", model=spec)
+    assert clean.matched and clean.checks[0].bitwise and clean.checks[1].bitwise  # output, grad_input.0
+    monkeypatch.setenv(FAULT_ENV, "stride:linear")
+    result = replay_layer(ref, "blocks.0.fc", model=spec)
+    output = result.checks[0]
+    assert output.name == "output" and not output.matched and output.rel_l2 == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_dropout_takes_the_reference_values_and_reproduces(files):
+    """The MLP of tests/format/mutants.py ends in Dropout(0.25): its mask is the reference's, so it is bitwise."""
+    from pathlib import Path
+
+    import mutants
+
+    result = replay_layer(files[0], "3", model=f"{Path(mutants.__file__).resolve()}:build")
+    assert result.class_name == "Dropout" and result.bitwise and not result.notes

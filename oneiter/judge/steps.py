@@ -71,7 +71,7 @@ def is_steps(path) -> bool:
             return False  # a FIFO would block h5py's open: the one-iteration path refuses it, in its words
         with h5py.File(path, "r") as f:
             return "steps" in f.attrs
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - h5py raises OSError, KeyError, ValueError... on a damaged header
         return False  # not readable as HDF5: the one-iteration path says why, in its words
 
 

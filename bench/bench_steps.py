@@ -6,16 +6,16 @@
     nice -n 10 python bench/bench_steps.py cost --steps 20 --only llama
 
 `band`: for each model (the tiny Hugging Face Llama of the tests, the built-in `llama_tiny` at sequence length 16
-and `resnet18` at 32x32 and batch 8, each with a new batch per step), each optimizer (SGD with momentum, AdamW)
-and each target — float32 on another thread count (other reduction orders: not bitwise where the model is large
-enough to split its reductions), bf16 and fp16 autocast, bfloat16 weights — a reference of `--steps` iterations is
-recorded (2 threads), then replayed by the target (with its twin, and its run in the reference's precision when
-the precisions differ), and for every step and each group of the signature (`format/steps.py`: gradients,
-updates) the ratio error / (band / `BAND_FACTOR`) is printed: a clean run is flagged only where it exceeds
-`BAND_FACTOR`. The largest ratio of each clean run is what `BAND_FACTOR` must stay above. Then faults that start at
-step `--fault-at` (a layer's output scaled by 1 + REL from that step on, in the target's code: its twin and its
-run in the other precision run it too) show the ratio at that step, and the first step the verdict names with the
-factor in force: how large a fault the band still sees in each precision.
+and `resnet18` at 32x32 and batch 8, each with a new batch per step), each optimizer (SGD with momentum, AdamW) and
+each target — float32 on another thread count (other reduction orders: not bitwise where the model is large enough
+to split its reductions), bf16 and fp16 autocast, bfloat16 weights — a reference of `--steps` iterations is recorded
+(2 threads), then replayed by the target (with its twin), and for every step and each group of the signature
+(`format/steps.py`: gradients, updates) the ratio error / (band / `BAND_FACTOR`) is printed: a clean run is flagged
+only where it exceeds `BAND_FACTOR`. The largest ratio of each clean run is what `BAND_FACTOR` must stay above. Then
+faults that start at step `--fault-at` (a layer's output scaled by 1 + REL from that step on, in the target's code,
+so its twin runs it too: in every precision, or only where the layer computes in bfloat16/float16, a kernel wrong in
+the lower precision alone) show the ratio at that step, and the first step the verdict names with the factor in
+force: how large a fault the band still sees in each precision.
 
 `cost`: the plain training step against `record --steps N` (the reference: statistics of every tensor per step),
 its replay (each step also run by the twin) and the file size, for resnet18 at batch 8 (224x224) and the 118 M
@@ -49,7 +49,7 @@ FAULT_LAYER = {"resnet18": "fc", "llama_tiny": "layers.1.feed_forward.w2",
 _STEP = {"now": 0}
 
 
-def build(batch_size, model="resnet18", fault_at=-1, rel=0.0, **args):
+def build(batch_size, model="resnet18", fault_at=-1, rel=0.0, lowp=False, **args):
     """A model of the contract with `batch(step)`: the built-in `model` (the same batch every step) or the tests'
     Hugging Face Llama ("hf"); from step `fault_at` on (>= 0), the output of `FAULT_LAYER[model]` is scaled by
     1 + `rel` (the target's code: its twin runs it too)."""
@@ -74,10 +74,13 @@ def build(batch_size, model="resnet18", fault_at=-1, rel=0.0, **args):
             return new_inputs, new_loss
 
     if int(fault_at) >= 0:
+        import torch
+
         scale = 1.0 + float(rel)
 
         def hook(module, args, output):
-            return output * scale if _STEP["now"] >= int(fault_at) else output
+            wrong = _STEP["now"] >= int(fault_at) and (not lowp or output.dtype in (torch.bfloat16, torch.float16))
+            return output * scale if wrong else output
 
         net.get_submodule(FAULT_LAYER[model]).register_forward_hook(hook)
 
@@ -135,14 +138,15 @@ def band(args) -> None:
                 print(f"clean {model:10} {optimizer:5} {name:13} largest error/drift: gradients "
                       f"{worst['gradients']:7.3f}  updates {worst['updates']:7.3f}  flagged step {found['step']}  "
                       f"bitwise steps {found['bitwise']}", flush=True)
-            for name in ("fp32-1thread", "bf16"):
+            for name, lowp in (("fp32-1thread", False), ("bf16", False), ("bf16", True), ("bf16-weights", True)):
                 for rel in args.rel:
                     tgt = folder / f"{model}-{optimizer}-{name}-fault.h5"
-                    fault = {**model_args, "fault_at": args.fault_at, "rel": rel}
+                    fault = {**model_args, "fault_at": args.fault_at, "rel": rel, "lowp": lowp}
                     _record(tgt, model=SPEC, replay=ref, model_args=fault, **{"threads": 2, **TARGETS[name]})
                     found = _ratios(ref, tgt)
                     at = {g: found[g][args.fault_at] for g in ("gradients", "updates")}
-                    print(f"fault {model:10} {optimizer:5} {name:13} rel {rel:7.0e} at step {args.fault_at}: "
+                    kind = "low precision only" if lowp else "every precision"
+                    print(f"fault {model:10} {optimizer:5} {name:13} {kind:18} rel {rel:7.0e} at step {args.fault_at}: "
                           f"error/drift gradients {at['gradients']:9.3f} updates {at['updates']:9.3f}  "
                           f"flagged step {found['step']}", flush=True)
     clean = [w for *_, w, _s, _b in summary]

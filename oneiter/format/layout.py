@@ -29,7 +29,6 @@ from oneiter.format.schema import (
     LOSS,
     OPTIMIZER,
     PARAM_GRADS,
-    PRECISION_SIGNATURE,
     ROOT_MODULE,
     SCHEMA,
     SCHEMA_VERSION,
@@ -245,7 +244,7 @@ class IterationFile:
         first = self._steps[min(self._steps)] if self._steps else None
         params = set(first.state(STATE_BEFORE)) if first is not None else set()
         tables = {name: (self._matrix(name), self.attrs(name).get("columns"))
-                  for name in (SIGNATURE, TWIN_SIGNATURE, PRECISION_SIGNATURE) if name in self._tree.datasets}
+                  for name in (SIGNATURE, TWIN_SIGNATURE) if name in self._tree.datasets}
         losses = {s: float(v.read(LOSS).reshape(-1)[0]) for s, v in self._steps.items()
                   if v.has(LOSS) and v.shape_of(LOSS) in ((), (1,))}
         steps = consistency.check_steps(self.meta, self._tree.groups, tables, params, self.path, losses)
@@ -297,10 +296,10 @@ class IterationFile:
             raise OneIterError(f"'{self.path}' holds no step {step} (it holds {_ranges(self.steps())})")
         return self._steps[step]
 
-    def signature(self, twin: bool = False, precision: bool = False) -> Signature | None:
-        """The per-step signature rows (`format/steps.py`): the run's own, its perturbed twin's (`twin`), or its
-        steps in the reference's precision (`precision`); None if the file holds none."""
-        return self._signatures.get(TWIN_SIGNATURE if twin else PRECISION_SIGNATURE if precision else SIGNATURE)
+    def signature(self, twin: bool = False) -> Signature | None:
+        """The per-step signature rows (`format/steps.py`): the run's own, or its perturbed twin's (`twin`); None
+        if the file holds none."""
+        return self._signatures.get(TWIN_SIGNATURE if twin else SIGNATURE)
 
     def _read_stats(self) -> dict[str, tuple]:
         """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`), each row checked

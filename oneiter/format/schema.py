@@ -53,7 +53,7 @@ __all__ = [
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
     "layout_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
-    "PRECISION_SIGNATURE", "step_group",
+    "step_group",
     "split_step",
 ]
 
@@ -70,8 +70,8 @@ ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in file
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
 OPTIMIZER = "optimizer_state"  # group: the optimizer's state when the recorded step began, `<param>.<key>`
 STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/steps/<step>`
-# multi-step tables, one row per step (`format/steps.py`): the run's, its twin's, its step in the other precision
-SIGNATURE, TWIN_SIGNATURE, PRECISION_SIGNATURE = "signature", "twin_signature", "precision_signature"
+# multi-step tables, one row per step (`format/steps.py`): the run's, and its perturbed twin's
+SIGNATURE, TWIN_SIGNATURE = "signature", "twin_signature"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"

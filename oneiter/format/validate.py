@@ -41,7 +41,6 @@ from oneiter.format.schema import (
     LOCAL_FIELDS,
     OPTIMIZER,
     PLACEMENTS,
-    PRECISION_SIGNATURE,
     RAW_BITS,
     SCHEMA,
     SCHEMA_VERSION,
@@ -75,7 +74,7 @@ _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER)
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`steps.py`)
-_STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE, PRECISION_SIGNATURE)
+_STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
 _STEP_NAME = re.compile(r"0|[1-9]\d{0,11}")  # its number as written: no leading zero
 # torch dtypes stored as the numpy type of the same name (the others are raw bits: `schema.RAW_BITS`)
 _NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",

@@ -8,15 +8,16 @@ Per step:
   loss and each parameter's gradient norm; `updates`, each parameter's update norm): the root mean square, over the
   group's columns, of the symmetric relative difference |a - b| / max(|a|, |b|) (columns that are 0 on both sides
   left out): how far the target's step is from the reference's, inherited from earlier steps or made by this one;
-- **band** = `BAND_FACTOR` x the larger of the largest `distance(twin, target)` of the group so far and, when the two
-  runs ran in different precisions, `distance(high, target)`, where `high` is the target's own run (its code, its
-  device, from the same start) carried on in the reference's precision: what the precision change alone does to
-  the trajectory, bias included (bf16 weights round small updates away, step after step: no perturbation shows
-  that); never less than `BAND_FACTOR` x the lower precision's unit roundoff (as a call's expected noise never
-  is). That is what the precision explains.
-  The twin (`record/twin.py`) is the target's own run with one rounding of the lower precision injected into every
-  step, so its drift from the target is the drift a precision change makes on this model, learning rate and
-  optimizer, inherited error included; how `BAND_FACTOR` was measured: docs/steps.md (`bench/bench_steps.py`);
+- **band** = `BAND_FACTOR` x the largest `distance(twin, target)` of the group so far: the twin
+  (`record/twin.py`) is the target's own run with one rounding of the lower precision injected into every step,
+  so its drift from the target is the drift a precision change makes on this model, learning rate and optimizer,
+  inherited error included; never less than `BAND_FACTOR` x the lower precision's unit roundoff (as a call's
+  expected noise never is). For the `updates` group of a target whose weights are *stored* in a lower precision
+  than the reference's (`--dtype bfloat16`), also never less than what that storage does to an update by itself
+  (`storage_floor`: rounding w + d to the weight's dtype moves each element by at most u |w + d|, so the update's
+  norm by at most u (||w|| + ||d||), with ||w|| the target's recorded weight norm at the step's start): a bound
+  computed from the storage format and the recorded weights, never from the target's own step, which is what is
+  judged. How `BAND_FACTOR` was measured: docs/steps.md (`bench/bench_steps.py`);
 - a step is **outside the band** when a group's error exceeds its band, or when NaN/Inf appear in its signature on
   one side only. Its own computation put it there: every earlier step was within what the precision explains, and the
   band grows as an error inherited from them grows. The verdict names the **first** such step (`verdict.step`,
@@ -42,9 +43,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from oneiter.errors import FormatError
+from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile, reading
-from oneiter.format.steps import GROUPS, Signature
+from oneiter.format.steps import GROUPS, UPDATE, Signature
 from oneiter.judge.engine import _positions, _same_start, causal_pairs, check_compatible, check_replay
 from oneiter.judge.tolerance import default_tolerance
 from oneiter.judge.verdict import EXIT_CODES, json_ready
@@ -270,7 +271,6 @@ def _finite(values: np.ndarray) -> np.ndarray:
 
 
 def _rows(ref, tgt, steps: list[int], mine: Signature, theirs: Signature, twin: Optional[Signature]) -> list[StepRow]:
-    precision = tgt.signature(precision=True)
     index_ref = [mine.steps.index(s) for s in steps]
     index_tgt = [theirs.steps.index(s) for s in steps]
     errors, bands, nonfinite = {}, {}, np.zeros(len(steps), dtype=bool)
@@ -285,12 +285,11 @@ def _rows(ref, tgt, steps: list[int], mine: Signature, theirs: Signature, twin: 
             continue
         t, own = twin.aligned(theirs, group)
         drift = distance(t[index_tgt], own[index_tgt])
-        alone = np.zeros(len(steps)) if precision is None else _finite(distance(
-            *precision.aligned(theirs, group))[index_tgt])
+        floor = storage_floor(ref, tgt, steps, theirs, a, b) if group == "updates" else np.zeros(len(steps))
         envelope, bands[group] = max(check, _roundoff(tgt)), []
-        for value, own_step in zip(drift, alone, strict=True):  # the largest drift so far: what earlier steps left
+        for value, own_floor in zip(drift, floor, strict=True):  # the largest drift so far: what earlier steps left
             envelope = max(envelope, float(value) if math.isfinite(value) else 0.0)
-            bands[group].append(BAND_FACTOR * max(envelope, float(own_step)))
+            bands[group].append(BAND_FACTOR * max(envelope, float(own_floor)))
     rows = []
     for i, step in enumerate(steps):
         k, j = index_ref[i], index_tgt[i]
@@ -301,6 +300,51 @@ def _rows(ref, tgt, steps: list[int], mine: Signature, theirs: Signature, twin: 
             _bitwise(ref.step(step), tgt.step(step)), bool(nonfinite[i]),
             None if twin is None else (float(twin.loss[j]), float(twin.grad_norm[j]), float(twin.update_norm[j]))))
     return rows
+
+
+def storage_floor(ref: IterationFile, tgt: IterationFile, steps: list[int], theirs: Signature, a: np.ndarray,
+                  b: np.ndarray) -> np.ndarray:
+    """Per step, what storing the target's weights in a lower precision than the reference's does to its update
+    norms by itself, in `distance`'s units (module docstring): per parameter column u (||w|| + ||d||) / max(|a|,
+    |b|), capped at 1, u the unit roundoff of the target's weight dtype (0 where it is not lower than the
+    reference's), ||w|| the target's recorded weight norm at the step's start, ||d|| its update norm; the root
+    mean square over the columns `distance` uses. `a`, `b`: the target's and reference's update norms (steps x
+    columns, `theirs`' update columns in order). Zero where no weight is stored lower."""
+    names = [c[len(UPDATE):] for c in theirs.columns if c.startswith(UPDATE)]
+    first_ref, first_tgt = ref.step(steps[0]).state(), tgt.step(steps[0]).state()
+    rounding = np.array([_lower_roundoff(ref.step(steps[0]), tgt.step(steps[0]), first_ref.get(n), first_tgt.get(n))
+                         for n in names])
+    if not rounding.any():
+        return np.zeros(len(steps))
+    weights = np.array([[_norm(tgt.step(s), tgt.step(s).state().get(n)) if u else 0.0
+                         for n, u in zip(names, rounding, strict=True)] for s in steps])
+    scale = np.maximum(np.abs(a), np.abs(b))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        bound = np.minimum(rounding * (weights + np.abs(a)) / scale, 1.0)
+    used = (scale > 0) & np.isfinite(np.abs(a - b) / np.where(scale > 0, scale, 1.0)) & np.isfinite(bound)
+    count = used.sum(axis=1)
+    total = np.where(used, bound, 0.0).__pow__(2).sum(axis=1)
+    return np.where(count > 0, np.sqrt(total / np.maximum(count, 1)), 0.0)
+
+
+def _lower_roundoff(ref_view: IterationFile, tgt_view: IterationFile, ref_path, tgt_path) -> float:
+    """u of the target's weight dtype where it is lower than the reference's, else 0."""
+    if ref_path is None or tgt_path is None:
+        return 0.0
+    try:
+        mine, theirs = unit_roundoff(tgt_view.dtype_of(tgt_path)), unit_roundoff(ref_view.dtype_of(ref_path))
+    except (KeyError, ValueError, OneIterError):
+        return 0.0
+    return mine if mine > theirs else 0.0
+
+
+def _norm(view: IterationFile, path) -> float:
+    """The L2 norm of a recorded weight: its statistics, or its data (a first step's weights are in full)."""
+    if path is None:
+        return 0.0
+    if view.is_stats(path):
+        return view.stats_of(path)["l2"]
+    return float(np.linalg.norm(view.read(path).astype(np.float64).reshape(-1)))
 
 
 def _roundoff(tgt: IterationFile) -> float:

@@ -9,9 +9,8 @@ the table `/signature`.
 
 A replay of a multi-step reference (`replay=`) starts from the reference's first step (weights, buffers,
 optimizer state, bit for bit) and then runs on its own, fed the reference's batch and random values step by step;
-with `run(fn)` each step is also run by the perturbed twin (`record/twin.py`, kept as `/twin_signature`) and, when
-the reference ran in another precision, by a second copy of the run in the reference's precision (the target's
-code; `/precision_signature`): how far each is from the target is the band a precision change explains.
+with `run(fn)` each step is also run by the perturbed twin (`record/twin.py`, kept as `/twin_signature`): how far
+it drifts from the target is the band a precision change explains.
 `judge/steps.py` compares two such files step by step.
 
     with oneiter.Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec:      # record/recorder.py dispatches here
@@ -34,7 +33,7 @@ import numpy as np
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import PRECISION_SIGNATURE, SIGNATURE, STEPS, TWIN_SIGNATURE
+from oneiter.format.schema import SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.steps import signature_columns
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
@@ -138,8 +137,6 @@ class StepRecorder:
         self._current: Recorder | TwinPass | None = None
         self._rows: list[np.ndarray] = []
         self._twin_rows: list[np.ndarray] = []
-        self._precision_rows: list[np.ndarray] = []
-        self._high: Twin | None = None  # the run in the reference's precision (`_precision`), its own state
         self._done: list[int] = []
         self._twin: Twin | None = None
         self.twin_check = math.nan
@@ -204,8 +201,7 @@ class StepRecorder:
         """The signature tables and the root attributes; the file is renamed into place when the block closes."""
         first = self._file[STEPS][str(self._done[0])]
         columns = signature_columns([n for n, _ in self.model.named_parameters()])
-        tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows),
-                  (PRECISION_SIGNATURE, self._precision_rows)]
+        tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows)]
         tables = [(name, rows) for name, rows in tables if rows]
         for name, rows in tables:
             self._file.create_dataset(name, data=np.stack(rows)).attrs["columns"] = np.array(
@@ -246,9 +242,6 @@ class StepRecorder:
         with metrics, recorder:
             if first and self.ref is not None and self.twin_enabled:
                 self._twin = Twin(self.model, self.optimizers, self._roundoff(recorder), seed=self.options.seed or 0)
-            if first and self._twin is not None and self._precision() is not None:  # the reference's start
-                self._high = Twin.from_reference(self.model, self.optimizers, self.ref.step(step),
-                                                 self._precision()[0])
             self._current = recorder
             try:
                 yield recorder
@@ -285,25 +278,11 @@ class StepRecorder:
                 check = self._twin_step(self._twin.copy(), step, fn, perturb=False)
                 self.twin_check = _distance(check, self._rows[-1])
             self._twin_rows.append(self._twin_step(self._twin, step, fn, perturb=True))
-            if self._high is not None:  # the target's code, run on in the reference's precision
-                dtype, amp = self._precision()
-                self._precision_rows.append(self._twin_step(self._high, step, fn, perturb=False, amp=amp,
-                                                            dtype=dtype))
 
-    def _precision(self):
-        """(torch dtype, amp) of the reference when it ran in another precision than this run, else None."""
-        import torch
-
-        theirs = (str(self.ref.meta.get("dtype") or "float32"), amp_dtype_name(self.ref.meta.get("amp")))
-        if theirs == (_param_dtype(self.model), amp_dtype_name(self.options.amp)) or not self.options.manage_autocast:
-            return None
-        return getattr(torch, theirs[0]), self.ref.meta.get("amp") or None
-
-    def _twin_step(self, twin: Twin, step: int, fn, *, perturb: bool, amp="live", dtype=None) -> np.ndarray:
+    def _twin_step(self, twin: Twin, step: int, fn, *, perturb: bool) -> np.ndarray:
         view = self.ref.step(step)
         metrics = StepMetrics(self.model, self.optimizers)
-        twin_pass = TwinPass(self.model, view, self.options, self._device(),
-                             amp=self.options.amp if amp == "live" else amp, dtype=dtype)
+        twin_pass = TwinPass(self.model, view, self.options, self._device())
         with twin.swapped_in(step, perturb=perturb), metrics, twin_pass:
             self._current = twin_pass
             try:

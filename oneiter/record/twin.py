@@ -34,7 +34,6 @@ from typing import Iterator
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import OPTIMIZER, optimizer_entry
 from oneiter.record.batch import BatchSwap, map_call, read_batch
 from oneiter.record.fallback import OpFallback
 from oneiter.record.randomness import RandomReplayer
@@ -48,61 +47,26 @@ def perturbation_seed(seed: int, step: int) -> int:
     return (int(seed) * 1_000_003 + int(step) * 7919 + 17) % (2**63 - 1)
 
 
-def _copy(tensor, dtype=None, key=None):
-    """A copy of a tensor, its floating values cast to `dtype` (an optimizer's `step` count stays as it is)."""
-    tensor = tensor.detach()
-    if dtype is not None and tensor.is_floating_point() and key != "step":
-        return tensor.to(dtype, copy=True)
-    return tensor.clone()
-
-
-def _clone_state(state, dtype=None) -> dict:
-    """An optimizer's state (a defaultdict, as torch's optimizers expect), every tensor copied (cast to `dtype`)."""
+def _clone_state(state) -> dict:
+    """An optimizer's state (a defaultdict, as torch's optimizers expect), every tensor copied."""
     return collections.defaultdict(dict, {
-        p: {k: (_copy(v, dtype, k) if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in s.items()}
+        p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in s.items()}
         for p, s in state.items()})
 
 
 class Twin:
     """The twin's own state: a copy of every parameter, gradient, buffer and optimizer state of the live run,
-    taken when the run starts (`Twin(model, optimizers, roundoff, seed)`). With `dtype`, the floating copies are
-    cast to it and the gradients left out: the run's state in another precision (`record/steps.py` carries it on
-    in the reference's precision, unperturbed: what the precision change alone does to the run)."""
+    taken when the run starts (`Twin(model, optimizers, roundoff, seed)`)."""
 
-    def __init__(self, model, optimizers, roundoff: float, seed: int, dtype=None):
+    def __init__(self, model, optimizers, roundoff: float, seed: int):
         self.model, self.optimizers = model, list(optimizers)
         self.roundoff, self.seed = float(roundoff), int(seed)
         self.params = [p for _, p in model.named_parameters()]
-        self.weights = [_copy(p, dtype) for p in self.params]
-        self.grads = [None if p.grad is None or dtype is not None else p.grad.detach().clone() for p in self.params]
-        self.buffers = [(m, name, _copy(b, dtype)) for m in model.modules()
+        self.weights = [p.detach().clone() for p in self.params]
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        self.buffers = [(m, name, b.detach().clone()) for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
-        self.states = [_clone_state(opt.state, dtype) for opt in self.optimizers]
-
-    @classmethod
-    def from_reference(cls, model, optimizers, reference, dtype) -> "Twin":
-        """The reference's start (`reference`: its first step, whose weights, buffers and optimizer state are in
-        full) in `dtype`, on the model's devices: where the run in the reference's precision starts."""
-        twin = cls(model, optimizers, 0.0, 0, dtype=dtype)
-        names = {id(p): n for n, p in model.named_parameters()}
-        stored = reference.state()
-        for i, p in enumerate(twin.params):
-            path = stored.get(names[id(p)])
-            if path is not None and not reference.is_stats(path):
-                twin.weights[i] = reference.tensor(path).to(device=p.device, dtype=twin.weights[i].dtype, copy=True)
-        prefixes = {id(m): prefix for prefix, m in model.named_modules()}
-        for k, (m, name, b) in enumerate(twin.buffers):
-            path = stored.get(f"{prefixes[id(m)]}.{name}".lstrip("."))
-            if path is not None and not reference.is_stats(path):
-                twin.buffers[k] = (m, name, reference.tensor(path).to(device=b.device, dtype=b.dtype, copy=True))
-        held = reference.state(OPTIMIZER)  # the optimizer's state as the reference recorded it, not as loaded
-        for state in twin.states:
-            for p, values in state.items():
-                for key in list(values):
-                    path = held.get(optimizer_entry(names.get(id(p), ""), str(key)))
-                    if path is not None and not reference.is_stats(path) and isinstance(values[key], torch.Tensor):
-                        values[key] = _copy(reference.tensor(path).to(values[key].device), dtype, key)
-        return twin
+        self.states = [_clone_state(opt.state) for opt in self.optimizers]
 
     def copy(self) -> "Twin":
         """An independent copy (the check runs on one and throws it away)."""
@@ -184,11 +148,8 @@ class TwinPass:
     model's first call) and random values, autocast as the recording has it, the op fallback; its loss is the
     tensor the first backward runs on (or the one `loss` names)."""
 
-    def __init__(self, model, view, options, device, *, amp: str | None = None, dtype=None):
-        """`amp`: the autocast of the pass (when the recording manages autocast); `dtype`: the batch's floating
-        tensors in this dtype rather than in the live ones' (a pass in another precision than the run's)."""
+    def __init__(self, model, view, options, device):
         self.model, self.view, self.options, self.device = model, view, options, device
-        self.amp, self.dtype = amp, dtype
         self._loss = None
         self._explicit = self._taken = self._backward_seen = False
         self._autocast = None
@@ -196,8 +157,6 @@ class TwinPass:
     def __enter__(self) -> "TwinPass":
         opts = self.options
         self._swap = BatchSwap(read_batch(self.view), self.view.path.name)
-        if self.dtype is not None:  # the batch in the pass's precision, not in the live run's
-            self._swap = _Recast(self._swap, self.dtype)
         stack = ExitStack()
         try:
             stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))
@@ -206,8 +165,8 @@ class TwinPass:
             stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
                                                                 prepend=True).remove)
             self._patch_backward(stack)
-            if self.amp and opts.manage_autocast:
-                self._autocast = autocast_for(self.device, self.amp)
+            if opts.amp and opts.manage_autocast:
+                self._autocast = autocast_for(self.device, opts.amp)
                 self._autocast.__enter__()
                 stack.callback(self._end_autocast)
         except BaseException:
@@ -268,16 +227,3 @@ class TwinPass:
 
     def loss_value(self) -> float:
         return math.nan if self._loss is None else float(self._loss.float())
-
-
-class _Recast:
-    """A `BatchSwap` handing out the reference's floating tensors in `dtype` (not cast through the live dtype)."""
-
-    def __init__(self, swap: BatchSwap, dtype):
-        self.swap, self.dtype = swap, dtype
-
-    def __call__(self, name: str, live):
-        return self.swap(name, live.detach().to(self.dtype) if live.is_floating_point() else live)
-
-    def check_complete(self) -> None:
-        self.swap.check_complete()

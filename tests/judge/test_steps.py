@@ -100,6 +100,19 @@ def test_a_kernel_wrong_for_tokens_first_seen_at_step_6_is_named_at_step_6(refer
                                                                           "forward")
 
 
+def test_a_kernel_wrong_only_in_bf16_is_named_at_step_6(reference, tmp_path, monkeypatch):
+    """The band holds nothing computed from the target's own step: a kernel wrong only in the lower precision (the
+    rare ids' rows tripled under autocast; the same code in float32 is exact) leaves it at step 6, and steps 0-5,
+    which differ from the reference by bf16's roundings alone, stay inside. (A band widened by a rerun of the target
+    in the reference's precision would hold this fault: that rerun's distance from the target is the fault itself.)"""
+    target = _replay(reference, tmp_path / "tgt.h5", monkeypatch, "--amp", "bf16", fault="ids_lowp:90:2")
+    res, report = _compare(reference, target, tmp_path)
+    verdict, steps = report["verdict"], report["steps"]
+    assert (res.exit_code, verdict["status"], verdict["basis"], verdict["step"]) == (1, "diverged", "band", 6)
+    assert [s["status"] for s in steps[:7]] == ["within band"] * 6 + ["outside band"]
+    assert steps[6]["by"] == "gradients" and steps[6]["ratio"] > 2
+
+
 @pytest.mark.parametrize("amp", [None, "bf16"], ids=["fp32", "bf16"])
 def test_a_clean_replay_is_not_flagged(reference, tmp_path, monkeypatch, amp):
     target = _replay(reference, tmp_path / "tgt.h5", monkeypatch, *(["--amp", amp] if amp else []))

@@ -103,18 +103,26 @@ def _record(out: Path, **kwargs):
 
 
 def _ratios(ref: Path, tgt: Path) -> dict:
-    """Per group: error / drift envelope per step (the band before its factor), and the verdict's step."""
+    """Per group: error / (band / BAND_FACTOR) per step where the group is judged (NaN where not: its band exceeds
+    DECORRELATED), the verdict's status and step, and the first step not judged at all."""
     import math
 
     import oneiter
     from oneiter.judge.steps import BAND_FACTOR
 
     result = oneiter.compare(ref, tgt)
-    out = {"step": result.step, "bitwise": sum(r.bitwise for r in result.rows)}
+    out = {"step": result.step, "status": result.status, "bitwise": sum(r.bitwise for r in result.rows),
+           "unjudged": next((r.step for r in result.rows if not r.judged), None)}
     for group in ("gradients", "updates"):
-        out[group] = [0.0 if r.bitwise else r.errors[group] / (r.bands[group] / BAND_FACTOR)
-                      if r.bands[group] else math.inf for r in result.rows]
+        out[group] = [0.0 if r.bitwise else math.nan if not r.judges(group) else
+                      r.errors[group] / (r.bands[group] / BAND_FACTOR) if r.bands[group] else math.inf
+                      for r in result.rows]
     return out
+
+
+def _worst(values: list) -> float:
+    finite = [v for v in values if v == v]
+    return max(finite) if finite else float("nan")
 
 
 def band(args) -> None:
@@ -133,11 +141,12 @@ def band(args) -> None:
                 tgt = folder / f"{model}-{optimizer}-{name}.h5"
                 _record(tgt, model=SPEC, replay=ref, **{"threads": 2, **target})
                 found = _ratios(ref, tgt)
-                worst = {g: max(found[g]) for g in ("gradients", "updates")}
+                worst = {g: _worst(found[g]) for g in ("gradients", "updates")}
                 summary.append((model, optimizer, name, worst, found["step"], found["bitwise"]))
-                print(f"clean {model:10} {optimizer:5} {name:13} largest error/drift: gradients "
-                      f"{worst['gradients']:7.3f}  updates {worst['updates']:7.3f}  flagged step {found['step']}  "
-                      f"bitwise steps {found['bitwise']}", flush=True)
+                print(f"clean {model:10} {optimizer:5} {name:13} largest error/drift where judged: gradients "
+                      f"{worst['gradients']:7.3f}  updates {worst['updates']:7.3f}  {found['status']:12} flagged step "
+                      f"{found['step']}  not judged from step {found['unjudged']}  bitwise steps {found['bitwise']}",
+                      flush=True)
             for name, lowp in (("fp32-1thread", False), ("bf16", False), ("bf16", True), ("bf16-weights", True)):
                 for rel in args.rel:
                     tgt = folder / f"{model}-{optimizer}-{name}-fault.h5"
@@ -148,10 +157,11 @@ def band(args) -> None:
                     kind = "low precision only" if lowp else "every precision"
                     print(f"fault {model:10} {optimizer:5} {name:13} {kind:18} rel {rel:7.0e} at step {args.fault_at}: "
                           f"error/drift gradients {at['gradients']:9.3f} updates {at['updates']:9.3f}  "
-                          f"flagged step {found['step']}", flush=True)
+                          f"{found['status']:12} flagged step {found['step']}  not judged from step "
+                          f"{found['unjudged']}", flush=True)
     clean = [w for *_, w, _s, _b in summary]
-    print(f"largest clean error/drift over every run: gradients {max(w['gradients'] for w in clean):.3f}, "
-          f"updates {max(w['updates'] for w in clean):.3f} (BAND_FACTOR {BAND_FACTOR}); "
+    print(f"largest clean error/drift over every run: gradients {_worst([w['gradients'] for w in clean]):.3f}, "
+          f"updates {_worst([w['updates'] for w in clean]):.3f} (BAND_FACTOR {BAND_FACTOR}); "
           f"clean runs flagged: {sum(s is not None for *_, s, _b in summary)} of {len(summary)}")
     print(f"load average {os.getloadavg()}")
 

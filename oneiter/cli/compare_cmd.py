@@ -124,6 +124,7 @@ def compare(
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.ranks import is_ranked
+    from oneiter.judge.steps import StepsResult
     from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
@@ -143,10 +144,12 @@ def compare(
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
                                         to_stdout))
 
+    _check_steps_options(reference, target, {"--tensorboard": tb_dir is not None, "--suggest": suggest,
+                                             "--drill": drill})
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
-    if not hasattr(result, "rows") or not hasattr(result, "local"):  # two multi-step recordings: step by step
-        raise typer.Exit(_report_steps(result, dests, tb_dir, suggest, show_all, to_stdout))
+    if isinstance(result, StepsResult):  # two multi-step recordings: step by step
+        raise typer.Exit(_report_steps(result, dests, show_all, to_stdout))
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
     drilled = _drill(result, model, err if to_stdout else out) if drill else None
@@ -173,13 +176,20 @@ def compare(
     raise typer.Exit(result.exit_code)
 
 
-def _report_steps(result, dests: dict, tb_dir, suggest: bool, show_all: bool, to_stdout: bool) -> int:
+def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
+    """Options of the one-iteration report are refused for two multi-step recordings, before anything is judged."""
+    from oneiter.judge.steps import is_steps
+
+    one_iteration = next((name for name, on in given.items() if on), None)
+    if one_iteration is not None and target is not None and (is_steps(reference) or is_steps(target)):
+        raise OneIterError(f"{one_iteration} takes recordings of one iteration: of two multi-step recordings, record "
+                           f"the step the verdict names in full")
+
+
+def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
     """The reports of two multi-step recordings compared (`report/steps.py`); returns the exit code."""
     from oneiter.report.steps import print_steps, write_steps_csv, write_steps_html
 
-    if tb_dir is not None or suggest:
-        raise OneIterError(f"{'--tensorboard' if tb_dir is not None else '--suggest'} takes recordings of one "
-                           f"iteration: of two multi-step recordings, record the step the verdict names in full")
     print_steps(err if to_stdout else out, result, show_all=show_all)
     _emit_json(dests.get("--json"), result.to_json)
     if "--csv" in dests:

@@ -194,18 +194,20 @@ class Recorder:
     @classmethod
     def from_options(cls, model, options: RecordOptions, *, optimizer=None,
                      progress: Callable[[str, int], None] | None = None,
-                     notify: Callable[[str], None] | None = None, reference=None, start: bool = True) -> "Recorder":
+                     notify: Callable[[str], None] | None = None, reference=None, start: bool = True,
+                     step_of: bool = False) -> "Recorder":
         """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use).
 
         For one step of a multi-step recording (`record/steps.py`): `reference` is the open reference iteration to
         replay (a step of a multi-step reference) instead of opening `options.replay`, and `start=False` records
         an iteration that continues the run: a replay loads no weights or optimizer state, and a reference keeps
         its `state_before` and optimizer state as statistics at the stats level (only the first step's are kept
-        in full: where a replay starts)."""
+        in full: where a replay starts). `step_of`: the iteration is a step of a multi-step recording, whose notes
+        of one iteration's file (its size, its lack of per-call local error) do not apply."""
         _check_model(model)
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
-        recorder._given_ref, recorder._start = reference, start
+        recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
         return recorder
 
     def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:
@@ -233,6 +235,7 @@ class Recorder:
         self._first_call: tuple | None = None  # the model's first call: (args, kwargs, its first node number)
         self._failed_backward: tuple | None = None  # (the exception backward raised, the tensor it ran on)
         self._given_ref, self._start = None, True  # `from_options`: a step of a multi-step recording
+        self._step_of = False
         self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
 
     def _advance(self, to: Phase) -> bool:
@@ -464,7 +467,7 @@ class Recorder:
         forward = max(sink.num_bytes - self._before_bytes, 0)  # what forward wrote (and the batch)
         # backward stores the gradients of what forward stored: measured 1.3-1.45x forward's bytes on resnet18
         self.estimated_bytes = int(sink.num_bytes + 1.5 * forward + later)
-        if self.notify is not None:
+        if self.notify is not None and not self._step_of:
             self.notify(f"forward recorded: the file will be about {_size(self.estimated_bytes)}")
         _check_space(self.out, self.estimated_bytes - sink.num_bytes, "about (forward measured, backward "
                      "estimated)", written=sink.num_bytes)
@@ -538,7 +541,7 @@ class Recorder:
             return None, ""
         if opts.level == "stats" or self.ref.level == "stats":
             # local blame reruns each call on the reference's values: it needs full data
-            if self.notify is not None:
+            if self.notify is not None and not self._step_of:
                 self.notify("level stats: no per-call local error (it needs full recordings of both sides); "
                             "`oneiter compare --suggest` names the region to record in full")
             return None, ""

@@ -237,7 +237,8 @@ class StepRecorder:
                        meta={**self.options.meta, "iteration": step})
         recorder = Recorder.from_options(self.model, opts, optimizer=self.optimizers, progress=None,
                                          notify=self.notify if first else None,
-                                         reference=self.ref.step(step) if self.ref is not None else None, start=first)
+                                         reference=self.ref.step(step) if self.ref is not None else None, start=first,
+                                         step_of=True)
         metrics = StepMetrics(self.model, self.optimizers)
         with metrics, recorder:
             if first and self.ref is not None and self.twin_enabled:

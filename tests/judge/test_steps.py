@@ -191,3 +191,8 @@ def test_bad_replays_of_steps_exit_2(reference, step6, tmp_path):
         assert res.exit_code == 2 and len(lines) == 1 and said in lines[0], res.stderr
     res = run_cli("compare", reference, step6)
     assert res.exit_code == 2 and "records 12 steps and" in res.stderr
+    for option in (["--drill"], ["--suggest"], ["--tensorboard", tmp_path / "tb"]):  # one iteration's options
+        res = run_cli("compare", reference, reference, *option)
+        assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+            f"error: {option[0]} takes recordings of one iteration: of two multi-step recordings, record the step "
+            f"the verdict names in full"], res.stderr

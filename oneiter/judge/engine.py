@@ -348,6 +348,11 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
     if tgt.meta.get(OPTIMIZER_STATE) == LOADED:  # the optimizer's state it loaded is the reference's too
         opt_ref, opt_tgt = ref.state(OPTIMIZER), tgt.state(OPTIMIZER)
+        missing = sorted(set(opt_ref) - set(opt_tgt))
+        if missing:
+            raise FormatError(f"bad replay: the target's optimizer holds no '{missing[0]}' after loading the "
+                              f"reference's state ({len(missing)} of {len(opt_ref)} values missing): its update "
+                              f"cannot start where the reference's did")
         pairs += [(opt_ref.get(name, ""), path) for name, path in opt_tgt.items()]
     for ref_path, tgt_path in pairs:
         if not ref_path or not _same_start(ref, tgt, ref_path, tgt_path):

@@ -29,11 +29,11 @@ def _step(model, opt, x, y):
     opt.step()
 
 
-def _record(out, *, warm: int, seed: int, replay=None, lr: float = 0.1):
+def _record(out, *, warm: int, seed: int, replay=None, lr: float = 0.1, optimizer=torch.optim.SGD):
     """A momentum-SGD model after `warm` plain steps of its own, then one recorded step."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, foreach=False)
+    opt = optimizer(model.parameters(), lr=lr, momentum=0.9, foreach=False)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     for _ in range(warm):
         _step(model, opt, x, y)
@@ -133,3 +133,35 @@ def test_the_first_step_of_a_stateful_optimizer_is_judged(tmp_path):
     assert (result.exit_code, result.verdict()["num_not_judged"], result.verdict()["warnings"]) == (0, 0, [])
     assert {r.status for r in result.rows if r.phase == "optimizer"} == {"match"}
     assert {r.phase for r in result.local} >= {"optimizer"}  # the shadow step judged each update
+
+
+class SGD(torch.optim.SGD):
+    """SGD whose load drops the state of its last parameter (a vendor's state-dict hook gone wrong; named SGD, as a
+    vendor's drop-in is)."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.state.pop(self.param_groups[-1]["params"][-1], None)
+
+
+def test_a_replay_that_loaded_another_state_or_less_of_it_is_refused(tmp_path):
+    """The loaded state is checked against the reference's, value by value: one changed (a load that transforms
+    it) or one missing (a load that drops it) is a bad replay, in one line — never a judged update."""
+    import shutil
+
+    import h5py
+
+    from oneiter.errors import FormatError
+
+    _record(tmp_path / "ref.h5", warm=2, seed=0)
+    _record(tmp_path / "tgt.h5", warm=0, seed=5, replay=tmp_path / "ref.h5")
+    _record(tmp_path / "dropped.h5", warm=0, seed=5, replay=tmp_path / "ref.h5", optimizer=SGD)
+    changed = tmp_path / "changed.h5"
+    shutil.copy(tmp_path / "tgt.h5", changed)
+    with h5py.File(changed, "r+") as f:
+        f["optimizer_state/0.weight.momentum_buffer"][0, 0] *= 2
+    with pytest.raises(FormatError, match=r"bad replay: the target's optimizer_state/0.weight.momentum_buffer differs"):
+        oneiter.compare(tmp_path / "ref.h5", changed)
+    with pytest.raises(FormatError, match=r"bad replay: the target's optimizer holds no '2.bias.momentum_buffer' "
+                                          r"after loading the reference's state \(1 of 4 values missing\)"):
+        oneiter.compare(tmp_path / "ref.h5", tmp_path / "dropped.h5")

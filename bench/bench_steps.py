@@ -18,9 +18,11 @@ the lower precision alone) show the ratio at that step, and the first step the v
 force: how large a fault the band still sees in each precision.
 
 `cost`: the plain training step against `record --steps N` (the reference: statistics of every tensor per step),
-its replay (each step also run by the twin) and the file size, for resnet18 at batch 8 (224x224) and the 118 M
-`llama_tiny` (dim 1024, 8 layers, vocabulary 8192, batch 4). Each in a fresh process; seconds per step are the
-medians of the steps (plain: warm steps before the recording, in the same process). The machine's load average is
+its replay (each step also run by the twin) and the file size (the first step's, which holds the start in full,
+and each later step's, mostly its batch), for resnet18 at batch 8 (224x224) and the 118 M `llama_tiny` (dim 1024,
+8 layers, vocabulary 8192, batch 4). Each in a fresh process; plain is the median of warm steps before the
+recording, in the same process; record and replay are their wall time over the steps (the first step, which
+writes the start in full, and opening the files included). The machine's load average is
 printed: these cores are shared with other jobs, so figures are what they were then.
 """
 
@@ -189,8 +191,11 @@ ref_s = time.perf_counter() - t
 t = time.perf_counter()
 record(SpecOptions(out=Path({out!r} + ".tgt.h5"), replay=Path({out!r}), model={model!r}, threads={threads}))
 tgt_s = time.perf_counter() - t
+record(SpecOptions(out=Path({out!r} + ".one.h5"), model={model!r}, batch_size={batch}, model_args={args!r}, steps=1,
+                   threads={threads}))
 print(json.dumps({{"plain": statistics.median(times), "record": ref_s / {steps}, "replay": tgt_s / {steps},
-                   "bytes": Path({out!r}).stat().st_size, "bytes_replay": Path({out!r} + ".tgt.h5").stat().st_size}}))
+                   "bytes": Path({out!r}).stat().st_size, "bytes_replay": Path({out!r} + ".tgt.h5").stat().st_size,
+                   "bytes_one": Path({out!r} + ".one.h5").stat().st_size}}))
 """
 
 
@@ -211,7 +216,9 @@ def cost(args) -> None:
         print(f"{name:9} batch {batch}: plain {found['plain']:.3f} s/step; --steps {args.steps}: record "
               f"{found['record']:.3f} s/step ({found['record'] / found['plain']:.2f}x), replay with twin "
               f"{found['replay']:.3f} s/step ({found['replay'] / found['plain']:.2f}x); file "
-              f"{found['bytes'] / 1e6:.1f} MB ({found['bytes'] / 1e3 / args.steps:.0f} KB/step), replay's "
+              f"{found['bytes'] / 1e6:.1f} MB (the first step {found['bytes_one'] / 1e6:.1f} MB: its weights, "
+              f"buffers and optimizer state in full; each later step "
+              f"{(found['bytes'] - found['bytes_one']) / 1e3 / max(args.steps - 1, 1):.0f} KB), replay's "
               f"{found['bytes_replay'] / 1e6:.1f} MB; {time.perf_counter() - started:.0f} s in all", flush=True)
         for path in folder.glob(f"{name}.h5*"):
             path.unlink()

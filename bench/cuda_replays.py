@@ -4,6 +4,8 @@ and `device`, and an injected fault, on the three built-in models at small sizes
     python bench/cuda_replays.py invariance   # two CUDA records of one seed compared; a CUDA self-replay
     python bench/cuda_replays.py replays      # clean CPU reference -> CUDA replays: TF32 off/on x calibrate cpu/device
     python bench/cuda_replays.py faults       # the same replays with a 5 % fault in one deep layer
+    python bench/cuda_replays.py steps        # 12 steps of the tests' HF Llama: CUDA against CUDA, CPU -> CUDA
+                                              # replays (TF32 off/on, bf16) and two faults first hit at step 6
 
 Each line printed is one comparison (JSON: status, the entry the verdict names, counts, headline); all of them also
 land in $OUT/<what>.json when OUT is set (else /tmp/cuda_replays/). "TF32 off" sets
@@ -20,6 +22,9 @@ import sys
 import time
 
 WORK = "/tmp/cuda_replays"
+DEVICE = os.environ.get("ONEITER_BENCH_DEVICE", "cuda")  # "cpu": a dry run of this script on a machine without one
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_STEPS = ["--model", f"{ROOT}/tests/model_files/hf_llama.py:build_steps", "--model-arg", "layers=1"]
 MODELS = {"resnet18": ["--model-arg", "image_size=64"], "mobilenet_v2": ["--model-arg", "image_size=64"],
           "llama_tiny": ["--model-arg", "seq_len=64"]}
 FAULT = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.10.conv.1.0", "llama_tiny": "layers.1.feed_forward.w2"}
@@ -38,17 +43,17 @@ def cli_with_tf32() -> None:
     main()
 
 
-def oneiter(args: list[str], tf32: int | None = None) -> tuple[int, str]:
-    env = dict(os.environ, ONEITER_NO_PROGRESS="1")
+def oneiter(args: list[str], tf32: int | None = None, fault: str = "") -> tuple[int, str]:
+    env = dict(os.environ, ONEITER_NO_PROGRESS="1", ONEITER_TEST_FAULT=fault)  # the model files' faults (faultkit)
     if tf32 is not None:
         env["ONEITER_TF32"] = str(tf32)
     done = subprocess.run([sys.executable, __file__, "--cli", *args], capture_output=True, text=True, env=env)
     return done.returncode, done.stdout + done.stderr
 
 
-def record(args: list[str], tf32: int | None = None) -> None:
+def record(args: list[str], tf32: int | None = None, fault: str = "") -> None:
     started = time.perf_counter()
-    code, output = oneiter(["record", *args, "--force"], tf32)
+    code, output = oneiter(["record", *args, "--force"], tf32, fault)
     print(f"record {' '.join(args)}: exit {code} in {time.perf_counter() - started:.1f} s", flush=True)
     if code:
         print(output[-2000:], flush=True)
@@ -90,13 +95,50 @@ def replays(model: str, base: list[str], fault: bool) -> list[dict]:
     return found
 
 
+def compare_steps(reference: str, target: str, tag: str) -> dict:
+    """Two multi-step recordings compared: the verdict, the largest judged ratio, the twin's check."""
+    report = f"{WORK}/{tag}.json"
+    code, output = oneiter(["compare", reference, target, "--json", report])
+    try:
+        doc = json.load(open(report))
+    except (OSError, ValueError):
+        return {"tag": tag, "exit": code, "error": output[-1500:]}
+    v, rows = doc["verdict"], doc["steps"]
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None and r["status"] != "not judged"]
+    return {"tag": tag, "exit": code, "status": v["status"], "step": v["step"], "basis": v["basis"],
+            "statuses": [r["status"] for r in rows], "largest_ratio": max(ratios, default=None),
+            "twin_check": doc["meta"]["target"].get("twin_check"), "headline": v["headline"]}
+
+
+def steps() -> list[dict]:
+    """12 steps of the tests' tiny HF Llama (AdamW; a new batch per step, token ids >= 90 first in step 6)."""
+    base = [*HF_STEPS, "--steps", "12", "--optimizer", "adamw", "--batch-size", "2"]
+    cpu, a, b = (f"{WORK}/steps.{x}.h5" for x in ("cpu", f"{DEVICE}.a", f"{DEVICE}.b"))
+    record([*base, "--device", "cpu", "-o", cpu])
+    record([*base, "--device", DEVICE, "-o", a])
+    record([*base, "--device", DEVICE, "-o", b])
+    record(["--replay", a, *HF_STEPS, "--device", DEVICE, "-o", f"{WORK}/steps.self.h5"])
+    found = [compare_steps(a, b, f"steps.{DEVICE}_vs_{DEVICE}"),
+             compare_steps(a, f"{WORK}/steps.self.h5", f"steps.{DEVICE}_self_replay")]
+    for tag, extra, tf32, fault in (("fp32.tf32-off", [], 0, ""), ("fp32.tf32-on", [], 1, ""),
+                                    ("bf16", ["--amp", "bf16"], 0, ""),
+                                    ("fp32.tf32-off.fault-ids-1pct", [], 0, "ids:90:0.01"),
+                                    ("bf16.fault-ids-bf16-only", ["--amp", "bf16"], 0, "ids_lowp:90:2")):
+        target = f"{WORK}/steps.{tag}.h5"
+        record(["--replay", cpu, *HF_STEPS, "--device", DEVICE, *extra, "-o", target], tf32, fault)
+        found.append(compare_steps(cpu, target, f"steps.cpu_to_{DEVICE}.{tag}"))
+    return found
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--cli"]:
         return cli_with_tf32()
     what = sys.argv[1] if len(sys.argv) > 1 else "replays"
     os.makedirs(WORK, exist_ok=True)
-    results = []
-    for model, extra in MODELS.items():
+    results = steps() if what == "steps" else []
+    for row in results:
+        print(json.dumps(row), flush=True)
+    for model, extra in MODELS.items() if what != "steps" else ():
         base = ["--model", model, *extra, "--batch-size", "8"]
         found = invariance(model, base) if what == "invariance" else replays(model, base, what == "faults")
         for row in found:

@@ -10,9 +10,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from oneiter.errors import OneIterError
 from oneiter.format.summary import summarize_file
 from oneiter.judge import ranks
 from oneiter.judge.engine import compare_files, compare_local
+from oneiter.judge.steps import compare_steps, is_steps
 from oneiter.judge.tolerance_file import FileTolerance, load_tolerance_file
 
 __all__ = ["compare", "compare_ranks", "inspect"]
@@ -26,7 +28,9 @@ def compare(
     atol: Optional[float] = None,
     tolerances: str | os.PathLike | None = None,
 ):
-    """Compare two recordings (or judge one `against="cpu"` recording alone when `target` is None).
+    """Compare two recordings (or judge one `against="cpu"` recording alone when `target` is None). Two
+    multi-step recordings (`record --steps`) are compared step by step: a `judge.steps.StepsResult`, whose verdict
+    names the first step outside the band (`.step`) and the commands recording it in full.
 
     `rtol`/`atol` override every entry's tolerance; `tolerances` names a per-device tolerance file (.toml, or an
     mmengine .py config — a Python file, which is executed). Returns the `CompareResult`::
@@ -41,6 +45,12 @@ def compare(
         result.rows, result.notes  # rows in causal order; warnings about the comparison itself
     """
     spec, policies = _policies(rtol, atol, tolerances)
+    if target is not None and (is_steps(reference) or is_steps(target)):  # iteration by iteration
+        if rtol is not None or atol is not None or tolerances is not None:
+            raise OneIterError("rtol, atol and tolerances apply to one iteration's entries: two multi-step "
+                               "recordings are compared step by step against the band (docs/steps.md)",
+                               param="tolerances")
+        return compare_steps(reference, target)
     if target is None:
         result = compare_local(reference, **policies)
     else:

@@ -53,10 +53,13 @@ LAZY = {
                                                                 "is there at install)",
     ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
                                                         "paid only when a built-in model is named",
+    ("oneiter/judge/steps.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): paid only "
+                                                  "when a verdict names a step to record",
     # `oneiter.Recorder` (and the options it takes) load without torch: what needs torch loads when a block runs
     ("oneiter/record/recorder.py", "oneiter.record.probe"): "imports torch; loaded when a replay's block starts",
     ("oneiter/record/recorder.py", "oneiter.record.fallback"): "imports torch; loaded only with fallback=",
     ("oneiter/record/recorder.py", "oneiter.record.randomness"): "imports torch; loaded when a block starts",
+    ("oneiter/record/recorder.py", "oneiter.record.steps"): "imports torch (the twin); loaded only with steps=",
     ("oneiter/record/options.py", "oneiter.record.fallback"): "imports torch; only fallback= patterns need it",
 }
 

@@ -39,6 +39,10 @@ HELP = "\n\n".join([
     "--rtol / --atol replace them. The terminal report, --json, --csv, --html and --tensorboard state one verdict. "
     "Exit code: 0 match, 1 divergence, 2 bad input or inconclusive (local data, but no call's own error could be "
     "measured), 3 an internal error (please report it).",
+    "Two multi-step recordings (record --steps N, the target with --replay) are compared step by step: the loss, "
+    "gradient and update norms of both runs, each step's error against the band a precision change explains "
+    "(measured by the target's perturbed twin: docs/steps.md); the verdict names the first step outside the band "
+    "(exit 1) and prints the two commands that record it in full (record --step S), where the layer is named.",
     "Multi-rank runs (torchrun ... record -o ref.h5 writes ref.rank0.h5, ref.rank1.h5, ...): give two directories, "
     "or the names given to -o; files are paired by rank and compared in parallel processes, with one verdict per "
     "rank and an overall one naming the rank. A rank missing on one side exits 2.",
@@ -120,6 +124,7 @@ def compare(
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.ranks import is_ranked
+    from oneiter.judge.steps import StepsResult
     from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
@@ -139,8 +144,12 @@ def compare(
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
                                         to_stdout))
 
+    _check_steps_options(reference, target, {"--tensorboard": tb_dir is not None, "--suggest": suggest,
+                                             "--drill": drill})
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
+    if isinstance(result, StepsResult):  # two multi-step recordings: step by step
+        raise typer.Exit(_report_steps(result, dests, show_all, to_stdout))
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
     drilled = _drill(result, model, err if to_stdout else out) if drill else None
@@ -165,6 +174,31 @@ def compare(
     if suggest:
         _print_suggestion(result, err if to_stdout else out)
     raise typer.Exit(result.exit_code)
+
+
+def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
+    """Options of the one-iteration report are refused for two multi-step recordings, before anything is judged."""
+    from oneiter.judge.steps import is_steps
+
+    one_iteration = next((name for name, on in given.items() if on), None)
+    if one_iteration is not None and target is not None and (is_steps(reference) or is_steps(target)):
+        raise OneIterError(f"{one_iteration} takes recordings of one iteration: of two multi-step recordings, record "
+                           f"the step the verdict names in full")
+
+
+def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
+    """The reports of two multi-step recordings compared (`report/steps.py`); returns the exit code."""
+    from oneiter.report.steps import print_steps, write_steps_csv, write_steps_html
+
+    print_steps(err if to_stdout else out, result, show_all=show_all)
+    _emit_json(dests.get("--json"), result.to_json)
+    if "--csv" in dests:
+        write_steps_csv(result, dests["--csv"])
+        _wrote(dests["--csv"])
+    if "--html" in dests:
+        write_steps_html(result, dests["--html"])
+        _wrote(dests["--html"])
+    return result.exit_code
 
 
 def _drill(result, model: Optional[str], console) -> Optional[dict]:

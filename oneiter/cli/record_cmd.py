@@ -11,7 +11,9 @@ import typer
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors
 
-HELP = """Record one training iteration (forward, loss, backward, optimizer step) of every module call.
+HELP = """Record one training iteration (forward, loss, backward, optimizer step) of every module call, several
+consecutive iterations (--steps N: statistics per step, to find the first one that goes wrong), or iteration S of
+a run in full (--step S).
 
 [b]Examples[/b]
 
@@ -29,6 +31,12 @@ HELP = """Record one training iteration (forward, loss, backward, optimizer step
   [dim](writes ref.rank0.h5, ref.rank1.h5)[/dim]
 
   torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
+
+  oneiter record --model my_model.py:build --steps 100 -o ref_steps.h5
+
+  oneiter record --replay ref_steps.h5 --model my_model.py:build --amp bf16 -o bf16_steps.h5
+
+  oneiter record --model my_model.py:build --step 37 -o ref_step37.h5
 """
 
 
@@ -43,7 +51,8 @@ def record_command(
     seed: opt.Seed = 0,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=
             "Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
-    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
+    optimizer: Annotated[Optional[str], typer.Option("--optimizer", help=
+            "sgd or adamw (single-tensor kernels); default sgd, with --replay the reference's.")] = None,
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
     include: Annotated[Optional[List[str]], typer.Option("--include", help=
@@ -70,6 +79,14 @@ def record_command(
             "full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, "
             "sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a "
             "reference, so it can be replayed).")] = "full",
+    steps: Annotated[Optional[int], typer.Option("--steps", help=
+            "Record N consecutive iterations (0..N-1) into one file: per step the statistics of every tensor, its "
+            "batch and random values, the loss, gradient and update norms (the first step's weights and optimizer "
+            "state in full). With --replay of such a file: at most its number of steps (default: all), each also "
+            "run by the perturbed twin that measures the band.")] = None,
+    step: Annotated[Optional[int], typer.Option("--step", help=
+            "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
+            "in the file, so a --replay of it starts from the reference's state at S.")] = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -85,7 +102,7 @@ def record_command(
         dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
-        random_replay=random_replay, fallback=_split(fallback), level=level,
+        random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
@@ -95,9 +112,12 @@ def record_command(
     with status as update:
         summary = record(options, progress=update,
                          notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if info.rank == 0 else None)
+    what = f"{summary.num_calls} module calls, {summary.num_entries} tensors"
+    if summary.num_steps:
+        what = f"{summary.num_steps} steps ({what} each)"
     err.print(
-        f"{prefix}recorded {summary.num_calls} module calls, {summary.num_entries} tensors, "
-        f"{summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss {summary.loss:.6g}) -> {summary.path}",
+        f"{prefix}recorded {what}, {summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss "
+        f"{summary.loss:.6g}) -> {summary.path}",
         markup=False,
     )
 

@@ -24,7 +24,13 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   nan + nan_ref + inf + inf_ref; noise >= 0 or NaN. Every call of a recording with local data has rows, an
   `/unprobed` entry, or nothing of its own to judge (every output it recorded is one of its inputs, stored once:
   a dropout with p=0, an identity): a call with no verdict is never silent. Those pass-through calls are returned,
-  and the judge holds their outputs to their inputs as it does an unprobed call's.
+  and the judge holds their outputs to their inputs as it does an unprobed call's;
+- **`/optimizer_state`** (`check_optimizer_state`): present exactly when the root attribute `optimizer_state` says
+  `recorded` or `loaded`, each value named `<parameter>.<key>` of a parameter the file records;
+- **a multi-step recording** (`check_steps`): as many `/steps/<step>` groups as its `steps` attribute says, each
+  holding iteration `<step>` (its `iteration` attribute), and signature tables of one row per step whose columns
+  (`format/steps.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed),
+  and whose loss column is each step's recorded loss.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import re
 from typing import Any
 
 from oneiter.errors import FormatError
+from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE, RECORDED
 from oneiter.format.schema import (
     BACKWARD,
     BATCH,
@@ -44,14 +51,17 @@ from oneiter.format.schema import (
     RANDOM_OUTPUTS,
     RAW_BITS,
     ROOT_MODULE,
+    SIGNATURE,
     STATS_VALUES,
+    STEPS,
     LocalRow,
     call_key,
     plain,
 )
+from oneiter.format.steps import check_columns
 
 __all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "OPTIMIZER_CALL",
-           "LOCAL_PHASES"]
+           "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
 
 _RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
 OPTIMIZER_CALL = ("(optimizer)", 0)  # how /unprobed names the optimizer's shadow step
@@ -286,3 +296,50 @@ def _passes_through(key: str, groups: dict[str, tuple[dict, list]], datasets: di
             if name.split(".", 1)[0] in outputs and (stored is None or stored.addr not in addrs):
                 return False
     return True
+
+
+# -- /optimizer_state -----------------------------------------------------------------------------------------------
+def check_optimizer_state(meta: dict[str, Any], names: list[str], params: set[str], path) -> None:
+    """The optimizer's state values (`names`, under `/optimizer_state`) exist exactly when the root attribute says
+    the file holds them, and each names a recorded parameter (`params`)."""
+    value = meta.get(OPTIMIZER_STATE, "")
+    if value in (RECORDED, LOADED) and not names:
+        raise _fail(path, f"root attribute '{OPTIMIZER_STATE}' is '{value}' but the file holds no /optimizer_state: "
+                          f"the optimizer's state is missing")
+    if names and value not in (RECORDED, LOADED):
+        raise _fail(path, f"the file holds /optimizer_state but its root attribute '{OPTIMIZER_STATE}' is "
+                          f"{value!r}, expected 'recorded' or 'loaded'")
+    for name in names:
+        param, _, _ = name.rpartition(".")
+        if param not in params:
+            raise _fail(path, f"/optimizer_state/{name}: '{param}' is no parameter of the file")
+
+
+# -- a multi-step recording -----------------------------------------------------------------------------------------
+def check_steps(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], tables: dict[str, tuple], params: set[str],
+                path, losses: dict[int, float] | None = None) -> list[int]:
+    """The steps of a multi-step recording, in order (module docstring). `tables`: name -> (array, columns) of the
+    signature tables present; `losses`: each step's recorded loss, which its `/signature` row must hold."""
+    names = groups.get(STEPS, ({}, []))[1]
+    steps = sorted(int(n) for n in names)  # names were checked to be step numbers by the walk
+    if meta.get("steps") != len(steps) or not steps:
+        raise _fail(path, f"root attribute 'steps' is {meta.get('steps')!r} but the file holds {len(steps)} step "
+                          f"group(s) under /{STEPS}")
+    for step in steps:
+        held = groups[f"{STEPS}/{step}"][0].get("iteration")
+        if held != step:
+            raise _fail(path, f"step group '/{STEPS}/{step}' holds iteration {held!r}, expected {step}")
+    for name, (array, columns) in tables.items():
+        if array.shape[0] != len(steps):
+            raise _fail(path, f"/{name} has {array.shape[0]} rows for {len(steps)} steps")
+        check_columns(columns, array.shape[1], params, f"'{path}': /{name}")
+        norms = array[:, 1:]
+        if (norms < 0).any():
+            raise _fail(path, f"/{name}: a norm below 0 (a norm is >= 0, or NaN/Inf when a run overflowed)")
+    if SIGNATURE in tables and losses:
+        for row, step in zip(tables[SIGNATURE][0], steps, strict=True):
+            held = losses.get(step)
+            if held is not None and not (row[0] == held or (math.isnan(row[0]) and math.isnan(held))):
+                raise _fail(path, f"/{SIGNATURE}: step {step}'s loss is {row[0]!r}, but the step recorded "
+                                  f"{held!r}")
+    return steps

@@ -8,6 +8,7 @@ thread) and readers (compare, inspect, replay) both go through this module; noth
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +26,19 @@ from oneiter.format.schema import (
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
+    LOSS,
+    OPTIMIZER,
     PARAM_GRADS,
     ROOT_MODULE,
     SCHEMA,
     SCHEMA_VERSION,
+    SIGNATURE,
     STATE_AFTER,
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
+    STEPS,
+    TWIN_SIGNATURE,
     UNPROBED,
     UNPROBED_FIELDS,
     LocalRow,
@@ -41,9 +47,11 @@ from oneiter.format.schema import (
     group_path,
     plain,
     seq_kind,
+    step_group,
     to_torch,
 )
 from oneiter.format.stats import Stats, array_stats
+from oneiter.format.steps import Signature
 
 __all__ = ["FileWriter", "IterationFile", "Entry", "reading"]
 
@@ -221,19 +229,77 @@ class IterationFile:
     def _validate(self) -> None:
         """Everything a reader relies on, checked once here (docs/format.md "Reading untrusted files"): root
         attributes, then every link and dataset of the file (`format/validate.py`), then what they form: the call
-        tree, the /stats, /random, /local and /unprobed tables and the batch size (`format/consistency.py`)."""
+        tree, the /stats, /random, /local and /unprobed tables, the optimizer's state and the batch size
+        (`format/consistency.py`) — of each step's iteration, in a multi-step recording, and then its steps."""
         validate.check_root_attrs(self.meta, self.path, SCHEMA_VERSION, SCHEMA)
         self._tree = validate.check_tree(self.file, self.path)
+        self._steps: dict[int, IterationFile] = {}
+        self._signatures: dict[str, Signature] = {}
+        if "steps" not in self.meta:
+            self._validate_iteration()
+            return
+        self._stats_index, self._stats_raw, self._pass_through = {}, {}, set()
+        for name in self._tree.groups.get(STEPS, ({}, []))[1]:
+            self._steps[int(name)] = self._view(int(name))
+        first = self._steps[min(self._steps)] if self._steps else None
+        params = set(first.state(STATE_BEFORE)) if first is not None else set()
+        tables = {name: (self._matrix(name), self.attrs(name).get("columns"))
+                  for name in (SIGNATURE, TWIN_SIGNATURE) if name in self._tree.datasets}
+        losses = {s: float(v.read(LOSS).reshape(-1)[0]) for s, v in self._steps.items()
+                  if v.has(LOSS) and v.shape_of(LOSS) in ((), (1,))}
+        steps = consistency.check_steps(self.meta, self._tree.groups, tables, params, self.path, losses)
+        self._steps = {s: self._steps[s] for s in steps}
+        for name, (values, columns) in tables.items():
+            self._signatures[name] = Signature(tuple(steps), tuple(columns), values)
+
+    def _validate_iteration(self) -> None:
+        """The structures of one iteration (the file's, or a step's of a multi-step recording)."""
         groups, datasets = self._tree.groups, self._tree.datasets
         consistency.check_calls(groups, self.path)
         self._stats_index = self._read_stats()
         consistency.check_random(groups, datasets, self.path)
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
+        params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
+        consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
         self._pass_through: set[tuple[str, int]] = set()
         if self.local_kind() and LOCAL in datasets:
-            params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,
                                                          params, self.path)
+
+    def _view(self, step: int) -> "IterationFile":
+        """Iteration `step` of a multi-step recording as an IterationFile of its own (validated like one): its
+        paths are relative to `/steps/<step>`, its `meta` that group's attributes; it shares this file's handle."""
+        view = copy.copy(self)
+        prefix = step_group(step)
+        view._tree = self._tree.subtree(prefix)
+        view.meta = dict(view._tree.groups[""][0])
+        view.file = _Rooted(self.file, prefix)
+        view._owner, view._steps, view._signatures = False, {}, {}
+        view._local_rows = view._calls = None
+        view._validate_iteration()
+        return view
+
+    def _matrix(self, name: str) -> np.ndarray:
+        try:
+            return np.asarray(self.file[name][()], dtype=np.float64)
+        except Exception as exc:  # noqa: BLE001 - a damaged table
+            raise FormatError(f"'{self.path}': /{name} cannot be read ({_first_line(exc)})") from None
+
+    # -- a multi-step recording ---------------------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """The iterations a multi-step recording holds, in order; [] for a recording of one iteration."""
+        return list(self._steps)
+
+    def step(self, step: int) -> "IterationFile":
+        """Iteration `step` of a multi-step recording, read like a recording of that iteration alone."""
+        if step not in self._steps:
+            raise OneIterError(f"'{self.path}' holds no step {step} (it holds {_ranges(self.steps())})")
+        return self._steps[step]
+
+    def signature(self, twin: bool = False) -> Signature | None:
+        """The per-step signature rows (`format/steps.py`): the run's own, or its perturbed twin's (`twin`); None
+        if the file holds none."""
+        return self._signatures.get(TWIN_SIGNATURE if twin else SIGNATURE)
 
     def _read_stats(self) -> dict[str, tuple]:
         """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`), each row checked
@@ -258,6 +324,8 @@ class IterationFile:
         self.close()
 
     def close(self) -> None:
+        if not getattr(self, "_owner", True):  # a step's view: the file is its recording's
+            return
         mapped = getattr(self, "_mapped", None)
         if mapped is not None:
             mapped.close()
@@ -419,6 +487,32 @@ class IterationFile:
             for i, (name, path) in enumerate(self._named(group_name).items()):
                 module, _, tensor = name.rpartition(".")
                 yield Entry(module or ROOT_MODULE, 0, phase, tensor, path, i)
+
+
+class _Rooted:
+    """The open h5py file seen from a step's group: `get`/`[]`/`in` take paths inside the step."""
+
+    def __init__(self, file, prefix: str):
+        self._file, self._prefix = file, prefix
+
+    def get(self, name: str, default=None):
+        return self._file.get(f"{self._prefix}/{name}", default)
+
+    def __getitem__(self, name: str):
+        return self._file[f"{self._prefix}/{name}"]
+
+    def __contains__(self, name: str) -> bool:
+        return f"{self._prefix}/{name}" in self._file
+
+    def close(self) -> None:
+        pass
+
+
+def _ranges(steps: list[int]) -> str:
+    if not steps:
+        return "no steps"
+    return f"steps {steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else \
+        "steps " + ", ".join(map(str, steps))
 
 
 def _table_dtype(fields) -> np.dtype:

@@ -20,6 +20,12 @@ Layout, schema `oneiter.iteration` version 2::
     /param_grads/<name>        every parameter gradient after backward
     /state_after/<name>        every parameter and buffer after the optimizer step
     /random/<index>            values of each random op, in order (attrs op, index, output)
+    /optimizer_state/<param>.<key>   the optimizer's state when the step began (AdamW's exp_avg, step, ...)
+
+A recording of several iterations (`record --steps N`, schema version 4) holds one such tree per iteration
+under `/steps/<step>/` (each a statistics-level iteration with its own root attributes, batch and random values;
+the first one's `state_before` and `optimizer_state` in full: where a replay starts) and, at the root, the
+per-step signature tables `/signature` and (a replay) `/twin_signature` (`format/steps.py`).
 
 Tensor names inside a call: `input.<i>` (positional arguments, nested: `input.1.0`), `kwarg.<name>` (keyword
 arguments), `output` / `output.<i>` / `output.<key>`; the gradient w.r.t. a tensor named X is `grad_X`. In the
@@ -29,6 +35,7 @@ and `<child call>:grad_output` (backward), e.g. `layer1.0.conv2@0:input.0`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +52,9 @@ __all__ = [
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
     "layout_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
+    "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
+    "step_group",
+    "split_step",
 ]
 
 SCHEMA = "oneiter.iteration"
@@ -54,10 +64,14 @@ STRIDE, STORAGE_OFFSET = "stride", "storage_offset"
 # a rank's shard of a sharded (FSDP2/DTensor) parameter, gradient or buffer: where it sits in the full tensor
 PLACEMENTS, GLOBAL_SHAPE, GLOBAL_OFFSET = "placements", "global_shape", "global_offset"
 GRAD_REDUCTION = "grad_reduction"  # root attribute: how parameter gradients were reduced over ranks
-SCHEMA_VERSION = 3  # 3: `level` and the `/stats` table (record --level stats)
+SCHEMA_VERSION = 4  # 3: `level` and the `/stats` table (record --level stats); 4: `/optimizer_state`, `/steps`
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
+OPTIMIZER = "optimizer_state"  # group: the optimizer's state when the recorded step began, `<param>.<key>`
+STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/steps/<step>`
+# multi-step tables, one row per step (`format/steps.py`): the run's, and its perturbed twin's
+SIGNATURE, TWIN_SIGNATURE = "signature", "twin_signature"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
@@ -92,6 +106,35 @@ def check_name(name: str, what: str) -> None:
     if "/" in name:
         raise OneIterError(f"cannot record {what} '{name}': it contains '/', which HDF5 reads as a group separator; "
                            f"rename the ModuleDict or dict key")
+
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def optimizer_entry(param: str, key: str) -> str:
+    """`layer1.weight.exp_avg`: the dataset name of one value of the optimizer's state for a parameter."""
+    return f"{param}.{key}"
+
+
+def split_optimizer_entry(name: str) -> tuple[str, str] | None:
+    """(parameter name, state key) of an `optimizer_entry` name; None when it is not one (the key is an identifier,
+    so the last dot separates them)."""
+    param, dot, key = name.rpartition(".")
+    return (param, key) if dot and param and _KEY.fullmatch(key) else None
+
+
+def step_group(step: int) -> str:
+    """`steps/6`: the group of iteration 6 in a multi-step recording."""
+    return f"{STEPS}/{step}"
+
+
+def split_step(path: str) -> tuple[int | None, str]:
+    """(step, path inside it) of a path under `/steps/<step>/`, else (None, path)."""
+    head, _, rest = path.partition("/")
+    if head != STEPS:
+        return None, path
+    number, _, inner = rest.partition("/")
+    return (int(number), inner) if number.isdigit() else (None, path)
 
 
 def call_key(module: str, call: int) -> str:

@@ -123,14 +123,24 @@ def _locations(f: IterationFile) -> Iterator[tuple[str, int, str, str, str]]:
 
 
 def summarize_file(path: str | os.PathLike) -> FileSummary:
-    """Statistics of every tensor in a recording, reading one tensor at a time (hard links read once)."""
+    """Statistics of every tensor in a recording, reading one tensor at a time (hard links read once). A multi-step
+    recording lists every step's, each phase named with its step (`forward (step 6)`)."""
     with reading(path), IterationFile(path) as f:
-        tensors, seen = [], {}
-        for module, call, phase, tensor, dpath in _locations(f):
-            key = f.dataset_id(dpath)
-            if key not in seen:
-                seen[key] = _from_stats(f.stats_of(dpath)) if f.is_stats(dpath) else tensor_stats(f.read(dpath))
-            shape = f.shape_of(dpath)
-            tensors.append(TensorSummary(module, call, phase, tensor, shape, f.dtype_of(dpath),
-                                         int(np.prod(shape, dtype=np.int64)), **seen[key]))
-        return FileSummary(str(f.path), dict(f.meta), len(f.calls()), tensors)
+        tensors = []
+        for step in f.steps() or [None]:
+            one = f if step is None else f.step(step)
+            tensors += _summaries(one, "" if step is None else f" (step {step})")
+        num_calls = len(f.calls()) if not f.steps() else len(f.step(f.steps()[0]).calls())
+        return FileSummary(str(f.path), dict(f.meta), num_calls, tensors)
+
+
+def _summaries(f: IterationFile, suffix: str) -> list[TensorSummary]:
+    tensors, seen = [], {}
+    for module, call, phase, tensor, dpath in _locations(f):
+        key = f.dataset_id(dpath)
+        if key not in seen:
+            seen[key] = _from_stats(f.stats_of(dpath)) if f.is_stats(dpath) else tensor_stats(f.read(dpath))
+        shape = f.shape_of(dpath)
+        tensors.append(TensorSummary(module, call, phase + suffix, tensor, shape, f.dtype_of(dpath),
+                                     int(np.prod(shape, dtype=np.int64)), **seen[key]))
+    return tensors

@@ -23,6 +23,7 @@ was found.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -33,18 +34,25 @@ import h5py
 import numpy as np
 
 from oneiter.errors import FormatError
-from oneiter.format.optimizer_state import EMPTY, NOT_RECORDED, OPTIMIZER_STATE
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, VALUES
 from oneiter.format.schema import (
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
+    OPTIMIZER,
     PLACEMENTS,
     RAW_BITS,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SIGNATURE,
     STATS_FIELDS,
+    STEPS,
     STORAGE_OFFSET,
     STRIDE,
+    TWIN_SIGNATURE,
     UNPROBED_FIELDS,
     plain,
+    split_optimizer_entry,
 )
 
 __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EXPANSION", "Stored", "Tree"]
@@ -54,17 +62,20 @@ __all__ = ["check_path", "check_root_attrs", "check_tree", "read_attrs", "MAX_EX
 _BUILTIN_FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "nbit", 6: "scaleoffset", 32000: "lzf"}
 MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many times its stored bytes (+ 1 MiB)
 
-_INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration")
+_INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration",
+              "steps")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
               "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
                "fallback_counts": dict}
-_CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"),
-            OPTIMIZER_STATE: ("", EMPTY, NOT_RECORDED)}
+_CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")
-_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random")
+_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER)
 _TABLES = ("local", "unprobed", "stats")
+# a multi-step recording's root tables, one row per step (`steps.py`)
+_STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
+_STEP_NAME = re.compile(r"0|[1-9]\d{0,11}")  # its number as written: no leading zero
 # torch dtypes stored as the numpy type of the same name (the others are raw bits: `schema.RAW_BITS`)
 _NUMPY_NAMED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                 "uint64", "bool", "complex64", "complex128"}
@@ -193,11 +204,14 @@ def _check_int_attrs(meta: dict[str, Any], path) -> None:
     for name in _INT_ATTRS:
         if name in meta and not _is_int(meta[name]):
             raise _expect(path, "root ", name, "an integer", meta[name])
-    for name in ("batch_size", "num_calls", "num_threads", "num_random_ops", "rank"):
+    for name in ("batch_size", "num_calls", "num_threads", "num_random_ops", "rank", "iteration"):
         if name in meta and meta[name] < 0:
             raise _expect(path, "root ", name, "an integer >= 0", meta[name])
     if "world_size" in meta and meta["world_size"] < 1:
         raise _expect(path, "root ", "world_size", "an integer >= 1", meta["world_size"])
+    if "steps" in meta and not 1 <= meta["steps"] <= 10**9:
+        raise _expect(path, "root ", "steps", "an integer from 1 to 10**9 (the iterations a multi-step recording "
+                      "holds)", meta["steps"])
     if "rng_seed" in meta and not (_is_int(meta["rng_seed"]) or meta["rng_seed"] == ""):
         raise _expect(path, "root ", "rng_seed", "an integer or \"\"", meta["rng_seed"])
 
@@ -214,6 +228,11 @@ def _check_other_attrs(meta: dict[str, Any], path) -> None:
         raise _expect(path, "root ", "random_replay", "a boolean", meta["random_replay"])
     if "loss" in meta and (not isinstance(meta["loss"], (int, float)) or isinstance(meta["loss"], bool)):
         raise _expect(path, "root ", "loss", "a number", meta["loss"])
+    for name in ("twin_roundoff", "twin_check"):  # a multi-step replay's twin (`record/twin.py`)
+        value = meta.get(name)
+        if name in meta and (not isinstance(value, float) or not (value >= 0 or math.isnan(value))
+                             or math.isinf(value)):
+            raise _expect(path, "root ", name, "a number >= 0 (or NaN)", value)
 
 
 def _check_json_attrs(meta: dict[str, Any], path) -> None:
@@ -265,6 +284,16 @@ class Tree:
 
     datasets: dict[str, Stored] = field(default_factory=dict)
     groups: dict[str, tuple[dict[str, Any], list[str]]] = field(default_factory=dict)
+
+    def subtree(self, prefix: str) -> "Tree":
+        """What lies under the group `prefix` (a multi-step recording's `steps/<step>`), with paths relative to it:
+        the tree of one iteration, as a file holding only it would have (the group's attributes as the root's)."""
+        head = prefix + "/"
+        sub = Tree()
+        sub.datasets = {p[len(head):]: d for p, d in self.datasets.items() if p.startswith(head)}
+        sub.groups = {p[len(head):]: g for p, g in self.groups.items() if p.startswith(head)}
+        sub.groups[""] = self.groups[prefix]
+        return sub
 
 
 def check_tree(file, path) -> Tree:
@@ -372,9 +401,28 @@ def _soft_target(group, raw: bytes, full: str, target: str, path):
     return obj, addr
 
 
-def _check_group(group, full: str, path) -> dict[str, Any]:
-    """Groups where the layout has groups; call groups' attributes. Returns the group's attributes."""
+def _iteration_parts(full: str, path) -> list[str]:
+    """The parts of a path inside its iteration: a multi-step recording's `steps/<step>/...` without that prefix
+    (checked: a step number, no steps inside a step); any other path as it is. `steps/<step>` itself is []."""
     parts = full.split("/")
+    if parts[0] != STEPS:
+        return parts
+    if len(parts) > 1 and not _STEP_NAME.fullmatch(parts[1]):
+        raise _fail(path, f"'/{full}': expected /{STEPS}/<step>, a step number, got '{parts[1]}'")
+    inner = parts[2:]
+    if inner and inner[0] == STEPS:
+        raise _fail(path, f"'/{full}': a step holds no steps of its own")
+    return inner
+
+
+def _check_group(group, full: str, path) -> dict[str, Any]:
+    """Groups where the layout has groups; call groups' attributes; a multi-step recording's step groups (each an
+    iteration's root, its attributes checked like a file's). Returns the group's attributes."""
+    if full == STEPS:
+        return read_attrs(group, f"'/{full}'", path)
+    parts = _iteration_parts(full, path)
+    if not parts:  # /steps/<step>: one iteration of a multi-step recording
+        return _check_step_group(group, full, path)
     top = parts[0]
     if top in (*_TABLES, "loss"):
         raise _fail(path, f"'/{full}' is a group, expected a dataset")
@@ -383,7 +431,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
     attrs = read_attrs(group, f"'/{full}'", path)
     if top == "calls":
         _check_calls_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after") and len(parts) == 1:
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER) and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
             raise _expect(path, f"group '/{full}' ", "order", "a list of strings", order)
@@ -391,6 +439,19 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         num_ops = attrs.get("num_ops", 0)
         if not _is_int(num_ops) or num_ops < 0:
             raise _expect(path, f"group '/{full}' ", "num_ops", "an integer >= 0", num_ops)
+    return attrs
+
+
+def _check_step_group(group, full: str, path) -> dict[str, Any]:
+    """A step of a multi-step recording: its attributes are an iteration's root attributes."""
+    attrs = read_attrs(group, f"'/{full}'", path)
+    try:
+        check_root_attrs(attrs, path, SCHEMA_VERSION, SCHEMA)
+    except FormatError as err:
+        said = str(err).replace(f"'{path}'", "", 1).lstrip(": ").replace("root attribute", "attribute")
+        raise _fail(path, f"step group '/{full}': {said}") from None
+    if "steps" in attrs:
+        raise _fail(path, f"step group '/{full}' has attribute 'steps': a step holds no steps of its own")
     return attrs
 
 
@@ -449,8 +510,13 @@ def _check_storage(dset, full: str, path) -> tuple[tuple[int, ...], np.dtype, in
 def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     """Tensors: numeric, with a `dtype` attribute matching the stored type; tables: their columns."""
     shape, dtype, offset = storage
-    parts = full.split("/")
+    if full.split("/")[0] == STEPS and full.count("/") < 2:
+        raise _fail(path, f"'/{full}' is a dataset, expected a group (/{STEPS} holds one group per step)")
+    parts = _iteration_parts(full, path)
     top = parts[0]
+    if full in _STEP_TABLES:
+        _check_matrix(shape, dtype, full, path)
+        return Stored(addr, shape, dtype, None, offset, read_attrs(dset, f"'/{full}'", path))
     tensor = (top == "loss" and len(parts) == 1) or (top in _TENSOR_GROUPS and len(parts) == 2) or \
         (top == "calls" and len(parts) == 4 and parts[2] in ("forward", "backward"))
     if top == "calls" and len(parts) < 4:
@@ -460,7 +526,7 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     attrs = read_attrs(dset, f"'/{full}'", path)
     stored = Stored(addr, shape, dtype, None, offset, attrs)
     if top in _TABLES and len(parts) == 1:
-        _check_table(shape, dtype, full, path)
+        _check_table(shape, dtype, top, full, path)
         return stored
     if not tensor:
         return stored
@@ -514,8 +580,11 @@ def _check_layout(attrs: dict[str, Any], shape: tuple[int, ...], full: str, path
 
 
 def _check_tensor_name(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:
-    """Batch tensors are input.<i>; random ops <index> or <index>.<output>, with an `op` attribute."""
+    """Batch tensors are input.<i>; random ops <index> or <index>.<output>, with an `op` attribute; optimizer
+    state values <parameter>.<key>."""
     top = parts[0]
+    if top == OPTIMIZER and split_optimizer_entry(parts[1]) is None:
+        raise _fail(path, f"'/{full}': expected an optimizer state value named <parameter>.<key>")
     if top == "batch" and not _BATCH_NAME.fullmatch(parts[1]):
         raise _fail(path, f"'/{full}': expected a batch tensor named input.<i>")
     if top == "random" and not _RANDOM_NAME.fullmatch(parts[1]):
@@ -541,8 +610,14 @@ def _tensor_dtype_name(attrs: dict[str, Any], dtype: np.dtype, full: str, path) 
     return name
 
 
-def _check_table(shape, dtype, full: str, path) -> None:
-    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": STATS_FIELDS}[full]
+def _check_matrix(shape, dtype, full: str, path) -> None:
+    """A multi-step table: float64 rows (one per step) of at least one column (`format/steps.py`)."""
+    if len(shape) != 2 or shape[1] < 1 or dtype != np.dtype("float64"):
+        raise _fail(path, f"'/{full}': expected a float64 table of one row per step, got {dtype} with shape {shape}")
+
+
+def _check_table(shape, dtype, table: str, full: str, path) -> None:
+    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": STATS_FIELDS}[table]
     if dtype.names is None or len(shape) != 1:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}

@@ -20,11 +20,18 @@ so the file reads, compares and replays like one `oneiter record` writes. What t
   the model's outputs to float32 after the model returns them; for the recorded step the callback takes that cast
   off (`_own_outputs`), so the model's own outputs are recorded, as in a float32 run.
 
-Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call). The optimizer's
-state (AdamW's moments, momentum) is not in a recording: from the second step on, a stateful optimizer's updates
-are not judged (rows `not_judged`, and the verdict says why: `oneiter/format/optimizer_state.py`); record step 0,
-or use a stateless optimizer (`optim="sgd"`), to judge them too. If the recorded step raises, the Trainer calls no
-callback: `close()` (or the end of training) removes the hooks and the temporary file.
+The optimizer's state when the step begins (AdamW's moments and step count) is in the file, and a replay loads it
+(`record/optimizer_start.py`): a step after the first replays from the reference's state, its update judged.
+
+`every=K` instead of `step=N` records the statistics of every K-th optimizer step (0, K, 2K, ...) into one
+multi-step file (`record/steps.py`: per step every tensor's statistics, the batch and random values, the loss,
+gradient and update norms); with `replay=` of such a file, the target's run takes the reference's batch and random
+values at those steps and starts from its state at the first. `oneiter compare` names the first recorded step
+that leaves the tolerance (these files have no twin to measure a band: docs/steps.md), and how to record it.
+
+Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call). If the recorded
+step raises, the Trainer calls no callback: `close()` (or the end of training) removes the hooks and the temporary
+file.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from oneiter.errors import OneIterError
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary
 from oneiter.record.session import check_output
+from oneiter.record.steps import StepRecorder
 from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["OneIterCallback"]
@@ -54,19 +62,21 @@ PathLike = Union[str, os.PathLike]
 
 
 class OneIterCallback(TrainerCallback):
-    """Record optimizer step `step` (0-based) of a `Trainer` run into `out` (reference, or replay of `replay`).
+    """Record optimizer step `step` (0-based) of a `Trainer` run into `out` (reference, or replay of `replay`), or the
+    statistics of every `every`-th step (0, K, 2K, ...: a multi-step file).
 
     Args mirror `oneiter.Recorder` and the mmengine `OneIterRecordHook`: `include`/`exclude` (regexes on module
     paths), `seed` (`torch.manual_seed` when the step begins; None leaves the RNG alone), `isolate` (with `replay`:
     judge every call on the reference's values), `force` (overwrite `out`), `model_name` (the file's `model`).
-    After the step, `summary` holds what was written.
+    After the step (or the run, with `every`), `summary` holds what was written.
     """
 
     def __init__(
         self,
         *,
-        step: int,
+        step: Optional[int] = None,
         out: PathLike,
+        every: Optional[int] = None,
         replay: Optional[PathLike] = None,
         include: Union[str, Sequence[str], None] = None,
         exclude: Union[str, Sequence[str], None] = None,
@@ -75,11 +85,16 @@ class OneIterCallback(TrainerCallback):
         force: bool = False,
         model_name: Optional[str] = None,
     ):
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if (step is None) == (every is None):
+            raise OneIterError("give step (one step, in full) or every (the statistics of every K-th step), not "
+                               f"{'both' if step is not None else 'neither'}", param="step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise OneIterError(f"step must be a non-negative int, got {step!r}", param="step")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise OneIterError(f"every must be an int >= 1, got {every!r}", param="every")
         if not isinstance(out, (str, os.PathLike)):
             raise OneIterError(f"out must be a file path, got {out!r}", param="out")
-        self.step = step
+        self.step, self.every = step, every
         # the Trainer enters autocast itself; its dtype is known when the step begins (`on_step_begin`)
         self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
                                      exclude=exclude, seed=seed, isolate=isolate, force=force, name=model_name,
@@ -89,6 +104,8 @@ class OneIterCallback(TrainerCallback):
             raise OneIterError(f"replay must be an existing recording (.h5), got '{self.replay}'", param="replay")
         self.summary: Optional[RecordSummary] = None
         self._recorder: Optional[Recorder] = None
+        self._steps: Optional[StepRecorder] = None  # `every`: the multi-step recording of the run
+        self._block = None  # `every`: the step being recorded (its `StepRecorder.step` block)
         self._restore_forward: Optional[Callable[[], None]] = None
         self._check_out()
 
@@ -102,12 +119,26 @@ class OneIterCallback(TrainerCallback):
             raise OneIterError(f"gradient_accumulation_steps must be 1 to record a step (a replay swaps the batch of "
                                f"one forward call), got {args.gradient_accumulation_steps}",
                                param="gradient_accumulation_steps")
-        if state.max_steps and self.step >= state.max_steps:
+        if self.step is not None and state.max_steps and self.step >= state.max_steps:
             raise OneIterError(f"step must be below the run's {state.max_steps} steps, got {self.step}: nothing "
                                f"would be recorded", param="step")
         self._check_out()
+        if self.every is not None:
+            self._open_steps(args, state, kwargs.get("model"), kwargs.get("optimizer"))
+
+    def _open_steps(self, args, state, model, optimizer) -> None:
+        """`every`: the multi-step recording of the run's steps 0, K, 2K, ... below max_steps (a replay: the
+        reference's)."""
+        amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
+        wanted = None if self.replay is not None else list(range(0, max(state.max_steps, 1), self.every))
+        options = replace(self.options, amp=amp, meta=_meta(args, None))
+        self._steps = StepRecorder(model, options, wanted, optimizer=_torch_optimizer(optimizer), twin=False)
+        self._steps.__enter__()
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self._steps is not None:
+            self._begin_every(state.global_step, model)
+            return
         if state.global_step != self.step or self.summary is not None or self._recorder is not None:
             return
         amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
@@ -121,7 +152,26 @@ class OneIterCallback(TrainerCallback):
             self._put_forward_back()
             raise
 
+    def _begin_every(self, step: int, model) -> None:
+        if self._steps.next_step != step:
+            return
+        self._block = self._steps.step(step)
+        self._restore_forward = _own_outputs(model)
+        try:
+            self._block.__enter__()
+        except BaseException:
+            self._block = None
+            self._put_forward_back()
+            raise
+
     def on_step_end(self, args, state, control, **kwargs):
+        block, self._block = self._block, None
+        if block is not None:
+            try:
+                block.__exit__(None, None, None)
+            finally:
+                self._put_forward_back()
+            return
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
             try:
@@ -131,10 +181,23 @@ class OneIterCallback(TrainerCallback):
             self.summary = recorder.summary
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._steps is not None and self._block is None:  # the run ended: the multi-step file is complete
+            steps, self._steps = self._steps, None
+            steps.__exit__(None, None, None)
+            self.summary = steps.summary
         self.close()
 
     def close(self) -> None:
         """Abandon a step that did not end (the Trainer raised inside it): hooks removed, no file left."""
+        block, self._block = self._block, None
+        if block is not None:
+            try:
+                block.__exit__(RuntimeError, RuntimeError("the recorded step did not end"), None)
+            finally:
+                self._put_forward_back()
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.__exit__(RuntimeError, RuntimeError("the recorded run did not end"), None)
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
             try:
@@ -176,10 +239,11 @@ def _torch_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _meta(args, step: int) -> dict[str, Any]:
+def _meta(args, step: Optional[int]) -> dict[str, Any]:
     import transformers
 
     return {
-        "batch_size": int(args.per_device_train_batch_size), "seed": int(args.seed), "iteration": step,
+        "batch_size": int(args.per_device_train_batch_size), "seed": int(args.seed),
+        **({"iteration": step} if step is not None else {}),
         "framework": "transformers", "transformers_version": str(transformers.__version__),
     }

@@ -21,6 +21,10 @@ runs the real `train_step` inside the Recorder. What the Recorder takes from mme
 - autocast is mmengine's own (`AmpOptimWrapper`); the Recorder only notes its dtype;
 - the loss is `outputs['loss']`, the sum `parse_losses` built and backward ran on; every entry of the loss
   dict is in the root attribute `loss_dict` (JSON).
+
+`every=K` instead of `iteration=N` records the statistics of every K-th iteration (0, K, 2K, ...) into one
+multi-step file (`record/steps.py`; no twin: the runner's iteration cannot be run twice, so `oneiter compare`
+holds these steps to the tolerance, docs/steps.md).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder
 from oneiter.record.reference import check_structure
 from oneiter.record.session import check_output
+from oneiter.record.steps import StepRecorder
 from oneiter.runtime.devices import device_type
 from oneiter.runtime.distributed import current_rank, rank_path
 
@@ -95,6 +100,8 @@ class OneIterRecordHook(Hook):
 
     Args:
         iteration: the iteration to record; `runner.iter` when it starts.
+        every: instead of `iteration`, record the statistics of every `every`-th iteration (0, K, 2K, ...) into one
+            multi-step file (a replay: the reference's iterations).
         out: the `.h5` file to write (relative to the current directory). In a run with several ranks, rank R
             writes `<stem>.rank<R>.h5`.
         replay: a recording (from this hook or `oneiter record`) whose weights, buffers and batch this run starts
@@ -116,8 +123,9 @@ class OneIterRecordHook(Hook):
     def __init__(
         self,
         *,
-        iteration: int,
+        iteration: Optional[int] = None,
         out: PathLike,
+        every: Optional[int] = None,
         replay: Optional[PathLike] = None,
         include: Union[str, Sequence[str], None] = None,
         exclude: Union[str, Sequence[str], None] = None,
@@ -126,15 +134,21 @@ class OneIterRecordHook(Hook):
         isolate: bool = True,
         force: bool = False,
     ):
-        if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        if (iteration is None) == (every is None):
+            raise ValueError(f"one of iteration and every should be given, but got "
+                             f"{'both' if iteration is not None else 'neither'}")
+        if iteration is not None and (not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0):
             raise ValueError(f"iteration should be a non-negative int, but got {iteration!r}")
+        if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise ValueError(f"every should be an int >= 1, but got {every!r}")
         if not isinstance(out, (str, os.PathLike)):
             raise TypeError(f"out should be a file path (str or PathLike), but got {out!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed should be an int or None, but got {seed!r}")
         if model_name is not None and not isinstance(model_name, str):
             raise TypeError(f"model_name should be a str or None, but got {model_name!r}")
-        self.iteration = iteration
+        self.iteration, self.every = iteration, every
+        self._steps: Optional[StepRecorder] = None  # `every`: the multi-step recording of the run
         try:  # mmengine's convention: ValueError/TypeError in its own wording
             # autocast is mmengine's own (AmpOptimWrapper); the data preprocessor's output is the batch
             self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
@@ -157,17 +171,33 @@ class OneIterRecordHook(Hook):
     def before_train(self, runner) -> None:
         self._check_out(_rank_path(self.out))
         max_iters = getattr(runner, "max_iters", None)
-        if isinstance(max_iters, int) and self.iteration >= max_iters:
+        if self.iteration is not None and isinstance(max_iters, int) and self.iteration >= max_iters:
             raise ValueError(
                 f"iteration should be less than the number of training iterations ({max_iters}), "
                 f"but got {self.iteration}: nothing would be recorded"
             )
-        if self.replay is not None:  # fail now rather than after N iterations
+        if self.every is not None:
+            self._open_steps(runner, max_iters)
+        elif self.replay is not None:  # fail now rather than after N iterations
             with IterationFile(self.replay) as ref:
                 check_structure(_unwrap(runner.model), ref)
 
+    def _open_steps(self, runner, max_iters) -> None:
+        """`every`: the multi-step recording of iterations 0, K, 2K, ... (a replay: the reference's)."""
+        model = _unwrap(runner.model)
+        wanted = None if self.replay is not None else list(range(0, max(int(max_iters or 1), 1), self.every))
+        options = replace(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        self._steps = StepRecorder(model, options, wanted, optimizer=_optimizers(runner.optim_wrapper), twin=False)
+        self._steps.__enter__()
+
+    def _amp(self, runner, model) -> Optional[str]:
+        param = next(model.parameters(), None)
+        amp = _amp_dtype(runner.optim_wrapper, param.device.type if param is not None else "cpu")
+        return str(amp) if amp is not None else None
+
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if runner.iter != self.iteration or self.summary is not None:
+        wanted = self._steps.next_step if self._steps is not None else self.iteration
+        if runner.iter != wanted or (self._steps is None and self.summary is not None):
             return
         model = runner.model
         original = model.train_step
@@ -192,6 +222,15 @@ class OneIterRecordHook(Hook):
 
     def after_train(self, runner) -> None:
         self._restore()
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.__exit__(None, None, None)
+            self.summary = {"file": str(steps.summary.path), "num_steps": steps.summary.num_steps,
+                            "num_entries": steps.summary.num_entries, "seconds": steps.summary.seconds,
+                            "loss": steps.summary.loss}
+            runner.logger.info(f"oneiter: recorded {steps.summary.num_steps} iterations (every {self.every}) into "
+                               f"{steps.summary.path}")
+            return
         if self.summary is None:
             runner.logger.warning(
                 f"OneIterRecordHook: training ended at iteration {runner.iter} without reaching iteration "
@@ -200,6 +239,9 @@ class OneIterRecordHook(Hook):
 
     def after_run(self, runner) -> None:
         self._restore()
+        steps, self._steps = self._steps, None
+        if steps is not None:  # training stopped before after_train: no file
+            steps.__exit__(RuntimeError, RuntimeError("the run did not end"), None)
 
     def _restore(self) -> None:
         if self._wrapped is not None:
@@ -211,10 +253,15 @@ class OneIterRecordHook(Hook):
 
     # -- the recorded iteration -------------------------------------------------------------------------------------
     def _record(self, runner, train_step, args: tuple, kwargs: dict):
+        if self._steps is not None:  # `every`: one more step of the multi-step recording
+            with self._steps.step(runner.iter) as rec:
+                outputs = train_step(*args, **kwargs)
+                loss, loss_dict = _loss_of(outputs)
+                rec.loss(loss)
+                rec.note(loss_dict=json.dumps(loss_dict))
+            return outputs
         model = _unwrap(runner.model)
-        param = next(model.parameters(), None)
-        amp = _amp_dtype(runner.optim_wrapper, param.device.type if param is not None else "cpu")
-        options = replace(self.options, amp=str(amp) if amp is not None else None, meta=self._meta(runner))
+        options = replace(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
         recorder = Recorder.from_options(model, options, optimizer=_optimizers(runner.optim_wrapper))
         with recorder as rec:
             outputs = train_step(*args, **kwargs)
@@ -238,7 +285,8 @@ class OneIterRecordHook(Hook):
         loader = getattr(runner, "train_dataloader", None)
         return {
             "batch_size": int(getattr(loader, "batch_size", 0) or 0), "seed": int(runner.seed),
-            "iteration": self.iteration, "framework": "mmengine", "mmengine_version": _mmengine_version(),
+            **({"iteration": self.iteration} if self.iteration is not None else {}),
+            "framework": "mmengine", "mmengine_version": _mmengine_version(),
         }
 
 

@@ -37,10 +37,11 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
-from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
+from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     LOCAL,
     LOSS,
+    OPTIMIZER,
     PRECISION_MODES,
     REDUCED_CALLS,
     REDUCED_CALLS_REFERENCE,
@@ -327,8 +328,9 @@ def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
 
 
 def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
-    """A replay must start where the reference started: same optimizer, batch and state_before (bitwise, after the
-    cast to the target's dtype when it ran in another one). Raise FormatError ("bad replay") when it did not — its
+    """A replay must start where the reference started: same optimizer, batch, state_before and (when it loaded
+    one) optimizer state (bitwise, after the cast to the target's dtype when it ran in another one). Raise
+    FormatError ("bad replay") when it did not — its
     rows would compare two different iterations; return a note when the target is no replay at all."""
     if not tgt.meta.get("replay_of"):
         return (f"'{tgt.path}' is not a replay (recorded without --replay): its weights, batch and random values are "
@@ -344,8 +346,16 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     pairs = list(zip(ref_batch, tgt_batch, strict=True))  # lengths checked equal above
     state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
     pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
+    if tgt.meta.get(OPTIMIZER_STATE) == LOADED:  # the optimizer's state it loaded is the reference's too
+        opt_ref, opt_tgt = ref.state(OPTIMIZER), tgt.state(OPTIMIZER)
+        missing = sorted(set(opt_ref) - set(opt_tgt))
+        if missing:
+            raise FormatError(f"bad replay: the target's optimizer holds no '{missing[0]}' after loading the "
+                              f"reference's state ({len(missing)} of {len(opt_ref)} values missing): its update "
+                              f"cannot start where the reference's did")
+        pairs += [(opt_ref.get(name, ""), path) for name, path in opt_tgt.items()]
     for ref_path, tgt_path in pairs:
-        if not _same_start(ref, tgt, ref_path, tgt_path):
+        if not ref_path or not _same_start(ref, tgt, ref_path, tgt_path):
             raise FormatError(
                 f"bad replay: the target's {tgt_path} differs from the reference's, so it did not start from this "
                 f"reference's weights and batch (was it replayed from another file? its replay_of is "

@@ -3,7 +3,9 @@
 A faithful copy of the target's optimizer (`faithful_copy`: its class, instance attributes, group options and
 state; never rebuilt from its param groups) is made over fresh tensors holding the reference's weights and
 gradients and stepped once (`shadow_step`); its update (after - before) is judged against the reference's
-(state_after - state_before).
+(state_after - state_before). The state is the one the target's optimizer holds — a replay loaded the reference's
+(`record/optimizer_start.py`) — cast for each shadow parameter as `load_state_dict` would; the float64 and the
+reference-precision steps of the noise start from the reference's own recorded state.
 A copy of every weight, gradient and optimizer state at once would double a large model's memory, so torch's
 per-parameter optimizers (`PER_PARAMETER`: each parameter updated from its own gradient and state only) are
 stepped in chunks of about `STEP_BYTES` of parameters (`step_chunks`), each freed before the next; any other
@@ -23,7 +25,7 @@ from typing import Callable
 import torch
 import torch.optim
 
-from oneiter.format.schema import PARAM_GRADS, STATE_AFTER, group_path
+from oneiter.format.schema import OPTIMIZER, PARAM_GRADS, STATE_AFTER, group_path, optimizer_entry
 from oneiter.record import trusted
 from oneiter.record.fidelity import digest, exact_tensor
 from oneiter.record.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
@@ -86,9 +88,25 @@ def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int
             shadows[id(p)] = q
             tensors[name] = q
     shadow = faithful_copy(opt, shadows, plain=not site.live)
+    if site.cast != "live":  # float64 and the reference's precision start from the reference's own recorded state
+        _reference_state(shadow, {id(q): names.get(id(p)) for p, q in _pairs(opt, shadows)}, rerunner)
     with torch.no_grad(), trusted.running(site.trusted):
         shadow.step()
     return {name: t.detach() for name, t in tensors.items()}
+
+
+def _reference_state(shadow, names: dict, rerunner: Rerunner) -> None:
+    """The state of each shadow parameter as the reference recorded it (`/optimizer_state`, when the reference holds
+    it: a replay's optimizer loaded it, cast to its own dtypes), cast for the shadow parameter as torch's
+    `load_state_dict` would."""
+    for group in shadow.param_groups:
+        for q in group["params"]:
+            state = shadow.state.get(q)
+            name = names.get(id(q))
+            for key in list(state or ()):
+                path = group_path(OPTIMIZER, optimizer_entry(name, key)) if name else None
+                if path is not None and rerunner.source.has(path):
+                    state[key] = _for_param(q, key, rerunner.source.uncached(path).clone(), shadow.param_groups)
 
 
 def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
@@ -149,10 +167,20 @@ def faithful_copy(opt, shadows: dict, *, plain: bool = False):
     shadow.param_groups = groups
     state = collections.defaultdict(dict)
     for p, q in _pairs(opt, shadows):
-        if p in opt.state:
-            state[q] = copy.deepcopy(opt.state[p], memo)
+        if p in opt.state:  # each value as torch's load_state_dict gives it to q: in q's dtype and on its device
+            state[q] = {key: _for_param(q, key, value, groups) for key, value in
+                        copy.deepcopy(opt.state[p], memo).items()}
     shadow.state = state
     return shadow
+
+
+def _for_param(q, key, value, groups: list[dict]):
+    """An optimizer state value for the shadow parameter `q` (another dtype or device than the live one: the
+    float64 step of the noise, the CPU), as `torch.optim.Optimizer.load_state_dict` casts it (`step` kept)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.optim.Optimizer._process_value_according_to_param_policy(q, value, id(q), [
+        {**g, "params": [id(x) for x in g["params"]]} for g in groups], key)
 
 
 def _pairs(opt, shadows: dict):

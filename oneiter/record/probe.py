@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from oneiter.errors import OneIterError
-from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
@@ -549,6 +549,7 @@ class TeacherForcedProbe(LocalProbe):
     def __init__(self, source, device, *, ref_optimizer_state: str = "", **kwargs):
         super().__init__(source, device, **kwargs)
         self.ref_optimizer_state = ref_optimizer_state  # the reference's `optimizer_state` (format/optimizer_state.py)
+        self.optimizer_start = ""  # the target's, as the Recorder found (or loaded) it when the step began
         # digests are bitwise: only where reruns are deterministic (the CPU)
         self.backward_checks = None
         if self.CHECKS_LIVE and self.device.type == "cpu":
@@ -657,7 +658,7 @@ class TeacherForcedProbe(LocalProbe):
         gradients in place (clipping, unscaling), which the recording does not hold: the update is not judged."""
         if self.model is None or self.optimizer is None:
             return
-        if updates_not_judged(self.ref_optimizer_state, state_of([self.optimizer])):
+        if updates_not_judged(self.ref_optimizer_state, self.optimizer_start):
             return  # another starting state: no update is judged, clipped or not; compare says why (from the files)
         if grads_changed:
             self.unprobed.append(("(optimizer)", 0, "the gradients changed between backward and the step (gradient "

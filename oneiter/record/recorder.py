@@ -45,12 +45,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
-from oneiter.format.optimizer_state import OPTIMIZER_STATE, state_of, updates_not_judged
-from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, PRECISION_MODES, RANDOM, STATE_BEFORE
+from oneiter.format.optimizer_state import NOT_RECORDED, OPTIMIZER_STATE, updates_not_judged
+from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record import raised_at
 from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
 from oneiter.record.capture import next_node_number
+from oneiter.record.optimizer_start import load_start, start_entries
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
 from oneiter.record.reference import load_state
 from oneiter.record.session import RecordingSession, atomic_output, check_output
@@ -62,7 +63,7 @@ from oneiter.runtime.sharding import class_name, local, reduction
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
-           "LEVELS"]
+           "LEVELS", "optimizer_list"]
 
 
 @dataclass
@@ -77,6 +78,7 @@ class RecordSummary:
     loss: float
     num_calls: int
     iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
+    num_steps: int = 0  # a multi-step recording (`record/steps.py`): its iterations (num_entries: its tensors)
 
 
 class Phase(enum.IntEnum):
@@ -130,6 +132,9 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
+        steps: record that many consecutive iterations into one file instead of one (`record.steps.StepRecorder`:
+            `rec.run(fn)` calls `fn(step)` for each); with `replay=` of such a file, its steps. See `__new__`.
+        twin: with `steps` and `replay`, also run each step by the perturbed twin (the band: docs/steps.md).
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -161,6 +166,8 @@ class Recorder:
         skip: Iterable[str] = (),
         queue_bytes: int | None = None,
         level: str = "full",
+        steps=None,
+        twin: bool = True,
     ):
         _check_model(model)
         options = RecordOptions(
@@ -171,14 +178,36 @@ class Recorder:
         )
         self._setup(model, options, optimizer, progress, notify)
 
+    def __new__(cls, model=None, out=None, *, steps=None, twin: bool = True, **keywords):
+        """`steps=` (a number of iterations): a `record.steps.StepRecorder`, which records that many consecutive
+        iterations into one file (`with Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec: rec.run(fn)`);
+        `twin`: with `replay=`, run the perturbed twin that measures the band (docs/steps.md)."""
+        recorder = super().__new__(cls)
+        if steps is None or cls is not Recorder:
+            return recorder
+        from oneiter.record.steps import StepRecorder  # imports torch (its twin): loaded only with steps=
+
+        Recorder.__init__(recorder, model, out, **keywords)  # the keywords, checked as for one iteration
+        return StepRecorder(model, recorder.options, steps, optimizer=keywords.get("optimizer"),
+                            progress=keywords.get("progress"), notify=keywords.get("notify"), twin=twin)
+
     @classmethod
     def from_options(cls, model, options: RecordOptions, *, optimizer=None,
                      progress: Callable[[str, int], None] | None = None,
-                     notify: Callable[[str], None] | None = None) -> "Recorder":
-        """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use)."""
+                     notify: Callable[[str], None] | None = None, reference=None, start: bool = True,
+                     step_of: bool = False) -> "Recorder":
+        """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use).
+
+        For one step of a multi-step recording (`record/steps.py`): `reference` is the open reference iteration to
+        replay (a step of a multi-step reference) instead of opening `options.replay`, and `start=False` records
+        an iteration that continues the run: a replay loads no weights or optimizer state, and a reference keeps
+        its `state_before` and optimizer state as statistics at the stats level (only the first step's are kept
+        in full: where a replay starts). `step_of`: the iteration is a step of a multi-step recording, whose notes
+        of one iteration's file (its size, its lack of per-call local error) do not apply."""
         _check_model(model)
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
+        recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
         return recorder
 
     def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:
@@ -189,7 +218,7 @@ class Recorder:
             first = next((p for p, _ in model.named_modules() if p), "(root)")
             raise OneIterError(f"include {options.include} / exclude {options.exclude} leave no module of the model "
                                f"to record (module paths look like '{first}')", param="include")
-        self.optimizers = _optimizer_list(optimizer)
+        self.optimizers = optimizer_list(optimizer)
         self.progress, self.notify = progress, notify
         self.estimated_bytes: int | None = None  # the whole file, estimated once forward is done
         self.rank = current_rank()
@@ -205,6 +234,9 @@ class Recorder:
         self._grad_versions: dict[str, int] = {}
         self._first_call: tuple | None = None  # the model's first call: (args, kwargs, its first node number)
         self._failed_backward: tuple | None = None  # (the exception backward raised, the tensor it ran on)
+        self._given_ref, self._start = None, True  # `from_options`: a step of a multi-step recording
+        self._step_of = False
+        self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
 
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
@@ -237,11 +269,18 @@ class Recorder:
         self._started = time.perf_counter()
         stack = ExitStack()
         try:
-            self.ref = stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None
+            self.ref = self._given_ref if self._given_ref is not None else (
+                stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None)
             self.device = _device_of(self.model)
             # the reduced-precision flags in force (TF32...): in the file, and reproduced by the calibration
             self.precision_modes = precision_modes.current(self.device.type)
             self._swap = self._load_reference() if self.ref is not None else None
+            # the optimizer's state as the step begins (after a replay loaded the reference's): in the file
+            opt_entries, stored = start_entries(self.optimizers, self.model)
+            if self.ref is None or not self._start:
+                self.optimizer_start = stored  # a reference (or a run continuing): what its optimizer holds
+            elif NOT_RECORDED in (stored, self.optimizer_start):  # a replay's start that cannot be stored
+                opt_entries, self.optimizer_start = [], NOT_RECORDED
             tmp = stack.enter_context(atomic_output(self.out, opts.force))
             probe_factory, self.local_kind = self._probe_factory()
             self.session = stack.enter_context(RecordingSession(
@@ -251,7 +290,11 @@ class Recorder:
             ))
             if len(self.optimizers) == 1:
                 self.session.bind_optimizer(self.optimizers[0])
+            if self.session.probe is not None:
+                self.session.probe.optimizer_start = self.optimizer_start
             self.session.state_before()
+            self.session.optimizer_state(opt_entries)
+            del opt_entries
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
                 torch.manual_seed(opts.seed)
@@ -424,7 +467,7 @@ class Recorder:
         forward = max(sink.num_bytes - self._before_bytes, 0)  # what forward wrote (and the batch)
         # backward stores the gradients of what forward stored: measured 1.3-1.45x forward's bytes on resnet18
         self.estimated_bytes = int(sink.num_bytes + 1.5 * forward + later)
-        if self.notify is not None:
+        if self.notify is not None and not self._step_of:
             self.notify(f"forward recorded: the file will be about {_size(self.estimated_bytes)}")
         _check_space(self.out, self.estimated_bytes - sink.num_bytes, "about (forward measured, backward "
                      "estimated)", written=sink.num_bytes)
@@ -461,19 +504,28 @@ class Recorder:
         self._hooks = []
 
     def _load_reference(self):
-        """Load the reference's weights and buffers into the model; return the swap that hands out its batch."""
+        """Load the reference's weights, buffers and optimizer state into the model and its optimizers (not for a
+        step that continues a multi-step replay: `start=False`); return the swap that hands out its batch."""
         _check_world_size(self.ref, self.rank)
-        load_state(self.model, self.ref)
-        why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), state_of(self.optimizers),
-                                 _optimizer_names(self.optimizers))
-        if why:
-            warn(why, stacklevel=3)
+        if self.ref.steps():
+            raise OneIterError(f"replay '{self.ref.path.name}' records {len(self.ref.steps())} steps: replay them with "
+                               f"steps={len(self.ref.steps())} (record --steps), or record one of them with --step",
+                               param="replay")
+        if self._start:
+            load_state(self.model, self.ref)
+            self.optimizer_start = load_start(self.optimizers, self.model, self.ref)
+            why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), self.optimizer_start,
+                                     _optimizer_names(self.optimizers))
+            if why:
+                warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
 
     def _stats_groups(self):
         """At the stats level: which groups hold statistics only. Random values and the loss stay full; so do the
-        batch and state_before, except in a replay (whose start is the reference's: its checksums prove it)."""
-        full = {RANDOM, "", LOSS} | ({STATE_BEFORE, BATCH} if self.ref is None else set())
+        batch, state_before and the optimizer's state, except in a replay (whose start is the reference's: its
+        checksums prove it) and, for the start, in a step that continues a multi-step recording."""
+        full = {RANDOM, "", LOSS} | ({BATCH} if self.ref is None else set())
+        full |= {STATE_BEFORE, OPTIMIZER} if self.ref is None and self._start else set()
         return lambda group: group.split("/", 1)[0] not in full
 
     def _probe_factory(self):
@@ -489,7 +541,7 @@ class Recorder:
             return None, ""
         if opts.level == "stats" or self.ref.level == "stats":
             # local blame reruns each call on the reference's values: it needs full data
-            if self.notify is not None:
+            if self.notify is not None and not self._step_of:
                 self.notify("level stats: no per-call local error (it needs full recordings of both sides); "
                             "`oneiter compare --suggest` names the region to record in full")
             return None, ""
@@ -509,7 +561,7 @@ class Recorder:
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
-            "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: state_of(self.optimizers),
+            "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: self.optimizer_start,
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -571,7 +623,7 @@ def _never_called() -> OneIterError:
     return OneIterError("the model was never called inside the Recorder block: no batch to record", param="model")
 
 
-def _optimizer_list(optimizer) -> list:
+def optimizer_list(optimizer) -> list:
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]

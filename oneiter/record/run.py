@@ -1,8 +1,14 @@
-"""`oneiter record`: a model *spec* (built-in name or `file.py:function`) recorded for one training iteration.
+"""`oneiter record`: a model *spec* (built-in name or `file.py:function`) recorded for one training iteration, or
+several (`--steps N`), or iteration S of a run (`--step S`).
 
 Pipeline: build the model from its spec (with `--replay`, with the reference's spec, batch size and seed), cast
 it (`--dtype`), move it to its device, attach faults (if asked), then run `train_step` once inside an
-`oneiter.Recorder` — the same class a user's own loop records with, so both write the same file.
+`oneiter.Recorder` — the same class a user's own loop records with, so both write the same file. Iteration `s`
+runs the model's `batch(s)` when it has one (the model contract's fifth item). `--step S` runs iterations 0..S-1
+plainly first (the RNG seeded as a recording seeds it, so iteration S is the one a `--steps` run records at S)
+and records S in full, the optimizer's state included; replaying such a file starts from that state.
+`--steps N` records N iterations at the statistics level through a `record.steps.StepRecorder`; replaying such a
+file (`--replay`, `--steps` optional) runs the reference's iterations, each also by the perturbed twin.
 
 Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel, or, for
 a model whose builder shards itself with FSDP2 (`fully_shard`), as it is; see `oneiter.runtime.distributed` for what
@@ -23,12 +29,13 @@ from oneiter.record.faults import attach_faults, parse_fault
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
+from oneiter.record.steps import StepRecorder
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
-from oneiter.runtime.precision import DTYPES, apply_dtype
+from oneiter.runtime.precision import DTYPES, apply_dtype, torch_dtype
 from oneiter.runtime.sharding import is_sharded
-from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step
+from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step, use_step
 
 __all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
 
@@ -47,8 +54,8 @@ class SpecOptions(RecordOptions):
     """Where the iteration runs (`cpu`, `cuda`, `cuda:1`, `npu`, ...)."""
     batch_size: int | None = None
     """Passed to the model builder; None: 8, or the reference's with replay."""
-    optimizer: OptimizerName = "sgd"
-    """The optimizer `runtime.training` builds for the iteration."""
+    optimizer: OptimizerName | None = None
+    """The optimizer `runtime.training` builds for the iteration (None: a replay's reference's, else sgd)."""
     dtype: Dtype = "float32"
     """The model's storage dtype."""
     faults: list[str] = field(default_factory=list)
@@ -57,10 +64,22 @@ class SpecOptions(RecordOptions):
     """Keyword arguments for the model builder (with replay: over the reference's)."""
     threads: int | None = None
     """torch's intra-op threads for the call (None: torch's default)."""
+    steps: int | None = None
+    """Record this many consecutive iterations (0..N-1) at the statistics level into one file (`record/steps.py`);
+    with `replay` of such a file, at most its number (None: all of them)."""
+    step: int | None = None
+    """Record iteration `step` alone, in full, after running 0..step-1 plainly (with `replay`: the reference's)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.optimizer not in OPTIMIZERS:
+        for name, low in (("steps", 1), ("step", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise OneIterError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
+        if self.steps is not None and self.step is not None:
+            raise OneIterError("steps records several iterations, step one of them: give one of the two",
+                               param="steps")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OneIterError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
         if self.dtype not in DTYPES:
             raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
@@ -97,6 +116,7 @@ def _meta(opts: SpecOptions, built: dict[str, Any]) -> dict[str, Any]:
         "model": built["model"], "model_args": json.dumps(built["model_args"], sort_keys=True),
         "batch_size": built["batch_size"], "seed": built["seed"], "rng_seed": opts.seed,
         "optimizer": opts.optimizer, "dtype": opts.dtype, "faults": json.dumps(opts.faults),
+        **({"iteration": built["iteration"]} if built.get("iteration") is not None else {}),
     }
 
 
@@ -149,22 +169,87 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         ref = stack.enter_context(IterationFile(replay)) if replay else None
         with user_code("the model builder"):
             bundle, built = _build(opts, ref, info.rank)
+        several = opts.steps is not None or (ref is not None and bool(ref.steps()))
+        built["iteration"] = None if several else _iteration(opts, ref)
+        opts = replace(opts, optimizer=opts.optimizer or _reference_optimizer(ref))
         stack.close()  # the Recorder opens the reference itself
         apply_dtype(bundle, opts.dtype)
         setup = prepare(bundle, device, opts.optimizer)
+        setup.dtype = torch_dtype(opts.dtype) if opts.dtype != "float32" else None
         # the call goes through DDP, unless the model sharded itself with FSDP2 (which reduces its own gradients);
         # hooks, faults and state stay on the inner bundle.model
         if info.distributed and not is_sharded(bundle.model):
             setup = wrap_ddp(setup)
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)
-        recorder = Recorder.from_options(bundle.model, replace(opts, meta={**_meta(opts, built), **opts.meta}),
+        opts = replace(opts, meta={**_meta(opts, built), **opts.meta})
+        if several:
+            return _record_steps(opts, setup, progress, notify)
+        step = built["iteration"]
+        if step is not None and ref is None:
+            _plain_steps(opts, setup, step)
+        if step is not None or bundle.batch is not None:
+            with user_code(f"the model's batch({step or 0})"):
+                use_step(setup, step or 0)
+        recorder = Recorder.from_options(bundle.model, replace(opts, seed=None) if step and ref is None else opts,
                                          optimizer=setup.optimizer, progress=progress, notify=notify)
         with recorder as rec:
-            batch = rec.inputs(*setup.inputs)
-            setup.inputs = batch if len(setup.inputs) != 1 else (batch,)
-            with user_code("the training iteration (the model's forward, its loss or backward)", rec.locate):
-                train_step(setup)
+            _one_step(setup, rec)
     summary = recorder.summary
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _reference_optimizer(ref: IterationFile | None) -> str:
+    """A replay's optimizer when none is named: the reference's, if `oneiter record` built it; else sgd."""
+    theirs = str(ref.meta.get("optimizer") or "") if ref is not None else ""
+    return theirs if theirs in OPTIMIZERS else "sgd"
+
+
+def _iteration(opts: SpecOptions, ref: IterationFile | None) -> int | None:
+    """Which iteration a one-iteration recording is: `--step`, or a replay's reference's (its `iteration`)."""
+    if ref is None:
+        return opts.step
+    theirs = ref.meta.get("iteration")
+    if opts.step is not None and opts.step != theirs:
+        raise OneIterError(f"step {opts.step} is not the iteration the reference '{ref.path.name}' recorded "
+                           f"({theirs if theirs is not None else 'not said'}): a replay runs the reference's; drop "
+                           f"--step", param="step")
+    return theirs if isinstance(theirs, int) else None
+
+
+def _plain_steps(opts: SpecOptions, setup, step: int) -> None:
+    """Iterations 0..step-1, not recorded, with the RNG seeded as a recording's first iteration seeds it."""
+    import torch
+
+    if opts.seed is not None:
+        torch.manual_seed(opts.seed)
+    for s in range(step):
+        with user_code(f"the model's batch({s})"):
+            use_step(setup, s)
+        with user_code(f"iteration {s} (the model's forward, its loss or backward)"):
+            train_step(setup)
+
+
+def _one_step(setup, rec) -> None:
+    """One iteration inside a Recorder (or a StepRecorder's step): its batch through `rec.inputs`, then the step."""
+    batch = rec.inputs(*setup.inputs)
+    setup.inputs = batch if len(setup.inputs) != 1 else (batch,)
+    with user_code("the training iteration (the model's forward, its loss or backward)", rec.locate):
+        train_step(setup)
+
+
+def _record_steps(opts: SpecOptions, setup, progress, notify) -> RecordSummary:
+    """`--steps N` (or a replay of a multi-step reference): every iteration through a StepRecorder, each run by
+    the twin too when replaying."""
+    recorder = StepRecorder(setup.bundle.model, opts, opts.steps, optimizer=setup.optimizer, progress=progress,
+                            notify=notify)
+
+    def one_step(step: int) -> None:
+        with user_code(f"the model's batch({step})"):
+            use_step(setup, step)
+        _one_step(setup, recorder)
+
+    with recorder:
+        recorder.run(one_step)
+    return recorder.summary

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BATCH, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
+from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture import ModuleCapture, TensorSink
@@ -194,6 +194,12 @@ class RecordingSession:
 
     def state_before(self) -> None:
         self._named(STATE_BEFORE, self.model.state_dict(keep_vars=True).items())
+
+    def optimizer_state(self, entries) -> None:
+        """The optimizer's state as the step begins: (`<parameter>.<key>`, tensor) pairs
+        (`record/optimizer_start.py`), none for a stateless optimizer."""
+        if entries:
+            self._named(OPTIMIZER, entries)
 
     def batch(self, inputs) -> None:
         for i, tensor in enumerate(inputs):

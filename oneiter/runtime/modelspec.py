@@ -1,12 +1,15 @@
 """Turn a `--model` spec into a ready-to-train bundle: a built-in name, or `path/to/file.py:function`.
 
-The model contract (also in the README): the function takes `batch_size` and returns `(model, inputs, loss_fn)`
-or `(model, inputs, loss_fn, make_optimizer)`:
+The model contract (also in the README): the function takes `batch_size` and returns `(model, inputs, loss_fn)`,
+`(model, inputs, loss_fn, make_optimizer)` or `(model, inputs, loss_fn, make_optimizer, batch)`:
 
 - `model`: a `torch.nn.Module`;
 - `inputs`: a tuple of tensors, called as `model(*inputs)` (a single tensor is accepted too);
 - `loss_fn(output)`: returns a scalar tensor; it receives the output on the run's device;
-- `make_optimizer(params)`: optional, builds the optimizer from `model.parameters()`.
+- `make_optimizer(params)`: optional (None: `--optimizer`'s), builds the optimizer from `model.parameters()`;
+- `batch(step)`: optional, `(inputs, loss_fn)` of iteration `step` (0-based), for runs of several iterations
+  (`record --steps`, `--step`); it must depend on `step` alone (a replay of step S calls it without the steps
+  before). Without it every iteration reuses `inputs` and `loss_fn`. With it, iteration 0 is `batch(0)` too.
 
 The global torch RNG is seeded before the function runs, so weights and data it draws are reproducible.
 """
@@ -34,6 +37,13 @@ class ModelBundle:
     inputs: tuple
     loss_fn: Callable
     make_optimizer: Callable | None = None
+    batch: Callable | None = None  # batch(step) -> (inputs, loss_fn); None: every step is (inputs, loss_fn)
+
+    def step_batch(self, step: int) -> tuple[tuple, Callable]:
+        """(inputs, loss_fn) of iteration `step`: `batch(step)`, checked, or the bundle's own without it."""
+        if self.batch is None:
+            return self.inputs, self.loss_fn
+        return _check_batch(self.name, step, self.batch(step))
 
 
 def parse_model_args(items: list[str] | None) -> dict[str, Any]:
@@ -96,22 +106,41 @@ def _call_builder(func: Callable, batch_size: int, model_args: dict[str, Any]) -
 def _validate(name: str, result: Any) -> ModelBundle:
     import torch
 
-    if not isinstance(result, (tuple, list)) or len(result) not in (3, 4):
-        raise ModelError(
-            f"model '{name}' must return (model, inputs, loss_fn[, make_optimizer]), got {type(result).__name__}")
+    if not isinstance(result, (tuple, list)) or len(result) not in (3, 4, 5):
+        size = f" of {len(result)} items" if isinstance(result, (tuple, list)) else ""
+        raise ModelError(f"model '{name}' must return (model, inputs, loss_fn[, make_optimizer[, batch]]), got "
+                         f"{type(result).__name__}{size}")
     model, inputs, loss_fn = result[:3]
-    make_optimizer = result[3] if len(result) == 4 else None
+    make_optimizer = result[3] if len(result) >= 4 else None
+    batch = result[4] if len(result) == 5 else None
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"model '{name}': the first item must be a torch.nn.Module, got {type(model).__name__}")
+    inputs, loss_fn = _check_inputs(name, "", inputs, loss_fn)
+    if make_optimizer is not None and not callable(make_optimizer):
+        raise ModelError(f"model '{name}': the fourth item must build the optimizer from the parameters (or be None)")
+    if batch is not None and not callable(batch):
+        raise ModelError(f"model '{name}': the fifth item must be batch(step) -> (inputs, loss_fn), got "
+                         f"{type(batch).__name__}")
+    return ModelBundle(name, model, inputs, loss_fn, make_optimizer, batch)
+
+
+def _check_inputs(name: str, where: str, inputs: Any, loss_fn: Any) -> tuple[tuple, Callable]:
+    """`inputs` as a tuple of tensors and a callable `loss_fn`, or a ModelError naming the model (and the step)."""
+    import torch
+
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if not isinstance(inputs, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in inputs):
-        raise ModelError(f"model '{name}': inputs must be a tuple of tensors")
+        raise ModelError(f"model '{name}'{where}: inputs must be a tuple of tensors")
     if not callable(loss_fn):
-        raise ModelError(f"model '{name}': loss_fn must be callable, got {type(loss_fn).__name__}")
-    if make_optimizer is not None and not callable(make_optimizer):
-        raise ModelError(f"model '{name}': the fourth item must build the optimizer from the parameters")
-    return ModelBundle(name, model, tuple(inputs), loss_fn, make_optimizer)
+        raise ModelError(f"model '{name}'{where}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    return tuple(inputs), loss_fn
+
+
+def _check_batch(name: str, step: int, result: Any) -> tuple[tuple, Callable]:
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise ModelError(f"model '{name}': batch({step}) must return (inputs, loss_fn), got {type(result).__name__}")
+    return _check_inputs(name, f" batch({step})", result[0], result[1])
 
 
 def is_file_spec(spec: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from oneiter.errors import OneIterError
 from oneiter.runtime.modelspec import ModelBundle
 
-__all__ = ["OPTIMIZERS", "build_optimizer", "TrainSetup", "prepare", "train_step", "set_threads"]
+__all__ = ["OPTIMIZERS", "build_optimizer", "TrainSetup", "prepare", "train_step", "set_threads", "use_step"]
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -48,6 +48,8 @@ class TrainSetup:
     device: Any
     optimizer: Any
     inputs: tuple
+    loss_fn: Callable | None = None  # this step's loss (the bundle's `batch(step)`); None: the bundle's own
+    dtype: Any = None  # the storage dtype floating inputs are cast to (`--dtype`), None: as they come
 
 
 def prepare(bundle: ModelBundle, device, optimizer: str = "sgd") -> TrainSetup:
@@ -57,6 +59,16 @@ def prepare(bundle: ModelBundle, device, optimizer: str = "sgd") -> TrainSetup:
     inputs = tuple(t.to(device) for t in bundle.inputs)
     opt = build_optimizer(optimizer, model.parameters(), bundle)
     return TrainSetup(bundle, device, opt, inputs)
+
+
+def use_step(setup: TrainSetup, step: int) -> None:
+    """Make `setup` run iteration `step`: the bundle's `batch(step)` (inputs on the device, floating ones in the
+    run's dtype, and its loss), or the bundle's own batch without `batch`."""
+    inputs, loss_fn = setup.bundle.step_batch(step)
+    dtype = setup.dtype
+    setup.inputs = tuple((t.to(dtype) if dtype is not None and t.is_floating_point() else t).to(setup.device)
+                         for t in inputs)
+    setup.loss_fn = loss_fn
 
 
 def train_step(
@@ -78,7 +90,7 @@ def train_step(
     opt.zero_grad(set_to_none=True)
     with autocast if autocast is not None else contextlib.nullcontext():
         output = model(*setup.inputs)
-        loss = setup.bundle.loss_fn(output)
+        loss = (setup.loss_fn or setup.bundle.loss_fn)(output)
     if not hasattr(loss, "backward") or loss.numel() != 1:
         raise OneIterError(f"model '{setup.bundle.name}': loss_fn must return a scalar tensor")
     if before_backward is not None:

@@ -16,9 +16,11 @@ statistics-level one (`level="stats"`: a `/stats` table). A `Mutation` says what
 The categories after `scale_values` are the structures a reader walks (`format/consistency.py`): parents that form a
 cycle, a second group for one module call, a second `/stats` row, `/stats` and `/local` numbers out of range or
 contradicting each other, a call's local rows deleted, accumulated entries of a replay scaled while its local rows
-stay, `/random` ops that disagree with their names or count, numbers at their limits, and rank file names; then
+stay, `/random` ops that disagree with their names or count, numbers at their limits, rank file names, and
 `layouts`: a call tensor's `stride`/`storage_offset` (what a replay allocates a buffer by) of the wrong type or rank,
-negative, or spanning far more elements than the tensor holds.
+negative, or spanning far more elements than the tensor holds; then (base `steps`: a 3-step recording whose
+optimizer held momentum from the start) the step groups, their numbering and iterations, the signature table's
+shape, columns and norms, and `/optimizer_state` against its attribute.
 """
 
 from __future__ import annotations
@@ -37,17 +39,18 @@ CATEGORIES = (
     "bit_flip", "attr_value", "attr_type", "attr_missing", "delete", "to_group", "to_soft_link", "to_external_link",
     "to_string", "external_storage", "virtual", "scale_values",
     "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values", "local_deleted",
-    "scale_entries", "random_ops", "limits", "rank_names", "layouts",
+    "scale_entries", "random_ops", "limits", "rank_names", "layouts", "steps",
 )
 # mutations that forge what no honest recording holds, or change what is judged: compare must never say MATCH
 MUST_NOT_MATCH = {"scale_values", "parent_cycle", "duplicate_call", "duplicate_stats", "stats_values", "local_values",
-                  "local_deleted", "scale_entries", "rank_names"}
+                  "local_deleted", "scale_entries", "rank_names", "steps"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     category: str
-    base: str  # "target" (replay, local data), "plain" (a second plain recording) or "stats" (`level="stats"`)
+    base: str  # "target" (replay, local data), "plain" (a second plain recording), "stats" (`level="stats"`) or
+    # "steps" (a multi-step recording, compared with `Pair.steps_ref`)
     path: str = ""  # the object (dataset or group; "" the root) mutated
     attr: str = ""
     value: Any = None
@@ -64,8 +67,8 @@ class Pair:
     """The recordings and what is in them: `datasets`, `groups` ("" the root), `attrs` ((object path, name)),
     `judged` (what compare judges) per base ("target", "plain"), and each base file's bytes in `data`."""
 
-    def __init__(self, ref: Path, target: Path, plain: Path, stats: Path):
-        self.ref, self.target, self.plain, self.stats = ref, target, plain, stats
+    def __init__(self, ref: Path, target: Path, plain: Path, stats: Path, steps_ref: Path | None = None):
+        self.ref, self.target, self.plain, self.stats, self.steps_ref = ref, target, plain, stats, steps_ref
         self.datasets: dict[str, list[str]] = {}
         self.groups: dict[str, list[str]] = {}
         self.attrs: dict[str, list[tuple[str, str]]] = {}
@@ -110,15 +113,40 @@ def _record(out: Path, replay: Path | None = None, level: str = "full") -> None:
         opt.step()
 
 
+def _record_steps(out: Path) -> None:
+    """Three steps of the MLP whose momentum SGD stepped once before: the first step's optimizer state in full."""
+    import torch
+
+    import oneiter
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(1)
+    x = torch.randn(3, 4)
+    model(x).square().mean().backward()
+    opt.step()
+
+    def one_step(step):
+        opt.zero_grad(set_to_none=True)
+        model(rec.inputs(x)).square().mean().backward()
+        opt.step()
+
+    with oneiter.Recorder(model, out, optimizer=opt, name="mlp", steps=3, meta={"batch_size": 3}) as rec:
+        rec.run(one_step)
+
+
 def make_pair(folder: Path) -> Pair:
     folder = Path(folder)
     ref, target, plain, stats = (folder / f"{name}.h5" for name in ("ref", "target", "plain", "stats"))
+    steps_ref, steps = folder / "steps_ref.h5", folder / "steps.h5"
     _record(ref)
     _record(target, replay=ref)
     _record(plain)
     _record(stats, level="stats")
-    pair = Pair(ref, target, plain, stats)
-    for base, path in (("target", target), ("plain", plain), ("stats", stats)):
+    _record_steps(steps_ref)
+    _record_steps(steps)  # the same run again: bit for bit the reference's
+    pair = Pair(ref, target, plain, stats, steps_ref)
+    for base, path in (("target", target), ("plain", plain), ("stats", stats), ("steps", steps)):
         datasets, groups, attrs, judged = _contents(path)
         pair.datasets[base], pair.groups[base], pair.attrs[base] = datasets, groups, attrs
         pair.judged[base] = judged
@@ -314,6 +342,7 @@ def check(pair: Pair, m: Mutation, mutant: Path, timeout: float = 20.0) -> dict[
     found: dict[str, Any] = {}
     try:
         reference = mutant.parent / "ranks" / "ref" if mutant.is_dir() else pair.ref  # rank_names: two folders
+        reference = pair.steps_ref if m.base == "steps" else reference
         res = _cli("compare", reference, mutant)
         found["compare"] = _classify(res)
         found["compare_exit"] = res.exit_code
@@ -557,6 +586,52 @@ def _root_limit(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
     f.attrs[m.attr] = m.value
 
 
+def _steps_edit(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
+    """A multi-step recording's structures (m.attr the kind, m.value its value): see `STEPS_MUTATIONS`."""
+    _STEPS_EDITS[m.attr](f, m.value, pair)
+
+
+def _signature_edit(f, value, pair: Pair) -> None:
+    table = f["signature"][()]
+    del f["signature"]
+    column = np.arange(table.shape[1])
+    new = {"rows": table[:-1], "float32": table.astype(np.float32), "flat": table.reshape(-1),
+           "negative": np.where(np.arange(table.size).reshape(table.shape) == table.shape[1] + 2, -1.0, table),
+           "loss": table * np.where(column == 0, 1000.0, 1.0),
+           "scaled": table * np.where(column == 1, 1000.0, 1.0)}[value]
+    f.create_dataset("signature", data=new).attrs["columns"] = np.array(_columns(pair), dtype=h5py.string_dtype())
+
+
+def _columns_edit(f, value, pair: Pair) -> None:
+    columns = list(_columns(pair))
+    columns = {"swap": [columns[0], columns[2], columns[1], *columns[3:]], "drop": columns[:-1],
+               "rename": [columns[0], "grad:nowhere", *columns[2:]]}[value]
+    f["signature"].attrs["columns"] = np.array(columns, dtype=h5py.string_dtype())
+
+
+def _optimizer_rename(f, value, pair: Pair) -> None:
+    group = f["steps/0/optimizer_state"]
+    group.move(sorted(group)[0], value)
+
+
+_STEPS_EDITS = {
+    "steps_attr": lambda f, v, _p: f.attrs.__setitem__("steps", v),
+    "rename_step": lambda f, v, _p: f.move("steps/1", f"steps/{v}"),
+    "iteration": lambda f, v, _p: f["steps/1"].attrs.__setitem__("iteration", v),
+    "step_attr": lambda f, v, _p: f["steps/1"].attrs.__setitem__(v[0], v[1]),
+    "nested": lambda f, v, _p: f.create_group("steps/1/steps/0"),
+    "signature": _signature_edit, "columns": _columns_edit,
+    "optimizer_missing": lambda f, v, _p: f.__delitem__("steps/0/optimizer_state"),
+    "optimizer_rename": _optimizer_rename,
+    "optimizer_value": lambda f, v, _p: f["steps/0"].attrs.__setitem__("optimizer_state", v),
+}
+
+
+def _columns(pair: Pair) -> list[str]:
+    with h5py.File(pair.steps_ref, "r") as f:
+        return [c.decode() if isinstance(c, bytes) else str(c) for c in f["signature"].attrs["columns"]]
+
+
 def _layout(f, obj, m: Mutation, pair: Pair, scratch: Path) -> None:
     """A call tensor's layout attributes: m.value is (stride, storage_offset), None leaving that one out."""
     for name, value in zip(("stride", "storage_offset"), m.value, strict=True):
@@ -568,7 +643,7 @@ _EDITS.update({
     "layouts": _layout,
     "parent_cycle": _parent_cycle, "duplicate_call": _duplicate_call, "duplicate_stats": _duplicate_stats,
     "stats_values": _set_row("stats"), "local_values": _set_row("local"), "local_deleted": _delete_local_rows,
-    "scale_entries": _scale_entry, "random_ops": _random_edit, "limits": _root_limit,
+    "scale_entries": _scale_entry, "random_ops": _random_edit, "limits": _root_limit, "steps": _steps_edit,
 })
 
 
@@ -727,3 +802,26 @@ _STRATEGIES.update({
     "local_deleted": _deleted_rows, "scale_entries": _entry_scalings, "random_ops": _random_mutations,
     "limits": _limits, "rank_names": _rank_names,
 })
+
+# (kind, value) of the multi-step mutations: every one is refused when the file is opened, but `scaled` (a
+# parameter's gradient norm x1000 in every step, which no statistic contradicts: a comparison that must not match)
+STEPS_MUTATIONS = (
+    ("steps_attr", 2), ("steps_attr", 5), ("steps_attr", 0), ("steps_attr", -1), ("steps_attr", 2**40),
+    ("steps_attr", "3"), ("rename_step", "x"), ("rename_step", "7"), ("rename_step", "0001"), ("iteration", 2),
+    ("iteration", -1), ("iteration", "1"), ("step_attr", ("complete", False)), ("step_attr", ("steps", 3)),
+    ("step_attr", ("schema_version", 99)), ("nested", None), ("signature", "rows"), ("signature", "float32"),
+    ("signature", "flat"), ("signature", "negative"), ("signature", "loss"), ("signature", "scaled"),
+    ("columns", "swap"),
+    ("columns", "drop"), ("columns", "rename"), ("optimizer_missing", None),
+    ("optimizer_rename", "nowhere.weight.momentum_buffer"), ("optimizer_rename", "0.weight.9x"),
+    ("optimizer_value", "empty"), ("optimizer_value", "not recorded"),
+)
+
+
+def _steps_mutations(pair: Pair, category: str, bases):
+    from hypothesis import strategies as st
+
+    return st.sampled_from(STEPS_MUTATIONS).map(lambda kv: Mutation(category, "steps", "", kv[0], kv[1]))
+
+
+_STRATEGIES["steps"] = _steps_mutations

@@ -191,17 +191,17 @@ def test_schema_version_must_be_a_supported_integer(pair, tmp_path, value, shown
     line = one_line_error(run_cli("inspect", path))
     if value is None:
         assert line == (f"error: '{path}': root attribute 'schema_version' is missing (expected an integer from 1 "
-                        f"to 3)")
+                        f"to 4)")
     else:
-        assert line == (f"error: '{path}': root attribute 'schema_version': expected an integer from 1 to 3, got "
+        assert line == (f"error: '{path}': root attribute 'schema_version': expected an integer from 1 to 4, got "
                         f"{shown}")
     assert one_line_error(run_cli("compare", pair.ref, path)) == line
 
 
 def test_a_newer_schema_version_asks_for_an_upgrade(pair, tmp_path):
-    path = mutate(pair, tmp_path, lambda f: f.attrs.__setitem__("schema_version", 4))
+    path = mutate(pair, tmp_path, lambda f: f.attrs.__setitem__("schema_version", 5))
     assert one_line_error(run_cli("inspect", path)) == (
-        f"error: '{path}' has schema version 4, this oneiter reads up to 3: upgrade oneiter")
+        f"error: '{path}' has schema version 5, this oneiter reads up to 4: upgrade oneiter")
 
 
 @pytest.mark.parametrize("value, shown", [

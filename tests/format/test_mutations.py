@@ -31,6 +31,7 @@ EXAMPLES = {  # 1,045 in all. Small spaces (40 datasets to turn into groups, ...
     # the structures a reader walks: 194 more, each space small (a few dozen distinct mutations)
     "parent_cycle": 24, "duplicate_call": 14, "duplicate_stats": 10, "stats_values": 28, "local_values": 34,
     "local_deleted": 18, "scale_entries": 28, "random_ops": 14, "limits": 14, "rank_names": 10, "layouts": 12,
+    "steps": 30,  # a multi-step recording's structures: its 30 mutations (`mutants.STEPS_MUTATIONS`)
 }
 assert sum(EXAMPLES.values()) >= 1235 and set(EXAMPLES) == set(mutants.CATEGORIES)
 SCALE = float(os.environ.get("ONEITER_MUTATION_SCALE", "1"))  # e.g. 0.1 for a quick local run

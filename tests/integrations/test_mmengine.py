@@ -51,7 +51,8 @@ class ToyData(torch.utils.data.Dataset):
         return {"inputs": self.images[i], "data_samples": self.labels[i]}
 
 
-def train(work_dir: Path, hooks: list, *, model_seed: int = 0, data_seed: int = 0, fault=None, max_iters: int = 3):
+def train(work_dir: Path, hooks: list, *, model_seed: int = 0, data_seed: int = 0, fault=None, max_iters: int = 3,
+          **runner_args):
     torch.manual_seed(model_seed)
     model = ToyNet()
     if fault is not None:
@@ -65,7 +66,7 @@ def train(work_dir: Path, hooks: list, *, model_seed: int = 0, data_seed: int = 
         optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
         train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=1000),
         default_hooks=dict(checkpoint=None, logger=dict(type="LoggerHook", interval=1)),
-        custom_hooks=hooks, log_level="WARNING", default_scope=None,
+        custom_hooks=hooks, log_level="WARNING", default_scope=None, **runner_args,
     )
     runner.train()
     return runner
@@ -211,3 +212,22 @@ def test_batch_names_and_swap_reach_into_data_elements():
     assert sample.gt_label.tolist() == [7, 8] and kwargs["mode"] == "loss"
     with pytest.raises(OneIterError, match=r"shape \[3\] in the reference"):
         map_call((torch.zeros(2),), {}, BatchSwap({"input.0": torch.ones(3)}, "ref.h5"))
+
+
+def test_every_k_iterations_records_their_statistics_and_a_replay_matches(tmp_path):
+    """`every=2` over 5 iterations: 0, 2 and 4 in one multi-step file. A replay from other initial weights starts
+    from the reference's state at 0 and takes its batches and dropout masks at 0, 2, 4 (the iterations between are
+    its own, with the same data and seed): every recorded step is the reference's bit for bit. No twin in a runner:
+    the verdict holds the steps to the tolerance and says so."""
+    import oneiter
+
+    hook = dict(type="OneIterRecordHook", every=2, out=str(tmp_path / "ref.h5"))
+    seeded = dict(max_iters=5, randomness=dict(seed=0))
+    train(tmp_path / "ref", [hook], **seeded)
+    train(tmp_path / "tgt", [{**hook, "out": str(tmp_path / "tgt.h5"), "replay": str(tmp_path / "ref.h5")}],
+          model_seed=1, **seeded)
+    result = oneiter.compare(tmp_path / "ref.h5", tmp_path / "tgt.h5")
+    assert [r.step for r in result.rows] == [0, 2, 4] and all(r.bitwise for r in result.rows)
+    assert (result.exit_code, result.verdict()["basis"]) == (0, "tolerance")
+    with pytest.raises(ValueError, match="one of iteration and every should be given, but got both"):
+        integration.OneIterRecordHook(iteration=1, every=2, out=tmp_path / "x.h5")

@@ -17,6 +17,11 @@ the way a vendor's stack would, never through oneiter:
 - `stride:<name>`           the same, but wrong only when its first tensor argument is not contiguous from the start
   of its storage (a transposed view, a slice with a storage offset): an NPU stride/format bug.
 - `stride_bwd:<name>`       exact forward; the gradients scaled only for such an input (a wrong strided backward).
+- `ids:<first id>`          torch.nn.functional.embedding wrong only for token ids >= the first id: the rows it looks
+  up for them are scaled, forward and backward (a kernel wrong for rare tokens; `hf_llama.py:build_steps` first
+  feeds such ids at step 6).
+- `ids_lowp:<first id>`     the same, but only in a lower precision (under autocast, or with bfloat16/float16
+  weights): a bf16 kernel wrong for rare tokens, which the same code in float32 does not reproduce.
 - `optimizer:<choice>`      the builder's optimizer is another one (`fault_spec()` names it; see vendor_optim.py).
 - `root[:REL]`               functional code in the model's own `forward` is off (the builder reads `fault_scale()`).
 
@@ -94,6 +99,8 @@ def patch_functions() -> None:
     if spec is not None and spec[0] in ("function", "function_bwd", "stride", "stride_bwd"):
         _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0].endswith("_bwd"),
                         strided_only=spec[0].startswith("stride"))
+    if spec is not None and spec[0] in ("ids", "ids_lowp"):
+        _patch_embedding(int(spec[1]), 1.0 + spec[2], lowp=spec[0] == "ids_lowp")
 
 
 def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
@@ -110,7 +117,8 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
         if target not in classes:
             raise ValueError(f"{ENV}: the model has no module class {target!r}")
         _patch_class(classes[target], scale)
-    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd", "optimizer"):
+    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd", "optimizer", "ids",
+                        "ids_lowp"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
     return model
 
@@ -186,3 +194,21 @@ def _patch_function(name: str, scale: float, *, backward_only: bool, strided_onl
 
     setattr(functional, name, patched)
     _UNDO.append(lambda: setattr(functional, name, original))
+
+
+def _patch_embedding(first: int, scale: float, lowp: bool = False) -> None:
+    """torch.nn.functional.embedding, its rows for ids >= `first` scaled by `scale` (ids below: bit for bit);
+    `lowp`: only under autocast or for bfloat16/float16 weights."""
+    functional = torch.nn.functional
+    original = functional.embedding
+
+    def embedding(input, weight, *args, **kwargs):
+        out = original(input, weight, *args, **kwargs)
+        if lowp and not (weight.dtype in (torch.bfloat16, torch.float16)
+                         or torch.is_autocast_enabled(weight.device.type)):
+            return out
+        rare = (input >= first).unsqueeze(-1)
+        return torch.where(rare, out * scale, out) if bool(rare.any()) else out
+
+    functional.embedding = embedding
+    _UNDO.append(lambda: setattr(functional, "embedding", original))

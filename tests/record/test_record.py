@@ -95,7 +95,7 @@ def test_repeated_tensors_are_stored_once_as_hard_links(resnet_ref):
 def test_metadata_and_complete_flag(resnet_ref):
     with IterationFile(resnet_ref) as f:
         m = f.meta
-        assert m["schema"] == "oneiter.iteration" and m["schema_version"] == 3 and m["complete"] is True
+        assert m["schema"] == "oneiter.iteration" and m["schema_version"] == 4 and m["complete"] is True
         assert m["model"] == "resnet18" and m["device"] == "cpu" and m["dtype"] == "float32"
         assert m["seed"] == 0 and m["batch_size"] == 2 and m["torch_version"] == str(torch.__version__)
         assert f.dtype_of("calls/conv1@0/forward/output") == "float32"

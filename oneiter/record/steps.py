@@ -33,12 +33,13 @@ import numpy as np
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import SIGNATURE, STEPS, TWIN_SIGNATURE
+from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.steps import signature_columns
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
 from oneiter.record.twin import Twin, TwinPass
+from oneiter.runtime import precision_modes
 from oneiter.runtime.distributed import current_rank
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 
@@ -300,10 +301,16 @@ class StepRecorder:
         return torch.device("cpu")
 
     def _roundoff(self, recorder: Recorder) -> float:
-        """u of the lower of the two runs' precisions: the twin's perturbation."""
+        """u of the lower of the two runs' precisions: the twin's perturbation. A float32 run whose matmuls or
+        convolutions run TF32/HF32 (`precision_modes`: the target's flags now, the reference's as recorded) counts
+        as that precision: its inputs are rounded to 10 mantissa bits, and a smaller perturbation would vanish in
+        that rounding (measured on an H200: a TF32 target's twin then drifted by nothing, and a clean step was
+        flagged at 115x its band)."""
         mine = amp_dtype_name(self.options.amp) or _param_dtype(self.model)
         theirs = amp_dtype_name(self.ref.meta.get("amp")) or str(self.ref.meta.get("dtype") or "float32")
-        return max(unit_roundoff(mine), unit_roundoff(theirs))
+        modes = (precision_modes.current(self._device().type),
+                 precision_modes.from_attr(self.ref.meta.get(PRECISION_MODES)))
+        return max(unit_roundoff(mine), unit_roundoff(theirs), *(precision_modes.roundoff(m) for m in modes))
 
     # -- what the loop calls ------------------------------------------------------------------------------------------
     def _active(self, what: str):

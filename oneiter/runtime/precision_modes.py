@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 __all__ = ["FAMILIES", "MANTISSA_BITS", "FAMILY_OPS", "current", "read_settings", "modes_for", "reduced",
-           "to_attr", "from_attr", "describe", "round_mantissa"]
+           "to_attr", "from_attr", "describe", "round_mantissa", "roundoff"]
 
 FAMILIES = ("matmul", "conv")
 MANTISSA_BITS = {"tf32": 10, "hf32": 10, "bf16": 7}  # explicit mantissa bits a reduced mode keeps (float32: 23)
@@ -145,6 +145,12 @@ def current(device_type: str) -> dict[str, Any]:
 def reduced(modes: dict[str, Any] | None) -> dict[str, str]:
     """family -> mode for the families `modes` runs reduced (a mode `round_mantissa` reproduces)."""
     return {f: str(modes[f]) for f in FAMILIES if modes and str(modes.get(f)) in MANTISSA_BITS}
+
+
+def roundoff(modes: dict[str, Any] | None) -> float:
+    """The unit roundoff of the coarsest reduced mode in `modes` (TF32/HF32: 2^-11, bf16: 2^-8); 0.0 when float32
+    ops run as float32."""
+    return max((2.0 ** -(MANTISSA_BITS[m] + 1) for m in reduced(modes).values()), default=0.0)
 
 
 def to_attr(modes: dict[str, Any]) -> str:

@@ -83,6 +83,24 @@ def test_a_hand_written_loop_in_bf16_is_not_flagged(loop_ref, tmp_path, monkeypa
     assert not any(r.bitwise for r in result.rows) and all(r.ratio < 0.5 for r in result.rows)
 
 
+def test_a_target_whose_float32_matmuls_run_tf32_is_perturbed_as_tf32(loop_ref, tmp_path, monkeypatch):
+    """TF32 (here the CPU's oneDNN flag, which this CPU may not act on: the recorded mode is the flag's) rounds a
+    float32 matmul's inputs to 10 mantissa bits; the twin's perturbation is then TF32's unit roundoff, 2^-11, not
+    float32's — a float32-sized one would vanish in that rounding, and on an H200 a clean TF32 step was flagged."""
+    flag = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "tf32"
+    try:
+        target = _replay(loop_ref, tmp_path / "tgt.h5", monkeypatch)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = flag
+    with IterationFile(target) as f:
+        assert f.meta["twin_roundoff"] == 2.0 ** -11 and '"matmul": "tf32"' in f.meta["precision_modes"]
+    with IterationFile(loop_ref) as f:
+        assert '"matmul": "ieee"' in f.meta["precision_modes"]
+    result = oneiter.compare(loop_ref, target)
+    assert (result.exit_code, result.step) == (0, None)
+
+
 def _at_step_6(model, opt, batch, out, **kwargs):
     """Steps 0-5 of the loop unrecorded, then step 6 in a Recorder."""
     body = _body(model, opt, batch, None)

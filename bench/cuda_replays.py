@@ -59,12 +59,19 @@ def record(args: list[str], tf32: int | None = None, fault: str = "") -> None:
         print(output[-2000:], flush=True)
 
 
-def compare(reference: str, target: str, tag: str) -> dict:
+def _report(reference: str, target: str, tag: str) -> tuple[int, dict | None, str]:
+    """`oneiter compare --json`: its exit code, its document (None when it wrote none) and its output."""
     report = f"{WORK}/{tag}.json"
     code, output = oneiter(["compare", reference, target, "--json", report])
     try:
-        doc = json.load(open(report))
+        return code, json.load(open(report)), output
     except (OSError, ValueError):
+        return code, None, output
+
+
+def compare(reference: str, target: str, tag: str) -> dict:
+    code, doc, output = _report(reference, target, tag)
+    if doc is None:
         return {"tag": tag, "exit": code, "error": output[-1500:]}
     v, rows = doc["verdict"], doc["rows"]
     return {"tag": tag, "exit": code, "status": v["status"], "focus": v.get("focus"),
@@ -97,11 +104,8 @@ def replays(model: str, base: list[str], fault: bool) -> list[dict]:
 
 def compare_steps(reference: str, target: str, tag: str) -> dict:
     """Two multi-step recordings compared: the verdict, the largest judged ratio, the twin's check."""
-    report = f"{WORK}/{tag}.json"
-    code, output = oneiter(["compare", reference, target, "--json", report])
-    try:
-        doc = json.load(open(report))
-    except (OSError, ValueError):
+    code, doc, output = _report(reference, target, tag)
+    if doc is None:
         return {"tag": tag, "exit": code, "error": output[-1500:]}
     v, rows = doc["verdict"], doc["steps"]
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None and r["status"] != "not judged"]

@@ -23,12 +23,12 @@ import mutants
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-EXAMPLES = {  # 1,045 in all. Small spaces (40 datasets to turn into groups, ...) are given no more than they hold:
+EXAMPLES = {  # 1,281 in all. Small spaces (40 datasets to turn into groups, ...) are given no more than they hold:
     # hypothesis stops a category once its distinct mutations are exhausted
     "bit_flip": 200, "attr_value": 80, "attr_type": 110, "attr_missing": 60, "delete": 75, "to_group": 40,
     "to_soft_link": 110, "to_external_link": 100, "to_string": 140, "external_storage": 60, "virtual": 30,
     "scale_values": 40,
-    # the structures a reader walks: 194 more, each space small (a few dozen distinct mutations)
+    # the structures a reader walks: 236 more, each space small (a few dozen distinct mutations)
     "parent_cycle": 24, "duplicate_call": 14, "duplicate_stats": 10, "stats_values": 28, "local_values": 34,
     "local_deleted": 18, "scale_entries": 28, "random_ops": 14, "limits": 14, "rank_names": 10, "layouts": 12,
     "steps": 30,  # a multi-step recording's structures: its 30 mutations (`mutants.STEPS_MUTATIONS`)

@@ -41,8 +41,8 @@ from oneiter.record.reduced import ReducedOperands
 from oneiter.record.structure import Slot, fill, flatten, flatten_call
 from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "tensor_stats",
-           "rel_l2", "with_layout"]
+__all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
+           "tensor_stats", "rel_l2", "with_layout"]
 
 AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -104,11 +104,16 @@ class Perturbation:
             return tensor
         eps = 2.0 * max(self.roundoff, unit_roundoff(str(tensor.dtype)))
         sign = torch.from_numpy(self.generator.integers(0, 2, size=tuple(tensor.shape), dtype=np.int8))
-        sign = sign.to(tensor.device)
-        work = torch.promote_types(tensor.dtype, torch.float32)
-        factor = (sign.to(work) * (2.0 * eps) + (1.0 - eps))  # 1 - eps or 1 + eps
-        with torch.no_grad():
-            return (tensor.to(work) * factor).to(tensor.dtype)
+        return scaled_by_signs(tensor, sign, eps)
+
+
+def scaled_by_signs(tensor, signs, eps: float):
+    """`tensor` * (1 + eps) where `signs` is 1 and * (1 - eps) where it is 0, computed in the tensor's dtype widened
+    to float32 at least and stored in its dtype (`Perturbation`, and the twin of a multi-step replay)."""
+    work = torch.promote_types(tensor.dtype, torch.float32)
+    factor = signs.to(device=tensor.device, dtype=work) * (2.0 * eps) + (1.0 - eps)  # 1 - eps or 1 + eps
+    with torch.no_grad():
+        return (tensor.to(work) * factor).to(tensor.dtype)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from oneiter.errors import OneIterError
 from oneiter.record.batch import BatchSwap, map_call, read_batch
 from oneiter.record.fallback import OpFallback
 from oneiter.record.randomness import RandomReplayer
+from oneiter.record.rerun import scaled_by_signs
 from oneiter.runtime.precision import autocast_for
 
 __all__ = ["Twin", "TwinPass", "perturbation_seed"]
@@ -129,10 +130,8 @@ class Twin:
         """w * (1 ± 2u), the signs random from (seed, step, the parameter's position), computed in float32 (or
         float64 for float64 weights) and stored in the weight's dtype."""
         gen = torch.Generator().manual_seed(perturbation_seed(self.seed, step) + index)
-        signs = torch.randint(0, 2, weight.shape, generator=gen, dtype=torch.int8).to(weight.device)
-        wide = torch.promote_types(weight.dtype, torch.float32)
-        factor = (signs.to(wide) * 2.0 - 1.0).mul_(2.0 * self.roundoff).add_(1.0)
-        return (weight.to(wide) * factor).to(weight.dtype)
+        return scaled_by_signs(weight, torch.randint(0, 2, weight.shape, generator=gen, dtype=torch.int8),
+                               2.0 * self.roundoff)
 
 
 def _devices(params) -> tuple[str, list[int]]:

@@ -129,9 +129,8 @@ class OneIterCallback(TrainerCallback):
     def _open_steps(self, args, state, model, optimizer) -> None:
         """`every`: the multi-step recording of the run's steps 0, K, 2K, ... below max_steps (a replay: the
         reference's)."""
-        amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
         wanted = None if self.replay is not None else list(range(0, max(state.max_steps, 1), self.every))
-        options = replace(self.options, amp=amp, meta=_meta(args, None))
+        options = replace(self.options, amp=_amp(args), meta=_meta(args, None))
         self._steps = StepRecorder(model, options, wanted, optimizer=_torch_optimizer(optimizer), twin=False)
         self._steps.__enter__()
 
@@ -141,43 +140,39 @@ class OneIterCallback(TrainerCallback):
             return
         if state.global_step != self.step or self.summary is not None or self._recorder is not None:
             return
-        amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
-        options = replace(self.options, amp=amp, meta=_meta(args, self.step))
-        self._recorder = Recorder.from_options(model, options, optimizer=_torch_optimizer(optimizer))
-        self._restore_forward = _own_outputs(model)
-        try:
-            self._recorder.__enter__()
-        except BaseException:
-            self._recorder = None
-            self._put_forward_back()
-            raise
+        options = replace(self.options, amp=_amp(args), meta=_meta(args, self.step))
+        self._recorder = self._enter(Recorder.from_options(model, options, optimizer=_torch_optimizer(optimizer)),
+                                     model)
 
     def _begin_every(self, step: int, model) -> None:
-        if self._steps.next_step != step:
-            return
-        self._block = self._steps.step(step)
+        if self._steps.next_step == step:
+            self._block = self._enter(self._steps.step(step), model)
+
+    def _enter(self, context, model):
+        """Enter the recording of one step (a Recorder, or a step of the multi-step file) with the model's own
+        outputs recorded; returns it. On failure the forward is put back and the exception goes on."""
         self._restore_forward = _own_outputs(model)
         try:
-            self._block.__enter__()
+            context.__enter__()
         except BaseException:
-            self._block = None
             self._put_forward_back()
             raise
+        return context
+
+    def _leave(self, context) -> None:
+        try:
+            context.__exit__(None, None, None)
+        finally:
+            self._put_forward_back()
 
     def on_step_end(self, args, state, control, **kwargs):
         block, self._block = self._block, None
         if block is not None:
-            try:
-                block.__exit__(None, None, None)
-            finally:
-                self._put_forward_back()
+            self._leave(block)
             return
         recorder, self._recorder = self._recorder, None
         if recorder is not None:
-            try:
-                recorder.__exit__(None, None, None)
-            finally:
-                self._put_forward_back()
+            self._leave(recorder)
             self.summary = recorder.summary
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -237,6 +232,11 @@ def _own_outputs(model) -> Optional[Callable[[], None]]:
 def _torch_optimizer(optimizer):
     """The torch optimizer inside accelerate's `AcceleratedOptimizer` (its step calls the inner one's)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+def _amp(args) -> str | None:
+    """The autocast the Trainer's arguments ask for."""
+    return "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
 
 
 def _meta(args, step: Optional[int]) -> dict[str, Any]:

@@ -334,8 +334,7 @@ def storage_floor(ref: IterationFile, tgt: IterationFile, steps: list[int], thei
                          for n in names])
     if not rounding.any():
         return np.zeros(len(steps))
-    weights = np.array([[_norm(tgt.step(s), tgt.step(s).state().get(n)) if u else 0.0
-                         for n, u in zip(names, rounding, strict=True)] for s in steps])
+    weights = np.array([_weight_norms(tgt.step(s), names, rounding) for s in steps])
     scale = np.maximum(np.abs(a), np.abs(b))
     with np.errstate(invalid="ignore", divide="ignore"):
         bound = np.minimum(rounding * (weights + np.abs(a)) / scale, 1.0)
@@ -354,6 +353,12 @@ def _lower_roundoff(ref_view: IterationFile, tgt_view: IterationFile, ref_path, 
     except (KeyError, ValueError, OneIterError):
         return 0.0
     return mine if mine > theirs else 0.0
+
+
+def _weight_norms(view: IterationFile, names: list[str], rounding: np.ndarray) -> list[float]:
+    """The step's recorded weight norm of each parameter stored lower (`rounding` > 0), 0.0 for the others."""
+    state = view.state()
+    return [_norm(view, state.get(n)) if u else 0.0 for n, u in zip(names, rounding, strict=True)]
 
 
 def _norm(view: IterationFile, path) -> float:

@@ -243,7 +243,7 @@ class StepRecorder:
         metrics = StepMetrics(self.model, self.optimizers)
         with metrics, recorder:
             if first and self.ref is not None and self.twin_enabled:
-                self._twin = Twin(self.model, self.optimizers, self._roundoff(recorder), seed=self.options.seed or 0)
+                self._twin = Twin(self.model, self.optimizers, self._roundoff(), seed=self.options.seed or 0)
             self._current = recorder
             try:
                 yield recorder
@@ -300,7 +300,7 @@ class StepRecorder:
             return tensor.device
         return torch.device("cpu")
 
-    def _roundoff(self, recorder: Recorder) -> float:
+    def _roundoff(self) -> float:
         """u of the lower of the two runs' precisions: the twin's perturbation. A float32 run whose matmuls or
         convolutions run TF32/HF32 (`precision_modes`: the target's flags now, the reference's as recorded) counts
         as that precision: its inputs are rounded to 10 mantissa bits, and a smaller perturbation would vanish in

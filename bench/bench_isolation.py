@@ -55,8 +55,8 @@ except ImportError:  # an older checkout (before/after figures)
     except ImportError:
         from oneiter.recorders.record import RecordOptions, record
 kwargs = {kwargs}
-if {no_check}:  # the fidelity check off (record/fidelity.py): the A/B of what it costs
-    from oneiter.record.probe import TeacherForcedProbe
+if {no_check}:  # the fidelity check off (record/local/fidelity.py): the A/B of what it costs
+    from oneiter.record.local.probe import TeacherForcedProbe
     TeacherForcedProbe.CHECKS_LIVE = False
 t0 = time.perf_counter()
 s = record(RecordOptions(out=Path({out!r}), force=True, **kwargs))

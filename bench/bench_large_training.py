@@ -74,7 +74,10 @@ from pathlib import Path
 sys.path.insert(0, {bench!r})
 import torch, torch.distributed as dist
 torch.set_num_threads({threads})
-from oneiter.record import capture, probe, randomness, rerun, session  # imported before the clock starts
+from oneiter.record.capture import hooks as capture
+from oneiter.record.local import probe, rerun
+from oneiter.record.modes import randomness
+from oneiter.record import session  # imported before the clock starts
 from oneiter.record.recorder import Recorder
 from oneiter.runtime.training import train_step
 if {distributed!r}:

@@ -58,9 +58,13 @@ import json, statistics, sys
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 import h5py
-from oneiter.record import capture, probe, randomness, rerun, session  # imported before the clock starts
+from oneiter.record.capture import hooks as capture
+from oneiter.record.local import probe, rerun
+from oneiter.record.modes import randomness
+from oneiter.record import session  # imported before the clock starts
 from oneiter.format import layout, stats, writer
-from oneiter.judge import blame, metrics
+from oneiter.judge.iteration import blame
+from oneiter.judge.measure import metrics
 from record_loop import prepared, records
 setup = prepared({model!r}, {batch}, {args!r})
 times = []
@@ -96,7 +100,7 @@ print(json.dumps({{"seconds": statistics.median(times), "bytes_per_second": tota
 
 COMPARE = """
 import json, time
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 t0 = time.perf_counter()
 r = compare_files({a!r}, {b!r})
 print(json.dumps({{"seconds": time.perf_counter() - t0, "status": r.status}}))

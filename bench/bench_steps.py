@@ -10,7 +10,7 @@ and `resnet18` at 32x32 and batch 8, each with a new batch per step), each optim
 each target — float32 on another thread count (other reduction orders: not bitwise where the model is large enough
 to split its reductions), bf16 and fp16 autocast, bfloat16 weights — a reference of `--steps` iterations is recorded
 (2 threads), then replayed by the target (with its twin), and for every step and each group of the signature
-(`format/steps.py`: gradients, updates) the ratio error / (band / `BAND_FACTOR`) is printed: a clean run is flagged
+(`format/signature.py`: gradients, updates) the ratio error / (band / `BAND_FACTOR`) is printed: a clean run is flagged
 only where it exceeds `BAND_FACTOR`. The largest ratio of each clean run is what `BAND_FACTOR` must stay above. Then
 faults that start at step `--fault-at` (a layer's output scaled by 1 + REL from that step on, in the target's code,
 so its twin runs it too: in every precision, or only where the layer computes in bfloat16/float16, a kernel wrong in
@@ -110,7 +110,7 @@ def _ratios(ref: Path, tgt: Path) -> dict:
     import math
 
     import oneiter
-    from oneiter.judge.steps import BAND_FACTOR
+    from oneiter.judge.steps.step_compare import BAND_FACTOR
 
     result = oneiter.compare(ref, tgt)
     out = {"step": result.step, "status": result.status, "bitwise": sum(r.bitwise for r in result.rows),
@@ -128,7 +128,7 @@ def _worst(values: list) -> float:
 
 
 def band(args) -> None:
-    from oneiter.judge.steps import BAND_FACTOR
+    from oneiter.judge.steps.step_compare import BAND_FACTOR
 
     folder = Path(tempfile.mkdtemp(prefix="bench_steps_"))
     print(f"load average {os.getloadavg()}; {args.steps} steps; BAND_FACTOR {BAND_FACTOR}")

@@ -5,7 +5,7 @@
 A float32 CPU reference of tests/model_files/float64_ops.py (conv, linear, layer norm, softmax, silu, each a leaf)
 and of tests/model_files/hf_llama.py is replayed in several precisions, every row calibrated (even those within
 one unit roundoff): once with the high-precision run (float64 on the CPU), once with it refused, so the noise is
-the Monte Carlo estimate (oneiter/record/montecarlo.py, with SCALE 1). Prints, per precision, the ratio
+the Monte Carlo estimate (oneiter/record/local/montecarlo.py, with SCALE 1). Prints, per precision, the ratio
 Monte Carlo / float64 of every calibrated row's noise_target: min, median, max, and the worst rows. The ratio's
 median is what `montecarlo.SCALE` divides out.
 """
@@ -30,10 +30,10 @@ PRECISIONS = {"float32": {}, "bf16 autocast": {"amp": "bf16"}, "fp16 autocast": 
 
 
 def _noise(ref: Path, out: Path, spec: str, refuse_high: bool, **options) -> dict:
-    from oneiter.judge.engine import compare_files
-    from oneiter.record import montecarlo
-    from oneiter.record.probe import LocalProbe
-    from oneiter.record.rows import JudgedRow
+    from oneiter.judge.iteration.engine import compare_files
+    from oneiter.record.local import montecarlo
+    from oneiter.record.local.probe import LocalProbe
+    from oneiter.record.local.rows import JudgedRow
     from oneiter.record.run import SpecOptions, record
 
     def refused(self, rec, site, where):
@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=None)
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    from oneiter.record import montecarlo
+    from oneiter.record.local import montecarlo
     from oneiter.record.run import SpecOptions, record
 
     if args.samples:

@@ -42,7 +42,7 @@ FAULTS = [
     ("hf_bert", "class:BertIntermediate", "bert.encoder.layer.0.intermediate", 0, "forward"),
     ("unet", "function:interpolate", "(root)", 0, "forward"),
     ("mixer", "class:ChannelMixing", "layers.0.channel_mix", 0, "forward"),
-    # fault shapes a rerun must reproduce to see (record/fidelity.py): kernels wrong only for strided inputs (a
+    # fault shapes a rerun must reproduce to see (record/local/fidelity.py): kernels wrong only for strided inputs (a
     # transposed slice with a storage offset; the Mixer's token-mixing fc1), an optimizer option in an instance
     # attribute (its size is ignored: the option is the fault), experts with no float64 kernel (Monte Carlo noise)
     ("strided", "stride:linear", "blocks.0.fc", 0, "forward"),
@@ -129,7 +129,7 @@ def main() -> None:
     os.environ.setdefault("ONEITER_NO_PROGRESS", "1")
     import faultkit
 
-    from oneiter.judge.engine import compare_files
+    from oneiter.judge.iteration.engine import compare_files
     from oneiter.record.run import SpecOptions, record
 
     args.dir.mkdir(parents=True, exist_ok=True)

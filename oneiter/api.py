@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 from oneiter.errors import OneIterError
 from oneiter.format.summary import summarize_file
-from oneiter.judge import ranks
-from oneiter.judge.engine import compare_files, compare_local
-from oneiter.judge.steps import compare_steps, is_steps
-from oneiter.judge.tolerance_file import FileTolerance, load_tolerance_file
+from oneiter.judge.iteration import ranks
+from oneiter.judge.iteration.engine import compare_files, compare_local
+from oneiter.judge.measure.tolerance_file import FileTolerance, load_tolerance_file
+from oneiter.judge.steps.step_compare import compare_steps, is_steps
 
 __all__ = ["compare", "compare_ranks", "inspect"]
 
@@ -29,8 +29,8 @@ def compare(
     tolerances: str | os.PathLike | None = None,
 ):
     """Compare two recordings (or judge one `against="cpu"` recording alone when `target` is None). Two
-    multi-step recordings (`record --steps`) are compared step by step: a `judge.steps.StepsResult`, whose verdict
-    names the first step outside the band (`.step`) and the commands recording it in full.
+    multi-step recordings (`record --steps`) are compared step by step: a `judge.steps.step_compare.StepsResult`,
+    whose verdict names the first step outside the band (`.step`) and the commands recording it in full.
 
     `rtol`/`atol` override every entry's tolerance; `tolerances` names a per-device tolerance file (.toml, or an
     mmengine .py config — a Python file, which is executed). Returns the `CompareResult`::

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from oneiter.errors import OneIterError
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 from oneiter.outputs import resolve_folder
 from oneiter.record.run import SpecOptions, record
 
@@ -30,7 +30,7 @@ class DemoResult:
     reference: Path
     target: Path
     fault: str
-    result: object  # oneiter.judge.engine.CompareResult
+    result: object  # oneiter.judge.iteration.engine.CompareResult
 
     @property
     def named_layer(self) -> str | None:

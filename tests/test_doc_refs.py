@@ -16,17 +16,18 @@ def test_every_named_file_and_module_exists():
 
 
 def test_the_check_flags_a_missing_page_a_missing_module_and_a_missing_name():
-    source = ROOT / "oneiter" / "judge" / "engine.py"
+    source = ROOT / "oneiter" / "judge" / "iteration" / "engine.py"
     text = ("See docs/nowhere.md and `format.nowhere`, ../shared/NOTES.md.\n"
-            "`judge.verdict.no_such_function` and [a link](docs/gone.md#x)\n"
-            "Fine: docs/blame.md, `judge.verdict.decide`, `oneiter.format.stats`, `torch.cuda`, my_model.py\n")
+            "`judge.iteration.verdict.no_such_function` and [a link](docs/gone.md#x)\n"
+            "Fine: docs/blame.md, `judge.iteration.verdict.decide`, `oneiter.format.stats`, `torch.cuda`, "
+            "my_model.py\n")
     problems = check_refs.check_text(text, source)
     assert [p.split(": ", 1)[1] for p in problems] == [
         "'docs/nowhere.md': no such file",
         "'../shared/NOTES.md': no such file",
         "'format.nowhere': no such module or name in oneiter",
         "'docs/gone.md': no such file",
-        "'judge.verdict.no_such_function': no such module or name in oneiter",
+        "'judge.iteration.verdict.no_such_function': no such module or name in oneiter",
     ]
 
 

@@ -173,7 +173,7 @@ def _check_output(block: Block, real: str) -> None:
 
 
 def _check_toml(block: Block, folder: Path) -> None:
-    from oneiter.judge.tolerance_file import load_tolerance_file
+    from oneiter.judge.measure.tolerance_file import load_tolerance_file
 
     path = folder / "doc.toml"
     path.write_text(block.text + "\n")

@@ -53,14 +53,16 @@ LAZY = {
                                                                 "is there at install)",
     ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
                                                         "paid only when a built-in model is named",
-    ("oneiter/judge/steps.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): paid only "
-                                                  "when a verdict names a step to record",
+    ("oneiter/judge/steps/step_compare.py", "oneiter.models"): "the built-in models' registry imports mmengine "
+                                                               "(~0.6 s): paid only when a verdict names a step to "
+                                                               "record",
     # `oneiter.Recorder` (and the options it takes) load without torch: what needs torch loads when a block runs
-    ("oneiter/record/recorder.py", "oneiter.record.probe"): "imports torch; loaded when a replay's block starts",
-    ("oneiter/record/recorder.py", "oneiter.record.fallback"): "imports torch; loaded only with fallback=",
-    ("oneiter/record/recorder.py", "oneiter.record.randomness"): "imports torch; loaded when a block starts",
-    ("oneiter/record/recorder.py", "oneiter.record.steps"): "imports torch (the twin); loaded only with steps=",
-    ("oneiter/record/options.py", "oneiter.record.fallback"): "imports torch; only fallback= patterns need it",
+    ("oneiter/record/recorder.py", "oneiter.record.local.probe"): "imports torch; loaded when a replay's block starts",
+    ("oneiter/record/recorder.py", "oneiter.record.modes.fallback"): "imports torch; loaded only with fallback=",
+    ("oneiter/record/recorder.py", "oneiter.record.modes.randomness"): "imports torch; loaded when a block starts",
+    ("oneiter/record/recorder.py", "oneiter.record.steps.step_recorder"): "imports torch (the twin); loaded only "
+                                                                        "with steps=",
+    ("oneiter/record/options.py", "oneiter.record.modes.fallback"): "imports torch; only fallback= patterns need it",
 }
 
 
@@ -133,9 +135,9 @@ def test_imports_of_oneiter_modules_are_at_module_top():
 def test_the_checker_flags_what_it_should():
     """The checks themselves: an upward import (at top, in a function, under TYPE_CHECKING), a sideways one
     between record and profile, profile reaching past its list, a relative one; and what is fine."""
-    upward = "import typing\nfrom oneiter.judge.metrics import Metrics\n"
+    upward = "import typing\nfrom oneiter.judge.measure.metrics import Metrics\n"
     assert order_violations("oneiter/format/x.py", "oneiter.format.x", upward) == [
-        "oneiter/format/x.py:2: format (rank 3) imports oneiter.judge.metrics (judge, rank 5)"]
+        "oneiter/format/x.py:2: format (rank 3) imports oneiter.judge.measure.metrics (judge, rank 5)"]
     hidden = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from oneiter.report import terminal\n"
               "def f():\n    from oneiter.cli import main\n")
     assert [v.split(": ")[0] for v in order_violations("oneiter/judge/x.py", "oneiter.judge.x", hidden)] == [

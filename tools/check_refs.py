@@ -9,10 +9,11 @@ reader an afternoon. This check reads
 
 and resolves what they name:
 
-- a *path* (`docs/blame.md`, `record/probe.py`, `oneiter/format/_statskernel.c`, `.ci/run`, a Markdown link's
+- a *path* (`docs/blame.md`, `record/local/probe.py`, `oneiter/format/_statskernel.c`, `.ci/run`, a Markdown link's
   target): relative to the repository, to oneiter/, to the naming file's folder, or to its package; a bare file name
   (`recorder.py`) must be some tracked file's name;
-- a *module* in backticks (`judge.verdict`, `oneiter.report.terminal.to_json`, `format.stats.KERNEL`): the longest
+- a *module* in backticks (`judge.iteration.verdict`, `oneiter.report.terminal.to_json`, `format.stats.KERNEL`): the
+  longest
   prefix that is a module or package of oneiter, then at most two names defined in it (a function, a class, a
   constant, a class's method).
 
@@ -108,7 +109,7 @@ def module_file(parts: list[str]) -> Path | None:
 
 
 def module_exists(dotted: str) -> bool:
-    """`judge.verdict.decide` or `oneiter.report.terminal`: a module of oneiter, then names defined in it."""
+    """`judge.iteration.verdict.decide` or `oneiter.report.terminal`: a module of oneiter, then names defined in it."""
     parts = dotted.split(".")
     if parts[0] == "oneiter":
         parts = parts[1:]

@@ -1,6 +1,6 @@
 """`oneiter compare REF TARGET`: the CLI face of `oneiter.judge` — options in, report out, exit code.
 
-Thin on purpose: the work is in `oneiter.judge.engine` (and `report` for output; `ranks` for the files of a
+Thin on purpose: the work is in `oneiter.judge.iteration.engine` (and `report` for output; `ranks` for the files of a
 multi-rank run). torch/numpy are imported inside the command so `oneiter --help` stays fast. Exit codes: 0 match,
 1 divergence, 2 bad input or inconclusive (the result's `exit_code`), 3 an internal error. Every output path is
 resolved by `oneiter.outputs` before the comparison runs: files are written whole or not at all, devices, FIFOs
@@ -123,8 +123,8 @@ def compare(
             "With --drill: the model file (path/to/file.py:function) the recordings were made from.")] = None,
 ) -> None:
     """The `compare` command; see HELP."""
-    from oneiter.judge.ranks import is_ranked
-    from oneiter.judge.steps import StepsResult
+    from oneiter.judge.iteration.ranks import is_ranked
+    from oneiter.judge.steps.step_compare import StepsResult
     from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
@@ -178,7 +178,7 @@ def compare(
 
 def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
     """Options of the one-iteration report are refused for two multi-step recordings, before anything is judged."""
-    from oneiter.judge.steps import is_steps
+    from oneiter.judge.steps.step_compare import is_steps
 
     one_iteration = next((name for name, on in given.items() if on), None)
     if one_iteration is not None and target is not None and (is_steps(reference) or is_steps(target)):
@@ -187,8 +187,8 @@ def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
 
 
 def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
-    """The reports of two multi-step recordings compared (`report/steps.py`); returns the exit code."""
-    from oneiter.report.steps import print_steps, write_steps_csv, write_steps_html
+    """The reports of two multi-step recordings compared (`report/multistep.py`); returns the exit code."""
+    from oneiter.report.multistep import print_steps, write_steps_csv, write_steps_html
 
     print_steps(err if to_stdout else out, result, show_all=show_all)
     _emit_json(dests.get("--json"), result.to_json)
@@ -203,8 +203,8 @@ def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
 
 def _drill(result, model: Optional[str], console) -> Optional[dict]:
     """`--drill`: the culprit call's op report (or the command to make it) printed; its JSON document, or None."""
-    from oneiter.judge.ops import drill
-    from oneiter.report.ops import print_drill
+    from oneiter.judge.replay.op_verdict import drill
+    from oneiter.report.op_table import print_drill
 
     found = drill(result, model=model)
     if found is None:
@@ -216,7 +216,7 @@ def _drill(result, model: Optional[str], console) -> Optional[dict]:
 
 
 def _print_suggestion(result, console) -> None:
-    from oneiter.judge.suggest import suggest_region
+    from oneiter.judge.iteration.suggest import suggest_region
 
     found = suggest_region(result)
     if found is None:
@@ -257,8 +257,8 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
 
 def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_dest,
                    to_stdout: bool) -> int:
-    """Rank by rank (`oneiter.judge.ranks`, shown by `oneiter.report.ranks`): overall verdict, one line per rank,
-    reports; returns the exit code."""
+    """Rank by rank (`oneiter.judge.iteration.ranks`, shown by `oneiter.report.ranks`): overall verdict, one line per
+    rank, reports; returns the exit code."""
     from oneiter.api import compare_ranks
     from oneiter.report.ranks import print_ranked
 

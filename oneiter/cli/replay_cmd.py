@@ -2,8 +2,10 @@
 judge every aten op it runs by the op's own error (which kernel inside the culprit), with `--repro DIR` write a
 reproducer of the culprit op.
 
-Thin layer over `oneiter.judge.layer.replay_layer` and `oneiter.judge.ops.replay_ops` (the runs themselves:
-`oneiter.record.layer_replay`, `oneiter.record.ops`; the op report: `oneiter.report.ops`); torch is imported inside
+Thin layer over `oneiter.judge.replay.layer_verdict.replay_layer` and `oneiter.judge.replay.op_verdict.replay_ops`
+(the runs themselves:
+`oneiter.record.replay.layer_replay`, `oneiter.record.replay.op_rerun`; the op report: `oneiter.report.op_table`);
+torch is imported inside
 the command so `oneiter --help` stays fast. Exit codes: 0 every tensor within tolerance (`--ops`: no op and not the
 program flagged), 1 a tensor beyond it (an op or the program flagged), 2 bad input.
 """
@@ -160,7 +162,7 @@ def replay(
                                      dest))
     if reference_ops is not None or repro is not None:
         raise fail("--reference-ops and --repro go with --ops")
-    from oneiter.judge.layer import replay_layer
+    from oneiter.judge.replay.layer_verdict import replay_layer
 
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp)
     _emit(dest, result.as_dict(), lambda console: print_report(console, result))
@@ -169,7 +171,7 @@ def replay(
 
 def _amp(amp: Optional[str]):
     """--amp as `replay_layer` takes it: the recording's own when not given, None for `none`."""
-    from oneiter.record.layer_replay import RECORDED
+    from oneiter.record.replay.layer_replay import RECORDED
 
     if amp is None:
         return RECORDED
@@ -180,8 +182,8 @@ def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_
     """`--ops`: the op report; returns the exit code."""
     if repeat != 1:
         raise fail("--repeat times a plain replay; with --ops the layer runs once")
-    from oneiter.judge.ops import replay_ops
-    from oneiter.report.ops import print_ops
+    from oneiter.judge.replay.op_verdict import replay_ops
+    from oneiter.report.op_table import print_ops
 
     result = replay_ops(file, layer, call=call, device=device, dtype=dtype, amp=amp, model=model,
                         reference_ops=reference_ops, repro=repro)

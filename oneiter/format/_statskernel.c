@@ -314,7 +314,7 @@ static PyObject *reduce(PyObject *self, PyObject *args) {
                          (long long)(int64_t)check.rows);
 }
 
-/* -- pair sums: judging one tensor against another (record/rerun.py `tensor_stats`) ---------------------------
+/* -- pair sums: judging one tensor against another (record/local/rerun.py `tensor_stats`) ---------------------------
  * For two float32 or two float64 arrays a (the reference) and b: sum a^2, sum b^2, sum (a-b)^2, sum a*b and
  * max |a-b|, each accumulated in float64 (a - b is exact in float64 for float32 inputs). One pass reads each
  * array once; torch's path makes a - b and reads the arrays five times. NaN/Inf show as a non-finite total:

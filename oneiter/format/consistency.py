@@ -29,7 +29,7 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   `recorded` or `loaded`, each value named `<parameter>.<key>` of a parameter the file records;
 - **a multi-step recording** (`check_steps`): as many `/steps/<step>` groups as its `steps` attribute says, each
   holding iteration `<step>` (its `iteration` attribute), and signature tables of one row per step whose columns
-  (`format/steps.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed),
+  (`format/signature.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed),
   and whose loss column is each step's recorded loss.
 """
 
@@ -58,7 +58,7 @@ from oneiter.format.schema import (
     call_key,
     plain,
 )
-from oneiter.format.steps import check_columns
+from oneiter.format.signature import check_columns
 
 __all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "OPTIMIZER_CALL",
            "LOCAL_PHASES", "check_optimizer_state", "check_steps"]

@@ -50,8 +50,8 @@ from oneiter.format.schema import (
     step_group,
     to_torch,
 )
+from oneiter.format.signature import Signature
 from oneiter.format.stats import Stats, array_stats
-from oneiter.format.steps import Signature
 
 __all__ = ["FileWriter", "IterationFile", "Entry", "reading"]
 
@@ -297,7 +297,7 @@ class IterationFile:
         return self._steps[step]
 
     def signature(self, twin: bool = False) -> Signature | None:
-        """The per-step signature rows (`format/steps.py`): the run's own, or its perturbed twin's (`twin`); None
+        """The per-step signature rows (`format/signature.py`): the run's own, or its perturbed twin's (`twin`); None
         if the file holds none."""
         return self._signatures.get(TWIN_SIGNATURE if twin else SIGNATURE)
 

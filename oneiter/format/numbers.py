@@ -1,5 +1,5 @@
 """Stored arrays as numbers numpy reduces quickly: shared by inspect's statistics (`summary.py`) and judging
-(`oneiter.judge.metrics`), which both walk a tensor in float64 chunks of `CHUNK` elements."""
+(`oneiter.judge.measure.metrics`), which both walk a tensor in float64 chunks of `CHUNK` elements."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ parameter updates can be judged.
 
 Sits in the format layer because both sides read it from the files: the recorder writes the root attribute
 `optimizer_state` (what the optimizer held when the recorded step began) and the group `/optimizer_state` (that
-state itself: `record/optimizer_start.py`), the teacher-forced probe asks `updates_not_judged` before it steps a
-copy of the optimizer (`record/probe.py`), and the engine asks it again before it judges the updated weights
-(`judge/engine.py`). Values of the attribute:
+state itself: `record/start/optimizer_start.py`), the teacher-forced probe asks `updates_not_judged` before it steps a
+copy of the optimizer (`record/local/probe.py`), and the engine asks it again before it judges the updated weights
+(`judge/iteration/engine.py`). Values of the attribute:
 
 - `empty`: the optimizer held nothing (a stateless one such as plain SGD, or any optimizer before its first step);
 - `recorded`: it held state from earlier steps (SGD's momentum, Adam's moments and step count), and the file holds
@@ -35,7 +35,7 @@ SAME_START = frozenset({EMPTY, RECORDED, LOADED, ""})  # states a replay's optim
 
 def state_of(optimizers: Iterable) -> str:
     """Whether the optimizers about to step hold state: "" (none), `empty` or `not recorded` (they hold some; the
-    recorder says `recorded` instead when it stores it: `record/optimizer_start.py`). No torch import needed."""
+    recorder says `recorded` instead when it stores it: `record/start/optimizer_start.py`). No torch import needed."""
     optimizers = list(optimizers)
     if not optimizers:
         return ""

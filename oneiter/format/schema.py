@@ -25,7 +25,7 @@ Layout, schema `oneiter.iteration` version 2::
 A recording of several iterations (`record --steps N`, schema version 4) holds one such tree per iteration
 under `/steps/<step>/` (each a statistics-level iteration with its own root attributes, batch and random values;
 the first one's `state_before` and `optimizer_state` in full: where a replay starts) and, at the root, the
-per-step signature tables `/signature` and (a replay) `/twin_signature` (`format/steps.py`).
+per-step signature tables `/signature` and (a replay) `/twin_signature` (`format/signature.py`).
 
 Tensor names inside a call: `input.<i>` (positional arguments, nested: `input.1.0`), `kwarg.<name>` (keyword
 arguments), `output` / `output.<i>` / `output.<key>`; the gradient w.r.t. a tensor named X is `grad_X`. In the
@@ -70,7 +70,7 @@ ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in file
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
 OPTIMIZER = "optimizer_state"  # group: the optimizer's state when the recorded step began, `<param>.<key>`
 STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/steps/<step>`
-# multi-step tables, one row per step (`format/steps.py`): the run's, and its perturbed twin's
+# multi-step tables, one row per step (`format/signature.py`): the run's, and its perturbed twin's
 SIGNATURE, TWIN_SIGNATURE = "signature", "twin_signature"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
@@ -307,7 +307,8 @@ def plain(value: Any) -> Any:
 
 
 def layout_attrs(layout: tuple | None) -> dict | None:
-    """The dataset attributes (`STRIDE`, `STORAGE_OFFSET`) of a tensor's layout (`record.structure.layout_of`)."""
+    """The dataset attributes (`STRIDE`, `STORAGE_OFFSET`) of a tensor's layout
+    (`record.capture.structure.layout_of`)."""
     if layout is None:
         return None
     return {STRIDE: [int(x) for x in layout[0]], STORAGE_OFFSET: int(layout[1])}

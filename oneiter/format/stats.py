@@ -20,11 +20,11 @@ bench/bench_stats.py`). Any other tensor is reduced by torch where it lives, `CH
 of at most `SMALL` bytes that the kernel does not take are reduced with numpy (`array_stats`), which costs a tenth
 of torch's per-op overhead.
 
-The same kernel also judges a replay's reruns (`pair_sums`, used by `record/rerun.py`): the sums of a^2, b^2,
+The same kernel also judges a replay's reruns (`pair_sums`, used by `record/local/rerun.py`): the sums of a^2, b^2,
 (a-b)^2 and a*b and max |a-b| of two CPU float32/float64 tensors in one pass over each, in float64 (a 6.4 MB
 pair: 0.5 ms, against 3.3 ms for torch's five reductions and the difference tensor).
 
-How two stats entries are judged is `oneiter.judge.stats.compare_stats`.
+How two stats entries are judged is `oneiter.judge.measure.stat_metrics.compare_stats`.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def pair_sums(a, b) -> tuple[float, float, float, float, float] | None:
     """(sum a^2, sum b^2, sum (a-b)^2, sum a*b, max |a-b|) of two contiguous CPU tensors of one dtype (float32 or
     float64), accumulated in float64 by the C kernel in one pass over each; a NaN or Inf makes a total non-finite.
     None where the kernel does not apply (not built, switched off, another dtype or device): the caller reduces
-    with torch. Judging a rerun against its reference (`record/rerun.py`) runs on this."""
+    with torch. Judging a rerun against its reference (`record/local/rerun.py`) runs on this."""
     if not KERNEL.use or a.dtype != b.dtype or a.numel() != b.numel():
         return None
     kernel, kinds = KERNEL.load()

@@ -73,7 +73,7 @@ _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq
                    "seq_grad_input")
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER)
 _TABLES = ("local", "unprobed", "stats")
-# a multi-step recording's root tables, one row per step (`steps.py`)
+# a multi-step recording's root tables, one row per step (`signature.py`)
 _STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
 _STEP_NAME = re.compile(r"0|[1-9]\d{0,11}")  # its number as written: no leading zero
 # torch dtypes stored as the numpy type of the same name (the others are raw bits: `schema.RAW_BITS`)
@@ -228,7 +228,7 @@ def _check_other_attrs(meta: dict[str, Any], path) -> None:
         raise _expect(path, "root ", "random_replay", "a boolean", meta["random_replay"])
     if "loss" in meta and (not isinstance(meta["loss"], (int, float)) or isinstance(meta["loss"], bool)):
         raise _expect(path, "root ", "loss", "a number", meta["loss"])
-    for name in ("twin_roundoff", "twin_check"):  # a multi-step replay's twin (`record/twin.py`)
+    for name in ("twin_roundoff", "twin_check"):  # a multi-step replay's twin (`record/steps/twin.py`)
         value = meta.get(name)
         if name in meta and (not isinstance(value, float) or not (value >= 0 or math.isnan(value))
                              or math.isinf(value)):
@@ -611,7 +611,7 @@ def _tensor_dtype_name(attrs: dict[str, Any], dtype: np.dtype, full: str, path) 
 
 
 def _check_matrix(shape, dtype, full: str, path) -> None:
-    """A multi-step table: float64 rows (one per step) of at least one column (`format/steps.py`)."""
+    """A multi-step table: float64 rows (one per step) of at least one column (`format/signature.py`)."""
     if len(shape) != 2 or shape[1] < 1 or dtype != np.dtype("float64"):
         raise _fail(path, f"'/{full}': expected a float64 table of one row per step, got {dtype} with shape {shape}")
 

@@ -21,11 +21,11 @@ so the file reads, compares and replays like one `oneiter record` writes. What t
   off (`_own_outputs`), so the model's own outputs are recorded, as in a float32 run.
 
 The optimizer's state when the step begins (AdamW's moments and step count) is in the file, and a replay loads it
-(`record/optimizer_start.py`): a step after the first replays from the reference's state, its update judged.
+(`record/start/optimizer_start.py`): a step after the first replays from the reference's state, its update judged.
 
 `every=K` instead of `step=N` records the statistics of every K-th optimizer step (0, K, 2K, ...) into one
-multi-step file (`record/steps.py`: per step every tensor's statistics, the batch and random values, the loss,
-gradient and update norms); with `replay=` of such a file, the target's run takes the reference's batch and random
+multi-step file (`record/steps/step_recorder.py`: per step every tensor's statistics, the batch and random values, the
+loss, gradient and update norms); with `replay=` of such a file, the target's run takes the reference's batch and random
 values at those steps and starts from its state at the first. `oneiter compare` names the first recorded step
 that leaves the tolerance (these files have no twin to measure a band: docs/steps.md), and how to record it.
 
@@ -53,7 +53,7 @@ from oneiter.errors import OneIterError
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary
 from oneiter.record.session import check_output
-from oneiter.record.steps import StepRecorder
+from oneiter.record.steps.step_recorder import StepRecorder
 from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["OneIterCallback"]

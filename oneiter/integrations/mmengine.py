@@ -23,8 +23,8 @@ runs the real `train_step` inside the Recorder. What the Recorder takes from mme
   dict is in the root attribute `loss_dict` (JSON).
 
 `every=K` instead of `iteration=N` records the statistics of every K-th iteration (0, K, 2K, ...) into one
-multi-step file (`record/steps.py`; no twin: the runner's iteration cannot be run twice, so `oneiter compare`
-holds these steps to the tolerance, docs/steps.md).
+multi-step file (`record/steps/step_recorder.py`; no twin: the runner's iteration cannot be run twice, so `oneiter
+compare` holds these steps to the tolerance, docs/steps.md).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder
-from oneiter.record.reference import check_structure
 from oneiter.record.session import check_output
-from oneiter.record.steps import StepRecorder
+from oneiter.record.start.reference import check_structure
+from oneiter.record.steps.step_recorder import StepRecorder
 from oneiter.runtime.devices import device_type
 from oneiter.runtime.distributed import current_rank, rank_path
 

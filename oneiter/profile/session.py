@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 from oneiter.profile.module_ranges import ModuleRanges
 from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
+from oneiter.profile.run_parts import CycleExporter, activities, memory_history, option_warnings, summary_head, sync
 from oneiter.profile.schedule import ProfileSchedule
-from oneiter.profile.steps import CycleExporter, activities, memory_history, option_warnings, summary_head, sync
 from oneiter.profile.summary import write_summary
 
 __all__ = ["ProfileSession", "overhead", "UNPROFILED_STEPS", "NOISY_SPREAD"]

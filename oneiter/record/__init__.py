@@ -1,15 +1,16 @@
-"""`record/`: run one training iteration with every module call captured, and (on replay) judge each call locally.
+"""`record/`: run training iterations with every module call captured, and (on replay) judge each call locally.
 
-- `run.py`        `record(SpecOptions)`: a model spec recorded end to end (what `oneiter record` runs)
-- `session.py`    `RecordingSession`: writer, tensor sink and module hooks of one iteration; `atomic_output`
-- `capture.py`    module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
-- `structure.py`  flattening of nested call arguments into named tensors (the names: `oneiter.format.schema`)
-- `reference.py`  load a reference's weights and batch into a model, after a structure check
-- `randomness.py` random ops recorded on the reference, replayed on the target
-- `options.py`    `RecordOptions`: a recording's settings, checked once (Recorder, `record()`, the integrations)
-- `probe.py`, `rerun.py`, `trusted.py`  local error of every call: teacher-forced (or against-cpu) reruns and their
-  noise calibration; `rows.py` the rows they build; `optimizer_rows.py` the optimizer's update, stepped in chunks
-- `input_grads.py` gradients w.r.t. the model's inputs; `fallback.py` ops run on the CPU (`--fallback`)
-- `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
-- `layer_replay.py` `oneiter replay`: one recorded layer run again alone (judged by `oneiter.judge.layer`)
+Imports go one way, in this order: `capture` -> `modes` -> `options` -> `start` -> `local` -> `session` ->
+`recorder` -> `steps` -> `run`; `replay` sits above `local`.
+
+- `capture/`     module hooks and what they name: calls, arguments, gradients, the batch, recomputations, errors
+- `modes/`       what a recording can switch on: replayed randomness, CPU fallback, injected faults, trusted code
+- `start/`       where a replay starts: the reference's weights, buffers, batch and optimizer state
+- `local/`       each call's own error: teacher-forced reruns, their fidelity check, noise calibration, optimizer rows
+- `steps/`       several iterations in one file: the step recorder and the perturbed twin
+- `replay/`      one recorded layer run again alone (`oneiter replay`), its aten ops, the op reproducer
+- `options.py`   `RecordOptions`: a recording's settings, checked once (Recorder, `record()`, the integrations)
+- `session.py`   `RecordingSession`: writer, tensor sink and module hooks of one iteration; `atomic_output`
+- `recorder.py`  `oneiter.Recorder`: one iteration of a live model in the user's own loop
+- `run.py`       `record(SpecOptions)`: a model spec recorded end to end (what `oneiter record` runs)
 """

@@ -90,7 +90,7 @@ class RecordOptions:
         module_selector(self.include, self.exclude)
         self.fallback = list(self.fallback)
         if self.fallback:
-            from oneiter.record.fallback import compile_patterns  # imports torch: only when there is a fallback
+            from oneiter.record.modes.fallback import compile_patterns  # imports torch: only when there is a fallback
 
             compile_patterns(self.fallback)
         self.amp = amp_name(self.amp)

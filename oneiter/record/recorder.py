@@ -48,13 +48,13 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import NOT_RECORDED, OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
-from oneiter.record import raised_at
-from oneiter.record.batch import BatchSwap, map_call, read_batch, store_batch
-from oneiter.record.capture import next_node_number
-from oneiter.record.optimizer_start import load_start, start_entries
+from oneiter.record.capture import raised_at
+from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.record.capture.hooks import next_node_number
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
-from oneiter.record.reference import load_state
 from oneiter.record.session import RecordingSession, atomic_output, check_output
+from oneiter.record.start.optimizer_start import load_start, start_entries
+from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
@@ -78,7 +78,8 @@ class RecordSummary:
     loss: float
     num_calls: int
     iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
-    num_steps: int = 0  # a multi-step recording (`record/steps.py`): its iterations (num_entries: its tensors)
+    # a multi-step recording (`record/steps/step_recorder.py`): its iterations (num_entries: its tensors)
+    num_steps: int = 0
 
 
 class Phase(enum.IntEnum):
@@ -132,7 +133,8 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
-        steps: record that many consecutive iterations into one file instead of one (`record.steps.StepRecorder`:
+        steps: record that many consecutive iterations into one file instead of one
+        (`record.steps.step_recorder.StepRecorder`:
             `rec.run(fn)` calls `fn(step)` for each); with `replay=` of such a file, its steps. See `__new__`.
         twin: with `steps` and `replay`, also run each step by the perturbed twin (the band: docs/steps.md).
 
@@ -179,13 +181,14 @@ class Recorder:
         self._setup(model, options, optimizer, progress, notify)
 
     def __new__(cls, model=None, out=None, *, steps=None, twin: bool = True, **keywords):
-        """`steps=` (a number of iterations): a `record.steps.StepRecorder`, which records that many consecutive
+        """`steps=` (a number of iterations): a `record.steps.step_recorder.StepRecorder`, which records that many
+        consecutive
         iterations into one file (`with Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec: rec.run(fn)`);
         `twin`: with `replay=`, run the perturbed twin that measures the band (docs/steps.md)."""
         recorder = super().__new__(cls)
         if steps is None or cls is not Recorder:
             return recorder
-        from oneiter.record.steps import StepRecorder  # imports torch (its twin): loaded only with steps=
+        from oneiter.record.steps.step_recorder import StepRecorder  # imports torch (its twin): loaded only with steps=
 
         Recorder.__init__(recorder, model, out, **keywords)  # the keywords, checked as for one iteration
         return StepRecorder(model, recorder.options, steps, optimizer=keywords.get("optimizer"),
@@ -198,7 +201,8 @@ class Recorder:
                      step_of: bool = False) -> "Recorder":
         """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use).
 
-        For one step of a multi-step recording (`record/steps.py`): `reference` is the open reference iteration to
+        For one step of a multi-step recording (`record/steps/step_recorder.py`): `reference` is the open reference
+        iteration to
         replay (a step of a multi-step reference) instead of opening `options.replay`, and `start=False` records
         an iteration that continues the run: a replay loads no weights or optimizer state, and a reference keeps
         its `state_before` and optimizer state as statistics at the stats level (only the first step's are kept
@@ -410,7 +414,7 @@ class Recorder:
     def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
         layers.1.mlp@0`, `at file.py:31, in forward` — or None when it cannot say (`errors.user_code`'s
-        `locate`; `record/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
+        `locate`; `record/capture/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
         if self._stack is None:
             return None
         capture = self.session.module_capture
@@ -530,7 +534,7 @@ class Recorder:
 
     def _probe_factory(self):
         """Which local-error probe reruns each call: teacher forcing on replay, or against the CPU."""
-        from oneiter.record.probe import against_cpu_factory, teacher_forced_factory  # imports torch
+        from oneiter.record.local.probe import against_cpu_factory, teacher_forced_factory  # imports torch
 
         opts = self.options
         settings = {"amp": _amp_dtype(opts.amp), "dtype": _param_dtype(self.model), "calibrate": opts.calibrate,
@@ -582,8 +586,8 @@ class _Modes:
     """The torch modes active during forward and backward: random record/replay, op fallback."""
 
     def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str]):
-        from oneiter.record.fallback import OpFallback
-        from oneiter.record.randomness import RandomRecorder, RandomReplayer
+        from oneiter.record.modes.fallback import OpFallback
+        from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
         if ref is None:
             self.random = RandomRecorder(sink)

@@ -7,8 +7,8 @@ it (`--dtype`), move it to its device, attach faults (if asked), then run `train
 runs the model's `batch(s)` when it has one (the model contract's fifth item). `--step S` runs iterations 0..S-1
 plainly first (the RNG seeded as a recording seeds it, so iteration S is the one a `--steps` run records at S)
 and records S in full, the optimizer's state included; replaying such a file starts from that state.
-`--steps N` records N iterations at the statistics level through a `record.steps.StepRecorder`; replaying such a
-file (`--replay`, `--steps` optional) runs the reference's iterations, each also by the perturbed twin.
+`--steps N` records N iterations at the statistics level through a `record.steps.step_recorder.StepRecorder`;
+replaying such a file (`--replay`, `--steps` optional) runs the reference's iterations, each also by the perturbed twin.
 
 Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel, or, for
 a model whose builder shards itself with FSDP2 (`fully_shard`), as it is; see `oneiter.runtime.distributed` for what
@@ -25,11 +25,11 @@ from typing import Any, Callable, Literal
 
 from oneiter.errors import OneIterError, user_code
 from oneiter.format.layout import IterationFile
-from oneiter.record.faults import attach_faults, parse_fault
+from oneiter.record.modes.faults import attach_faults, parse_fault
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
-from oneiter.record.steps import StepRecorder
+from oneiter.record.steps.step_recorder import StepRecorder
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
@@ -59,14 +59,14 @@ class SpecOptions(RecordOptions):
     dtype: Dtype = "float32"
     """The model's storage dtype."""
     faults: list[str] = field(default_factory=list)
-    """`--inject-fault` specs: layers broken on purpose (`record.faults`)."""
+    """`--inject-fault` specs: layers broken on purpose (`record.modes.faults`)."""
     model_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model builder (with replay: over the reference's)."""
     threads: int | None = None
     """torch's intra-op threads for the call (None: torch's default)."""
     steps: int | None = None
-    """Record this many consecutive iterations (0..N-1) at the statistics level into one file (`record/steps.py`);
-    with `replay` of such a file, at most its number (None: all of them)."""
+    """Record this many consecutive iterations (0..N-1) at the statistics level into one file
+    (`record/steps/step_recorder.py`); with `replay` of such a file, at most its number (None: all of them)."""
     step: int | None = None
     """Record iteration `step` alone, in full, after running 0..step-1 plainly (with `replay`: the reference's)."""
 

@@ -27,7 +27,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture import ModuleCapture, TensorSink
+from oneiter.record.capture.hooks import ModuleCapture, TensorSink
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -197,7 +197,7 @@ class RecordingSession:
 
     def optimizer_state(self, entries) -> None:
         """The optimizer's state as the step begins: (`<parameter>.<key>`, tensor) pairs
-        (`record/optimizer_start.py`), none for a stateless optimizer."""
+        (`record/start/optimizer_start.py`), none for a stateless optimizer."""
         if entries:
             self._named(OPTIMIZER, entries)
 

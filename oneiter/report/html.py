@@ -4,9 +4,9 @@ Sits after the engine and `CompareResult.to_json`: its only input is the JSON do
 saved `--json` report can be rendered again later. The page holds, top to bottom:
 
 - the verdict banner (green match / red divergence / amber inconclusive): the verdict's headline and details in
-  the words of the terminal report (the document's `verdict` rebuilt by `judge.verdict.Verdict.from_dict`);
+  the words of the terminal report (the document's `verdict` rebuilt by `judge.iteration.verdict.Verdict.from_dict`);
 - with `compare --drill` (the document's `drill`), right under it, the culprit call's ops: their verdict and table
-  (`report/ops.py`), or the `oneiter replay ... --ops` command to run where the target's stack is;
+  (`report/op_table.py`), or the `oneiter replay ... --ops` command to run where the target's stack is;
 - both runs' metadata and the per-status counts;
 - an error-vs-depth plot (inline SVG drawn here, no JavaScript library): x is the causal position (the `#` of the
   table), y is rel_l2 on a log scale, one colour per phase; one flat dashed line per rtol the rows were held to
@@ -32,10 +32,10 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from oneiter.judge.engine import NOT_DIVERGED, PHASES, CompareResult
-from oneiter.judge.verdict import Verdict, entry_name, json_ready, num
+from oneiter.judge.iteration.engine import NOT_DIVERGED, PHASES, CompareResult
+from oneiter.judge.iteration.verdict import Verdict, entry_name, json_ready, num
 from oneiter.outputs import Destination, destination, write_text
-from oneiter.report.ops import ops_section
+from oneiter.report.op_table import ops_section
 
 __all__ = [
     "write_html", "render_html", "render_svg", "as_document", "verdict_of", "verdict_lines", "table_indices", "num",
@@ -110,7 +110,7 @@ def _sci(value: Any) -> str:
 
 
 def verdict_lines(doc: Document) -> list[str]:
-    """The verdict as sentences (`judge.verdict.render`, as the terminal prints them): headline, the numbers,
+    """The verdict as sentences (`judge.iteration.verdict.render`, as the terminal prints them): headline, the numbers,
     then hint, NaN/Inf origin, culprit, basis, chain, unprobed calls and the first divergence."""
     verdict = verdict_of(doc)
     return [verdict.title, *([verdict.reason] if verdict.reason else []), *verdict.details]

@@ -1,12 +1,12 @@
-"""The terminal report of a multi-rank comparison (`judge.ranks.RankedResult`): the overall verdict, one line per
-rank, then the full report (`report.terminal.print_report`) of each rank that did not match."""
+"""The terminal report of a multi-rank comparison (`judge.iteration.ranks.RankedResult`): the overall verdict, one
+line per rank, then the full report (`report.terminal.print_report`) of each rank that did not match."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.text import Text
 
-from oneiter.judge.ranks import RankedResult
+from oneiter.judge.iteration.ranks import RankedResult
 from oneiter.report.terminal import print_report, safe_text
 
 __all__ = ["print_ranked"]

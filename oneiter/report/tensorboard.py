@@ -12,7 +12,8 @@ tensorboard's own event writer and protos: neither TensorFlow nor torch is impor
   ratio (the JSON rows' ``local``).
 - ``error/<module>@<call>/<phase>/<tensor>`` (histograms) the elementwise error target - reference (finite
   elements, in float64) of the first `max_histograms` divergent rows, at the row's step.
-- ``verdict`` (text) the verdict in the words of the terminal and HTML reports (`judge.verdict.Verdict.from_dict`).
+- ``verdict`` (text) the verdict in the words of the terminal and HTML reports
+  (`judge.iteration.verdict.Verdict.from_dict`).
 - ``entries`` (text) which entry each step is: a table `step | entry | status` (the scalars' x axis is the row
   number; hovering a point shows the step, this table names it).
 
@@ -37,8 +38,8 @@ import numpy as np
 from oneiter.errors import warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.numbers import flat_numbers
-from oneiter.judge.engine import PHASES, CompareResult
-from oneiter.judge.verdict import entry_name, num
+from oneiter.judge.iteration.engine import PHASES, CompareResult
+from oneiter.judge.iteration.verdict import entry_name, num
 from oneiter.outputs import resolve_folder
 from oneiter.report.html import Document, as_document, culprit_row, find_row, verdict_of
 

@@ -1,6 +1,6 @@
 """Presentation of a `CompareResult`: the terminal report, the JSON document and the CSV table.
 
-Sits after the engine and the verdict (`judge.verdict`, decided once per result) and before the CLI
+Sits after the engine and the verdict (`judge.iteration.verdict`, decided once per result) and before the CLI
 (`oneiter.cli.compare_cmd`), which only chooses where output goes: nothing here decides anything. The terminal
 report prints the verdict's headline and details, then the rows around the entry the verdict names (5 before, 10
 after; marked `>`) or, for a match, the rows with the largest relative errors; numbers are in fixed-width
@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from oneiter.judge.engine import CompareResult, Row, nan_inf_text
-from oneiter.judge.findings import MEASURED, NOT_JUDGED
+from oneiter.judge.iteration.engine import CompareResult, Row, nan_inf_text
+from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED
 from oneiter.outputs import Destination, destination, open_text
 
 __all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "rows_to_show", "print_wide",

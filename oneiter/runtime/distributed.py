@@ -13,7 +13,7 @@ torch.distributed. With several (`torchrun --nproc-per-node N -m oneiter record 
   ranks (allreduce), so the recorded `param_grads` are the averaged ones, equal on every rank.
 
 The recorder hooks the *inner* model, so module paths stay the user's (`layer1.0.conv1`, not
-`module.layer1.0.conv1`); only the call goes through the wrapper. `judge/ranks.py` pairs the files again.
+`module.layer1.0.conv1`); only the call goes through the wrapper. `judge/iteration/ranks.py` pairs the files again.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ bits of each operand (products and sums stay float32); bf16 keeps 7.
 family: `matmul` (aten mm, addmm, bmm, baddbmm, matmul, linear) and `conv` (convolution and its backward). Flags
 are what torch was asked, not what the hardware did: a CPU without AMX or a GPU older than Ampere runs float32
 whatever they say (for CUDA the compute capability is checked; for the CPU it cannot be, so the recorded mode is
-the flag's). The local probes' calibration (`oneiter/record/reduced.py`) reruns the governed ops with their
+the flag's). The local probes' calibration (`oneiter/record/local/reduced.py`) reruns the governed ops with their
 float32 operands rounded by `round_mantissa`, so the expected noise holds the precision the run really had.
 torch_npu is never imported here: its flags are read only when the program imported it.
 """

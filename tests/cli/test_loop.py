@@ -11,7 +11,7 @@ import pytest
 from conftest import BUILTIN, FAULT_LAYER, MODEL_FILES, record_small, replay, run_cli
 
 from oneiter.format.layout import IterationFile
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 
 
 @pytest.mark.slow

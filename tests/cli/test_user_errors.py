@@ -1,6 +1,7 @@
 """An exception of the user's own model, in forward or in backward, is bad input (exit 2, one line naming the module
 call, the phase, the user's line and the exception); a bug of oneiter stays exit 3 (`errors.user_code`,
-`record/raised_at.py`). The model file is tests/model_files/user_errors.py (mode by --model-arg or its env variable)."""
+`record/capture/raised_at.py`). The model file is tests/model_files/user_errors.py (mode by --model-arg or its env
+variable)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ BUG = "error: internal error: TypeError: 'NoneType' object is not callable — p
 
 
 def test_a_oneiter_bug_in_forward_is_still_exit_3(tmp_path, monkeypatch):
-    monkeypatch.setattr("oneiter.record.capture.call_key", None)  # the capture's pre-hook, in forward
+    monkeypatch.setattr("oneiter.record.capture.hooks.call_key", None)  # the capture's pre-hook, in forward
     res = run_cli("record", "--model", SPEC, "-b", "2", "-o", tmp_path / "out.h5")
     assert res.exit_code == 3 and res.stderr.strip().splitlines()[-1].startswith(BUG), res.output
 
@@ -100,6 +101,6 @@ def test_a_oneiter_bug_in_forward_is_still_exit_3(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["", "backward_inplace"])
 def test_a_oneiter_bug_in_backward_is_still_exit_3(tmp_path, monkeypatch, mode):
     """Also when the user's model would fail in backward too: the capture's gradient hook raises first."""
-    monkeypatch.setattr("oneiter.record.capture.seq_kind", None)  # the capture's gradient hook, in backward
+    monkeypatch.setattr("oneiter.record.capture.hooks.seq_kind", None)  # the capture's gradient hook, in backward
     res = run_cli("record", "--model", SPEC, "--model-arg", f"mode={mode}", "-b", "2", "-o", tmp_path / "out.h5")
     assert res.exit_code == 3 and res.stderr.strip().splitlines()[-1].startswith(BUG), res.output

@@ -319,8 +319,8 @@ def _replay_read(path: Path) -> str:
     """What `record --replay` and `oneiter replay` read from a reference: state, batch, random ops."""
     from oneiter.errors import OneIterError
     from oneiter.format.layout import IterationFile
-    from oneiter.record.batch import read_batch
-    from oneiter.record.randomness import recorded_random_ops
+    from oneiter.record.capture.batch import read_batch
+    from oneiter.record.modes.randomness import recorded_random_ops
 
     try:
         with IterationFile(path) as f:

@@ -167,7 +167,7 @@ def test_a_fault_is_the_first_divergence_and_suggest_names_its_region(stats_ref,
     ref_region, tgt_region = tmp_path / "ref.region.h5", tmp_path / "tgt.region.h5"
     record_small(ref_region, "resnet18", include=[r"^layer3\.1(\.|$)"])
     replay(ref_region, tgt_region, include=[r"^layer3\.1(\.|$)"], faults=["layer3.1.conv2:forward=0.001"])
-    from oneiter.judge.engine import compare_files
+    from oneiter.judge.iteration.engine import compare_files
 
     verdict = compare_files(ref_region, tgt_region).verdict()
     assert (verdict["basis"], verdict["module"], verdict["phase"]) == ("local_error", "layer3.1.conv2", "forward")

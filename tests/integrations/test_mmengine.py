@@ -18,7 +18,7 @@ from torch import nn  # noqa: E402
 import oneiter.integrations.mmengine as integration  # noqa: E402  (registers the hooks)
 from oneiter.errors import OneIterError  # noqa: E402
 from oneiter.format.layout import IterationFile  # noqa: E402
-from oneiter.judge.engine import compare_files  # noqa: E402
+from oneiter.judge.iteration.engine import compare_files  # noqa: E402
 
 
 class ToyNet(BaseModel):
@@ -199,7 +199,7 @@ def test_an_existing_instance_train_step_is_kept(tmp_path):
 def test_batch_names_and_swap_reach_into_data_elements():
     from mmengine.structures import BaseDataElement
 
-    from oneiter.record.batch import BatchSwap, map_call
+    from oneiter.record.capture.batch import BatchSwap, map_call
 
     sample = BaseDataElement(metainfo=dict(img_id=3), gt_label=torch.tensor([1, 2]))
     names = []

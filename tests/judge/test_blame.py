@@ -9,8 +9,8 @@ import pytest
 from conftest import BUILTIN, FAULT_LAYER, MODEL_FILES, record_small, replay, run_cli
 
 from oneiter.format.layout import IterationFile
-from oneiter.judge.engine import compare_files, compare_local
-from oneiter.judge.tolerance import default_tolerance
+from oneiter.judge.iteration.engine import compare_files, compare_local
+from oneiter.judge.measure.tolerance import default_tolerance
 
 
 @pytest.mark.slow

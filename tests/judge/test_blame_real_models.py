@@ -15,7 +15,7 @@ import json
 import pytest
 from conftest import MODEL_FILES, compare_verdict, record_small, replay, replay_with_fault, run_cli
 
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 
 LLAMA = str(MODEL_FILES / "hf_llama.py:build")
 GPT2 = str(MODEL_FILES / "hf_gpt2.py:build")

@@ -19,9 +19,9 @@ from oneiter.cli import compare_cmd
 from oneiter.errors import OneIterError
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
-from oneiter.judge.engine import compare_files
-from oneiter.judge.metrics import compare_arrays
-from oneiter.judge.tolerance import DtypeTolerance, Tolerance, default_tolerance, looser
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.measure.metrics import compare_arrays
+from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, default_tolerance, looser
 from oneiter.report.terminal import to_json
 
 # -- a toy recording ------------------------------------------------------------------------------------------------

@@ -8,12 +8,12 @@ from typing import Optional
 
 import pytest
 
-from oneiter.judge.blame import LocalMetrics, LocalResult
-from oneiter.judge.engine import CompareResult, Row
-from oneiter.judge.findings import PRIORITY, Finding, row_findings, strongest
-from oneiter.judge.metrics import Metrics
-from oneiter.judge.tolerance import Tolerance
-from oneiter.judge.verdict import FOCUS, Verdict, culprit_reason, decide, settle_rows
+from oneiter.judge.iteration.blame import LocalMetrics, LocalResult
+from oneiter.judge.iteration.engine import CompareResult, Row
+from oneiter.judge.iteration.findings import PRIORITY, Finding, row_findings, strongest
+from oneiter.judge.iteration.verdict import FOCUS, Verdict, culprit_reason, decide, settle_rows
+from oneiter.judge.measure.metrics import Metrics
+from oneiter.judge.measure.tolerance import Tolerance
 
 TOL = Tolerance(atol=1e-5, rtol=1.3e-6)
 MODULES = ["a", "b", "c", "d", "e"]
@@ -173,7 +173,7 @@ def test_from_dict_rebuilds_the_verdict(case):
 
 
 def test_from_dict_reads_a_saved_json_verdict():
-    from oneiter.judge.verdict import json_ready
+    from oneiter.judge.iteration.verdict import json_ready
 
     result = compare([row("a", "diverged", math.inf), row("b", "diverged", 0.1)], local_kind=TF,
                      local_results=(local("a"), local("b", 0.1, True, mismatch=1)))

@@ -1,7 +1,7 @@
 """A rerun counts only where it reproduces the live call: fault shapes a contiguous rerun or a rebuilt optimizer
 would miss (a kernel wrong only for strided inputs, forward or backward; an optimizer option that lives in an
 instance attribute), benign differences that must stay a MATCH (a vendor optimizer's own arithmetic), and what
-the report says when the rerun machinery cannot reproduce a call (`oneiter/record/fidelity.py`)."""
+the report says when the rerun machinery cannot reproduce a call (`oneiter/record/local/fidelity.py`)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_strides_and_storage_offsets_are_recorded(references):
 def test_a_rerun_that_does_not_reproduce_the_call_is_never_cleared(references, tmp_path, monkeypatch):
     """Without layout-faithful reruns the stride fault never fires in the rerun: the fidelity check sees the rerun
     miss the live output, lists the call as not reproducible, and the caller whose rerun contains it is named."""
-    import oneiter.record.rerun as rerun
+    import oneiter.record.local.rerun as rerun
 
     monkeypatch.setattr(rerun, "with_layout", lambda value, layout: value)
     ref, tgt = references(STRIDED), tmp_path / "tgt.h5"
@@ -76,7 +76,7 @@ def test_a_backward_the_rerun_does_not_reproduce_is_named_by_error_growth(refere
     """The same without layouts, for a kernel wrong only in its strided backward: fed exactly the reference's
     values, the live backward gives another input gradient than the rerun's; the call is not reproducible, and its
     gradient (1e-3 off, from gradients bitwise equal to the reference's) is named although inside tolerance."""
-    import oneiter.record.rerun as rerun
+    import oneiter.record.local.rerun as rerun
 
     monkeypatch.setattr(rerun, "with_layout", lambda value, layout: value)
     ref, tgt = references(STRIDED), tmp_path / "tgt.h5"
@@ -94,7 +94,7 @@ def test_an_update_a_copy_cannot_reproduce_is_no_drift(references, tmp_path, mon
     """A copy of the optimizer that lost its option: the live update differs from the checked shadow step, the
     rows go, and the update (from weights and gradients bitwise equal to the reference's) is unattributed, never
     drift."""
-    import oneiter.record.optimizer_rows as rows
+    import oneiter.record.local.optimizer_rows as rows
 
     original = rows.faithful_copy
 
@@ -119,7 +119,7 @@ def test_a_faithful_copy_keeps_instance_options_and_never_touches_the_original()
     sys.path.insert(0, str(MODEL_FILES))
     from vendor_optim import VendorAdamW
 
-    from oneiter.record.optimizer_rows import faithful_copy
+    from oneiter.record.local.optimizer_rows import faithful_copy
 
     p = torch.nn.Parameter(torch.randn(5))
     p.grad = torch.randn(5)

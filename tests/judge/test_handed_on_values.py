@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import MODEL_FILES, compare_verdict, replay, replay_with_fault, run_cli
 
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 
 HANDOFF = str(MODEL_FILES / "handoff.py:build")
 T5 = str(MODEL_FILES / "hf_t5.py:build")

@@ -12,7 +12,7 @@ import pytest
 from conftest import record_small, replay, run_cli
 
 import oneiter
-from oneiter.judge.metrics import compare_arrays
+from oneiter.judge.measure.metrics import compare_arrays
 
 
 def test_integers_are_compared_exactly_not_through_float64():

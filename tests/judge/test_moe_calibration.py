@@ -1,8 +1,8 @@
 """Calibration without float64: a Hugging Face MoE whose experts run `torch._grouped_mm` (no float64 kernel).
 
 The float64 calibration rerun of an experts call fails; the probe estimates the noise by Monte Carlo in the run's
-own precision instead (oneiter/record/montecarlo.py), so the experts stay probed and a fault in them is named there,
-not at `model` as unattributed.
+own precision instead (oneiter/record/local/montecarlo.py), so the experts stay probed and a fault in them is named
+there, not at `model` as unattributed.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import MODEL_FILES, record_small, replay, replay_with_fault
 
-from oneiter.judge.engine import compare_files
-from oneiter.judge.verdict import decide
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.verdict import decide
 
 pytest.importorskip("transformers")
 MOE = str(MODEL_FILES / "hf_moe.py:build")

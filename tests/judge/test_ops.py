@@ -21,7 +21,7 @@ import pytest
 from conftest import FAULT_ENV, MODEL_FILES, replay, run_cli
 
 from oneiter.format import op_case
-from oneiter.judge.ops import flagged, replay_ops
+from oneiter.judge.replay.op_verdict import flagged, replay_ops
 
 pytest.importorskip("transformers")
 

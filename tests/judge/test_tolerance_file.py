@@ -6,7 +6,7 @@ import pytest
 from conftest import run_cli
 
 from oneiter.errors import OneIterError
-from oneiter.judge.tolerance_file import load_tolerance_file
+from oneiter.judge.measure.tolerance_file import load_tolerance_file
 
 GOOD = """device = "npu"
 [noise]

@@ -7,7 +7,7 @@ real plugin. The kernel computes the right values with torch's `out=` kernel (it
 and, for float32 only, scales them by 1 + REL (FAULTY_KERNEL_REL, default 1e-3): other dtypes, float64 included,
 stay exact. Tests that run in-process call `install(name)` and `uninstall()` instead of importing it with the
 variable set. `install(name, device_only=True)` makes the kernel step aside in oneiter's trusted CPU recomputations
-(`oneiter.record.trusted`), as a real device's kernel never runs in them: what a target *recording* needs for its
+(`oneiter.record.modes.trusted`), as a real device's kernel never runs in them: what a target *recording* needs for its
 per-call calibration (the CPU reruns that stand for a correct kernel); `oneiter replay --ops` needs no such help.
 """
 
@@ -26,7 +26,7 @@ def _scaled(out: torch.Tensor, rel: float, device_only: bool) -> torch.Tensor:
     if out.dtype != torch.float32:
         return out
     if device_only:
-        from oneiter.record import trusted
+        from oneiter.record.modes import trusted
 
         if trusted.active():
             return out

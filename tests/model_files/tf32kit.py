@@ -5,7 +5,8 @@ calls it when the environment variable ONEITER_TEST_TF32 is set) overrides the C
 `convolution_backward`, `mm` and `addmm` (`torch.library`): each rounds its float32 operands to TF32 (10 explicit
 mantissa bits, to nearest even) and runs the real computation (the composite convolution kernels; mm and addmm
 through bmm and baddbmm, whose kernels stay torch's). Like a device kernel, they step aside in oneiter's trusted CPU
-recomputations (`oneiter.record.trusted.active()`: the calibration's reruns run trusted CPU kernels). `uninstall()`
+recomputations (`oneiter.record.modes.trusted.active()`: the calibration's reruns run trusted CPU kernels).
+`uninstall()`
 puts torch's kernels back (tests record many models in one process). A module of its own, imported by name (a model
 file is executed anew at each load: this one's state must outlive that).
 """
@@ -16,7 +17,7 @@ import warnings
 
 import torch
 
-from oneiter.record import trusted
+from oneiter.record.modes import trusted
 
 ENV = "ONEITER_TEST_TF32"
 _LIB: list = []

@@ -291,7 +291,7 @@ def test_help_shows_an_example():
 
 
 def test_large_trace_and_misleading_settings_are_warned_before_the_run(tmp_path):
-    from oneiter.profile.steps import option_warnings
+    from oneiter.profile.run_parts import option_warnings
 
     small = option_warnings(small_options(tmp_path), parse_schedule("wait=1,warmup=1,active=2"), 68)
     assert small == []

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oneiter.errors import OneIterError
-from oneiter.record.fallback import OpFallback, op_names, parse_fallback
+from oneiter.record.modes.fallback import OpFallback, op_names, parse_fallback
 
 
 def conv_net() -> nn.Module:

@@ -7,7 +7,7 @@ import weakref
 
 import torch
 
-from oneiter.record.input_grads import InputGradTracker, _Pending
+from oneiter.record.capture.input_grads import InputGradTracker, _Pending
 
 
 class _Node:

@@ -1,4 +1,4 @@
-"""The numbers of a local-error row (`record/rerun.py tensor_stats`, `rel_l2`): the C kernel's one pass
+"""The numbers of a local-error row (`record/local/rerun.py tensor_stats`, `rel_l2`): the C kernel's one pass
 (`format.stats.pair_sums`) against torch's reductions and a float64 computation."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from conftest import NEEDS_STATS_KERNEL
 
 from oneiter.format import stats
-from oneiter.record.rerun import rel_l2, tensor_stats
+from oneiter.record.local.rerun import rel_l2, tensor_stats
 
 
 def _exact(a, b) -> tuple:

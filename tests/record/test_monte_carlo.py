@@ -1,4 +1,4 @@
-"""The Monte Carlo noise estimate (oneiter/record/montecarlo.py) against the float64-based one, on ops that have
+"""The Monte Carlo noise estimate (oneiter/record/local/montecarlo.py) against the float64-based one, on ops that have
 float64 (tests/model_files/float64_ops.py: conv, linear, layer norm, softmax, silu): every row calibrated once
 with the float64 rerun and once with it refused; the two noises agree within a factor of 4 (measured: 0.5x-2.7x,
 bench/monte_carlo_noise.py)."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import MODEL_FILES, record_small, replay
 
-from oneiter.judge.engine import compare_files
-from oneiter.record.montecarlo import MONTE_CARLO
-from oneiter.record.probe import LocalProbe
-from oneiter.record.rerun import Perturbation
-from oneiter.record.rows import JudgedRow
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.record.local.montecarlo import MONTE_CARLO
+from oneiter.record.local.probe import LocalProbe
+from oneiter.record.local.rerun import Perturbation
+from oneiter.record.local.rows import JudgedRow
 
 OPS = str(MODEL_FILES / "float64_ops.py:build")
 FACTOR = 4.0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._decomp import decomposition_table
 
-from oneiter.record.ops import RANDOM_NOTE, OpTracer
+from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpTracer
 
 
 def trace(fn, *args):

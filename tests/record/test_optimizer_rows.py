@@ -9,8 +9,8 @@ from conftest import record_small, replay
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS, group_path
-from oneiter.record import optimizer_rows
-from oneiter.record.rerun import Site
+from oneiter.record.local import optimizer_rows
+from oneiter.record.local.rerun import Site
 
 
 class _Source:

@@ -1,5 +1,5 @@
-"""The optimizer's starting state (`format/optimizer_state.py`, `record/optimizer_start.py`): a recording holds the
-state its optimizer began the step with, a replay loads it, and the update of a step recorded after others (SGD's
+"""The optimizer's starting state (`format/optimizer_state.py`, `record/start/optimizer_start.py`): a recording holds
+the state its optimizer began the step with, a replay loads it, and the update of a step recorded after others (SGD's
 momentum) is then judged exactly; a reference that does not hold it (older files) leaves the updates `not_judged`,
 and the verdict says why, in one line."""
 

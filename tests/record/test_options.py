@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from oneiter.errors import OneIterError
+from oneiter.record.local.probe import AgainstCpuProbe, LocalProbe, TeacherForcedProbe
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions
-from oneiter.record.probe import AgainstCpuProbe, LocalProbe, TeacherForcedProbe
 from oneiter.record.recorder import Phase, Recorder
 from oneiter.record.run import Dtype, OptimizerName, SpecOptions
 from oneiter.runtime.precision import DTYPES

@@ -13,7 +13,7 @@ from conftest import MODEL_FILES, record_small, replay, run_cli
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PRECISION_MODES, REDUCED_CALLS, REDUCED_TARGET
-from oneiter.record.reduced import ReducedOperands
+from oneiter.record.local.reduced import ReducedOperands
 from oneiter.runtime import precision_modes as pm
 
 SPEC = str(MODEL_FILES / "tf32_cnn.py:build")

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
-from oneiter.judge.engine import compare_files
+from oneiter.judge.iteration.engine import compare_files
 from oneiter.report.html import find_row, render_html, table_indices, verdict_lines, write_html
 from oneiter.report.tensorboard import write_tensorboard
 from oneiter.report.terminal import to_json

@@ -19,8 +19,8 @@ import pytest
 from conftest import run_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from oneiter.judge.engine import compare_files
-from oneiter.judge.verdict import decide
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.verdict import decide
 from oneiter.report.html import render_html
 
 FAULT, INF = "layer3.1.conv2", "layer2.1.conv1"

@@ -21,7 +21,7 @@ sys.path.insert(0, str(MODEL_FILES))
 import sharded  # noqa: E402
 
 import oneiter  # noqa: E402
-from oneiter.record.faults import attach_faults, parse_fault  # noqa: E402
+from oneiter.record.modes.faults import attach_faults, parse_fault  # noqa: E402
 from oneiter.record.run import SpecOptions, record  # noqa: E402
 
 

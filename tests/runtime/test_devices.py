@@ -20,9 +20,9 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from oneiter.errors import DeviceError, OneIterError
+from oneiter.profile.run_parts import activities, summary_head
 from oneiter.profile.runner import ProfileOptions
 from oneiter.profile.schedule import parse_schedule
-from oneiter.profile.steps import activities, summary_head
 from oneiter.runtime import devices
 from oneiter.runtime.devices import DEVICE_TYPES, device_type, memory_history_api, profiler_activity, resolve_device
 from oneiter.runtime.distributed import backend_for
@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity as A
 from oneiter.errors import OneIterError
 from oneiter.profile.runner import ProfileOptions
 from oneiter.profile.schedule import parse_schedule
-from oneiter.profile.steps import activities, summary_head
+from oneiter.profile.run_parts import activities, summary_head
 from oneiter.runtime.devices import device_type, memory_history_api, resolve_device
 from oneiter.runtime.distributed import backend_for
 name = sys.argv[1]

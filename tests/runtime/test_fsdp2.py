@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from oneiter.format.layout import IterationFile
-from oneiter.judge.ranks import compare_ranks
+from oneiter.judge.iteration.ranks import compare_ranks
 
 pytestmark = [pytest.mark.slow,  # torchrun: two processes
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]

@@ -21,8 +21,8 @@ from conftest import FAULT_LAYER, run_cli
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.judge.ranks import find_rank_files
-from oneiter.record.faults import Fault, parse_fault
+from oneiter.judge.iteration.ranks import find_rank_files
+from oneiter.record.modes.faults import Fault, parse_fault
 from oneiter.runtime.distributed import RankInfo, rank_info, rank_path
 
 FAULT = FAULT_LAYER["resnet18"]

@@ -1,0 +1,507 @@
+"""Blame: the module call whose *own* computation is wrong, what drift nothing explains, and where NaN/Inf appear.
+
+Sits after the engine's accumulated rows. A target differs from the reference a little in every layer (bf16
+kernels, other accumulation orders), so accumulated error grows with depth and the first entry over a fixed
+tolerance is usually not the broken layer. Recordings made with local data (`record --replay`, teacher forced;
+`record --against cpu`) hold a `/local` table (see `record/local/probe.py`): for every module call — leaves,
+containers and the model itself — the error of what its own code produced on trustworthy inputs, free of
+upstream drift, and the calibrated noise its precision explains.
+
+A local row is *flagged* when its rel-L2 error exceeds `factor` times its expected noise, where the expected
+noise is the larger of
+- the calibrated noise (`noise_target + noise_reference`: the same code run in the run's precision and in the
+  reference's precision, each against float64 — so a difference in the code itself is never part of it), and
+- a floor of `floor_ulps` unit roundoffs of the tensor's dtype (2^-24 for float32, 2^-8 for bfloat16, ...);
+or when NaN/Inf sit at other positions (or with another sign) than in its reference.
+The **culprit** is the first flagged row in causal order: forward as executed, then backward as computed. Its
+**chain** lists the calls that contain it, innermost first.
+
+**Unattributed divergence.** Probes cannot see everything (a call that could not be rerun, the loss function
+outside the model, the optimizer). So when no row is flagged, the entries no probe covers are checked against
+what the precision explains: parameter gradients, updated parameters and buffers, the loss, the gradient
+entering the model from the loss, and the outputs of unprobed calls. Each may differ by at most `factor` times
+the largest accumulated error of what it was computed from (its call's inputs and output gradients, its
+gradient; the dtype's floor at least), and, when both runs used the same precision, must also be outside the
+dtype's tolerance. One that is not explained makes the run diverge with basis `unattributed`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
+from oneiter.judge.iteration.findings import Finding
+from oneiter.judge.measure.metrics import Metrics
+from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
+
+__all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
+           "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
+
+PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
+
+
+@dataclass
+class NoisePolicy:
+    """How far above its expected noise a layer's local error may go (per-module overrides from a tolerance file)."""
+
+    factor: float = 4.0
+    """A layer is flagged when local rel-L2 > factor x expected noise."""
+    floor_ulps: float = 1.0
+    """The expected noise is at least this many unit roundoffs of the tensor's dtype."""
+    overrides: list[tuple[str, float]] = field(default_factory=list)
+    """(module glob, factor) pairs; the last matching one wins."""
+    skip: list[str] = field(default_factory=list)
+    """Module globs never flagged (their local error is still shown)."""
+
+    def factor_for(self, module: str) -> float:
+        factor = self.factor
+        for pattern, value in self.overrides:
+            if fnmatch.fnmatchcase(module, pattern):
+                factor = value
+        return factor
+
+    def skipped(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.skip)
+
+    def floor(self, dtype: str) -> float:
+        return self.floor_ulps * unit_roundoff(dtype)
+
+
+@dataclass(frozen=True)
+class LocalMetrics:
+    """The numbers of one local row (what `/local` stores)."""
+
+    num_elements: int
+    rel_l2: float
+    max_abs: float
+    cosine: float
+    num_nan_ref: int
+    num_inf_ref: int
+    num_nan_target: int
+    num_inf_target: int
+    num_mismatch: int
+
+    @property
+    def nonfinite_differs(self) -> bool:
+        """NaN/Inf at other positions or with another sign than in the reference."""
+        return self.num_mismatch > 0
+
+    def as_metrics(self) -> Metrics:
+        """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
+        nan = math.nan
+        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
+                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
+                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
+
+
+@dataclass
+class LocalResult:
+    """The local error of one tensor a module call's own code produced.
+
+    `tensor` is the call's own (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`,
+    `layer1.0.conv2@0:grad_output`); `row_key` is the accumulated entry the same tensor has in the report.
+    """
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    dtype: str
+    seq: int
+    metrics: LocalMetrics
+    calibrated: Optional[float]
+    calibration: str
+    expected: float
+    factor: float
+    flagged: bool
+
+    @property
+    def key(self) -> tuple[str, int, str, str]:
+        return (self.module, self.call, self.phase, self.tensor)
+
+    @property
+    def row_key(self) -> tuple[str, int, str, str]:
+        child = split_child_tensor(self.tensor)
+        if child is None:
+            return self.key
+        module, call = split_call_key(child[0])
+        return (module or ROOT_MODULE, call, self.phase, child[1])
+
+    @property
+    def rel_l2(self) -> float:
+        return self.metrics.rel_l2
+
+    @property
+    def ratio(self) -> float:
+        """rel_l2 / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
+        if self.metrics.nonfinite_differs:
+            return math.inf
+        if self.expected:
+            return self.metrics.rel_l2 / self.expected
+        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module, "call": self.call, "tensor": self.tensor,
+            "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
+            "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
+            "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
+        }
+
+    def verdict(self) -> dict[str, Any]:
+        return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
+                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
+                "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}
+
+
+def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
+    """Every row of the target's `/local` table, judged, in causal order."""
+    run = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
+    results = [_judge(row, noise, run) for row in tgt.local_rows()]
+    results.sort(key=lambda r: (PHASE_ORDER.get(r.phase, 9), r.seq))
+    return results
+
+
+def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
+    metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
+                           row.inf, row.mismatch)
+    stored = (row.noise_target, row.noise_reference)
+    parts = [v for v in stored if math.isfinite(v) and v >= 0]
+    # NaN means "not calibrated" (the error was within one unit roundoff); an infinite or negative noise is no
+    # measurement at all and must not excuse any error: both fall back to the floor below, never to "anything goes"
+    calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
+    if calibrated is None:
+        # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
+        # precision (bf16 under --amp bf16), which is then what it is expected to differ by
+        expected = max(noise.floor(row.dtype), noise.floor(run_dtype))
+    else:
+        expected = max(calibrated, noise.floor(row.dtype))
+    factor = noise.factor_for(row.module)
+    error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
+    flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
+    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
+                       row.calibration, expected, factor, flagged)
+
+
+def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
+    """The first flagged row in causal order (results are already ordered)."""
+    return next((r for r in results if r.flagged), None)
+
+
+def culprit_chain(culprit: LocalResult, parents: dict[tuple[str, int], tuple[str, int] | None],
+                  results: list[LocalResult]) -> list[dict[str, Any]]:
+    """The culprit's call, then every call containing it up to the model, with their own local verdict."""
+    worst: dict[tuple[str, int], LocalResult] = {}
+    for r in results:
+        key = (r.module, r.call)
+        if key not in worst or r.ratio > worst[key].ratio:
+            worst[key] = r
+    chain, at, seen = [], (culprit.module, culprit.call), set()
+    while at is not None and at not in seen:
+        seen.add(at)
+        mine = worst.get(at)
+        chain.append({"module": at[0], "call": at[1], "flagged": bool(mine and any(
+            r.flagged for r in results if (r.module, r.call) == at)), "max_ratio": mine.ratio if mine else None})
+        at = parents.get(at)
+    return chain
+
+
+def nan_origin(counts: dict[tuple[str, int, str, str], int], order: list[tuple[str, int, str, str]]) -> Optional[dict]:
+    """The first module call whose outputs hold NaN/Inf while its inputs do not.
+
+    `counts` maps entry keys to the target's number of non-finite elements, `order` lists the keys in causal
+    order. Forward: outputs vs inputs of a call; backward: grad_input vs grad_output of a call.
+    """
+    inputs: dict[tuple[str, int, str], int] = {}
+    for key in order:
+        module, call, phase, tensor = key
+        if phase in (FORWARD, BACKWARD) and key in counts and is_input(tensor):
+            inputs[(module, call, phase)] = inputs.get((module, call, phase), 0) + counts[key]
+    for key in order:  # the first non-finite *output* in causal order whose call had finite inputs
+        module, call, phase, tensor = key
+        if phase in (FORWARD, BACKWARD) and counts.get(key) and not is_input(tensor):
+            if not inputs.get((module, call, phase)):
+                return {"module": module, "call": call, "phase": phase, "tensor": tensor}
+    return None
+
+
+# -- unattributed divergence ----------------------------------------------------------------------------------------
+# Accumulated errors no rounding drift produces from inputs that are close (below 1/factor), per phase. Measured on
+# the clean bf16/fp16 runs of the test models (tiny shapes: BatchNorm over 2x512x1x1): backward gradients reach
+# rel_l2 70 with a cosine of -0.07 (BatchNorm's backward amplifies), so backward tensors get no such rule; a forward
+# output 10x off, a parameter gradient pointing the other way, or an updated weight as far from the reference's as
+# it is large, are no drift. Buffers (BatchNorm's running mean, near zero) are not held to it.
+GROSS = {"forward": (10.0, 1.0), "param_grad": (1.5, -0.9), "optimizer": (1.0, 1.0)}  # phase: (rel_l2 >=, cosine <=)
+
+
+def _gross(r) -> bool:
+    limit = GROSS.get(r.phase)
+    return limit is not None and r.metrics.rel_l2 >= limit[0] and r.metrics.cosine <= limit[1]
+
+
+class Sources:
+    """The engine's accumulated errors, indexed by entry and by call: the largest error of what an entry was
+    computed from, and whether all of it is bitwise the reference's (`exact_*`).
+
+    What a call's own code computes from, in a phase (what its teacher-forced rerun is fed): forward, its inputs
+    and its children's outputs; backward, the same plus its output gradients and its children's input gradients.
+    An entry is *exact* when it was measured and is bitwise equal (rel_l2 and max_abs 0, NaN/Inf where the
+    reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
+    or a child with no recorded output, is not)."""
+
+    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None):
+        self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+        self.by_call: dict[tuple[str, int, str], list[float]] = {}
+        self.keys: dict[tuple[str, int, str], list[tuple]] = {}
+        for (module, call, phase, tensor), err in self.errors.items():
+            kind = "in" if is_input(tensor) else "out"
+            self.by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
+            self.keys.setdefault((module, call, f"{phase}.{kind}"), []).append((module, call, phase, tensor))
+        self.bitwise = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None
+                      and r.status in ("match", "diverged") and _bitwise(r.metrics)}
+        self.children: dict[tuple[str, int], list[tuple[str, int]]] = {}
+        for child, parent in (parents or {}).items():
+            if parent is not None:
+                self.children.setdefault(parent, []).append(child)
+        self.calls_of: dict[str, list[int]] = {}
+        for module, call in {(m, c) for m, c, _ in self.by_call}:
+            self.calls_of.setdefault(module, []).append(call)
+        self.all_exact = bool(self.errors) and all(
+            k in self.bitwise for k in self.errors if k[2] in (FORWARD, BACKWARD))
+        self.everything = max(self.errors.values(), default=0.0)
+        self.root_out = max(self.by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
+        self.loss_err = _scalar_error(loss)
+
+    def exact_call(self, module: str, call: int, phase: str) -> bool:
+        """Whether everything a call's own code computed from in `phase` is known and bitwise the reference's."""
+        own = ("forward.in",) if phase == FORWARD else ("forward.in", "backward.in")
+        theirs = ("forward.out",) if phase == FORWARD else ("forward.out", "backward.out")
+        keys = [k for kind in own for k in self.keys.get((module, call, kind), [])]
+        if not keys:
+            return False
+        for child in self.children.get((module, call), []):
+            found = [k for kind in theirs for k in self.keys.get((*child, kind), [])]
+            if not found:
+                return False
+            keys += found
+        return all(k in self.bitwise for k in keys)
+
+    def exact_local(self, r: LocalResult, world_size: int = 1) -> bool:
+        """Whether everything the local row's value was computed from is bitwise the reference's: its call's
+        sources (forward, backward); for a parameter gradient (summed over every call that used it, shared weights
+        included) every recorded forward and backward entry; for an update, its exact gradient (a buffer: its
+        module's forward sources). Gradients averaged over ranks are no rank's own: never exact there."""
+        if r.phase in (FORWARD, BACKWARD):
+            return self.exact_call(r.module, r.call, r.phase)
+        if world_size > 1:
+            return False
+        if r.phase == "param_grad":
+            return self.all_exact
+        grad = (r.module, 0, "param_grad", r.tensor)
+        if grad in self.errors:
+            return grad in self.bitwise
+        calls = self.calls_of.get(r.module, [])
+        return bool(calls) and all(self.exact_call(r.module, c, FORWARD) for c in calls)
+
+    def _module_errors(self, module: str, kinds: tuple[str, ...]) -> list[float]:
+        """The errors of every call of `module` of the given kinds (`forward.in`, ...), in index order."""
+        return [e for (m, _c, k), es in self.by_call.items() if m == module and k in kinds for e in es]
+
+    def _call_inputs(self, r) -> float:
+        """The largest error of the entry's call's inputs (and, in backward, its output gradients)."""
+        kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
+        return max((e for k in kinds for e in self.by_call.get((r.module, r.call, k), [])), default=0.0)
+
+    def upstream(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> Optional[float]:
+        """The error the entry may inherit, or None when a probe (or a local row) covers it."""
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return None
+        if r.phase == "param_grad":
+            sources = self._module_errors(r.module, ("forward.in", "backward.in"))
+            return max(sources) if sources else self.everything
+        if r.phase == "optimizer":
+            grad = self.errors.get((r.module, 0, "param_grad", r.tensor))
+            if grad is not None:
+                return grad
+            sources = self._module_errors(r.module, ("forward.in",))
+            return max(sources) if sources else self.everything
+        if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
+            return max(self.root_out, self.loss_err or 0.0)
+        if (r.module, r.call) in unprobed and not is_input(r.tensor):
+            return self._call_inputs(r)
+        return None  # covered by a probe
+
+    def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
+        """Whether everything an entry no probe covers was computed from is known and bitwise equal to the
+        reference's (an update from exact gradients; an unprobed call's output from exact inputs)."""
+        if (r.module, r.call, r.phase, r.tensor) in covered:
+            return False
+        if r.phase == "optimizer":
+            return (r.module, 0, "param_grad", r.tensor) in self.bitwise
+        if r.phase == "param_grad":  # summed over every call that used it (shared weights too): every entry
+            return self.all_exact
+        if (r.module, r.call) in unprobed and not is_input(r.tensor):
+            return self.exact_call(r.module, r.call, r.phase)
+        return False
+
+    def inputs(self, r) -> float:
+        """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
+        if r.phase == "optimizer":
+            grad = self.errors.get((r.module, 0, "param_grad", r.tensor), 0.0)
+            return max(grad, *self.by_call.get((r.module, 0, "forward.in"), [0.0]))
+        if r.phase == "param_grad":
+            return max(self._module_errors(r.module, ("forward.in", "backward.in")), default=0.0)
+        return self._call_inputs(r)
+
+
+def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
+                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "",
+                     sources: Optional[Sources] = None) -> list[Finding]:
+    """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
+    does not explain, in causal order.
+
+    `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed
+    (or that had nothing of their own to judge); `covered` the keys of parameter-gradient and optimizer entries
+    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one).
+    """
+    upstream = sources or Sources(rows, loss)
+    found = []
+    for i, r in enumerate(rows):
+        if r.metrics is None or r.status not in ("match", "diverged"):
+            continue  # missing/shape/dtype rows are judged as structural divergences
+        exact = upstream.exact(r, unprobed, covered)
+        if same_precision and r.status != "diverged" and not exact:
+            continue  # the same precision on both sides: within the dtype's tolerance is explained, unless nothing
+            # it was computed from differs (then only its own rounding is, below)
+        finding = _gross_finding(i, r, upstream, noise)
+        if finding is None:
+            finding = _drift_finding(i, r, upstream.upstream(r, unprobed, covered), noise, amp, exact)
+        if finding is not None:
+            found.append(finding)
+    return found
+
+
+# How closely a value computed from exact sources must agree with its own rerun, in units of the run's roundoff:
+# on the CPU the fidelity check held the rerun to the live call bitwise (what is left is the two metrics' own
+# float64 arithmetic); elsewhere within 4x the rerun-to-rerun spread, which nondeterministic kernels give.
+AGREE_ULPS = {"cpu": 4.0, "device": 64.0}
+AGREE_REL = 0.01  # and in any case within 1 % of the larger error
+
+
+def own_values(rows: list, local: list[LocalResult], sources: Sources, *, on_cpu: bool, run_dtype: str,
+               world_size: int = 1, update_scale: Optional[Callable[[str, str], float]] = None
+               ) -> tuple[list[Finding], set[int]]:
+    """Entries computed from values all bitwise the reference's: their accumulated error *is* their own code's
+    error, so it must agree with their local row (`Sources.exact_local`). One that does not is an `unexplained`
+    finding, whichever way: the value is not what its code computes from those values (a gradient scaled after
+    backward, a wrong accumulation), or its local row claims an error the value does not have (a damaged or
+    forged file). Returns the findings and the rows that agree and are outside tolerance: their own rounding,
+    never accumulated drift (`verdict.settle_rows` labels them `rounding`). Flagged rows are the culprit's
+    business and left alone.
+
+    A parameter's update row measures the update (after - before, relative to the reference's update), its entry
+    the updated value (relative to the updated value): `update_scale(module, tensor)` gives ||after|| / ||update||
+    of the reference, which turns one into the other (read only where the updated value is not bitwise the
+    reference's; without it, those are not checked)."""
+    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(rows)}
+    found, rounding = [], set()
+    ulps = AGREE_ULPS["cpu" if on_cpu else "device"]
+    for lr in local:
+        i = index.get(lr.row_key)
+        if lr.flagged or i is None or rows[i].metrics is None or rows[i].status not in ("match", "diverged"):
+            continue
+        if not sources.exact_local(lr, world_size):
+            continue
+        acc, own, what = rows[i].metrics.rel_l2, lr.rel_l2, "rel_l2"
+        floor = max(unit_roundoff(lr.dtype), unit_roundoff(run_dtype))
+        if lr.phase == "optimizer" and (lr.module, 0, "param_grad", lr.tensor) in sources.errors and acc > 0:
+            if update_scale is None:
+                continue
+            scale = update_scale(lr.module, lr.tensor)  # ||after|| / ||update||: the updated value's rounding too
+            acc, floor, what = acc * scale, floor * max(scale, 1.0), "rel_l2 of its update"
+        limit = max(AGREE_REL * max(acc, own), ulps * floor)
+        if abs(acc - own) <= limit:  # NaN on either side is no agreement
+            if rows[i].status == "diverged":
+                rounding.add(i)
+            continue
+        if acc > own:
+            why = (f"{what} {acc:.2e}, although everything it was computed from is bitwise the reference's and "
+                   f"its own code, rerun on those values, differs by only {own:.2e}: the value is not what its "
+                   f"code computes")
+        else:
+            why = (f"{what} {acc:.2e}, from values all bitwise the reference's, yet its local row claims its own "
+                   f"code differs by {own:.2e}: the file contradicts itself")
+        found.append(Finding.of("unexplained", i, why))
+    return found, rounding
+
+
+def _bitwise(m) -> bool:
+    """Measured bitwise equal: no difference at all (NaN/Inf where the reference has them)."""
+    return m.rel_l2 == 0 and m.max_abs == 0 and not m.nonfinite_differs
+
+
+def _gross_finding(i: int, r, upstream: Sources, noise: NoisePolicy) -> Optional[Finding]:
+    """An `unexplained` finding for a diverged entry far off (see GROSS) from inputs that are close: no rounding
+    drift does this, whatever the local rows say (they cover each call's own code; this value did not come out
+    of it)."""
+    trained = r.phase != "optimizer" or (r.module, 0, "param_grad", r.tensor) in upstream.errors  # not a buffer
+    if not (r.status == "diverged" and trained and _gross(r) and not is_input(r.tensor)):
+        return None
+    source = upstream.inputs(r)
+    if not source * noise.factor_for(r.module) < 1.0:  # not `>=`: a NaN source explains nothing either way
+        return None
+    return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} (cosine {r.metrics.cosine:.2f}): far "
+                      f"beyond what it was computed from (within {source:.2e}) and what rounding drift does")
+
+
+def _drift_finding(i: int, r, up: Optional[float], noise: NoisePolicy, amp: str,
+                   exact: bool = False) -> Optional[Finding]:
+    """An `unexplained` finding when the entry differs by more than `factor` times the error it inherits (`up`;
+    None: a probe covers it) or its precision's floor; outside tolerance at all when everything it was computed
+    from is bitwise the reference's (`exact`)."""
+    if up is None:
+        return None
+    if exact and r.status == "diverged":  # nothing it was computed from differs: no drift makes this
+        return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e}, although everything it was computed "
+                          "from is bitwise equal to the reference's (so no accumulated drift)")
+    dtype = r.dtype_target or r.dtype or "float32"
+    # the run's precision sets the floor: under bf16 autocast a float32 tensor is not held to float32 rounding
+    floor = max(noise.floor(dtype), noise.floor(amp) if amp else 0.0)
+    bound = noise.factor_for(r.module) * max(up, floor)
+    if not r.metrics.rel_l2 > bound:  # not `<=`: a NaN error is not flagged here
+        return None
+    return Finding.of("unexplained", i, f"rel_l2 {r.metrics.rel_l2:.2e} is more than "
+                      f"{noise.factor_for(r.module):g}x what it was computed from ({up:.2e}) or the "
+                      f"precision's floor ({floor:.1e}) explain")
+
+
+def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoisePolicy,
+                     same_precision: bool, dtype: str) -> list[Finding]:
+    """A `loss` finding when the loss differs more than the model's outputs explain (none when it does not)."""
+    err = _scalar_error(loss)
+    if err is None:
+        return []
+    outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
+            and r.phase == FORWARD and not is_input(r.tensor)]
+    bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
+    tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
+    if err > bound and (not same_precision or err > tolerance):
+        return [Finding.of("loss", None, f"the loss differs by {err:.2e} (relative), more than the model's outputs "
+                                         f"explain ({bound:.2e}); code outside the model's forward (the loss "
+                                         f"function) is not probed")]
+    return []
+
+
+def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:
+    a, b = loss.get("reference"), loss.get("target")
+    if a is None or b is None:
+        return None
+    if math.isnan(a) or math.isnan(b):
+        return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
+    if a == b:
+        return 0.0
+    return abs(a - b) / abs(a) if a else math.inf

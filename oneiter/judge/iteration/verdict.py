@@ -1,0 +1,605 @@
+"""The verdict of a comparison, decided once: what every report states about it, and the sentences it states it in.
+
+Sits after the engine and blame (`engine.compare_files` fills a `CompareResult`: rows in causal order, the first
+divergence, local results, the culprit's chain, the NaN/Inf origin, and every finding: `judge/iteration/findings.py`)
+and before every writer. `decide` names the finding of highest priority (`findings.PRIORITY`, the one table of
+priorities); the terminal report, JSON and CSV (`report/terminal.py`), the HTML page, TensorBoard and the
+multi-rank summary (`report/ranks.py`) only lay out what a `Verdict` holds (a saved JSON report's through
+`Verdict.from_dict`); the rule that decides and the words that say it live here and nowhere else, so no two
+outputs can disagree.
+
+**Status.** `match`, `diverged`, or `inconclusive` (the recording carries local data but not one call's own error
+could be measured: nothing was judged, so it is not a pass; exit code 2, input that cannot be judged).
+
+**Basis** (what the status rests on):
+- `first_divergence`: no local data; the run diverges at the first entry outside tolerance in causal order;
+- `local_error`: each call's own error against its expected noise; the **culprit** is the first call whose own
+  error exceeds it (innermost, in causal order); entries missing on one side, of another shape or dtype, or whose
+  NaN/Inf differ are divergences too; accumulated error outside tolerance alone is *drift*, not a divergence;
+- `unattributed`: local data, no call to blame, but something no probe covers differs beyond what the precision
+  explains (the loss, a parameter gradient, an unprobed call's output).
+
+**Row statuses** follow the same rule as the flags beside them (`settle_rows`): a row whose own local error is
+flagged is `diverged` even inside tolerance; with local data, a row outside tolerance whose own code is within
+noise (and that nothing else explains badly) is `drift`, or `rounding` when everything it was computed from is
+bitwise the reference's (then the difference is its own call's, never accumulated: `blame.own_values`); `match`
+is inside tolerance and not flagged; missing, shape and dtype statuses stay as the engine set them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED, UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.runtime.precision_modes import describe, reduced
+
+if TYPE_CHECKING:  # only for annotations: the engine imports this module
+    from oneiter.judge.iteration.blame import LocalResult
+    from oneiter.judge.iteration.engine import CompareResult, Row
+
+__all__ = ["Verdict", "Culprit", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows", "render",
+           "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+
+# inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
+EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
+HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
+# what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
+FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "culprit": "culprit",
+         "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss"}
+
+
+def num(value: Any) -> Optional[float]:
+    """A number of the verdict or a JSON document as float: "inf"/"nan" strings (JSON has none) back to floats."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def json_ready(value: Any) -> Any:
+    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (`num` reads them back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def entry_name(item: dict) -> str:
+    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin)."""
+    return f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+
+
+# -- the decision ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Culprit:
+    """The first call whose own code's error exceeds its expected noise, and its row in the report."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    """The call's own tensor (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`)."""
+    index: Optional[int]
+    """Its accumulated row (`#` of the tables); None when the report has no row for that tensor."""
+    local_rel_l2: float
+    expected: float
+    ratio: float
+    calibrated: Optional[float]
+    nan_mismatch: int
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """`layer3.1.conv2@0 forward output`, as the reports name it."""
+        return entry_name(self.as_dict())
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Culprit:
+        """The culprit of a saved report's verdict (numbers as `num` reads them; what it lacks, None)."""
+        values = {f.name: d.get(f.name) for f in fields(cls)}
+        return cls(**{**values, **{k: num(values[k]) for k in ("local_rel_l2", "expected", "ratio", "calibrated")}})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a comparison decided, computed once (`decide`); `as_dict()` is the JSON report's `verdict`."""
+
+    status: str
+    """`match`, `diverged` or `inconclusive`."""
+    basis: str
+    """`local_error`, `unattributed` or `first_divergence` (see the module docstring)."""
+    focus: Optional[str]
+    """What the verdict names: `culprit`, `first divergence`, `structural difference`, `unexplained entry` or
+    `loss`; None on a match."""
+    entry: Optional[dict]
+    """The entry it names: index (its row), module, call, phase, tensor, entry_status, reason and metrics."""
+    culprit: Optional[Culprit]
+    chain: tuple[dict, ...]
+    """The culprit's call and every call containing it, innermost first: module, call, flagged, max_ratio."""
+    culprit_includes: tuple[dict, ...]
+    first_divergence: Optional[dict]
+    """The first entry outside tolerance in causal order (an entry like `entry`); drift when local data decides."""
+    nan_origin: Optional[dict]
+    unprobed: tuple[dict, ...]
+    unexplained: tuple[dict, ...]
+    loss_unexplained: Optional[str]
+    hint: Optional[str]
+    num_entries: int
+    num_matched: int
+    num_drift: int
+    num_diverged: int
+    local_kind: str
+    num_local: int
+    num_local_calls: int
+    num_flagged: int
+    worst_local: Optional[dict]
+    largest_rel_l2: float
+    precision: Optional[dict] = None
+    """The reduced-precision float32 modes (TF32...) each side ran and the calibration reproduced
+    (`engine._precision`); None when neither side ran any."""
+    num_rounding: int = 0
+    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
+    num_not_judged: int = 0
+    """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
+    warnings: tuple[str, ...] = ()
+    """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
+    for another device); every report states them among the details."""
+    title: str = ""
+    reason: str = ""
+    details: tuple[str, ...] = ()
+
+    @property
+    def index(self) -> Optional[int]:
+        """The row the verdict names (the culprit's or the divergent entry's); None when it names none."""
+        return self.where["index"]
+
+    @property
+    def headline(self) -> str:
+        """The one line every report leads with."""
+        return f"{self.title}: {self.reason}" if self.reason else self.title
+
+    @property
+    def lines(self) -> list[str]:
+        """Headline, then the details (hint, NaN/Inf origin, culprit, basis, chain, unprobed, first divergence)."""
+        return [self.headline, *self.details]
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+    def roles(self, index: int) -> list[str]:
+        """What row `index` is to the verdict: `verdict` (the entry it names), `culprit`, `first_divergence`."""
+        first = self.first_divergence["index"] if self.first_divergence else None
+        culprit = self.culprit.index if self.culprit else None
+        return [name for name, at in (("verdict", self.index), ("culprit", culprit), ("first_divergence", first))
+                if at == index]
+
+    @property
+    def where(self) -> dict:
+        """The entry it names, or one whose every field is None (what the JSON report flattens into `verdict`)."""
+        return dict(self.entry) if self.entry else {"index": None, **dict.fromkeys(_WHERE)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "status": self.status, "basis": self.basis, "focus": self.focus, **self.where,
+            "headline": self.headline, "details": list(self.details), "hint": self.hint,
+            "culprit": self.culprit.as_dict() if self.culprit else None, "chain": list(self.chain),
+            "culprit_includes": list(self.culprit_includes), "nan_origin": self.nan_origin,
+            "unprobed": list(self.unprobed), "unexplained": list(self.unexplained),
+            "loss_unexplained": self.loss_unexplained, "first_divergence": self.first_divergence,
+            "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
+            "num_rounding": self.num_rounding, "num_diverged": self.num_diverged, "local_kind": self.local_kind,
+            "num_local": self.num_local,
+            "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
+            "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
+            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Verdict:
+        """The Verdict of a saved JSON report's `verdict` (or `as_dict()`): its own keys, the entry it names from
+        the rest, and the sentences rendered again from them (as the report was; `headline` is not trusted)."""
+        where = {k: v for k, v in d.items() if k not in _OWN}
+        unnamed = d.get("focus") is None and all(v is None for v in where.values())
+        own = {name: d.get(name) for name in _OWN_FIELDS}
+        verdict = cls(**{
+            **own, "entry": None if unnamed else where,
+            "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
+            **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
+                                                           "warnings")},
+            "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
+        })
+        title, reason, details = render(verdict)
+        return replace(verdict, title=title, reason=reason, details=tuple(details))
+
+
+_WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2", "max_abs", "cosine")
+# the keys of `Verdict.as_dict()` that are the verdict's own; every other one belongs to the entry it names
+_OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
+        "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
+        "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings")
+_OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
+               "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
+               "num_flagged", "worst_local", "precision")
+
+
+def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
+    """Give every measured row the status its flag implies (see the module docstring), the `unexplained`
+    `findings` theirs; the engine calls it once, before it records the findings."""
+    if not result.local_kind:
+        return
+    unexplained = {f.entry: f.reason for f in of_kind(findings, "unexplained")}
+    for i, row in enumerate(result.rows):
+        if row.status not in MEASURED:
+            continue
+        local = result.local_for(row)
+        if local is not None and local.flagged:
+            if row.status == "match":
+                row.reason = f"inside tolerance, but {culprit_reason(local)}"
+            row.status = "diverged"
+        elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
+            row.status, row.reason = "diverged", unexplained[i]
+        elif row.status == "diverged" and not row.metrics.nonfinite_differs:
+            # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
+            row.status = "rounding" if i in result.rounding else "drift"
+
+
+def decide(result: CompareResult) -> Verdict:
+    """The verdict of a settled comparison: the strongest of its findings (`findings.PRIORITY`) decides the status,
+    the basis and the entry named; without local data the basis is the first divergence, and with local data but
+    no local result and no finding nothing was judged (inconclusive)."""
+    rows, first, findings = result.rows, result.first_divergence, result.findings
+    top = strongest(findings)
+    culprit = next((_culprit(f) for f in of_kind(findings, "culprit")), None)
+    if not result.local_kind:
+        basis = "first_divergence"
+    else:
+        basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
+    status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
+    entry = None if top is None else _named(result, top)
+    counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding", NOT_JUDGED)}
+    worst = max(result.local, key=lambda r: r.ratio, default=None)
+    verdict = Verdict(
+        status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
+        chain=tuple(result.chain), culprit_includes=tuple(result.culprit_includes),
+        first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
+        unprobed=tuple(result.unprobed),
+        unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
+        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
+        num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
+        num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
+        num_local=len(result.local),
+        num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
+        num_flagged=sum(r.flagged for r in result.local),
+        worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
+                                                "factor": worst.factor},
+        largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
+        precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
+    )
+    title, reason, details = render(verdict)
+    return replace(verdict, title=title, reason=reason, details=tuple(details))
+
+
+_KEY = ("module", "call", "phase", "tensor")
+
+
+def _named(result: CompareResult, finding: Finding) -> dict[str, Any]:
+    """The entry the verdict names for its strongest finding: a row (with the finding's reason when no probe
+    explains it), the culprit's own error, or the loss."""
+    if finding.kind == "culprit":
+        local = finding.local
+        return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
+                "tensor": local.tensor, "entry_status": "local_error", "reason": finding.reason,
+                "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
+                **_nonfinite_counts(local.metrics)}
+    if finding.kind == "loss":
+        return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
+                "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
+    entry = _entry(result.rows, finding.entry)
+    return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
+
+
+def _culprit(finding: Finding) -> Culprit:
+    local = finding.local
+    return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.rel_l2, local.expected,
+                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason)
+
+
+def culprit_reason(local: LocalResult) -> str:
+    """Why a call's own result is blamed, in the verdict's words (its row's reason when flagged inside tolerance)."""
+    return _own_error(local.tensor, local.rel_l2, local.ratio, local.expected, local.metrics.num_mismatch)
+
+
+def _nonfinite_counts(m) -> dict[str, int]:
+    return {k: getattr(m, k) for k in ("num_nan_ref", "num_inf_ref", "num_nan_target", "num_inf_target")}
+
+
+def _entry(rows: list[Row], index: int) -> dict[str, Any]:
+    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use."""
+    row, m = rows[index], rows[index].metrics
+    data = {"index": index, "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
+            "entry_status": row.status, "reason": row.reason}
+    if m is None:
+        return {**data, "rel_l2": None, "max_abs": None, "cosine": None}
+    tol = row.tolerance
+    return {**data, "rel_l2": m.rel_l2, "max_abs": m.max_abs, "cosine": m.cosine, "max_rel": m.max_rel,
+            "frac_out": m.frac_out, "atol": tol.atol if tol else None, "rtol": tol.rtol if tol else None,
+            "need_atol": m.need_atol, "need_rtol": m.need_rtol, **_nonfinite_counts(m)}
+
+
+STATS_REASON = "from statistics"  # how the engine starts the reason of an entry judged from `--level stats` data
+
+
+def _hint(result: CompareResult, basis: str, entry: Optional[dict]) -> Optional[str]:
+    """A divergence no larger than rounding noise (10x rtol) may be no bug at all: say why it may happen."""
+    if (basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry)
+            or str(entry.get("reason") or "").startswith(STATS_REASON)):  # a statistics bound is no rounding size
+        return None
+    rel_l2, rtol = entry["rel_l2"], entry["rtol"]
+    if not rel_l2 <= HINT_RTOLS * rtol:
+        return None
+    threads = result.meta_reference.get("num_threads"), result.meta_target.get("num_threads")
+    cause = (f"the runs used {threads[0]} and {threads[1]} threads, which changes reduction order"
+             if None not in threads and threads[0] != threads[1]
+             else "a different reduction order (threads, kernels) changes results this much")
+    return (f"hint: rel_l2 {rel_l2:.1e} is within {HINT_RTOLS}x rtol {rtol:.1e}, rounding-noise size: {cause}; "
+            f"--rtol/--atol loosen the check")
+
+
+# -- the sentences --------------------------------------------------------------------------------------------------
+class Sentences(NamedTuple):
+    """A verdict in words: `title` (`DIVERGED at ...`), `reason` (the numbers; may be ""), `details` (lines)."""
+
+    title: str
+    reason: str
+    details: list[str]
+
+
+def render(v: Verdict) -> Sentences:
+    """The words for a verdict (decided, or rebuilt from a saved JSON report by `Verdict.from_dict`): the terminal,
+    HTML and TensorBoard all print these, so they say the same."""
+    title, reason = _headline(v)
+    return Sentences(title, reason, _details(v))
+
+
+def _headline(v: Verdict) -> tuple[str, str]:
+    where, n = v.where, v.num_entries
+    if v.status == "match" and v.basis == "local_error":
+        return _local_match(v)
+    if v.status == "match":
+        judged, unjudged = (f"{n - v.num_not_judged} judged", f"; {v.num_not_judged} updates not judged (why: "
+                            f"below)") if v.num_not_judged else (str(n), "")
+        largest = num(v.largest_rel_l2) or 0
+        return f"MATCH: all {judged} entries within tolerance (largest rel_l2 {largest:.2e}){unjudged}", ""
+    if v.status == "inconclusive":
+        return ("INCONCLUSIVE: no call's own error could be measured",
+                f"the recording has local data but no local result; {len(v.unprobed)} calls could not "
+                f"be probed and the {n} entries were only checked for error growth: not a pass")
+    if where.get("entry_status") == "local_error" and v.culprit:
+        return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
+    if v.basis == "unattributed":
+        if where.get("module") is None:
+            return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
+        return (f"DIVERGED (unattributed) at {entry_name(where)}",
+                f"no call's own code is to blame, but this entry's {where.get('reason')}")
+    if v.focus == "loss":
+        return "DIVERGED at the loss", str(where.get("reason") or "")
+    return f"DIVERGED at {entry_name(where)}", _numbers(where)
+
+
+def _at(c: Culprit) -> str:
+    return "" if c.index is None else f" (#{c.index})"
+
+
+def _local_match(v: Verdict) -> tuple[str, str]:
+    worst = v.worst_local or {}
+    title = f"MATCH: no call's own error exceeds its expected noise x{num(worst.get('factor')) or 4:g}"
+    parts = [f"{v.num_local} tensors judged, highest ratio {num(worst.get('ratio')) or 0:.1f}x at "
+             f"{entry_name(worst)}"]
+    if v.num_drift:
+        parts.append(f"{v.num_drift} of {v.num_entries} entries are outside tolerance: accumulated "
+                     f"drift, which this verdict does not rest on")
+    if v.num_rounding:
+        parts.append(f"{v.num_rounding} are outside tolerance from values bitwise the reference's: their own call's "
+                     f"rounding, within its noise")
+    if v.unprobed:
+        parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
+    if v.num_not_judged:
+        parts.append(f"{v.num_not_judged} updates not judged (why: below)")
+    return title, "; ".join(parts)
+
+
+def _blamed(c: Culprit) -> str:
+    return _own_error(c.tensor, c.local_rel_l2, c.ratio, c.expected, c.nan_mismatch)
+
+
+def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], expected: Optional[float],
+               nan_mismatch: Optional[int]) -> str:
+    """Why a call's own result is blamed: its error against its expected noise, or NaN/Inf it made."""
+    if nan_mismatch:
+        return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
+                f"given the same inputs")
+    tensor = str(tensor)
+    own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
+    return (f"{own} error rel_l2 {_sci(rel_l2)}, on the reference's inputs, is "
+            f"{num(ratio) or 0:.1f}x its expected noise {_sci(expected)}")
+
+
+def _sci(value: Any) -> str:
+    v = num(value)
+    return "-" if v is None else f"{v:.2e}"
+
+
+def _nonfinite_differs(e: dict) -> bool:
+    ref = (e.get("num_nan_ref"), e.get("num_inf_ref"))
+    return ref != (e.get("num_nan_target"), e.get("num_inf_target"))
+
+
+def _nan_inf(e: dict) -> str:
+    return f"NaN {e['num_nan_ref']} vs {e['num_nan_target']}, Inf {e['num_inf_ref']} vs {e['num_inf_target']}"
+
+
+def _numbers(e: dict) -> str:
+    """An entry's difference: NaN/Inf counts first when they differ, then the metrics of the finite elements."""
+    if num(e.get("rel_l2")) is None:
+        return f"{str(e.get('entry_status', '')).replace('_', ' ')} ({e.get('reason', '')})"
+    if str(e.get("reason") or "").startswith(STATS_REASON):  # `--level stats`: no elementwise numbers exist
+        return str(e["reason"])
+    numbers = (f"max_abs {_sci(e.get('max_abs'))} max_rel {_sci(e.get('max_rel'))} rel_l2 {_sci(e.get('rel_l2'))} "
+               f"cosine {num(e.get('cosine')):.6f}")
+    if num(e.get("frac_out")) is not None and num(e.get("atol")) is not None:
+        numbers += (f", {num(e['frac_out']):.2%} of elements outside atol {num(e['atol']):.1e} "
+                    f"rtol {num(e['rtol']):.1e}")
+    if _nonfinite_differs(e) and e.get("num_nan_ref") is not None:
+        return f"{_nan_inf(e)} (reference vs target); finite elements: {numbers}"
+    if num(e.get("need_atol")) is not None:
+        numbers += f" (would pass with atol {num(e['need_atol']):.1e} or rtol {num(e['need_rtol']):.1e})"
+    return numbers
+
+
+def _details(v: Verdict) -> list[str]:
+    lines = [v.hint] if v.hint else []
+    lines += [f"warning: {w}" for w in v.warnings]  # they change what the headline means: early
+    if v.nan_origin:
+        lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
+    if v.culprit and v.where.get("entry_status") != "local_error":
+        lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
+    lines.append(_basis_line(v))
+    if v.basis != "first_divergence":
+        lines += _precision_lines(v.precision)
+        lines += _local_lines(v)
+    if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
+        lines.append(_first_divergence_line(v.first_divergence))
+    return lines
+
+
+def _first_divergence_line(first: dict) -> str:
+    """The first entry outside tolerance, labelled as such: with local data it is seldom the culprit."""
+    size = f" (rel_l2 {_sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
+    if _nonfinite_differs(first) and first.get("num_nan_ref") is not None:
+        size = f" ({_nan_inf(first)})"
+    drift = {"drift": ": accumulated drift, which the verdict does not rest on",
+             "rounding": ": its own call's rounding (computed from values bitwise the reference's), within its "
+                         "noise"}.get(str(first.get("entry_status")), "")
+    return (f"first divergence: #{first.get('index')} {entry_name(first)}{size}, the first entry outside "
+            f"tolerance{drift}")
+
+
+def _basis_line(v: Verdict) -> str:
+    if v.basis == "first_divergence":
+        at = "" if v.where.get("index") is None else f", #{v.where['index']}"
+        return (f"basis: first divergence in causal order{at} (no per-layer local data: record the target with "
+                f"--replay, or --against cpu, to judge each call's own error)")
+    kind = "teacher-forced replay" if v.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
+    return (f"basis: each call's own error ({kind}): {v.num_local} tensors of {v.num_local_calls} calls "
+            f"judged, {v.num_flagged} above their expected noise")
+
+
+def _precision_lines(p: Optional[dict]) -> list[str]:
+    """What each side ran in a reduced float32 precision (TF32 convolutions...), and how the noise accounts for it."""
+    if not p:
+        return []
+    cal = p.get("calibrated") or {}
+    lines = []
+    for side in ("target", "reference"):
+        ran = describe(p.get(side) or {})
+        if not ran:
+            continue
+        emulated = reduced(cal.get(side) or {})
+        calls = int(cal.get(f"{side}_calls") or 0)
+        modes = "/".join(sorted({m.upper() for m in emulated.values()}))
+        if emulated:
+            how = f"the noise of {calls} calls calibrated with {modes} operands" if calls else \
+                f"reproduced with {modes} operands, but no call needed calibration"
+        elif side == "target":
+            how = "calibrated on the device, which runs them so" if cal.get("where") == "device" else "not reproduced"
+        elif reduced(p.get("reference")) == reduced(p.get("target")):
+            how = "as the target: the target's noise stands for it"
+        else:
+            how = "finer than the target's precision: its noise is not measured"
+        lines.append(f"precision: the {side} ran float32 {ran}: {how}")
+    return lines
+
+
+def _local_lines(v: Verdict) -> list[str]:
+    """The culprit's surroundings and what no probe saw."""
+    lines = []
+    if v.culprit_includes:
+        names = ", ".join(f"{u['module']}@{u['call']}" for u in v.culprit_includes)
+        lines.append(f"the culprit's rerun includes {names}, which could not be probed alone (see below): the "
+                     f"difference may be there")
+    chain = v.chain
+    if len(chain) > 1:
+        outer = " < ".join(f"{c['module']}@{c['call']}" for c in chain[1:])
+        within = not any(c["flagged"] for c in chain[1:])
+        lines.append(f"inside: {outer}" + (" (their own code is within noise)" if within else ""))
+    unprobed = v.unprobed
+    if unprobed:
+        shown = "; ".join(f"{u['module']}@{u['call']}: {u['reason']}" for u in unprobed[:3])
+        more = f"; {len(unprobed) - 3} more in the JSON report" if len(unprobed) > 3 else ""
+        lines.append(f"not probed ({len(unprobed)} calls, judged by error growth only): {shown}{more}")
+    return lines
+
+
+# -- several ranks --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankedVerdict:
+    """The verdict over the ranks of a torchrun recording: a divergence if any rank diverged, naming the rank whose
+    divergence comes first in causal order (ties: the lowest rank); inconclusive if a rank is and none diverged."""
+
+    status: str
+    rank: Optional[int]
+    num_ranks: int
+    diverged_ranks: tuple[int, ...]
+    headline: str
+    note: Optional[str]
+    """Why other ranks diverge only from param_grad on (gradients are averaged over ranks), when they do."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.status]
+
+
+def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
+    """Combine one Verdict per rank (ascending ranks)."""
+    diverged = tuple(r for r, v in verdicts.items() if v.status == "diverged")
+    inconclusive = [r for r, v in verdicts.items() if v.status == "inconclusive"]
+    total = len(verdicts)
+
+    def position(rank: int) -> tuple:
+        index = verdicts[rank].index
+        return (verdicts[rank].num_entries if index is None else index, rank)
+
+    origin = min(diverged, key=position, default=None)
+    if origin is not None:
+        v = verdicts[origin]
+        where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
+        which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
+        headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
+        return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))
+    if inconclusive:
+        return RankedVerdict("inconclusive", None, total, (), f"INCONCLUSIVE on rank "
+                             f"{', '.join(map(str, inconclusive))} of {total}: no call's own error could be measured",
+                             None)
+    return RankedVerdict("match", None, total, (), f"MATCH on all {total} ranks", None)
+
+
+def _spread_note(verdicts: dict[int, Verdict], origin: int, diverged: tuple[int, ...]) -> Optional[str]:
+    later = [r for r in diverged if r != origin and (verdicts[r].entry or {}).get("phase") in ("param_grad",
+                                                                                               "optimizer")]
+    if not later:
+        return None
+    who = f"rank {later[0]} diverges" if len(later) == 1 else f"ranks {', '.join(map(str, later))} diverge"
+    return (f"note: {who} only from param_grad on: gradients are averaged across ranks (DDP's allreduce, FSDP2's "
+            f"reduce-scatter), so rank {origin}'s error reaches every rank's gradients and weights")

@@ -1,0 +1,9 @@
+"""`record/capture/`: what the hooks see of one iteration, and the names it is stored under.
+
+- `structure.py`   nested call arguments flattened into named tensors, and a skeleton to refill them
+- `input_grads.py` gradients w.r.t. a call's inputs, read off the autograd graph without changing it
+- `recompute.py`   activation checkpointing: a call run again during backward is a recomputation, not a new call
+- `batch.py`       the model's batch as a framework delivers it: named, stored, swapped for a reference's
+- `hooks.py`       module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
+- `raised_at.py`   which call, phase and line of the user's model raised an exception
+"""

@@ -1,0 +1,457 @@
+"""Module hooks that capture one iteration: forward inputs/outputs and the gradients around every module call.
+
+Where this sits: `RecordingSession` attaches a `ModuleCapture` to the model, runs one iteration, and detaches it;
+captured tensors are copied to the host at once and handed to the `BackgroundWriter`. With a local-error probe
+(`probe.py`), the capture also keeps a small `CallRecord` per call — the call tree, the structure of its
+arguments and outputs (no tensors), the random ops it ran — and hands it to the probe when the call returns.
+
+How the hooks avoid the known traps of module hooks:
+- inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
+- no `register_full_backward_hook` (it breaks on an in-place op after the hooked module): the gradient w.r.t. a
+  module's output is read with a tensor hook on that output (hooks registered before an in-place op see the
+  gradient of the value before it, which is what we want); the gradient w.r.t. its inputs is this module's
+  contribution only, read from the module's own autograd nodes without changing the graph (`input_grads.py`);
+- every call is kept (`module@call`), so a module called twice (ResNet's shared ReLU) keeps both calls;
+- keyword arguments and nested arguments are captured like positional ones (`kwarg.hidden_states`,
+  `kwarg.position_embeddings.0`), and so are their gradients (`grad_kwarg.hidden_states`);
+- a call made again during backward (activation checkpointing recomputes a region) is no new call: the recorded
+  forward is the first execution (`recompute.py`), and a reentrant checkpoint's recomputed calls get the gradient
+  hooks of the calls they repeat;
+- the hooks never change a value: recording does not change the loss, the gradients or the update bits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    call_key,
+    call_path,
+    check_name,
+    grad_name,
+    group_path,
+    layout_attrs,
+    seq_kind,
+    shard_attrs,
+)
+from oneiter.format.stats import tensor_stats
+from oneiter.record.capture.input_grads import InputGradTracker
+from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
+from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
+from oneiter.runtime.sharding import local, placement_of
+
+__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
+
+_SIMPLE = (int, float, bool, str, type(None))
+PROBED = "probed"  # a CallRecord's status once its local probe succeeded
+
+
+def host_copy(tensor):
+    """A detached, contiguous copy on the CPU: safe to keep while the original changes or is freed."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+class TensorSink:
+    """Copies tensors to the writer, storing a tensor seen before (same object, same version) as a hard link.
+
+    `keep` (a dict), when given, also receives every host copy by path: `record --against cpu` reruns each call
+    from the target's own values after backward.
+    """
+
+    def __init__(self, writer, on_capture: Callable[[int], None] | None = None, keep: dict | None = None,
+                 stats_groups: Callable[[str], bool] | None = None):
+        self.writer = writer
+        self.stats_groups = stats_groups  # group -> True: statistics and a checksum only (`--level stats`)
+        self.num_tensors = 0
+        self.num_bytes = 0  # bytes of tensor data queued (links excluded)
+        self.keep = keep
+        self._seen: dict[int, tuple[Any, int, str]] = {}
+        self._lock = threading.Lock()
+        self._on_capture = on_capture
+
+    def put(self, group: str, name: str, tensor, attrs: dict | None = None, *, dedup: bool = True) -> None:
+        """Queue `tensor` as `group/name`. `dedup=False` for parameters and buffers: a kernel may update a buffer
+        in place without bumping its version counter (BatchNorm's running stats), so version equality is only
+        trusted for activations and gradients.
+
+        A DTensor (FSDP2) is stored as this rank's shard, with its placement (`schema.shard_attrs`).
+        The copy and the statistics run outside the iteration's dispatch modes (random-op recording, op
+        fallback): they are not the model's ops, and each of their ops would otherwise pass through a Python
+        `__torch_dispatch__` (0.1-0.3 ms more per tensor; 0.06 s of a resnet18 stats-level record)."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
+            return
+        placement = placement_of(tensor)
+        if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
+            attrs, tensor = {**(attrs or {}), **shard_attrs(placement)}, local(tensor)
+        if torch._C._len_torch_dispatch_stack():
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                self._put(group, name, tensor, attrs, dedup)
+        else:
+            self._put(group, name, tensor, attrs, dedup)
+
+    def _put(self, group: str, name: str, tensor, attrs: dict | None, dedup: bool) -> None:
+        check_name(name, f"'{group}' entry")
+        path = group_path(group, name)
+        with self._lock:
+            hit = self._seen.get(id(tensor))
+            if dedup and hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+                self.writer.link(group, name, hit[2])
+                if self.keep is not None:
+                    self.keep[path] = self.keep.get(hit[2])
+            else:
+                key = id(tensor)
+                ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
+                self._seen[key] = (ref, tensor._version, path)
+                if self.stats_groups is not None and self.stats_groups(group):
+                    dtype_name = str(tensor.dtype).removeprefix("torch.")
+                    stats = tensor_stats(tensor)
+                    self.writer.stats(group, name, stats, dtype_name, tuple(tensor.shape), attrs)
+                    self.num_bytes += stats.values.nbytes
+                elif self.keep is None:  # a ring slot, reused once written
+                    self.writer.copy(group, name, tensor, attrs)
+                    self.num_bytes += tensor.numel() * tensor.element_size()
+                else:  # --against cpu reruns calls from these copies after backward: copies of their own
+                    copy = host_copy(tensor)
+                    self.writer.tensor(group, name, copy, attrs)
+                    self.keep[path] = copy
+                    self.num_bytes += copy.numel() * copy.element_size()
+            self.num_tensors += 1
+        if self._on_capture is not None:
+            self._on_capture(self.num_tensors)
+
+
+@dataclass(eq=False)
+class CallRecord:
+    """What a local-error probe needs to rerun one module call (no tensors: names, dtypes and structure)."""
+
+    key: str
+    module: Any
+    path: str
+    call: int
+    parent: "CallRecord | None"
+    args: Skeleton | None
+    kwargs: Skeleton | None
+    random_begin: int
+    random_end: int = -1
+    output: Skeleton | None = None
+    children: list["CallRecord"] = field(default_factory=list)
+    status: str = ""  # "" until probed; PROBED, or why the call could not be probed
+    internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
+    identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
+    given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
+    # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
+    # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
+    live_inputs: dict | None = None
+    live_outputs: dict | None = None
+    outputs_exact: bool = False
+    kept_outputs: dict | None = None
+
+    def release(self) -> None:
+        """Drop what only this call's own probe needed. A probed call's children are never needed again (its
+        caller forces the call as a whole); an unprobed call runs live in its caller's rerun, with its own probed
+        descendants forced, so it keeps them."""
+        self.args = self.kwargs = None
+        self.live_inputs = self.live_outputs = None
+        if self.status == PROBED:
+            self.children = []
+
+    def forced(self) -> list["CallRecord"]:
+        """The calls a rerun of this one forces: its probed children, and, through children that could not be
+        probed (they run live), their probed descendants."""
+        found = []
+        for child in self.children:
+            if child.status == PROBED:
+                found.append(child)
+            else:
+                found.extend(child.forced())
+        return found
+
+
+class ModuleCapture:
+    """Forward pre/post hooks on every selected module, and tensor hooks for the gradients around each call."""
+
+    def __init__(self, model, sink: TensorSink, select: Callable[[str], bool] = lambda _path: True, probe=None):
+        self.model = model
+        self.sink = sink
+        self.select = select
+        self.probe = probe  # a local-error probe (probe.py) given each call when it returns, or None
+        self.random_count: Callable[[], int] = lambda: 0  # the running random-op count (set by the session)
+        self.num_calls = 0
+        self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
+        self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
+        self._handles: list = []
+        self._names: dict[int, str] = {}
+        self._calls_per_module: dict[str, int] = {}
+        self._stack: list[tuple[str, CallRecord | None, int, str]] = []  # open calls: key, record, first node, path
+        self.node_ranges: list[tuple[int, int, str]] = []  # per finished call: [first, end) node numbers, key
+        self.node_gaps: list[tuple[int, int]] = []  # [first, end) numbers of nodes the hooks themselves created
+        self._seq = itertools.count()
+        self._input_grads = InputGradTracker()
+        self._pending_grads: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.recomputations = Recomputations()
+
+    def __enter__(self) -> "ModuleCapture":
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> None:
+        for path, module in self.model.named_modules():
+            if not self.select(path):
+                continue
+            check_name(path, "module")
+            self._names[id(module)] = path
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._input_grads.remove()
+        self._pending_grads.clear()
+        self._stack.clear()
+
+    def suspended(self):
+        """A context in which calls are not captured (a probe's rerun)."""
+        return _Suspend(self)
+
+    def open_calls(self) -> list[tuple[str, str]]:
+        """(key, module path) of the calls whose forward has begun and not returned, outermost first: where an
+        exception raised in forward is (the post-hooks never ran)."""
+        return [(key, path) for key, _record, _first, path in self._stack]
+
+    def path_of(self, module) -> str | None:
+        """The recorded path of a module of the model (None: not recorded)."""
+        return self._names.get(id(module))
+
+    def call_of_node(self, number: int) -> str | None:
+        """The innermost call whose forward created the autograd node numbered `number` (`Node._sequence_nr()`),
+        or None (created outside every recorded call: the loss)."""
+        best = None
+        for first, end, key in self.node_ranges:
+            if first <= number < end and (best is None or first > best[0]):
+                best = (first, key)
+        return best[1] if best is not None else None
+
+    # -- forward ----------------------------------------------------------------------------------------------------
+    def _pre_hook(self, module, args: tuple, kwargs: dict):
+        if self._suspended:
+            return None
+        before = next_node_number()
+        if in_backward():
+            self._begin_recomputed(module, args, kwargs)
+        else:
+            self._begin_call(module, args, kwargs)
+        self._note_gap(before)
+        return None
+
+    def _post_hook(self, module, args, kwargs, output):
+        if self._suspended:
+            return None
+        before = next_node_number()
+        if in_backward():
+            self._end_recomputed(output)
+        else:
+            self._end_call(output)
+        self._note_gap(before)
+        return None
+
+    def _note_gap(self, before: int) -> None:
+        """Autograd nodes a hook itself created (the input-gradient anchor, a probe's rerun): not the model's."""
+        after = next_node_number()
+        if after > before >= 0:
+            self.node_gaps.append((before, after))
+
+    def model_node_index(self, number: int, first: int) -> int:
+        """How many nodes the model itself created from node number `first` up to `number`: the hooks' own nodes
+        (`node_gaps`) left out, so a rerun of the forward without hooks finds the same node at `first + index`."""
+        hooks = sum(max(0, min(end, number) - max(begin, first)) for begin, end in self.node_gaps)
+        return number - first - hooks
+
+    def _begin_call(self, module, args: tuple, kwargs: dict) -> None:
+        path = self._names[id(module)]
+        call = self._calls_per_module.get(path, 0)
+        self._calls_per_module[path] = call + 1
+        key = call_key(path, call)
+        parent_key, parent = self._stack[-1][:2] if self._stack else ("", None)
+        begin = self.random_count()
+        attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
+                 "parent": parent_key, "random_begin": begin}
+        self.num_calls += 1
+        group = call_path(key, FORWARD)
+        named = list(flatten_call(args, kwargs))
+        for name, value in named:
+            if isinstance(value, _SIMPLE):
+                attrs[f"arg.{name}"] = "None" if value is None else value
+            else:
+                self.sink.put(group, name, value, _layout(value))
+        self._mark_seq(key, "input", attrs)
+        self.sink.writer.attrs(call_path(key), attrs)
+        self._pending_grads[key] = self._input_grads.start([(grad_name(n), v) for n, v in named])
+        self.recomputations.forward_begin(key, module, next_node_number())
+        record = None
+        if self.probe is not None:
+            # inside a reentrant checkpoint the region runs without gradients: its structure is taken as the
+            # recomputation, which differentiates it, will have it
+            as_if_grad = not _grad_enabled() and in_reentrant_forward()
+            pos, kw = skeleton_call(args, kwargs, as_if_grad=as_if_grad)
+            record = CallRecord(key, module, path, call, parent, pos, kw, begin)
+            record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
+            if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
+                record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
+            if parent is not None:
+                parent.children.append(record)
+        self._stack.append((key, record, next_node_number(), path))
+
+    def _end_call(self, output) -> None:
+        key, record, first, _path = self._stack.pop()
+        self.recomputations.forward_end()
+        self.node_ranges.append((first, next_node_number(), key))
+        group = call_path(key, FORWARD)
+        named = list(flatten(output, "output"))
+        for name, value in named:
+            self.sink.put(group, name, value, _layout(value))
+        self._hook_grads(key, named, self._pending_grads.pop(key, None))
+        attrs: dict[str, Any] = {"random_end": self.random_count()}
+        self._mark_seq(key, "output", attrs)
+        self.sink.writer.attrs(call_path(key), attrs)
+        if record is not None:
+            record.random_end = attrs["random_end"]
+            as_if_grad = not _grad_enabled() and in_reentrant_forward()
+            record.output = skeleton(output, "output", as_if_grad=as_if_grad)
+            # outputs that are an input, unchanged (Identity, dropout with p=0): a forced rerun passes them on
+            for name, value in named:
+                hit = record.given.get(id(value)) if _is_tensor(value) else None
+                if hit is not None and hit[1] == value._version:
+                    record.identity[name] = hit[0]
+            record.given = {}
+            if record.live_inputs is not None:
+                record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
+            with self.suspended(), untracked():
+                self.probe.after_call(record)
+
+    def _hook_grads(self, key: str, named: list, pending) -> None:
+        """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
+        for name, value in named:
+            if _wants_grad(value):
+                value.register_hook(self._grad_hook(key, grad_name(name)))
+        self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
+
+    # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
+    def _begin_recomputed(self, module, args: tuple, kwargs: dict) -> None:
+        """A call recomputed in backward: no new call. Mapped onto its first execution (a reentrant checkpoint's
+        region, whose forward ran without gradients), it gets that call's gradient hooks."""
+        frame = self.recomputations.begin(module, next_node_number())
+        if frame.call is not None:
+            named = [(grad_name(n), v) for n, v in flatten_call(args, kwargs)]
+            frame.pending = (self._input_grads.start(named), next_node_number())
+
+    def _end_recomputed(self, output) -> None:
+        frame = self.recomputations.end()
+        if frame is None or frame.call is None:
+            return
+        pending, first = frame.pending
+        self.node_ranges.append((first, next_node_number(), frame.call.key))
+        self._hook_grads(frame.call.key, list(flatten(output, "output")), pending)
+
+    def _input_grad_sink(self, key: str):
+        hooks: dict[str, Callable] = {}
+
+        def on_grad(name: str, grad) -> None:
+            hooks.setdefault(name, self._grad_hook(key, name))(grad)
+
+        return on_grad
+
+    # -- backward ---------------------------------------------------------------------------------------------------
+    def _grad_hook(self, key: str, name: str):
+        group = call_path(key, BACKWARD)
+
+        checks = getattr(self.probe, "backward_checks", None)  # record/local/fidelity.py: the live gradients' digests
+
+        def hook(grad):
+            if grad is not None:
+                self.sink.put(group, name, grad)
+                if checks is not None:
+                    checks.live_grad(key, name, grad)
+                attrs: dict[str, Any] = {}
+                self._mark_seq(key, seq_kind(name), attrs)
+                if attrs:
+                    self.sink.writer.attrs(call_path(key), attrs)
+            return None
+
+        return hook
+
+    def _mark_seq(self, key: str, kind: str, attrs: dict) -> None:
+        """Record the capture order of the first tensor of each kind of a call (`seq_input`, `seq_grad_output`...)."""
+        with self._lock:
+            if (key, kind) in self.seqs:
+                return
+            self.seqs[(key, kind)] = attrs[f"seq_{kind}"] = next(self._seq)
+
+
+class _Suspend:
+    def __init__(self, capture: ModuleCapture):
+        self.capture = capture
+        self.before = False
+
+    def __enter__(self) -> None:
+        self.before, self.capture._suspended = self.capture._suspended, True
+
+    def __exit__(self, *exc) -> None:
+        self.capture._suspended = self.before
+
+
+def _layout(value) -> dict | None:
+    """The layout attributes of a non-contiguous tensor (`schema.layout_attrs`), else None."""
+    if not _is_tensor(value) or value.is_sparse or value.is_quantized or value.is_nested:
+        return None
+    import torch
+
+    return layout_attrs(layout_of(value)) if value.layout == torch.strided else None
+
+
+def next_node_number() -> int:
+    """The sequence number the next autograd node created on this thread gets (-1 where torch cannot say)."""
+    import torch
+
+    peek = getattr(torch._C._autograd, "_get_sequence_nr", None)
+    return peek() if peek is not None else -1
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def _wants_grad(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled()
+
+
+def _grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()

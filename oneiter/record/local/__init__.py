@@ -1,0 +1,10 @@
+"""`record/local/`: each module call's own error, measured while a replay records.
+
+- `reduced.py`        a run's reduced-precision float32 matmuls and convolutions (TF32, HF32) reproduced in a rerun
+- `rerun.py`          one recorded call rerun with its children forced, at a chosen place and precision
+- `fidelity.py`       a rerun counts only where it reproduces the live call
+- `montecarlo.py`     a precision's noise by Monte Carlo, where the float64 calibration cannot run
+- `rows.py`           `JudgedRow`: one row of the `/local` table
+- `optimizer_rows.py` the optimizer's update, each parameter judged on its own (a shadow step, in chunks)
+- `probe.py`          the probes: teacher-forced (or against-CPU) reruns of every call and their noise calibration
+"""

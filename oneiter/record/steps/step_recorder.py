@@ -1,0 +1,355 @@
+"""Several consecutive iterations of one run in one file: `oneiter record --steps N`, `Recorder(..., steps=N)`.
+
+Where this sits: each iteration is recorded by an `oneiter.Recorder` of its own at the statistics level (`level=
+"stats"`: every tensor's statistics and checksum, the batch and random values in full, and for the first step the
+weights, buffers and optimizer state in full: where a replay starts), into a temporary file that is copied into
+the output under `/steps/<step>/` as soon as the step ends (docs/format.md). While each step runs, `StepMetrics`
+measures its signature row (`format/signature.py`: the loss, each parameter's gradient and update norm); the rows are
+the table `/signature`.
+
+A replay of a multi-step reference (`replay=`) starts from the reference's first step (weights, buffers,
+optimizer state, bit for bit) and then runs on its own, fed the reference's batch and random values step by step;
+with `run(fn)` each step is also run by the perturbed twin (`record/steps/twin.py`, kept as `/twin_signature`): how far
+it drifts from the target is the band a precision change explains.
+`judge/steps/step_compare.py` compares two such files step by step.
+
+    with oneiter.Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec:      # record/recorder.py dispatches here
+        rec.run(one_step)                   # one_step(step): the loop's body, calling rec.inputs(...) for its batch
+
+`step(s)` records one iteration with a block instead (what the Hugging Face callback and the mmengine hook do for
+every K-th step: no twin there, since the step cannot be run again).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from oneiter.errors import OneIterError
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
+from oneiter.format.signature import signature_columns
+from oneiter.record.options import RecordOptions
+from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
+from oneiter.record.session import atomic_output, check_output
+from oneiter.record.steps.twin import Twin, TwinPass
+from oneiter.runtime import precision_modes
+from oneiter.runtime.distributed import current_rank
+from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
+
+__all__ = ["StepRecorder", "StepMetrics", "check_steps", "TWIN_ATTRS"]
+
+TWIN_ROUNDOFF, TWIN_CHECK = "twin_roundoff", "twin_check"
+TWIN_ATTRS = (TWIN_ROUNDOFF, TWIN_CHECK)
+
+
+def check_steps(steps: Any, param: str = "steps") -> list[int]:
+    """`steps` as the list of iteration numbers to record: an int N (0..N-1, N >= 1) or increasing numbers >= 0."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, list, tuple, range)):
+        raise OneIterError(f"{param} must be a number of steps (an int >= 1), got {steps!r}", param=param)
+    if isinstance(steps, int):
+        if steps < 1:
+            raise OneIterError(f"{param} must be at least 1, got {steps}", param=param)
+        return list(range(steps))
+    numbers = list(steps)
+    if not numbers or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in numbers) or \
+            numbers != sorted(set(numbers)):
+        raise OneIterError(f"{param} must be increasing step numbers >= 0, got {steps!r}", param=param)
+    return numbers
+
+
+class StepMetrics:
+    """One step's signature row, measured as it runs: gradient norms at the first optimizer step (after whatever
+    the loop did to the gradients between backward and the step: clipping, unscaling), update norms when the
+    block ends (a copy of the weights is taken at that step and freed after). All in float64."""
+
+    def __init__(self, model, optimizers):
+        self.params = [p for _, p in model.named_parameters()]
+        self.optimizers = list(optimizers)
+        self.grads: list[float] | None = None
+        self._before: list | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "StepMetrics":
+        self._handles = [opt.register_step_pre_hook(self._pre) for opt in self.optimizers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, *_args) -> None:
+        if self.grads is None:
+            self.grads = _norms([p.grad for p in self.params])
+            self._before = [p.detach().clone() for p in self.params]
+
+    def row(self, loss: float) -> np.ndarray:
+        """[loss, gradient norms..., update norms...] of the step that just ended."""
+        import torch
+
+        grads = self.grads if self.grads is not None else _norms([p.grad for p in self.params])
+        if self._before is None:
+            updates = [0.0] * len(self.params)
+        else:
+            with torch.no_grad():
+                updates = _norms([p.detach() - b for p, b in zip(self.params, self._before, strict=True)])
+        self._before = None
+        return np.array([loss, *grads, *updates], dtype=np.float64)
+
+
+def _norms(tensors) -> list[float]:
+    import torch
+
+    values = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) if t is not None and t.numel() else None
+              for t in tensors]
+    return [0.0 if v is None else float(v) for v in values]
+
+
+class StepRecorder:
+    """Records iterations `steps` of `model` into the multi-step file `options.out` (module docstring).
+
+    `options` are a recording's (`RecordOptions`; the level is always "stats"); `twin`: run the perturbed twin in
+    `run()` when replaying (the band of docs/steps.md). `inputs`, `loss` and `note` act on the step being recorded.
+    """
+
+    def __init__(self, model, options: RecordOptions, steps: Any = None, *, optimizer=None,
+                 progress: Callable[[str, int], None] | None = None, notify: Callable[[str], None] | None = None,
+                 twin: bool = True):
+        if options.against:
+            raise OneIterError("against='cpu' judges one iteration: record several steps against a reference "
+                               "(replay=) instead", param="against")
+        if current_rank().distributed:
+            raise OneIterError("several steps are recorded by a single process (torchrun runs: record one step with "
+                               "--step)", param="steps")
+        self.model, self.options = model, replace(options, level="stats")
+        self.optimizers = optimizer_list(optimizer)
+        self.progress, self.notify, self.twin_enabled = progress, notify, bool(twin)
+        self.wanted = None if steps is None else check_steps(steps)
+        self.summary: RecordSummary | None = None
+        self.ref: IterationFile | None = None
+        self._stack: ExitStack | None = None
+        self._current: Recorder | TwinPass | None = None
+        self._rows: list[np.ndarray] = []
+        self._twin_rows: list[np.ndarray] = []
+        self._done: list[int] = []
+        self._twin: Twin | None = None
+        self.twin_check = math.nan
+
+    # -- the block ---------------------------------------------------------------------------------------------------
+    def __enter__(self) -> "StepRecorder":
+        import h5py
+
+        opts = self.options
+        check_output(opts.out, opts.force)
+        stack = ExitStack()
+        try:
+            if opts.replay is not None:
+                self.ref = stack.enter_context(IterationFile(opts.replay))
+                self.steps = self._replayed_steps()
+            elif self.wanted is None:
+                raise OneIterError("steps must be given (how many iterations to record)", param="steps")
+            else:
+                self.steps = self.wanted
+            tmp = stack.enter_context(atomic_output(opts.out, opts.force))
+            self._file = stack.enter_context(h5py.File(tmp, "w", libver="latest"))
+            self._file.create_group(STEPS)
+            self._tmp_step = tmp.with_name(tmp.name + ".step")
+            stack.callback(self._remove_step_file)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack, self._started = stack, time.perf_counter()
+        return self
+
+    def _replayed_steps(self) -> list[int]:
+        theirs = self.ref.steps()
+        if not theirs:
+            raise OneIterError(f"replay '{self.ref.path.name}' records one iteration, not several: replay it without "
+                               f"steps=", param="steps")
+        if self.wanted is None:
+            return theirs
+        if self.wanted != theirs[:len(self.wanted)]:
+            raise OneIterError(f"steps {_shown(self.wanted)} are not the first steps of the reference "
+                               f"'{self.ref.path.name}' ({_shown(theirs)}): a replay runs the reference's steps from "
+                               f"its first", param="steps")
+        return self.wanted
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        if exc_type is not None:
+            stack.__exit__(exc_type, exc, tb)
+            return
+        with stack:
+            if not self._done:
+                raise OneIterError("no step was recorded: call rec.run(fn) or record each step in `with rec.step(s)`",
+                                   param="steps")
+            self._finish()
+        path = self.options.out
+        self.summary = RecordSummary(path, self._num_entries, 0, path.stat().st_size,
+                                     time.perf_counter() - self._started, float(self._rows[-1][0]),
+                                     self._num_calls, num_steps=len(self._done))
+
+    def _finish(self) -> None:
+        """The signature tables and the root attributes; the file is renamed into place when the block closes."""
+        first = self._file[STEPS][str(self._done[0])]
+        columns = signature_columns([n for n, _ in self.model.named_parameters()])
+        tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows)]
+        tables = [(name, rows) for name, rows in tables if rows]
+        for name, rows in tables:
+            self._file.create_dataset(name, data=np.stack(rows)).attrs["columns"] = np.array(
+                columns, dtype=__import__("h5py").string_dtype())
+        attrs = {k: v for k, v in first.attrs.items() if k not in ("iteration", "complete")}
+        attrs.update({"steps": len(self._done), "loss": float(self._rows[-1][0]), "level": "stats", "local": ""})
+        if self._twin_rows:
+            attrs.update({TWIN_ROUNDOFF: self._twin.roundoff, TWIN_CHECK: float(self.twin_check)})
+        self._file.attrs.update(attrs)
+        self._num_calls = int(first.attrs.get("num_calls", 0))
+        self._file.attrs["complete"] = True
+        self._file.close()
+
+    # -- recording one step -------------------------------------------------------------------------------------------
+    @property
+    def next_step(self) -> int | None:
+        """The next step to record (None: all are recorded, or the block has not started)."""
+        if self._stack is None or len(self._done) >= len(self.steps):
+            return None
+        return self.steps[len(self._done)]
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[Recorder]:
+        """Record iteration `step` (the next one of `steps`) with the block: yields its `Recorder`."""
+        if self._stack is None:
+            raise OneIterError("rec.step() works only inside `with Recorder(..., steps=...) as rec:`", param="steps")
+        index = len(self._done)
+        if index >= len(self.steps) or self.steps[index] != step:
+            expected = self.steps[index] if index < len(self.steps) else "none (all were recorded)"
+            raise OneIterError(f"step {step} is not the next step to record (expected {expected})", param="steps")
+        first = index == 0
+        opts = replace(self.options, out=self._tmp_step, force=True, seed=self.options.seed if first else None,
+                       meta={**self.options.meta, "iteration": step})
+        recorder = Recorder.from_options(self.model, opts, optimizer=self.optimizers, progress=None,
+                                         notify=self.notify if first else None,
+                                         reference=self.ref.step(step) if self.ref is not None else None, start=first,
+                                         step_of=True)
+        metrics = StepMetrics(self.model, self.optimizers)
+        with metrics, recorder:
+            if first and self.ref is not None and self.twin_enabled:
+                self._twin = Twin(self.model, self.optimizers, self._roundoff(), seed=self.options.seed or 0)
+            self._current = recorder
+            try:
+                yield recorder
+            finally:
+                self._current = None
+        self._rows.append(metrics.row(recorder.summary.loss))
+        self._num_entries = recorder.summary.num_entries
+        self._keep(step)
+        if self.progress is not None:
+            self.progress(f"step {index + 1}/{len(self.steps)}", len(self._done))
+
+    def _keep(self, step: int) -> None:
+        """Copy the step's file into `/steps/<step>` (attributes, hard links and all) and delete it."""
+        import h5py
+
+        with h5py.File(self._tmp_step, "r") as source:
+            self._file.copy(source["/"], self._file[STEPS], str(step))
+        self._remove_step_file()
+        self._done.append(step)
+
+    def _remove_step_file(self) -> None:
+        if self._tmp_step.exists():
+            os.unlink(self._tmp_step)
+
+    def run(self, fn: Callable[[int], Any]) -> None:
+        """Record every step: `fn(step)` runs the loop's body (its batch through `rec.inputs(...)`). Replaying, the
+        twin then runs the same step (`fn` is called again, on the twin's weights: keep other side effects out)."""
+        for index, step in enumerate(self.steps[len(self._done):], start=len(self._done)):
+            with self.step(step):
+                fn(step)
+            if self._twin is None:
+                continue
+            if index == 0:  # the twin is a model of the run: unperturbed, it must give the run's own step
+                check = self._twin_step(self._twin.copy(), step, fn, perturb=False)
+                self.twin_check = _distance(check, self._rows[-1])
+            self._twin_rows.append(self._twin_step(self._twin, step, fn, perturb=True))
+
+    def _twin_step(self, twin: Twin, step: int, fn, *, perturb: bool) -> np.ndarray:
+        view = self.ref.step(step)
+        metrics = StepMetrics(self.model, self.optimizers)
+        twin_pass = TwinPass(self.model, view, self.options, self._device())
+        with twin.swapped_in(step, perturb=perturb), metrics, twin_pass:
+            self._current = twin_pass
+            try:
+                fn(step)
+            finally:
+                self._current = None
+            return metrics.row(twin_pass.loss_value())  # its weights still in: their update is the twin's
+
+    def _device(self):
+        import torch
+
+        for tensor in (*self.model.parameters(), *self.model.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    def _roundoff(self) -> float:
+        """u of the lower of the two runs' precisions: the twin's perturbation. A float32 run whose matmuls or
+        convolutions run TF32/HF32 (`precision_modes`: the target's flags now, the reference's as recorded) counts
+        as that precision: its inputs are rounded to 10 mantissa bits, and a smaller perturbation would vanish in
+        that rounding (measured on an H200: a TF32 target's twin then drifted by nothing, and a clean step was
+        flagged at 115x its band)."""
+        mine = amp_dtype_name(self.options.amp) or _param_dtype(self.model)
+        theirs = amp_dtype_name(self.ref.meta.get("amp")) or str(self.ref.meta.get("dtype") or "float32")
+        modes = (precision_modes.current(self._device().type),
+                 precision_modes.from_attr(self.ref.meta.get(PRECISION_MODES)))
+        return max(unit_roundoff(mine), unit_roundoff(theirs), *(precision_modes.roundoff(m) for m in modes))
+
+    # -- what the loop calls ------------------------------------------------------------------------------------------
+    def _active(self, what: str):
+        if self._current is None:
+            raise OneIterError(f"rec.{what}() works inside a step: rec.run(fn) or `with rec.step(s):`", param=what)
+        return self._current
+
+    def inputs(self, *args, **kwargs):
+        """The step's batch (`Recorder.inputs`): stored, and on replay the reference's step's in its place."""
+        return self._active("inputs").inputs(*args, **kwargs)
+
+    def loss(self, tensor):
+        """Name the step's loss (`Recorder.loss`)."""
+        return self._active("loss").loss(tensor)
+
+    def note(self, **attrs) -> None:
+        """Extra attributes of the step being recorded."""
+        self._active("note").note(**attrs)
+
+    def locate(self, exc, frame):
+        current = self._current
+        return current.locate(exc, frame) if isinstance(current, Recorder) else None
+
+
+def _distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest symmetric relative difference between two signature rows (0: bit for bit)."""
+    scale = np.maximum(np.maximum(np.abs(a), np.abs(b)), np.finfo(np.float64).tiny)
+    diff = np.abs(a - b) / scale
+    diff[(a == b) | (np.isnan(a) & np.isnan(b))] = 0.0
+    return float(np.nanmax(diff)) if diff.size else 0.0
+
+
+def _param_dtype(model) -> str:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _shown(steps: Sequence[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if list(steps) == list(range(steps[0], steps[-1] + 1)) else str(list(steps))
+

@@ -1,0 +1,229 @@
+"""The perturbed twin of a multi-step replay: the band of what the run's precision explains, measured on the run.
+
+Where this sits: a replay of a multi-step reference (`record/steps/step_recorder.py`) runs each iteration twice. First
+the target's own step, recorded; then the same step of a **twin** — the target's own code, device, precision, batch
+and random values, on the same model and optimizer objects, but with its own weights, buffers and optimizer state
+(`Twin`), swapped in for the pass and out again. Before each of its forwards the twin's weights are perturbed by
+one rounding of the run's precision, w * (1 ± 2u) with random signs from a fixed seed (u: the unit roundoff of
+the lower of the two runs' precisions); the perturbation is taken off again before its optimizer steps, so the
+gradient is computed at perturbed weights (every rounding of the forward and backward comes out another way, as a
+second implementation in the same precision would round) and the update lands on clean weights (the weights keep
+no perturbation of their own: in a real run they are rounded only by the update). The twin starts where the
+target started, so how far its signature (`format/signature.py`) drifts from the target's, step after step, is what
+the precision explains for this model, learning rate and optimizer: rounding injected at every step, amplified by
+the training dynamics. `judge/steps/step_compare.py` turns it into the band (docs/steps.md: how the factor was
+measured).
+
+The twin is a model of the computation, so it is checked against the computation first (`check`): on the first
+step, a copy of the twin run *without* perturbation must give the target's own signature bit for bit (on the
+CPU; elsewhere its distance is kept and widens the band).
+
+What a pass keeps from the live run: the RNG states (forked and restored), the optimizer's param-group options
+(a learning-rate scheduler stepped inside the pass is undone), the live weights, gradients, buffers and state.
+What it does not undo: other side effects of the step function (it runs twice per step: keep logging and data
+loading out of it, or let them run twice).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import math
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+
+import torch
+
+from oneiter.errors import OneIterError
+from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.local.rerun import scaled_by_signs
+from oneiter.record.modes.fallback import OpFallback
+from oneiter.record.modes.randomness import RandomReplayer
+from oneiter.runtime.precision import autocast_for
+
+__all__ = ["Twin", "TwinPass", "perturbation_seed"]
+
+
+def perturbation_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s perturbation signs (reproducible, different per step)."""
+    return (int(seed) * 1_000_003 + int(step) * 7919 + 17) % (2**63 - 1)
+
+
+def _clone_state(state) -> dict:
+    """An optimizer's state (a defaultdict, as torch's optimizers expect), every tensor copied."""
+    return collections.defaultdict(dict, {
+        p: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in s.items()}
+        for p, s in state.items()})
+
+
+class Twin:
+    """The twin's own state: a copy of every parameter, gradient, buffer and optimizer state of the live run,
+    taken when the run starts (`Twin(model, optimizers, roundoff, seed)`)."""
+
+    def __init__(self, model, optimizers, roundoff: float, seed: int):
+        self.model, self.optimizers = model, list(optimizers)
+        self.roundoff, self.seed = float(roundoff), int(seed)
+        self.params = [p for _, p in model.named_parameters()]
+        self.weights = [p.detach().clone() for p in self.params]
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        self.buffers = [(m, name, b.detach().clone()) for m in model.modules()
+                        for name, b in m._buffers.items() if b is not None]
+        self.states = [_clone_state(opt.state) for opt in self.optimizers]
+
+    def copy(self) -> "Twin":
+        """An independent copy (the check runs on one and throws it away)."""
+        twin = copy.copy(self)
+        twin.weights = [w.clone() for w in self.weights]
+        twin.grads = [None if g is None else g.clone() for g in self.grads]
+        twin.buffers = [(m, name, b.clone()) for m, name, b in self.buffers]
+        twin.states = [_clone_state(s) for s in self.states]
+        return twin
+
+    @contextmanager
+    def swapped_in(self, step: int, *, perturb: bool = True) -> Iterator[None]:
+        """The twin's state in the live model and optimizers for the block (weights perturbed for its forward and
+        backward when `perturb`), the live state back afterwards; the twin keeps what the block made of its own."""
+        live_weights = [p.data for p in self.params]
+        live_grads = [p.grad for p in self.params]
+        live_buffers = [m._buffers[name] for m, name, _ in self.buffers]
+        live_states = [opt.state for opt in self.optimizers]
+        live_groups = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                       for opt in self.optimizers]
+        clean = list(self.weights)
+        with ExitStack() as stack:
+            kind, indices = _devices(self.params)
+            stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
+            with torch.no_grad():
+                for index, (p, w, g) in enumerate(zip(self.params, clean, self.grads, strict=True)):
+                    p.data = self._perturbed(w, step, index) if perturb and w.is_floating_point() else w
+                    p.grad = g
+            for m, name, b in self.buffers:
+                m._buffers[name] = b
+            for opt, state in zip(self.optimizers, self.states, strict=True):
+                opt.state = state
+            handles = [opt.register_step_pre_hook(lambda *_: self._unperturb(clean)) for opt in self.optimizers]
+            try:
+                yield
+            finally:
+                for handle in handles:
+                    handle.remove()
+                self._unperturb(clean)  # a pass that never stepped: its weights are the clean ones
+                self.weights = [p.data for p in self.params]
+                self.grads = [p.grad for p in self.params]
+                self.buffers = [(m, name, m._buffers[name]) for m, name, _ in self.buffers]
+                self.states = [opt.state for opt in self.optimizers]
+                for p, w, g in zip(self.params, live_weights, live_grads, strict=True):
+                    p.data, p.grad = w, g
+                for (m, name, _), b in zip(self.buffers, live_buffers, strict=True):
+                    m._buffers[name] = b
+                for opt, state, groups in zip(self.optimizers, live_states, live_groups, strict=True):
+                    opt.state = state
+                    for group, options in zip(opt.param_groups, groups, strict=True):
+                        group.update(options)
+
+    def _unperturb(self, clean: list) -> None:
+        """The clean weights back under the perturbed ones (the gradients stay: computed at the perturbed ones)."""
+        for p, w in zip(self.params, clean, strict=True):
+            if p.data is not w:
+                p.data = w
+
+    def _perturbed(self, weight, step: int, index: int):
+        """w * (1 ± 2u), the signs random from (seed, step, the parameter's position), computed in float32 (or
+        float64 for float64 weights) and stored in the weight's dtype."""
+        gen = torch.Generator().manual_seed(perturbation_seed(self.seed, step) + index)
+        return scaled_by_signs(weight, torch.randint(0, 2, weight.shape, generator=gen, dtype=torch.int8),
+                               2.0 * self.roundoff)
+
+
+def _devices(params) -> tuple[str, list[int]]:
+    """The accelerator type and devices whose RNG a pass must leave as it found it (the CPU's is always forked)."""
+    found = {(p.device.type, p.device.index or 0) for p in params if p.device.type != "cpu"}
+    kinds = {kind for kind, _ in found}
+    kind = kinds.pop() if len(kinds) == 1 else "cuda"
+    return kind, sorted(i for k, i in found if k == kind)
+
+
+class TwinPass:
+    """What a twin's pass runs under: the reference step's batch (handed out by `inputs`, or swapped into the
+    model's first call) and random values, autocast as the recording has it, the op fallback; its loss is the
+    tensor the first backward runs on (or the one `loss` names)."""
+
+    def __init__(self, model, view, options, device):
+        self.model, self.view, self.options, self.device = model, view, options, device
+        self._loss = None
+        self._explicit = self._taken = self._backward_seen = False
+        self._autocast = None
+
+    def __enter__(self) -> "TwinPass":
+        opts = self.options
+        self._swap = BatchSwap(read_batch(self.view), self.view.path.name)
+        stack = ExitStack()
+        try:
+            stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))
+            if opts.fallback:
+                stack.enter_context(OpFallback(opts.fallback))
+            stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
+                                                                prepend=True).remove)
+            self._patch_backward(stack)
+            if opts.amp and opts.manage_autocast:
+                self._autocast = autocast_for(self.device, opts.amp)
+                self._autocast.__enter__()
+                stack.callback(self._end_autocast)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._end_autocast()
+        self._stack.__exit__(*exc)
+
+    def _end_autocast(self) -> None:
+        autocast, self._autocast = self._autocast, None
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+
+    def _patch_backward(self, stack: ExitStack) -> None:
+        original = torch.Tensor.backward
+        owner = self
+
+        def backward(tensor, *args, **kwargs):
+            if not owner._backward_seen:  # the first backward: autocast ends, and its tensor is the loss
+                owner._backward_seen = True
+                owner._end_autocast()
+                if not owner._explicit:
+                    owner._loss = tensor.detach()
+            return original(tensor, *args, **kwargs)
+
+        torch.Tensor.backward = backward
+        stack.callback(setattr, torch.Tensor, "backward", original)
+
+    def _first_forward(self, module, args, kwargs):
+        if self._taken:
+            return None
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        return args, kwargs
+
+    def inputs(self, *args, **kwargs):
+        if self._taken:
+            raise OneIterError("rec.inputs() was already called (or the model already ran) in this step",
+                               param="inputs")
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        if kwargs:
+            return args, kwargs
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def loss(self, tensor):
+        self._loss, self._explicit = tensor.detach(), True
+        return tensor
+
+    def note(self, **attrs) -> None:
+        """Notes are the recorded step's; the twin's pass keeps none."""
+
+    def loss_value(self) -> float:
+        return math.nan if self._loss is None else float(self._loss.float())

@@ -67,7 +67,7 @@ CLEAN = ("clean", "threads", "bf16")
 
 
 def zoo_module():
-    """tests/model_files/zoo_models.py as a module (its folder on sys.path, as a model file's is when oneiter loads it)."""
+    """tests/model_files/zoo_models.py as a module (its folder on sys.path, as oneiter puts a model file's)."""
     if str(MODEL_FILES) not in sys.path:
         sys.path.insert(0, str(MODEL_FILES))
     import zoo_models
@@ -129,39 +129,51 @@ def fault_sites(name: str) -> dict:
 
     for fname, fn in originals.items():
         setattr(F, fname, counting(fname, fn))
-    handles = []
     try:
         torch.manual_seed(SEED)
         model, inputs, _ = zoo.build(BATCH, name)
-        model.train()
-        paths = {id(m): p for p, m in model.named_modules()}
-        leaves: list[str] = []
-        kinds = {p: type(m) for p, m in model.named_modules()}
+        leaves = _trace(model, inputs, stack)
+    finally:
+        for fname, fn in originals.items():
+            setattr(F, fname, fn)
+        zoo.undo_faults()
+    kinds = {p: type(m) for p, m in model.named_modules()}
+    return {"module": leaves[(2 * len(leaves)) // 3] if leaves else None, "num_leaves": len(leaves),
+            **_function_site(calls, kinds)}
 
-        def pre(module, args, kwargs):
-            path = paths.get(id(module), "?")
-            stack.append(path)
-            own = any(True for _ in module.parameters(recurse=False))
-            feeds = _grad_floats(args) or _grad_floats(kwargs)
-            if own and not any(True for _ in module.children()) and feeds and path not in leaves:
-                leaves.append(path)
 
-        def post(module, args, output):
-            stack.pop()
+def _trace(model, inputs, stack: list[str]) -> list[str]:
+    """One forward in train mode, seeded as a recording seeds its iteration (the same layers drop out: layerdrop),
+    with `stack` holding the path of every module call running; returns the leaf modules owning parameters that
+    were fed a floating tensor requiring a gradient, in the order of their first call."""
+    import torch
 
+    model.train()
+    paths = {id(m): p for p, m in model.named_modules()}
+    leaves: list[str] = []
+
+    def pre(module, args, kwargs):
+        path = paths.get(id(module), "?")
+        stack.append(path)
+        own = any(True for _ in module.parameters(recurse=False))
+        feeds = _grad_floats(args) or _grad_floats(kwargs)
+        if own and not any(True for _ in module.children()) and feeds and path not in leaves:
+            leaves.append(path)
+
+    def post(module, args, output):
+        stack.pop()
+
+    handles = []
+    try:
         for module in model.modules():
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post))
-        torch.manual_seed(SEED)  # as a recording seeds its iteration: the same layers drop out (layerdrop)
+        torch.manual_seed(SEED)
         model(*inputs)
     finally:
         for handle in handles:
             handle.remove()
-        for fname, fn in originals.items():
-            setattr(F, fname, fn)
-        zoo.undo_faults()
-    return {"module": leaves[(2 * len(leaves)) // 3] if leaves else None, "num_leaves": len(leaves),
-            **_function_site(calls, kinds)}
+    return leaves
 
 
 def _function_site(calls: list[tuple[str, str]], kinds: dict[str, type]) -> dict:

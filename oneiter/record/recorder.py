@@ -12,9 +12,10 @@ from its spec and drives `runtime.training.train_step` inside a `Recorder`), the
 What it does inside the block, in order:
 
 - on enter: (with `replay=`) checks the model's structure against the reference and loads its weights and
-  buffers bit for bit; opens the output as a temporary file beside `out`; writes `state_before`; seeds torch
-  (`seed`, so dropout draws the same numbers on both sides); starts random-op recording (reference) or replay
-  (target) and the module hooks; enters autocast when `amp=` is given and `manage_autocast` is True;
+  buffers bit for bit; opens the output as a temporary file beside `out`; writes `state_before`; seeds torch's,
+  Python's and numpy's generators (`seed`, so dropout draws the same numbers on both sides); starts random-op
+  recording (reference) or replay (target) and the module hooks; enters autocast when `amp=` is given and
+  `manage_autocast` is True;
 - the batch: `rec.inputs(...)` stores its arguments as `batch/` and, on replay, returns the reference's tensors
   in their place. Without `rec.inputs`, the arguments of the model's first forward call are the batch (and are
   swapped the same way) — what the framework integrations use;
@@ -58,6 +59,8 @@ from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
+from oneiter.runtime.host_random import seed_all
+from oneiter.runtime.names import state_tensors
 from oneiter.runtime.precision import autocast_for
 from oneiter.runtime.sharding import class_name, local, reduction
 from oneiter.version import __version__
@@ -118,7 +121,7 @@ class Recorder:
             and every module call is judged locally against it (`isolate`).
         amp: "bf16" / "fp16": the run's autocast dtype (entered around forward when `manage_autocast`).
         include / exclude: regexes on module paths to record / skip.
-        seed: `torch.manual_seed(seed)` when the block starts (None: leave the RNG alone).
+        seed: torch's, Python's and numpy's generators seeded when the block starts (None: leave them alone).
         isolate: with `replay`, rerun every call teacher-forced on the reference's values (local error).
         calibrate: where expected noise is measured: "cpu" (float64 vs the run's precision) or "device".
         against: "cpu": no reference; judge each call against a float32 CPU recomputation of this run's values.
@@ -254,14 +257,13 @@ class Recorder:
 
     # -- the block ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> "Recorder":
-        import torch
 
         if self.phase is not Phase.IDLE:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
         check_output(self.out, opts.force)
         # a sharded (FSDP2) tensor is stored as this rank's shard
-        state = sum(local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        state = sum(local(t).numel() * t.element_size() for _, t, _ in state_tensors(self.model))
         params = sum(local(p).numel() * p.element_size() for p in self.model.parameters())
         # state_before (full unless a stats-level replay), state_after and parameter gradients (full level only)
         before = state if opts.level == "full" or self.replay is None else 0
@@ -301,7 +303,7 @@ class Recorder:
             del opt_entries
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
-                torch.manual_seed(opts.seed)
+                seed_all(opts.seed)  # torch's, Python's and numpy's generators
             self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
             self.session.attach_random(self._modes.random)
             stack.enter_context(self.session.capture())

@@ -405,9 +405,9 @@ class _Tied(nn.Module):
 
 
 def _inplace():
-    return _Classify(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.ReLU(inplace=True), nn.Linear(HIDDEN, HIDDEN),
-                                   nn.Hardswish(inplace=True), nn.Linear(HIDDEN, HIDDEN), nn.LeakyReLU(0.1, inplace=True),
-                                   nn.Linear(HIDDEN, HIDDEN), nn.SiLU(inplace=True), nn.Dropout(0.1, inplace=True),
+    acts = (nn.ReLU(inplace=True), nn.Hardswish(inplace=True), nn.LeakyReLU(0.1, inplace=True), nn.SiLU(inplace=True),
+            nn.Dropout(0.1, inplace=True))
+    return _Classify(nn.Sequential(*(m for act in acts for m in (nn.Linear(HIDDEN, HIDDEN), act)),
                                    nn.Linear(HIDDEN, HIDDEN)))
 
 
@@ -443,6 +443,11 @@ def torchtitan_llama(batch_size):
     ids = _ids(batch_size)
     return net, (ids,), _token_loss(torch.randint(0, VOCAB, (batch_size, SEQ)))
 
+
+# multi-head latent attention (DeepSeek): compressed q and kv, a rotary part of each head; 4 routed experts
+MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, head_dim=4,
+           num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
 
 # -- the catalogue --------------------------------------------------------------------------------------------------
 
@@ -488,13 +493,9 @@ MODELS: dict[str, Entry] = {
     "olmoe": Entry(f"{LM}: MoE", causal_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4,
                                            num_experts_per_tok=2)),
     "deepseek_v2": Entry(f"{LM}: multi-head latent attention, MoE", causal_lm(
-        "DeepseekV2Config", "DeepseekV2ForCausalLM", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8, head_dim=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+        "DeepseekV2Config", "DeepseekV2ForCausalLM", **MLA)),
     "deepseek_v3": Entry(f"{LM}: multi-head latent attention, MoE", causal_lm(
-        "DeepseekV3Config", "DeepseekV3ForCausalLM", q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8, head_dim=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)),
+        "DeepseekV3Config", "DeepseekV3ForCausalLM", **MLA)),
     # encoders
     "bert": Entry("encoder: absolute positions", masked_lm("BertConfig", "BertForMaskedLM")),
     "roberta": Entry("encoder: absolute positions", masked_lm("RobertaConfig", "RobertaForMaskedLM")),

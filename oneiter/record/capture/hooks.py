@@ -44,6 +44,7 @@ from oneiter.format.stats import tensor_stats
 from oneiter.record.capture.input_grads import InputGradTracker
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
+from oneiter.runtime import host_random
 from oneiter.runtime.sharding import local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
@@ -156,6 +157,7 @@ class CallRecord:
     internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
     identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
     given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
+    host_random: tuple | None = None  # Python's and numpy's generator states as the call began (host_random.py)
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
@@ -316,7 +318,7 @@ class ModuleCapture:
             # recomputation, which differentiates it, will have it
             as_if_grad = not _grad_enabled() and in_reentrant_forward()
             pos, kw = skeleton_call(args, kwargs, as_if_grad=as_if_grad)
-            record = CallRecord(key, module, path, call, parent, pos, kw, begin)
+            record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state())
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
                 record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}

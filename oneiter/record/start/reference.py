@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.runtime.names import state_tensors
 from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
@@ -17,7 +18,7 @@ __all__ = ["check_structure", "load_state", "load_reference"]
 def check_structure(model, ref: IterationFile) -> None:
     """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
     sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
-    mine = {name: tuple(local(t).shape) for name, t in model.state_dict().items()}
+    mine = {name: tuple(local(t).shape) for name, t, _ in state_tensors(model)}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -42,16 +43,9 @@ def load_state(model, ref: IterationFile) -> None:
 
     check_structure(model, ref)
     state = {name: ref.tensor(path) for name, path in ref.state().items()}
-    live = model.state_dict(keep_vars=True)
-    sharded = [name for name, tensor in live.items() if is_dtensor(tensor)]
-    with torch.no_grad():
-        for name in sharded:
-            local(live[name]).copy_(state.pop(name))
-        if not sharded:
-            model.load_state_dict(state, strict=True)
-            return
-        for name, value in state.items():  # the unsharded rest (buffers), as load_state_dict would copy them
-            live[name].copy_(value)
+    with torch.no_grad():  # by the model's own names, as load_state_dict copies (its hooks do not run: see names.py)
+        for name, tensor, _ in state_tensors(model):
+            local(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])
 
 
 def load_reference(bundle, ref: IterationFile) -> None:

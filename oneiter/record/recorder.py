@@ -500,6 +500,7 @@ class Recorder:
         self._modes.close()
         if self.session.probe is not None:
             self.session.enter_phase("probes")
+        self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}

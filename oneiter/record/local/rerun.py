@@ -31,7 +31,16 @@ import numpy as np
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    STATE_BEFORE,
+    STEP_START,
+    child_tensor,
+    grad_name,
+    group_path,
+    tensor_path,
+)
 from oneiter.format.stats import pair_sums
 from oneiter.record.capture.hooks import PROBED, CallRecord
 from oneiter.record.capture.recompute import checkpoint_disabled
@@ -311,6 +320,12 @@ class Rerunner:
             path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
+
+    def step_start(self, name: str):
+        """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it
+        during the iteration (nn.Embedding(max_norm)), else state_before/<name>; None when it has neither."""
+        path = group_path(STEP_START, name)
+        return self.source.tensor(path) if self.source.has(path) else self.reference_state(name)
 
     def _random(self, rec: CallRecord, forced: list[CallRecord], device):
         """Replay the random ops this call's own code ran (forced children's ops do not run in the rerun)."""

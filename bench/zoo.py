@@ -6,8 +6,8 @@
     python bench/zoo.py --report --table docs/zoo.md      # the table and totals of what is cached, nothing run
 
 Per model (`tests/model_files/zoo_models.py`: Hugging Face architectures from tiny random configs, stock `torch.nn`
-families, torchtitan's Llama where it imports): a float32 reference (2 threads, batch 2), then replays of it
-that must be a MATCH (`clean`: the same settings; `threads`: 1 thread; `bf16`: bf16 autocast), and replays with
+families, torchtitan's Llama where it imports): a float32 reference (1 thread, batch 2), then replays of it
+that must be a MATCH (`clean`: the same settings; `threads`: 2 threads; `bf16`: bf16 autocast), and replays with
 a fault that must be *named*, module and phase: 1e-3 in float32 (`fwd`, `bwd`), 5e-2 under bf16 autocast
 (`bf16_fwd`, `bf16_bwd`), once in a module (`module_*`) and once in a `torch.nn.functional` function
 (`function_*`). The faults are the model file's own (`faultkit`, env ONEITER_TEST_FAULT): oneiter is never told.
@@ -26,7 +26,8 @@ Where a fault goes is a rule (`fault_sites`), run on the model before anything i
 A case's outcome: `ok` (a clean replay MATCH; a fault named), `FALSE ALARM` (a clean replay not a MATCH),
 `misnamed` (DIVERGED, but another module or phase), `missed` (MATCH on a fault), `error` (oneiter raised).
 Results are cached per model and case in `--cache` (JSON, one file per model): a second run only runs what is
-missing (`--rerun` forgets the selected cases). Each model runs in its own process (`--timeout` seconds at most).
+missing (`--rerun` forgets the selected cases). Each model runs in its own process (`--timeout` seconds at most),
+its reference in another one, with another Python hash seed (`REFERENCE_HASH_SEED`), as a user's two runs are.
 `--json` writes the summary, `--table` the Markdown table (model x case -> verdict, culprit, seconds).
 """
 
@@ -47,12 +48,14 @@ ROOT = HERE.parent.parent
 MODEL_FILES = ROOT / "tests" / "model_files"
 SPEC = f"{MODEL_FILES / 'zoo_models.py'}:build"
 FAULT_ENV = "ONEITER_TEST_FAULT"
-BATCH, SEED, THREADS = 2, 0, 2
+# one intra-op thread: on cores other processes share, two OpenMP threads spin-wait for each other (the tiny Llama's
+# three cases took 103 s wall, 15 s CPU with two, 47 s and 6 s with one, at load 16); the `threads` case runs two
+BATCH, SEED, THREADS, OTHER_THREADS = 2, 0, 1, 2
 
 # case -> (replay options, fault family or None, REL)
 CASES: dict[str, tuple[dict, str | None, float]] = {
     "clean": ({}, None, 0.0),
-    "threads": ({"threads": 1}, None, 0.0),
+    "threads": ({"threads": OTHER_THREADS}, None, 0.0),
     "bf16": ({"amp": "bf16"}, None, 0.0),
     "module_fwd": ({}, "instance", 1e-3),
     "module_bwd": ({}, "instance_bwd", 1e-3),
@@ -220,11 +223,22 @@ def _record(out: Path, name: str, fault: str | None = None, **options):
         zoo.undo_faults()
 
 
+# A reference and its replays run in separate processes, as a user runs them: Python's string hashing, and with it
+# the order of a set of strings, is per process (ModernBERT computes its rotary embeddings in the order of
+# `set(config.layer_types)`). The reference's process and the workers' get two seeds that order them differently.
+REFERENCE_HASH_SEED, WORKER_HASH_SEED = "0", "1"
+
+
 def reference(work: Path, name: str) -> Path:
-    """The float32 reference of zoo model `name` in `work` (recorded once)."""
+    """The float32 reference of zoo model `name` in `work` (recorded once, in a process of its own)."""
     ref = work / f"{name}.ref.h5"
     if not ref.exists():
-        _record(ref, name)
+        env = {**os.environ, "PYTHONHASHSEED": REFERENCE_HASH_SEED}
+        cmd = [sys.executable, str(HERE), "--reference", name, "--work", str(work)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not ref.exists():
+            tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-1:])
+            raise RuntimeError(f"the reference of {name} failed (exit {done.returncode}): {tail}")
     return ref
 
 
@@ -275,7 +289,8 @@ def run_case(work: Path, name: str, case: str, sites: dict) -> dict:
              "call": culprit.call if culprit else verdict.where.get("call"),
              "phase": culprit.phase if culprit else verdict.where.get("phase"),
              "tensor": culprit.tensor if culprit else verdict.where.get("tensor"),
-             "ratio": culprit.ratio if culprit else None, "headline": verdict.headline[:400]}
+             "ratio": culprit.ratio if culprit else None, "headline": verdict.headline[:400],
+             "worst_local": verdict.worst_local}  # on a miss: the call nearest to being flagged
     return {**result, "outcome": judge_outcome(found, want), "verdict": found, "seconds": seconds}
 
 
@@ -382,7 +397,7 @@ def run_all(names: list[str], cases: list[str], cache: Path, work: Path, timeout
         cmd = [sys.executable, str(HERE), "--worker", name, "--cases", ",".join(missing), "--cache", str(cache),
                "--work", str(work)]
         try:
-            subprocess.run(cmd, timeout=timeout, check=False)
+            subprocess.run(cmd, timeout=timeout, check=False, env={**os.environ, "PYTHONHASHSEED": WORKER_HASH_SEED})
         except subprocess.TimeoutExpired:
             data = load_cached(cache, name)
             for case in missing:
@@ -468,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the summary JSON here")
     parser.add_argument("--table", type=Path, help="write the Markdown table here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--reference", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
@@ -475,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown cases: {', '.join(unknown)} (known: {', '.join(CASES)})")
     if args.worker:
         worker(args.worker, cases, args.cache, args.work)
+        return 0
+    if args.reference:
+        _record(args.work / f"{args.reference}.ref.h5", args.reference)
         return 0
     import tempfile
 

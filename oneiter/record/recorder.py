@@ -294,10 +294,7 @@ class Recorder:
                 probe_factory=probe_factory, keep_values=self.local_kind == "against_cpu",
                 stats_groups=self._stats_groups() if opts.level == "stats" else None, queue_bytes=opts.queue_bytes,
             ))
-            if len(self.optimizers) == 1:
-                self.session.bind_optimizer(self.optimizers[0])
-            if self.session.probe is not None:
-                self.session.probe.optimizer_start = self.optimizer_start
+            self._bind_session()
             self.session.state_before()
             self.session.optimizer_state(opt_entries)
             del opt_entries
@@ -324,6 +321,16 @@ class Recorder:
         self._advance(Phase.OPEN)
         self.session.enter_phase("forward")
         return self
+
+    def _bind_session(self) -> None:
+        """What the session needs of this block: the reference's call numbering (a replay numbers each module's
+        calls as its reference did: `hooks.pair_with`), the optimizer and where it starts."""
+        if self.ref is not None:
+            self.session.module_capture.pair_with(self.ref.calls())
+        if len(self.optimizers) == 1:
+            self.session.bind_optimizer(self.optimizers[0])
+        if self.session.probe is not None:
+            self.session.probe.optimizer_start = self.optimizer_start
 
     def __exit__(self, exc_type, exc, tb) -> None:
         stack, self._stack = self._stack, None

@@ -464,14 +464,9 @@ MODELS: dict[str, Entry] = {
         "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=HIDDEN, n_layer=3, n_head=4, vocab_size=VOCAB,
         n_positions=64, multi_query=True)),
     "mistral": Entry(f"{LM}: sliding window", causal_lm("MistralConfig", "MistralForCausalLM", sliding_window=4)),
-    "starcoder2": Entry(f"{LM}: sliding window", causal_lm("Starcoder2Config", "Starcoder2ForCausalLM",
-                                                           sliding_window=4)),
     "gemma2": Entry(f"{LM}: soft-capping, sliding window", causal_lm(
         "Gemma2Config", "Gemma2ForCausalLM", sliding_window=4, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0)),
-    "gemma3": Entry(f"{LM}: sliding window, qk-norm", causal_lm(
-        "Gemma3TextConfig", "Gemma3ForCausalLM", sliding_window=4)),
-    "cohere": Entry(f"{LM}: parallel block, logit scale", causal_lm("CohereConfig", "CohereForCausalLM")),
     "bloom": Entry(f"{LM}: ALiBi", causal_lm("BloomConfig", "BloomForCausalLM", n_layer=3, n_head=4)),
     "mpt": Entry(f"{LM}: ALiBi", causal_lm("MptConfig", "MptForCausalLM", d_model=HIDDEN, n_heads=4, n_layers=3,
                                            expansion_ratio=2, max_seq_len=64)),
@@ -480,8 +475,6 @@ MODELS: dict[str, Entry] = {
     "gpt_neox": Entry(f"{LM}: partial rotary", causal_lm("GPTNeoXConfig", "GPTNeoXForCausalLM", rotary_pct=0.25)),
     "phi": Entry(f"{LM}: partial rotary, parallel block", causal_lm("PhiConfig", "PhiForCausalLM",
                                                                      partial_rotary_factor=0.5)),
-    "stablelm": Entry(f"{LM}: partial rotary", causal_lm("StableLmConfig", "StableLmForCausalLM",
-                                                         partial_rotary_factor=0.25)),
     "gptj": Entry(f"{LM}: partial rotary (interleaved)", causal_lm(
         "GPTJConfig", "GPTJForCausalLM", n_embd=HIDDEN, n_layer=3, n_head=4, rotary_dim=4, n_positions=64)),
     # decoder LMs: mixture of experts, multi-head latent attention
@@ -490,18 +483,11 @@ MODELS: dict[str, Entry] = {
     "qwen2_moe": Entry(f"{LM}: MoE, shared expert", causal_lm(
         "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         shared_expert_intermediate_size=32)),
-    "olmoe": Entry(f"{LM}: MoE", causal_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4,
-                                           num_experts_per_tok=2)),
-    "deepseek_v2": Entry(f"{LM}: multi-head latent attention, MoE", causal_lm(
-        "DeepseekV2Config", "DeepseekV2ForCausalLM", **MLA)),
     "deepseek_v3": Entry(f"{LM}: multi-head latent attention, MoE", causal_lm(
         "DeepseekV3Config", "DeepseekV3ForCausalLM", **MLA)),
     # encoders
     "bert": Entry("encoder: absolute positions", masked_lm("BertConfig", "BertForMaskedLM")),
-    "roberta": Entry("encoder: absolute positions", masked_lm("RobertaConfig", "RobertaForMaskedLM")),
     "albert": Entry("encoder: shared layers", masked_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=16)),
-    "electra": Entry("encoder: absolute positions", masked_lm("ElectraConfig", "ElectraForMaskedLM",
-                                                              embedding_size=16)),
     "distilbert": Entry("encoder: absolute positions", masked_lm(
         "DistilBertConfig", "DistilBertForMaskedLM", dim=HIDDEN, hidden_dim=2 * HIDDEN, n_layers=3, n_heads=4)),
     "mpnet": Entry("encoder: relative positions", masked_lm("MPNetConfig", "MPNetForMaskedLM")),
@@ -521,9 +507,6 @@ MODELS: dict[str, Entry] = {
     "bart": Entry("encoder-decoder: absolute positions", seq2seq(
         "BartConfig", "BartForConditionalGeneration", d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)),
-    "mbart": Entry("encoder-decoder: pre-LN", seq2seq(
-        "MBartConfig", "MBartForConditionalGeneration", d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)),
     "pegasus": Entry("encoder-decoder: sinusoidal positions", seq2seq(
         "PegasusConfig", "PegasusForConditionalGeneration", d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)),
@@ -538,26 +521,18 @@ MODELS: dict[str, Entry] = {
     "mobilenet_v2": Entry("vision: CNN (depthwise)", image_classifier(
         "MobileNetV2Config", "MobileNetV2ForImageClassification", depth_multiplier=0.25)),
     "vit": Entry("vision: ViT", image_classifier("ViTConfig", "ViTForImageClassification")),
-    "deit": Entry("vision: ViT", image_classifier("DeiTConfig", "DeiTForImageClassification")),
     "beit": Entry("vision: ViT, relative position bias", image_classifier(
         "BeitConfig", "BeitForImageClassification", use_relative_position_bias=True)),
     "dinov2": Entry("vision: ViT", image_classifier("Dinov2Config", "Dinov2ForImageClassification")),
     "swin": Entry("vision: windowed attention, hierarchical", image_classifier(
         "SwinConfig", "SwinForImageClassification", patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
         window_size=4)),
-    "swinv2": Entry("vision: windowed attention, hierarchical", image_classifier(
-        "Swinv2Config", "Swinv2ForImageClassification", patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 4],
-        window_size=4)),
     "segformer": Entry("vision: hierarchical", image_classifier(
         "SegformerConfig", "SegformerForImageClassification", num_encoder_blocks=2, depths=[1, 1],
         sr_ratios=[2, 1], hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
         mlp_ratios=[2, 2])),
-    "pvt_v2": Entry("vision: hierarchical", image_classifier(
-        "PvtV2Config", "PvtV2ForImageClassification", num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
-        hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2])),
     # speech
     "wav2vec2": Entry("speech: convolutional front end", speech_base("Wav2Vec2Config", "Wav2Vec2Model")),
-    "hubert": Entry("speech: convolutional front end", speech_base("HubertConfig", "HubertModel")),
     "wavlm": Entry("speech: convolutional front end, gated relative bias", speech_base(
         "WavLMConfig", "WavLMModel", num_buckets=16, max_bucket_distance=32)),
     "wav2vec2_conformer": Entry("speech: conformer", speech_base(

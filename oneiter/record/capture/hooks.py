@@ -201,6 +201,7 @@ class ModuleCapture:
         self._handles: list = []
         self._names: dict[int, str] = {}
         self._calls_per_module: dict[str, int] = {}
+        self._used_calls: dict[str, set[int]] = {}  # a replay paired with its reference (`pair_with`): indices given
         self._stack: list[tuple[str, CallRecord | None, int, str]] = []  # open calls: key, record, first node, path
         self.node_ranges: list[tuple[int, int, str]] = []  # per finished call: [first, end) node numbers, key
         self.node_gaps: list[tuple[int, int]] = []  # [first, end) numbers of nodes the hooks themselves created
@@ -291,22 +292,47 @@ class ModuleCapture:
         hooks = sum(max(0, min(end, number) - max(begin, first)) for begin, end in self.node_gaps)
         return number - first - hooks
 
+    def pair_with(self, calls: list[tuple[str, dict]]) -> None:
+        """A replay: number each module's calls as the reference's (`calls`: its (key, attrs)) where the order
+        differs. A call is given the index of the reference's call of the module with the same non-tensor arguments
+        (`arg.*` attributes): its own index when that one has them, else the first unused one that does, else the
+        first unused index from its own. ModernBERT computes its rotary embeddings per layer type in the order of
+        `set(config.layer_types)`, which Python's per-process string hashing decides: the reference's call 0 may be
+        the target's call 1."""
+        found: dict[str, dict[int, dict]] = {}
+        for _key, attrs in calls:
+            found.setdefault(str(attrs["module"]), {})[int(attrs["call"])] = _simple_args(attrs)
+        self._reference_calls = {m: [d.get(i) for i in range(max(d) + 1)] for m, d in found.items()}
+
+    def _call_index(self, path: str, simple: dict) -> int:
+        count = self._calls_per_module.get(path, 0)
+        self._calls_per_module[path] = count + 1
+        theirs = getattr(self, "_reference_calls", {}).get(path)
+        if theirs is None:
+            return count
+        used = self._used_calls.setdefault(path, set())
+        order = [count, *(i for i in range(len(theirs)) if i != count)]
+        pick = next((i for i in order if i < len(theirs) and i not in used and theirs[i] == simple), None)
+        if pick is None:
+            pick = next(i for i in itertools.count(count) if i not in used)
+        used.add(pick)
+        return pick
+
     def _begin_call(self, module, args: tuple, kwargs: dict) -> None:
         path = self._names[id(module)]
-        call = self._calls_per_module.get(path, 0)
-        self._calls_per_module[path] = call + 1
+        named = list(flatten_call(args, kwargs))
+        simple = {f"arg.{name}": "None" if value is None else value for name, value in named
+                  if isinstance(value, _SIMPLE)}
+        call = self._call_index(path, _simple_args(simple))
         key = call_key(path, call)
         parent_key, parent = self._stack[-1][:2] if self._stack else ("", None)
         begin = self.random_count()
         attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
-                 "parent": parent_key, "random_begin": begin}
+                 "parent": parent_key, "random_begin": begin, **simple}
         self.num_calls += 1
         group = call_path(key, FORWARD)
-        named = list(flatten_call(args, kwargs))
         for name, value in named:
-            if isinstance(value, _SIMPLE):
-                attrs[f"arg.{name}"] = "None" if value is None else value
-            else:
+            if not isinstance(value, _SIMPLE):
                 self.sink.put(group, name, value, _layout(value))
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
@@ -422,6 +448,12 @@ class _Suspend:
 
     def __exit__(self, *exc) -> None:
         self.capture._suspended = self.before
+
+
+def _simple_args(attrs: dict) -> dict[str, str]:
+    """A call's non-tensor arguments (`arg.*` attributes) as strings: what a live call and a recorded one compare by
+    (an HDF5 attribute reads back as a numpy scalar)."""
+    return {k: str(v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k.startswith("arg.")}
 
 
 def _layout(value) -> dict | None:

@@ -82,7 +82,7 @@ def _ids(batch_size, seq=SEQ, vocab=VOCAB):
 
 # -- Hugging Face ---------------------------------------------------------------------------------------------------
 
-TEXT = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=3, num_attention_heads=4,
+TEXT = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, use_cache=False,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
             tie_word_embeddings=False)
@@ -137,7 +137,7 @@ def seq2seq(config: str, model: str, target_len: int = 6, **extra):
 
 
 VISION = dict(image_size=32, num_channels=3, num_labels=5, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-              num_hidden_layers=3, num_attention_heads=4, patch_size=8)
+              num_hidden_layers=2, num_attention_heads=4, patch_size=8)
 
 
 def image_classifier(config: str, model: str, image_size: int = 32, **extra):
@@ -151,7 +151,7 @@ def image_classifier(config: str, model: str, image_size: int = 32, **extra):
     return make
 
 
-SPEECH = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=3, num_attention_heads=4,
+SPEECH = dict(hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2, num_attention_heads=4,
               conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=8,
               num_conv_pos_embedding_groups=4, vocab_size=VOCAB)
 
@@ -428,7 +428,7 @@ def torchtitan_llama(batch_size):
 
     heads = 4
     rope = ComplexRoPE.Config(dim=HIDDEN // heads, max_seq_len=64, theta=500000, scaling="llama")
-    layers = llama3._build_llama3_layers(fuse_qkv=True, n_layers=3, dim=HIDDEN, n_heads=heads, n_kv_heads=2,
+    layers = llama3._build_llama3_layers(fuse_qkv=True, n_layers=2, dim=HIDDEN, n_heads=heads, n_kv_heads=2,
                                          hidden_dim=compute_ffn_hidden_dim(HIDDEN, multiple_of=16), rope=rope,
                                          attn_backend="flex")
     for layer in layers:
@@ -457,18 +457,18 @@ MODELS: dict[str, Entry] = {
     "llama": Entry(f"{LM}: dense", causal_lm("LlamaConfig", "LlamaForCausalLM")),
     "qwen3": Entry(f"{LM}: dense, qk-norm", causal_lm("Qwen3Config", "Qwen3ForCausalLM")),
     "gpt2": Entry(f"{LM}: dense, absolute positions", causal_lm(
-        "GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64)),
+        "GPT2Config", "GPT2LMHeadModel", n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)),
     "opt": Entry(f"{LM}: dense, absolute positions", causal_lm(
         "OPTConfig", "OPTForCausalLM", ffn_dim=2 * HIDDEN, word_embed_proj_dim=HIDDEN)),
     "gpt_bigcode": Entry(f"{LM}: dense, multi-query", causal_lm(
-        "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=HIDDEN, n_layer=3, n_head=4, vocab_size=VOCAB,
+        "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=HIDDEN, n_layer=2, n_head=4, vocab_size=VOCAB,
         n_positions=64, multi_query=True)),
     "mistral": Entry(f"{LM}: sliding window", causal_lm("MistralConfig", "MistralForCausalLM", sliding_window=4)),
     "gemma2": Entry(f"{LM}: soft-capping, sliding window", causal_lm(
         "Gemma2Config", "Gemma2ForCausalLM", sliding_window=4, attn_logit_softcapping=5.0,
         final_logit_softcapping=3.0)),
-    "bloom": Entry(f"{LM}: ALiBi", causal_lm("BloomConfig", "BloomForCausalLM", n_layer=3, n_head=4)),
-    "mpt": Entry(f"{LM}: ALiBi", causal_lm("MptConfig", "MptForCausalLM", d_model=HIDDEN, n_heads=4, n_layers=3,
+    "bloom": Entry(f"{LM}: ALiBi", causal_lm("BloomConfig", "BloomForCausalLM", n_layer=2, n_head=4)),
+    "mpt": Entry(f"{LM}: ALiBi", causal_lm("MptConfig", "MptForCausalLM", d_model=HIDDEN, n_heads=4, n_layers=2,
                                            expansion_ratio=2, max_seq_len=64)),
     "falcon": Entry(f"{LM}: ALiBi, parallel block", causal_lm("FalconConfig", "FalconForCausalLM", alibi=True,
                                                                num_kv_heads=4)),
@@ -476,7 +476,7 @@ MODELS: dict[str, Entry] = {
     "phi": Entry(f"{LM}: partial rotary, parallel block", causal_lm("PhiConfig", "PhiForCausalLM",
                                                                      partial_rotary_factor=0.5)),
     "gptj": Entry(f"{LM}: partial rotary (interleaved)", causal_lm(
-        "GPTJConfig", "GPTJForCausalLM", n_embd=HIDDEN, n_layer=3, n_head=4, rotary_dim=4, n_positions=64)),
+        "GPTJConfig", "GPTJForCausalLM", n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)),
     # decoder LMs: mixture of experts, multi-head latent attention
     "mixtral": Entry(f"{LM}: MoE", causal_lm("MixtralConfig", "MixtralForCausalLM", num_local_experts=4,
                                              num_experts_per_tok=2)),
@@ -489,7 +489,7 @@ MODELS: dict[str, Entry] = {
     "bert": Entry("encoder: absolute positions", masked_lm("BertConfig", "BertForMaskedLM")),
     "albert": Entry("encoder: shared layers", masked_lm("AlbertConfig", "AlbertForMaskedLM", embedding_size=16)),
     "distilbert": Entry("encoder: absolute positions", masked_lm(
-        "DistilBertConfig", "DistilBertForMaskedLM", dim=HIDDEN, hidden_dim=2 * HIDDEN, n_layers=3, n_heads=4)),
+        "DistilBertConfig", "DistilBertForMaskedLM", dim=HIDDEN, hidden_dim=2 * HIDDEN, n_layers=2, n_heads=4)),
     "mpnet": Entry("encoder: relative positions", masked_lm("MPNetConfig", "MPNetForMaskedLM")),
     "deberta": Entry("encoder: disentangled attention", masked_lm(
         "DebertaConfig", "DebertaForMaskedLM", relative_attention=True, pos_att_type=["c2p", "p2c"])),
@@ -556,7 +556,7 @@ MODELS: dict[str, Entry] = {
         use_mamba_kernels=False)),
     "recurrent_gemma": Entry("hybrid: recurrent (Griffin)", causal_lm(
         "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", lru_width=HIDDEN, attention_window_size=4,
-        block_types=["recurrent", "recurrent", "attention"])),
+        block_types=["recurrent", "attention"])),
     # stock torch.nn
     "nn_encoder_postln": Entry("torch.nn: TransformerEncoder post-LN", _tokens(lambda: _encoder(False)), "torch.nn"),
     "nn_encoder_preln": Entry("torch.nn: TransformerEncoder pre-LN", _tokens(lambda: _encoder(True)), "torch.nn"),

@@ -24,7 +24,8 @@ Where a fault goes is a rule (`fault_sites`), run on the model before anything i
   calls it, in the right phase, counts as named.
 
 A case's outcome: `ok` (a clean replay MATCH; a fault named), `FALSE ALARM` (a clean replay not a MATCH),
-`misnamed` (DIVERGED, but another module or phase), `missed` (MATCH on a fault), `error` (oneiter raised).
+`misnamed` (DIVERGED, but another module or phase), `missed` (MATCH on a fault), `error` (oneiter raised), `n/a`
+(the model cannot run in the case's settings even without oneiter: torch's CPU LSTM has no bf16 kernel here).
 Results are cached per model and case in `--cache` (JSON, one file per model): a second run only runs what is
 missing (`--rerun` forgets the selected cases). Each model runs in its own process (`--timeout` seconds at most),
 its reference in another one, with another Python hash seed (`REFERENCE_HASH_SEED`), as a user's two runs are.
@@ -34,6 +35,7 @@ its reference in another one, with another Python hash seed (`REFERENCE_HASH_SEE
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import os
@@ -278,7 +280,9 @@ def run_case(work: Path, name: str, case: str, sites: dict) -> dict:
     except (OneIterError, Exception) as exc:  # noqa: BLE001 - every failure is a row of the table
         kind = "user error" if isinstance(exc, OneIterError) else "internal error"
         text = " ".join(f"{type(exc).__name__}: {exc}".split())[:400]
-        return {**result, "outcome": "error", "verdict": None, "error": f"{kind}: {text}",
+        plain = plain_failure(name, options)  # does the model run in these settings at all, without oneiter?
+        return {**result, "outcome": "n/a" if plain else "error", "verdict": None,
+                "error": f"without oneiter too: {plain}" if plain else f"{kind}: {text}",
                 "seconds": round(time.perf_counter() - started, 2)}
     finally:
         target.unlink(missing_ok=True)
@@ -292,6 +296,28 @@ def run_case(work: Path, name: str, case: str, sites: dict) -> dict:
              "ratio": culprit.ratio if culprit else None, "headline": verdict.headline[:400],
              "worst_local": verdict.worst_local}  # on a miss: the call nearest to being flagged
     return {**result, "outcome": judge_outcome(found, want), "verdict": found, "seconds": seconds}
+
+
+def plain_failure(name: str, options: dict) -> str | None:
+    """The exception one plain training iteration of zoo model `name` raises in a case's settings (bf16 autocast),
+    with no oneiter anywhere; None when it runs. torch's CPU LSTM has no bf16 kernel here (oneDNN: "could not create a
+    primitive descriptor"): such a case is not applicable, neither a false alarm nor a miss."""
+    import torch
+
+    zoo = zoo_module()
+    torch.manual_seed(SEED)
+    model, inputs, loss_fn = zoo.build(BATCH, name)
+    model.train()
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if options.get("amp") == "bf16" else None
+    try:
+        with amp if amp is not None else contextlib.nullcontext():
+            loss = loss_fn(model(*inputs))
+        loss.backward()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, it is torch's or the model's, not oneiter's
+        return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+    finally:
+        zoo.undo_faults()
+    return None
 
 
 def judge_outcome(found: dict, want: dict | None) -> str:
@@ -411,6 +437,8 @@ def run_all(names: list[str], cases: list[str], cache: Path, work: Path, timeout
 def summary(names: list[str], cases: list[str], cache: Path) -> dict:
     """Every cached result of the selection, and the totals: clean replays, faults named, by outcome."""
     models, totals = {}, {"clean": Counter(), "fault": Counter()}
+    # n/a: the model does not run in the case's settings even without oneiter (plain_failure); no site: the rule
+    # found none; neither is judged
     for name in names:
         data = load_cached(cache, name)
         models[name] = data
@@ -419,12 +447,14 @@ def summary(names: list[str], cases: list[str], cache: Path) -> dict:
             if res is not None:
                 totals["clean" if case in CLEAN else "fault"][res["outcome"]] += 1
     clean, fault = totals["clean"], totals["fault"]
-    judged_faults = sum(v for k, v in fault.items() if k != "no site")
+    judged_faults = sum(v for k, v in fault.items() if k not in ("no site", "n/a"))
     return {
         "models": models, "cases": cases,
         "totals": {
             "models": sum(1 for d in models.values() if d.get("cases")),
-            "clean_runs": sum(clean.values()), "false_alarms": sum(v for k, v in clean.items() if k != "ok"),
+            "clean_runs": sum(v for k, v in clean.items() if k != "n/a"),
+            "false_alarms": sum(v for k, v in clean.items() if k not in ("ok", "n/a")),
+            "not_applicable": clean.get("n/a", 0) + fault.get("n/a", 0),
             "faults": judged_faults, "faults_named": fault.get("ok", 0),
             "named_share": round(fault.get("ok", 0) / judged_faults, 4) if judged_faults else None,
             "clean_outcomes": dict(clean), "fault_outcomes": dict(fault),
@@ -433,7 +463,7 @@ def summary(names: list[str], cases: list[str], cache: Path) -> dict:
 
 
 SHORT = {"ok": "ok", "FALSE ALARM": "**FALSE ALARM**", "missed": "**missed**", "misnamed": "**misnamed**",
-         "error": "**error**", "no site": "no site"}
+         "error": "**error**", "no site": "no site", "n/a": "n/a"}
 
 
 def _cell(res: dict | None) -> str:
@@ -483,7 +513,8 @@ def markdown(summ: dict) -> str:
     t = summ["totals"]
     lines = [f"Models: {t['models']}. Clean replays: {t['clean_runs']}, false alarms: {t['false_alarms']}. "
              f"Faults: {t['faults']}, named (module and phase): {t['faults_named']}"
-             + (f" ({100 * t['named_share']:.1f} %)." if t["named_share"] is not None else "."), ""]
+             + (f" ({100 * t['named_share']:.1f} %)" if t["named_share"] is not None else "")
+             + f". Not applicable (the model cannot run so, without oneiter too): {t.get('not_applicable', 0)}.", ""]
     lines += ["| model | family | " + " | ".join(cases) + " |", "|---|---|" + "---|" * len(cases)]
     details = ["| model | case | verdict | culprit (or the entry named) | ratio | s | outcome |",
                "|---|---|---|---|---|---|---|"]

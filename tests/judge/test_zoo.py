@@ -7,6 +7,7 @@ families whose clean replays once were DIVERGED, and on faults next to what made
 - nn.MultiheadAttention called with one tensor in several places: TransformerEncoderLayer pre- and post-LN (q = k =
   v), TransformerDecoderLayer (key = value = memory), `attn(h, h, h)` and `attn(h, m, m)` by hand;
 - a module that writes its own parameters in forward: nn.Embedding and nn.EmbeddingBag with `max_norm`;
+- in-place activations after nn.Linear on 3-d inputs (a view changed in place: torch fires no hook registered on it);
 - Hugging Face: DeBERTa-v2 (its encoder returns its last hidden state twice), Wav2Vec2 (SpecAugment masks drawn
   from numpy.random), BART and T5 under bf16 (an output the model also consumes: its gradient is summed from
   many consumers), ModernBERT (rotary embeddings, local attention).
@@ -32,6 +33,7 @@ CASES = [
     ("nn_mha_cross", "bf16"),
     ("nn_embedding", "clean"), ("nn_embedding", "module_fwd"),
     ("nn_embedding_bag", "bf16"),
+    ("nn_inplace", "bf16"),
     ("deberta_v2", "clean"),
     ("wav2vec2", "bf16"),
     ("bart", "bf16"),

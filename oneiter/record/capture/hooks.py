@@ -41,7 +41,7 @@ from oneiter.format.schema import (
     shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
-from oneiter.record.capture.input_grads import InputGradTracker
+from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random
@@ -383,7 +383,7 @@ class ModuleCapture:
         """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
         for name, value in named:
             if _wants_grad(value):
-                value.register_hook(self._grad_hook(key, grad_name(name)))
+                _output_hook(value, self._grad_hook(key, grad_name(name)))
         self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
 
     # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
@@ -448,6 +448,35 @@ class _Suspend:
 
     def __exit__(self, *exc) -> None:
         self.capture._suspended = self.before
+
+
+def _output_hook(value, hook: Callable) -> None:
+    """`hook(gradient)` once the gradient w.r.t. the output `value` is known. A tensor hook, except that torch never
+    fires a hook registered on a *view* that is then changed in place (nn.Linear with a bias returns a view of its
+    2-d matmul for a 3-d input, and the next module may be ReLU(inplace=True)): for a view, a pre-hook on its base's
+    node stands in when the tensor hook has not fired, and takes the view's region of the base's gradient (the
+    gradient w.r.t. the value before the in-place change, what the tensor hook would have seen)."""
+    region = view_region(value)
+    if region is None:
+        value.register_hook(hook)
+        return
+    fired = [False]
+
+    def on_view(grad):
+        fired[0] = True
+        return hook(grad)
+
+    base = value._base
+    slot = base.output_nr
+
+    def on_base(grad_outputs):
+        if not fired[0] and grad_outputs[slot] is not None:
+            fired[0] = True
+            hook(region_of(grad_outputs[slot], region))
+        return None
+
+    value.register_hook(on_view)
+    base.grad_fn.register_prehook(on_base)
 
 
 def _simple_args(attrs: dict) -> dict[str, str]:

@@ -436,7 +436,7 @@ def run_all(names: list[str], cases: list[str], cache: Path, work: Path, timeout
 
 def summary(names: list[str], cases: list[str], cache: Path) -> dict:
     """Every cached result of the selection, and the totals: clean replays, faults named, by outcome."""
-    models, totals = {}, {"clean": Counter(), "fault": Counter()}
+    models, totals, seconds = {}, {"clean": Counter(), "fault": Counter()}, 0.0
     # n/a: the model does not run in the case's settings even without oneiter (plain_failure); no site: the rule
     # found none; neither is judged
     for name in names:
@@ -446,6 +446,7 @@ def summary(names: list[str], cases: list[str], cache: Path) -> dict:
             res = data["cases"].get(case)
             if res is not None:
                 totals["clean" if case in CLEAN else "fault"][res["outcome"]] += 1
+                seconds += res.get("seconds") or 0.0
     clean, fault = totals["clean"], totals["fault"]
     judged_faults = sum(v for k, v in fault.items() if k not in ("no site", "n/a"))
     return {
@@ -457,7 +458,7 @@ def summary(names: list[str], cases: list[str], cache: Path) -> dict:
             "not_applicable": clean.get("n/a", 0) + fault.get("n/a", 0),
             "faults": judged_faults, "faults_named": fault.get("ok", 0),
             "named_share": round(fault.get("ok", 0) / judged_faults, 4) if judged_faults else None,
-            "clean_outcomes": dict(clean), "fault_outcomes": dict(fault),
+            "clean_outcomes": dict(clean), "fault_outcomes": dict(fault), "seconds": round(seconds, 1),
         },
     }
 
@@ -514,7 +515,9 @@ def markdown(summ: dict) -> str:
     lines = [f"Models: {t['models']}. Clean replays: {t['clean_runs']}, false alarms: {t['false_alarms']}. "
              f"Faults: {t['faults']}, named (module and phase): {t['faults_named']}"
              + (f" ({100 * t['named_share']:.1f} %)" if t["named_share"] is not None else "")
-             + f". Not applicable (the model cannot run so, without oneiter too): {t.get('not_applicable', 0)}.", ""]
+             + f". Not applicable (the model cannot run so, without oneiter too): {t.get('not_applicable', 0)}. "
+             f"Seconds, summed over the cases (each replay and its compare; references aside): {t['seconds']:.0f}.",
+             ""]
     lines += ["| model | family | " + " | ".join(cases) + " |", "|---|---|" + "---|" * len(cases)]
     details = ["| model | case | verdict | culprit (or the entry named) | ratio | s | outcome |",
                "|---|---|---|---|---|---|---|"]
@@ -580,8 +583,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(summ, indent=1, sort_keys=True))
     if args.table:
-        args.table.write_text(markdown(summ))
+        write_table(args.table, markdown(summ))
     return 0
+
+
+BEGIN, END = "<!-- zoo table: begin -->", "<!-- zoo table: end -->"
+
+
+def write_table(path: Path, table: str) -> None:
+    """The table into `path`: between its BEGIN and END markers where it has them (docs/zoo.md: the prose around
+    the table stays), else the whole file."""
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        table = f"{head}{BEGIN}\n\n{table}\n{END}{rest.split(END, 1)[1]}"
+    path.write_text(table)
 
 
 if __name__ == "__main__":

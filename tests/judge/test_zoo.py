@@ -81,3 +81,17 @@ def test_the_rule_picks_a_module_two_thirds_down_and_a_function_of_the_models_ow
     assert found["function"] == "linear" and found["function_first"] == "attn" and found["function_last"] == "head"
     assert zoo.expected("function_bwd", found) == {"fault": "function_bwd:linear:0.001", "phase": "backward",
                                                     "modules": ["attn", "ff.0", "ff.2", "head"], "at": "head"}
+
+
+def test_the_table_goes_between_the_markers_of_a_document(tmp_path):
+    """`--table docs/zoo.md` rewrites only what lies between the document's two markers; a file without them is
+    the table alone."""
+    doc = tmp_path / "zoo.md"
+    doc.write_text(f"# prose\n\n{zoo.BEGIN}\nold table\n{zoo.END}\n\nmore prose\n")
+    zoo.write_table(doc, "| a | b |\n")
+    assert doc.read_text() == f"# prose\n\n{zoo.BEGIN}\n\n| a | b |\n\n{zoo.END}\n\nmore prose\n"
+    zoo.write_table(doc, "| c |\n")
+    assert doc.read_text() == f"# prose\n\n{zoo.BEGIN}\n\n| c |\n\n{zoo.END}\n\nmore prose\n"
+    plain = tmp_path / "table.md"
+    zoo.write_table(plain, "| a |\n")
+    assert plain.read_text() == "| a |\n"

@@ -61,7 +61,12 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("zoo")
 
 
-@pytest.mark.parametrize("name,case", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+# the Hugging Face cases take 15 to 25 s of CPU each (18 cases: 109 s of CPU in all, the torch.nn ones 1 to 6 s each)
+HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert"}
+PARAMS = [pytest.param(n, c, id=f"{n}-{c}", marks=[pytest.mark.slow] if n in HF else []) for n, c in CASES]
+
+
+@pytest.mark.parametrize("name,case", PARAMS)
 def test_zoo_case(name, case, sites, work):
     res = zoo.run_case(work, name, case, sites(name))
     assert res["outcome"] == "ok", zoo.progress_line(res) + f"\n{(res.get('verdict') or {}).get('headline')}"

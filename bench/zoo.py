@@ -509,8 +509,22 @@ _SOFTMAX_BF16 = ("the nearest call is at 1.0x its noise, so the fault stays insi
                  "uniform, so the gradient through the softmax (to q and k) is a small part of the fused c_attn's "
                  "grad_output beside v's, and 5 % of it is under bf16 rounding of the whole tensor; the 1e-3 "
                  "float32 fault in the same function is named")
-NOTES: dict[tuple[str, str], str] = {("gpt2", "function_bf16_bwd"): _SOFTMAX_BF16,
-                                     ("gpt_bigcode", "function_bf16_bwd"): _SOFTMAX_BF16}
+_STRIDES = ("open: the parameter gradient is bitwise the reference's, but its rerun differs from it by a few float32 "
+            "ulps (2.4e-07 relative, 3.8e-07 for mobilenet_v2), which the own-values check (judge/iteration/blame.py: "
+            "4 ulps on the CPU) takes for a file that contradicts itself: so a rerun of this gradient is not "
+            "bitwise the live one here. Why not is not found yet (a rerun on a contiguous copy of ConvNeXt's "
+            "permuted activation, tried alone, is bitwise)")
+_VIEW_OUTPUT = ("open: the model returns `pooler_output`, a view (`sequence_output[:, 0, :]`) of the "
+                "`last_hidden_state` it also returns. Not measured further; the likely reason: an alias by view, "
+                "which the alias of one tensor in several places (Slot.alias) does not cover, so the root's "
+                "backward rerun seeds the view's gradient apart from its base's")
+NOTES: dict[tuple[str, str], str] = {
+    ("gpt2", "function_bf16_bwd"): _SOFTMAX_BF16, ("gpt_bigcode", "function_bf16_bwd"): _SOFTMAX_BF16,
+    ("convnext", "clean"): _STRIDES, ("convnext", "threads"): _STRIDES, ("mobilenet_v2", "clean"): _STRIDES,
+    ("dinov2", "clean"): _VIEW_OUTPUT, ("dinov2", "threads"): _VIEW_OUTPUT, ("dinov2", "bf16"): _VIEW_OUTPUT,
+    ("mobilenet_v2", "bf16"): "open, not looked into: a BatchNorm's running_mean, updated in forward, judged "
+                              "against an upstream error 4x smaller",
+}
 
 
 def markdown(summ: dict) -> str:

@@ -82,6 +82,7 @@ from oneiter.judge.measure.stat_metrics import compare_stats
 from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.precision_modes import from_attr, reduced
+from oneiter.runtime.training import OPTIMIZERS
 
 __all__ = [
     "PHASES", "STATUSES", "NOT_DIVERGED", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible",
@@ -345,8 +346,10 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     if not tgt.meta.get("replay_of"):
         return (f"'{tgt.path}' is not a replay (recorded without --replay): its weights, batch and random values are "
                 f"its own, so entries may differ from the batch on; record the target with --replay {ref.path}")
+    # the optimizers' class names: two that `record --optimizer` builds and that differ are a replay run with the
+    # other option; a class of the model's own (a vendor's AdamW against torch's) is what the optimizer rows judge
     opt_ref, opt_tgt = str(ref.meta.get("optimizer") or ""), str(tgt.meta.get("optimizer") or "")
-    if opt_ref and opt_tgt and opt_ref != opt_tgt:
+    if opt_ref in OPTIMIZERS and opt_tgt in OPTIMIZERS and opt_ref != opt_tgt:
         raise FormatError(f"bad replay: the reference ran optimizer '{opt_ref}', the target '{opt_tgt}': a replay "
                           f"must run the reference's optimizer (record --optimizer {opt_ref})")
     ref_batch, tgt_batch = ref.batch_paths(), tgt.batch_paths()

@@ -96,3 +96,42 @@ def test_a_view_changed_in_place_by_the_next_module_keeps_both_gradients(tmp_pat
         linear_out = torch.from_numpy(f["calls/0@0/backward/grad_output"][()])
         relu_in = torch.from_numpy(f["calls/1@0/backward/grad_input.0"][()])
     assert torch.equal(linear_out, expected) and torch.equal(relu_in, expected)
+
+
+class _Pooled(torch.nn.Module):
+    """DINOv2's shape: an encoder returning its hidden states and `pooled`, a view of them (`h[:, 0]`) that the
+    head never reads; the head reads the hidden states."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 6)
+
+    def forward(self, x):
+        h = self.body(x) * 2.0
+        return h, h[:, 0]
+
+
+def test_a_view_nobody_reads_gets_no_gradient_of_its_base(tmp_path):
+    """An output that is a view of another output and is never read, and never changed in place, has no gradient:
+    nothing of its base's gradient is recorded for it (before, the stand-in for a view changed in place took
+    the region of the base's gradient, and a clean replay of DINOv2 was DIVERGED at its pooler_output); a view
+    read by the head gets its own gradient (the tensor hook)."""
+    import h5py
+
+    import oneiter
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"enc": _Pooled(), "head": torch.nn.Linear(6, 2)})
+    x = torch.randn(2, 3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def forward(inputs):
+        h, pooled = model["enc"](inputs)
+        return model["head"](h).square().sum()
+
+    with oneiter.Recorder(model, tmp_path / "r.h5", optimizer=opt) as rec:
+        forward(rec.inputs(x.detach().requires_grad_())).backward()
+        opt.step()
+    with h5py.File(tmp_path / "r.h5") as f:
+        names = set(f["calls/enc@0/backward"])
+    assert "grad_output.0" in names and "grad_output.1" not in names, names

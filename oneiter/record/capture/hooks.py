@@ -207,6 +207,7 @@ class ModuleCapture:
         self.node_gaps: list[tuple[int, int]] = []  # [first, end) numbers of nodes the hooks themselves created
         self._seq = itertools.count()
         self._input_grads = InputGradTracker()
+        self._views: list[list] = []  # the outputs `_output_hook` watches for an in-place change, until detach
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.recomputations = Recomputations()
@@ -232,6 +233,9 @@ class ModuleCapture:
             handle.remove()
         self._handles.clear()
         self._input_grads.remove()
+        for held in self._views:
+            held.clear()
+        self._views.clear()
         self._pending_grads.clear()
         self._stack.clear()
 
@@ -383,7 +387,7 @@ class ModuleCapture:
         """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
         for name, value in named:
             if _wants_grad(value):
-                _output_hook(value, self._grad_hook(key, grad_name(name)))
+                _output_hook(value, self._grad_hook(key, grad_name(name)), self._views)
         self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
 
     # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
@@ -450,29 +454,33 @@ class _Suspend:
         self.capture._suspended = self.before
 
 
-def _output_hook(value, hook: Callable) -> None:
+def _output_hook(value, hook: Callable, views: list) -> None:
     """`hook(gradient)` once the gradient w.r.t. the output `value` is known. A tensor hook, except that torch never
     fires a hook registered on a *view* that is then changed in place (nn.Linear with a bias returns a view of its
     2-d matmul for a 3-d input, and the next module may be ReLU(inplace=True)): for a view, a pre-hook on its base's
-    node stands in when the tensor hook has not fired, and takes the view's region of the base's gradient (the
-    gradient w.r.t. the value before the in-place change, what the tensor hook would have seen)."""
+    node stands in when the tensor hook has not fired *and the view was changed in place since* (its version moved),
+    and takes the view's region of the base's gradient (the gradient w.r.t. the value before the in-place change,
+    what the tensor hook would have seen). A view that is merely unused (DINOv2 returns `pooler_output`,
+    `sequence_output[:, 0, :]`, which its classifier never reads) gets no gradient, as a tensor hook gives none.
+    The view is held (`views`, cleared by `ModuleCapture.detach`) to read its version in backward."""
     region = view_region(value)
     if region is None:
         value.register_hook(hook)
         return
-    fired = [False]
+    held = [value, value._version]  # emptied once either hook has fired
+    views.append(held)
 
     def on_view(grad):
-        fired[0] = True
+        held.clear()
         return hook(grad)
 
     base = value._base
     slot = base.output_nr
 
     def on_base(grad_outputs):
-        if not fired[0] and grad_outputs[slot] is not None:
-            fired[0] = True
+        if held and held[0]._version != held[1] and grad_outputs[slot] is not None:
             hook(region_of(grad_outputs[slot], region))
+        held.clear()
         return None
 
     value.register_hook(on_view)

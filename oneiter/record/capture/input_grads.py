@@ -49,12 +49,13 @@ def region_of(grad, region: tuple | None):
 class _Pending:
     """What `start` learned about one call: the inputs' edges and the watermark."""
 
-    __slots__ = ("targets", "keep", "watermark")
+    __slots__ = ("targets", "keep", "watermark", "views")
 
-    def __init__(self, targets: dict, keep: list, watermark: int):
+    def __init__(self, targets: dict, keep: list, watermark: int, views: list | None = None):
         self.targets = targets  # (id(node), output_nr) -> [(input name, its view's region of a base, or None)]
         self.keep = keep  # the target nodes, so their ids stay valid
         self.watermark = watermark
+        self.views = views or []  # (input name, the view, its version as the call began): changed in place in the call?
 
 
 class InputGradTracker:
@@ -72,26 +73,34 @@ class InputGradTracker:
         from torch.autograd.graph import get_gradient_edge
 
         targets: dict[tuple[int, int], list[tuple[str, tuple | None]]] = defaultdict(list)
-        keep = []
+        keep, views = [], []
         for name, value in named_inputs:
             if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
                 edge = get_gradient_edge(value)
                 targets[(id(edge.node), edge.output_nr)].append((name, None))
                 keep.append(edge.node)
                 region = view_region(value)
-                if region is not None:  # changed in place, the view hands its base's edge on (module docstring)
+                if region is not None:  # if changed in place, the view hands its base's edge on (docstring)
                     base = get_gradient_edge(value._base)
                     targets[(id(base.node), base.output_nr)].append((name, region))
                     keep.append(base.node)
+                    views.append((name, value, value._version))
         if not targets:
             return None
         watermark = self._anchor.view(()).grad_fn._sequence_nr()
-        return _Pending(dict(targets), keep, watermark)
+        return _Pending(dict(targets), keep, watermark, views)
 
     def finish(self, pending: _Pending | None, outputs: list, on_grad: Callable[[str, Any], None]) -> None:
         """Call in the forward hook: find the consumers of each input and hook them."""
         if pending is None:
             return
+        # a view the call did not change in place hands on its own edge: its base's edge is another tensor's
+        # (DINOv2's pooler_output is a view of its last_hidden_state), no target of this input
+        same = {name for name, view, version in pending.views if view._version == version}
+        pending.views = []
+        if same:
+            pending.targets = {key: kept for key, names in pending.targets.items()
+                               if (kept := [(n, r) for n, r in names if r is None or n not in same])}
         consumers = self._consumers(pending, outputs)
         for name, edges in consumers.items():
             self._hook(name, edges, on_grad)

@@ -10,7 +10,8 @@ families whose clean replays once were DIVERGED, and on faults next to what made
 - in-place activations after nn.Linear on 3-d inputs (a view changed in place: torch fires no hook registered on it);
 - Hugging Face: DeBERTa-v2 (its encoder returns its last hidden state twice), Wav2Vec2 (SpecAugment masks drawn
   from numpy.random), BART and T5 under bf16 (an output the model also consumes: its gradient is summed from
-  many consumers), ModernBERT (rotary embeddings, local attention).
+  many consumers), ModernBERT (rotary embeddings, local attention), DINOv2 (returns a view of its last hidden
+  state that nobody reads).
 
 A clean case must be a MATCH; a fault case must name the faulted module (or, for a torch.nn.functional fault, a
 module whose own code calls the function) in the fault's phase: the outcome `ok`. torchtitan (a bench dependency)
@@ -39,6 +40,7 @@ CASES = [
     ("bart", "bf16"),
     ("t5", "bf16"),
     ("modernbert", "clean"), ("modernbert", "bf16"),
+    ("dinov2", "clean"),
 ]
 
 
@@ -62,7 +64,7 @@ def work(tmp_path_factory):
 
 
 # the Hugging Face cases take 15 to 25 s of CPU each (18 cases: 109 s of CPU in all, the torch.nn ones 1 to 6 s each)
-HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert"}
+HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2"}
 PARAMS = [pytest.param(n, c, id=f"{n}-{c}", marks=[pytest.mark.slow] if n in HF else []) for n, c in CASES]
 
 

@@ -521,7 +521,11 @@ _VIEW_OUTPUT = ("open: the model returns `pooler_output`, a view (`sequence_outp
                 "backward rerun seeds the view's gradient apart from its base's")
 _STATEFUL = ("open, not looked into: oneiter's replay raised torch's 'backward through the graph a second time' "
              "(the reference recorded); RecurrentGemma's recurrent block keeps tensors of its last call")
+_FIRST_LAYER = ("the right module, in the phase its fault shows in: conv2d runs once, in down.0, the first layer, "
+                "whose input is the batch (no gradient), so the only gradient the faulted backward gives is its "
+                "weight's: param_grad, not backward")
 NOTES: dict[tuple[str, str], str] = {
+    ("nn_conv_transpose", "function_bwd"): _FIRST_LAYER, ("nn_conv_transpose", "function_bf16_bwd"): _FIRST_LAYER,
     **{("recurrent_gemma", case): _STATEFUL for case in CLEAN},
     ("gpt2", "function_bf16_bwd"): _SOFTMAX_BF16, ("gpt_bigcode", "function_bf16_bwd"): _SOFTMAX_BF16,
     ("convnext", "clean"): _STRIDES, ("convnext", "threads"): _STRIDES, ("mobilenet_v2", "clean"): _STRIDES,

@@ -12,7 +12,9 @@ How a result is shown (terminal, JSON, CSV, HTML, TensorBoard) is `oneiter.repor
 the layer); bfloat16 is decoded with numpy elsewhere, and only float8 needs torch.
 """
 
-from oneiter.judge.iteration.engine import CompareResult, Row, compare_files
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.rows import Row
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, default_tolerance
 

@@ -32,7 +32,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from oneiter.judge.iteration.engine import NOT_DIVERGED, PHASES, CompareResult
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.rows import NOT_DIVERGED, PHASES
 from oneiter.judge.iteration.verdict import Verdict, entry_name, json_ready, num
 from oneiter.outputs import Destination, destination, write_text
 from oneiter.report.op_table import ops_section

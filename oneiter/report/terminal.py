@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from oneiter.judge.iteration.engine import CompareResult, Row, nan_inf_text
-from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, Row, nan_inf_text
 from oneiter.outputs import Destination, destination, open_text
 
 __all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "rows_to_show", "print_wide",

@@ -9,13 +9,11 @@ and each kind is recorded in causal order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:  # only for annotations: the engine's rows, blame's local results
-    from oneiter.judge.iteration.blame import LocalResult
-    from oneiter.judge.iteration.engine import Row
+from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 
-__all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "NOT_JUDGED", "Finding", "row_findings", "strongest", "of_kind"]
+__all__ = ["PRIORITY", "UNATTRIBUTED", "Finding", "row_findings", "strongest", "of_kind"]
 
 PRIORITY = {
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -32,10 +30,6 @@ PRIORITY = {
     "loss": 10,
 }
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
-# row statuses of entries both sides hold with one shape and dtype
-MEASURED = ("match", "diverged", "drift", "rounding")
-# measured and shown, never evidence: a parameter's update when the optimizers did not start from the same state
-NOT_JUDGED = "not_judged"
 
 
 @dataclass(frozen=True)

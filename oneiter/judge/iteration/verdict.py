@@ -30,17 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
-from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED, UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.runtime.precision_modes import describe, reduced
 
-if TYPE_CHECKING:  # only for annotations: the engine imports this module
-    from oneiter.judge.iteration.blame import LocalResult
-    from oneiter.judge.iteration.engine import CompareResult, Row
-
-__all__ = ["Verdict", "Culprit", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows", "render",
-           "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+__all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
+           "render", "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
@@ -77,6 +74,28 @@ def entry_name(item: dict) -> str:
 
 
 # -- the decision ---------------------------------------------------------------------------------------------------
+class Evidence(Protocol):
+    """What a verdict is decided from: a `results.CompareResult` as the engine leaves it (its rows settled, blame's
+    findings recorded). Named here, not imported, because the result decides its verdict from this module."""
+
+    rows: list[Row]
+    first_divergence: Optional[int]
+    findings: list[Finding]
+    local_kind: str
+    local: list[LocalResult]
+    chain: list[dict]
+    culprit_includes: list[dict]
+    nan_origin: Optional[dict]
+    unprobed: list[dict]
+    notes: list[str]
+    precision: Optional[dict]
+    rounding: set[int]
+    meta_reference: dict[str, Any]
+    meta_target: dict[str, Any]
+
+    def local_for(self, row: Row) -> Optional[LocalResult]: ...
+
+
 @dataclass(frozen=True)
 class Culprit:
     """The first call whose own code's error exceeds its expected noise, and its row in the report."""
@@ -234,7 +253,7 @@ _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "lo
                "num_flagged", "worst_local", "precision")
 
 
-def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
+def settle_rows(result: Evidence, findings: list[Finding]) -> None:
     """Give every measured row the status its flag implies (see the module docstring), the `unexplained`
     `findings` theirs; the engine calls it once, before it records the findings."""
     if not result.local_kind:
@@ -255,7 +274,7 @@ def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
             row.status = "rounding" if i in result.rounding else "drift"
 
 
-def decide(result: CompareResult) -> Verdict:
+def decide(result: Evidence) -> Verdict:
     """The verdict of a settled comparison: the strongest of its findings (`findings.PRIORITY`) decides the status,
     the basis and the entry named; without local data the basis is the first divergence, and with local data but
     no local result and no finding nothing was judged (inconclusive)."""
@@ -294,7 +313,7 @@ def decide(result: CompareResult) -> Verdict:
 _KEY = ("module", "call", "phase", "tensor")
 
 
-def _named(result: CompareResult, finding: Finding) -> dict[str, Any]:
+def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     """The entry the verdict names for its strongest finding: a row (with the finding's reason when no probe
     explains it), the culprit's own error, or the loss."""
     if finding.kind == "culprit":
@@ -341,7 +360,7 @@ def _entry(rows: list[Row], index: int) -> dict[str, Any]:
 STATS_REASON = "from statistics"  # how the engine starts the reason of an entry judged from `--level stats` data
 
 
-def _hint(result: CompareResult, basis: str, entry: Optional[dict]) -> Optional[str]:
+def _hint(result: Evidence, basis: str, entry: Optional[dict]) -> Optional[str]:
     """A divergence no larger than rounding noise (10x rtol) may be no bug at all: say why it may happen."""
     if (basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry)
             or str(entry.get("reason") or "").startswith(STATS_REASON)):  # a statistics bound is no rounding size

@@ -1,6 +1,6 @@
 """Tolerance files: per-device precision settings in TOML or an mmengine config (`--tolerances FILE`).
 
-Sits beside `tolerance.py` (dtype defaults) and `blame.py` (noise factor): one file per device, in the spirit
+Sits beside `tolerance.py` (dtype defaults, and the noise factor blame flags by): one file per device, in the spirit
 of DIOPI's `device_configs.py` and ditorch's per-op tolerance variables, read once and turned into the two
 policies the engine takes. Example `npu.toml`::
 
@@ -37,8 +37,7 @@ from typing import Any, Optional
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import Entry
-from oneiter.judge.iteration.blame import NoisePolicy
-from oneiter.judge.measure.tolerance import Tolerance, default_tolerance
+from oneiter.judge.measure.tolerance import NoisePolicy, Tolerance, default_tolerance
 from oneiter.runtime.precision import UNIT_ROUNDOFF
 
 __all__ = ["ToleranceFile", "load_tolerance_file", "FileTolerance"]

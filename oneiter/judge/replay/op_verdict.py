@@ -40,9 +40,9 @@ import numpy as np
 from oneiter.errors import DeviceError, FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import ROOT_MODULE, call_key, decode
-from oneiter.judge.iteration.blame import NoisePolicy
-from oneiter.judge.iteration.engine import CompareResult
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.measure.metrics import compare_arrays
+from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.record.replay.layer_replay import RECORDED, LayerTrace, trace_layer
 from oneiter.record.replay.op_repro import repro_folder, write_repro
 from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpRow, OpTracer

@@ -46,7 +46,7 @@ import numpy as np
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile, reading
 from oneiter.format.signature import GROUPS, UPDATE, Signature
-from oneiter.judge.iteration.engine import _positions, _same_start, causal_pairs, check_compatible, check_replay
+from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions, same_start
 from oneiter.judge.iteration.verdict import EXIT_CODES, json_ready
 from oneiter.judge.measure.tolerance import default_tolerance
 from oneiter.runtime.modelspec import is_file_spec
@@ -279,7 +279,7 @@ def _check_batches(ref: IterationFile, tgt: IterationFile, steps: list[int]) -> 
     for step in steps:
         a, b = ref.step(step), tgt.step(step)
         pairs = list(zip(a.batch_paths(), b.batch_paths(), strict=False))
-        if len(a.batch_paths()) != len(b.batch_paths()) or not all(_same_start(a, b, p, q) for p, q in pairs):
+        if len(a.batch_paths()) != len(b.batch_paths()) or not all(same_start(a, b, p, q) for p, q in pairs):
             raise FormatError(f"bad replay: the target's batch of step {step} is not the reference's; record the "
                               f"target again with --replay {ref.path}")
 
@@ -407,7 +407,7 @@ def _bitwise(a: IterationFile, b: IterationFile) -> bool:
 
 def _first_entry(a: IterationFile, b: IterationFile) -> Optional[str]:
     """The first entry of the step, in causal order, whose statistics are not the reference's bit for bit."""
-    for re_, te in causal_pairs(list(a.entries()), list(b.entries()), _positions(a), _positions(b)):
+    for re_, te in causal_pairs(list(a.entries()), list(b.entries()), positions(a), positions(b)):
         if re_ is None or te is None:
             entry = re_ or te
             return f"{entry.module}@{entry.call} {entry.phase} {entry.tensor}"

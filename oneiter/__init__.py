@@ -9,6 +9,8 @@ The public API (imported lazily, so `import oneiter` and `oneiter --help` do not
         loss.backward(); opt.step()
     with oneiter.Recorder(model, "npu.h5", optimizer=opt, replay="ref.h5", amp="bf16") as rec:
         ...                                                               # the same loop on the target
+    with oneiter.StepRecorder(model, "ref.h5", optimizer=opt, steps=12) as rec:   # several iterations, one file
+        rec.run(one_step)                                                 # one_step(step): the loop's body
     result = oneiter.compare("ref.h5", "npu.h5")    # .verdict, .culprit, .rows, .to_json(), .exit_code
     oneiter.inspect("ref.h5")                       # what a recording holds
 
@@ -22,6 +24,7 @@ from oneiter.version import __version__
 _LAZY = {
     "Recorder": ("oneiter.record.recorder", "Recorder"),
     "RecordSummary": ("oneiter.record.recorder", "RecordSummary"),
+    "StepRecorder": ("oneiter.record.steps.step_recorder", "StepRecorder"),
     "compare": ("oneiter.api", "compare"),
     "inspect": ("oneiter.api", "inspect"),
     "OneIterError": ("oneiter.errors", "OneIterError"),

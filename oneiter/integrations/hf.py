@@ -131,7 +131,8 @@ class OneIterCallback(TrainerCallback):
         reference's)."""
         wanted = None if self.replay is not None else list(range(0, max(state.max_steps, 1), self.every))
         options = replace(self.options, amp=_amp(args), meta=_meta(args, None))
-        self._steps = StepRecorder(model, options, wanted, optimizer=_torch_optimizer(optimizer), twin=False)
+        self._steps = StepRecorder.from_options(model, options, wanted, optimizer=_torch_optimizer(optimizer),
+                                                twin=False)
         self._steps.__enter__()
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

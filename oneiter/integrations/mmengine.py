@@ -187,7 +187,8 @@ class OneIterRecordHook(Hook):
         model = _unwrap(runner.model)
         wanted = None if self.replay is not None else list(range(0, max(int(max_iters or 1), 1), self.every))
         options = replace(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
-        self._steps = StepRecorder(model, options, wanted, optimizer=_optimizers(runner.optim_wrapper), twin=False)
+        self._steps = StepRecorder.from_options(model, options, wanted, optimizer=_optimizers(runner.optim_wrapper),
+                                                twin=False)
         self._steps.__enter__()
 
     def _amp(self, runner, model) -> Optional[str]:

@@ -133,14 +133,11 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
-        steps: record that many consecutive iterations into one file instead of one
-        (`record.steps.step_recorder.StepRecorder`:
-            `rec.run(fn)` calls `fn(step)` for each); with `replay=` of such a file, its steps. See `__new__`.
-        twin: with `steps` and `replay`, also run each step by the perturbed twin (the band: docs/steps.md).
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
-    (`self.phase`).
+    (`self.phase`). Several consecutive iterations into one file: `oneiter.StepRecorder`, which takes the same
+    keywords and `steps=N` (`record/steps/step_recorder.py`).
     """
 
     def __init__(
@@ -168,8 +165,6 @@ class Recorder:
         skip: Iterable[str] = (),
         queue_bytes: int | None = None,
         level: str = "full",
-        steps=None,
-        twin: bool = True,
     ):
         _check_model(model)
         options = RecordOptions(
@@ -179,20 +174,6 @@ class Recorder:
             queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level,
         )
         self._setup(model, options, optimizer, progress, notify)
-
-    def __new__(cls, model=None, out=None, *, steps=None, twin: bool = True, **keywords):
-        """`steps=` (a number of iterations): a `record.steps.step_recorder.StepRecorder`, which records that many
-        consecutive
-        iterations into one file (`with Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec: rec.run(fn)`);
-        `twin`: with `replay=`, run the perturbed twin that measures the band (docs/steps.md)."""
-        recorder = super().__new__(cls)
-        if steps is None or cls is not Recorder:
-            return recorder
-        from oneiter.record.steps.step_recorder import StepRecorder  # imports torch (its twin): loaded only with steps=
-
-        Recorder.__init__(recorder, model, out, **keywords)  # the keywords, checked as for one iteration
-        return StepRecorder(model, recorder.options, steps, optimizer=keywords.get("optimizer"),
-                            progress=keywords.get("progress"), notify=keywords.get("notify"), twin=twin)
 
     @classmethod
     def from_options(cls, model, options: RecordOptions, *, optimizer=None,
@@ -513,7 +494,8 @@ class Recorder:
         _check_world_size(self.ref, self.rank)
         if self.ref.steps():
             raise OneIterError(f"replay '{self.ref.path.name}' records {len(self.ref.steps())} steps: replay them with "
-                               f"steps={len(self.ref.steps())} (record --steps), or record one of them with --step",
+                               f"steps={len(self.ref.steps())} in an oneiter.StepRecorder (record --steps), or record "
+                               f"one of them with --step",
                                param="replay")
         if self._start:
             load_state(self.model, self.ref)

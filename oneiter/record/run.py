@@ -242,8 +242,8 @@ def _one_step(setup, rec) -> None:
 def _record_steps(opts: SpecOptions, setup, progress, notify) -> RecordSummary:
     """`--steps N` (or a replay of a multi-step reference): every iteration through a StepRecorder, each run by
     the twin too when replaying."""
-    recorder = StepRecorder(setup.bundle.model, opts, opts.steps, optimizer=setup.optimizer, progress=progress,
-                            notify=notify)
+    recorder = StepRecorder.from_options(setup.bundle.model, opts, opts.steps, optimizer=setup.optimizer,
+                                         progress=progress, notify=notify)
 
     def one_step(step: int) -> None:
         with user_code(f"the model's batch({step})"):

@@ -61,9 +61,8 @@ LAZY = {
                                                                 "is there at install)",
     ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
                                                         "paid only when a built-in model is named",
-    ("oneiter/judge/steps/step_compare.py", "oneiter.models"): "the built-in models' registry imports mmengine "
-                                                               "(~0.6 s): paid only when a verdict names a step to "
-                                                               "record",
+    ("oneiter/runtime/commands.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
+                                                       "paid only when a verdict names a step to record",
     # `oneiter.Recorder` (and the options it takes) load without torch: what needs torch loads when a block runs
     ("oneiter/record/recorder.py", "oneiter.record.local.probe"): "imports torch; loaded when a replay's block starts",
     ("oneiter/record/recorder.py", "oneiter.record.modes.fallback"): "imports torch; loaded only with fallback=",

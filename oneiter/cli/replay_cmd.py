@@ -20,6 +20,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, fail, handle_errors, out, terminal_text
+from oneiter.runtime import commands as flags
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -52,11 +53,12 @@ HELP = "\n\n".join([
 File = opt.RecordingFile
 Layer = Annotated[
     str,
-    typer.Option("--layer", "-l", show_default=False,
+    typer.Option(*flags.LAYER.decls, show_default=False,
                  help="Module path as in named_modules(), e.g. layer1.0.conv1; '(root)' for the whole model."),
 ]
 Call = Annotated[
-    int, typer.Option("--call", min=0, help="Which call of the module (a module called twice has calls 0 and 1).")
+    int, typer.Option(*flags.CALL.decls, min=0, help=
+                      "Which call of the module (a module called twice has calls 0 and 1).")
 ]
 Repeat = Annotated[
     int, typer.Option("--repeat", "-r", min=1, help="Timed runs, after one untimed run whose values are checked.")
@@ -64,10 +66,11 @@ Repeat = Annotated[
 JsonOut = Annotated[
     Optional[Path], typer.Option("--json", metavar="FILE", help="Write the result as JSON ('-': stdout).")
 ]
-Ops = Annotated[bool, typer.Option("--ops", help="Judge every aten op the layer runs by its own error (see above).")]
-Amp = Annotated[Optional[str], typer.Option("--amp", help=
+Ops = Annotated[bool, typer.Option(*flags.OPS.decls, help=
+        "Judge every aten op the layer runs by its own error (see above).")]
+Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help=
         "Autocast to run under: bf16, fp16 or none (default: the recording's own).")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help=
+Dtype = Annotated[Optional[str], typer.Option(*flags.DTYPE.decls, help=
         "Cast the layer and its inputs: float32, bfloat16, float16, float64 (default: the recording's).")]
 ReferenceOps = Annotated[Optional[Path], typer.Option("--reference-ops", metavar="FILE", help=
         "With --ops: the --json of the same command run on the reference's stack, to show where the op sequences "
@@ -143,9 +146,7 @@ def replay(
     device: opt.Device = "cpu",
     repeat: Repeat = 1,
     json_path: JsonOut = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
-            "The model file (path/to/file.py:function) the recording was made from: a recording never picks the code "
-            "that runs. Built-in models default to the recorded name.")] = None,
+    model: opt.Model = None,
     ops: Ops = False,
     amp: Amp = None,
     dtype: Dtype = None,

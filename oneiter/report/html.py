@@ -336,6 +336,17 @@ def _markers(ax: _Axes, doc: Document) -> list[str]:
 
 # -- the page -------------------------------------------------------------------------------------------------------
 _BANNERS = ("match", "diverged", "inconclusive")
+KEY_LINES = ("Culprit", "NaN/Inf origin", "  oneiter")  # the details that say where to look, or what to run next
+
+
+def banner(verdict) -> str:
+    """The verdict banner of every page (one iteration's `Verdict`, or two multi-step recordings'
+    `StepVerdict`): green match, red divergence, amber inconclusive; its title, reason and details."""
+    status = verdict.status if verdict.status in _BANNERS else "diverged"
+    reason = f"<p class='reason'>{_esc(verdict.reason)}</p>" if verdict.reason else ""
+    details = "".join(f"<p class='{'key' if line.startswith(KEY_LINES) else ''}'>{_esc(line)}</p>"
+                      for line in verdict.details)
+    return f"<header class='banner {status}' id='verdict'><h1>{_esc(verdict.title)}</h1>{reason}{details}</header>"
 
 
 def _nonfinite_differs(row: dict) -> bool:
@@ -442,15 +453,11 @@ def render_html(result: Union[CompareResult, Document]) -> str:
     """The whole page as a string."""
     doc = as_document(result)
     verdict = verdict_of(doc)
-    title, reason, details = verdict.title, verdict.reason, verdict.details
     status = verdict.status if verdict.status in _BANNERS else "diverged"
     has_local = any(isinstance(r.get("local"), dict) for r in doc["rows"])
     columns = COLUMNS + (LOCAL_COLUMNS if has_local else []) + TAIL_COLUMNS
-    key = ("Culprit", "NaN/Inf origin")  # the lines that say where to look
-    banner = f"<h1>{_esc(title)}</h1>" + (f"<p class='reason'>{_esc(reason)}</p>" if reason else "") + "".join(
-        f"<p class='{'key' if line.startswith(key) else ''}'>{_esc(line)}</p>" for line in details)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare: {status}</title>"
-            f"<style>{_CSS}</style></head><body><header class='banner {status}' id='verdict'>{banner}</header>"
+            f"<style>{_CSS}</style></head><body>{banner(verdict)}"
             f"{ops_section(doc.get('drill'))}"
             f"<section><h2>Runs</h2>{_runs(doc)}</section>"
             f"<section><h2>Error along the iteration</h2>{render_svg(doc)}{_legend(doc)}</section>"

@@ -23,8 +23,8 @@ from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, Row, nan_inf_text
 from oneiter.outputs import Destination, destination, open_text
 
-__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "rows_to_show", "print_wide",
-           "safe_text", "BEFORE", "AFTER"]
+__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "rows_to_show",
+           "print_wide", "safe_text", "BEFORE", "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
 
@@ -203,12 +203,20 @@ def _describe(meta: dict) -> str:
     return ", ".join(f"{k} {meta[k]}" for k in _SHOWN_META if meta.get(k) not in (None, ""))
 
 
-def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
-    """Verdict, inputs, counts, then the table of the rows that matter."""
-    verdict = result.verdict_obj
+_NOTICE = ("hint:", "NaN/Inf", "warning:")  # details printed in yellow
+
+
+def print_verdict(console: Console, verdict) -> None:
+    """The verdict block every terminal report leads with (one iteration's `Verdict`, two multi-step recordings'
+    `StepVerdict`): the headline in its status's colour, then the details, hints and warnings in yellow."""
     console.print(Text(safe_text(verdict.headline), style=_STYLES[verdict.status]))
     for line in verdict.details:
-        console.print(Text(safe_text(line), style="yellow" if line.startswith(("hint:", "NaN/Inf")) else ""))
+        console.print(Text(safe_text(line), style="yellow" if line.startswith(_NOTICE) else ""))
+
+
+def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
+    """Verdict, inputs, counts, then the table of the rows that matter."""
+    print_verdict(console, result.verdict_obj)
     for label, path, meta in (("reference", result.reference, result.meta_reference),
                               ("target", result.target, result.meta_target)):
         loss = result.loss.get(label)

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
-from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
 from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.runtime.precision_modes import describe, reduced
 
@@ -173,6 +173,9 @@ class Verdict:
     warnings: tuple[str, ...] = ()
     """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
     for another device); every report states them among the details."""
+    findings: tuple[dict, ...] = ()
+    """Every finding it chose among (`Finding.as_dict`: kind, priority, entry, reason), in the order recorded: the
+    JSON report's `verdict.findings`, in the same shape as a multi-step comparison's."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -222,6 +225,7 @@ class Verdict:
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
             "num_not_judged": self.num_not_judged, "warnings": list(self.warnings),
+            "findings": list(self.findings),
         }
 
     @classmethod
@@ -235,7 +239,7 @@ class Verdict:
             **own, "entry": None if unnamed else where,
             "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
-                                                           "warnings")},
+                                                           "warnings", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
         })
         title, reason, details = render(verdict)
@@ -247,7 +251,7 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings")
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "findings")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision")
@@ -285,7 +289,7 @@ def decide(result: Evidence) -> Verdict:
         basis = "first_divergence"
     else:
         basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
-    status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
+    status = status_of(findings, judged=not (result.local_kind and not result.local))
     entry = None if top is None else _named(result, top)
     counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding", NOT_JUDGED)}
     worst = max(result.local, key=lambda r: r.ratio, default=None)
@@ -305,6 +309,7 @@ def decide(result: Evidence) -> Verdict:
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
+        findings=tuple(f.as_dict() for f in findings),
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.record.replay.layer_replay import RECORDED, LayerTrace, trace_layer
 from oneiter.record.replay.op_repro import repro_folder, write_repro
 from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpRow, OpTracer
+from oneiter.runtime.commands import replay_ops_command
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import is_file_spec
 from oneiter.runtime.precision import unit_roundoff
@@ -261,10 +261,10 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     device, dtype, amp = str(meta.get("device") or "cpu"), meta.get("dtype") or None, meta.get("amp") or None
     recorded = str(meta.get("model") or "")
     spec = model or recorded
-    words = ["oneiter", "replay", result.reference, "--layer", culprit.module, "--call", str(culprit.call), "--ops",
-             "--device", device, *(["--dtype", dtype] if dtype else []), "--amp", amp or "none",
-             *(["--model", spec] if spec and (model or is_file_spec(spec)) else [])]
-    found = Drill(culprit.module, culprit.call, shlex.join(words))
+    named = spec if spec and (model or is_file_spec(spec)) else None  # a built-in one is the recording's default
+    command = replay_ops_command(result.reference, culprit.module, culprit.call, device=device, dtype=dtype, amp=amp,
+                                 model=named)
+    found = Drill(culprit.module, culprit.call, command)
     if is_file_spec(spec) and model is None:
         found.why_not = "the target's model is a file: name it with --model (a recording never chooses the code)"
         return found

@@ -1,8 +1,8 @@
 """oneiter's own imports go one way, down this table, like huggingface_hub's `check_static_imports`.
 
     rank  layer         what it is
-    0     errors        typed errors, the version and where outputs go (errors.py, version.py, outputs.py): leaves,
-                        torch-free
+    0     errors        typed errors, the version, where outputs go and how numbers are written (errors.py,
+                        version.py, outputs.py, formatting.py): leaves, torch-free
     1     models        the built-in models (pure torch modules)
     2     runtime       what an iteration runs on: model specs, training step, devices, precision, ranks
     3     format        the recording on disk: schema, file, validation, statistics
@@ -49,7 +49,7 @@ RANKS = {"errors": 0, "models": 1, "runtime": 2, "format": 3, "record": 4, "prof
 TOP_RANK = 7
 ONLY = {"profile": {"errors", "runtime", "format"}}  # the lower layers a layer may import, where not all of them
 # top-level modules in the errors layer; the other top-level modules are `top`
-LEAVES = {"errors", "version", "outputs"}
+LEAVES = {"errors", "version", "outputs", "formatting"}
 
 # (file pattern, imported module) -> why it stays inside a function; the module matches itself and its submodules
 LAZY = {

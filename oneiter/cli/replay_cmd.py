@@ -79,16 +79,11 @@ Repro = Annotated[Optional[Path], typer.Option("--repro", metavar="DIR", help=
         "With --ops: write the first flagged op as DIR/repro.py and DIR/case.h5 (runs without oneiter).")]
 
 
-def _sci(value: float) -> str:
-    return f"{value:9.2e}"
+def _checks_table(result):
+    from oneiter.formatting import sci
+    from oneiter.report.terminal import cell, plain_table
 
-
-def _table(result):
-    from rich.table import Table
-
-    from oneiter.report.terminal import cell
-
-    table = Table(header_style="bold", box=None, pad_edge=False)
+    table = plain_table()
     table.add_column("tensor", overflow="fold", min_width=8)
     for name in ("shape", "dtype", "bitwise"):
         table.add_column(name, no_wrap=True)
@@ -96,7 +91,7 @@ def _table(result):
         table.add_column(name, justify="right", no_wrap=True)
     for c in result.checks:
         shape = "x".join(str(s) for s in c.shape) or "scalar"
-        cells = (c.name, shape, c.dtype, "yes" if c.bitwise else "no", _sci(c.max_abs), _sci(c.rel_l2))
+        cells = (c.name, shape, c.dtype, "yes" if c.bitwise else "no", sci(c.max_abs, 9), sci(c.rel_l2, 9))
         table.add_row(*(cell(x) for x in cells), style="" if c.matched else "bold red")  # file text: never markup
     return table
 
@@ -130,7 +125,7 @@ def print_report(console, result) -> None:
     """Verdict first, then one row per checked tensor, then notes and the timing line."""
     console.print(_verdict(result), markup=True)
     if result.checks:
-        console.print(_table(result))
+        console.print(_checks_table(result))
     from oneiter.report.terminal import safe_text
 
     for note in result.notes:

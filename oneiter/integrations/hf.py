@@ -6,9 +6,11 @@
     trainer.train()                                           # reference: writes ref.h5 at step 2
     ...callbacks=[OneIterCallback(step=2, out="npu.h5", replay="ref.h5")]   # target: same weights and batch
 
-Where it sits: an adapter, like the mmengine hook. The step is recorded by an `oneiter.Recorder` opened in
-`on_step_begin` of step `step` (0-based: `state.global_step` when the step begins) and closed in `on_step_end`,
-so the file reads, compares and replays like one `oneiter record` writes. What the Recorder takes from the Trainer:
+Where it sits: an adapter, like the mmengine hook, on the pattern of `integrations/recording.py` (its settings are
+one `RecordOptions`: `options=`, or the `oneiter.Recorder` keywords). The step is recorded by an `oneiter.Recorder`
+opened in `on_step_begin` of step `step` (0-based: `state.global_step` when the step begins) and closed in
+`on_step_end`, so the file reads, compares and replays like one `oneiter record` writes. What the Recorder takes
+from the Trainer:
 
 - the batch is the keyword arguments of the model's first forward call (`input_ids`, `attention_mask`,
   `labels`, ...), named `kwarg.<name>`; with `replay=` the reference's tensors are put in their place;
@@ -37,10 +39,8 @@ file.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from pathlib import Path
 from types import MethodType
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional
 
 try:
     from transformers import TrainerCallback
@@ -50,6 +50,7 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
     ) from _err
 
 from oneiter.errors import OneIterError
+from oneiter.integrations.recording import for_step, open_steps, settings
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary
 from oneiter.record.session import check_output
@@ -58,16 +59,21 @@ from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["OneIterCallback"]
 
-PathLike = Union[str, os.PathLike]
 
 
 class OneIterCallback(TrainerCallback):
     """Record optimizer step `step` (0-based) of a `Trainer` run into `out` (reference, or replay of `replay`), or the
     statistics of every `every`-th step (0, K, 2K, ...: a multi-step file).
 
-    Args mirror `oneiter.Recorder` and the mmengine `OneIterRecordHook`: `include`/`exclude` (regexes on module
-    paths), `seed` (`torch.manual_seed` when the step begins; None leaves the RNG alone), `isolate` (with `replay`:
-    judge every call on the reference's values), `force` (overwrite `out`), `model_name` (the file's `model`).
+    Args:
+        step / every: the step to record in full, or every K-th step's statistics (one of them).
+        options: the recording's settings, a `oneiter.record.options.RecordOptions` (`out`, `replay`, ...).
+        **record: or the same settings as keywords, those `oneiter.Recorder` takes: `out` (required), `replay`,
+            `include`/`exclude` (regexes on module paths), `seed` (`torch.manual_seed` when the step begins; None
+            leaves the RNG alone), `isolate` (with `replay`: judge every call on the reference's values), `force`
+            (overwrite `out`), `level`, ...; `model_name` is the file's `model`. Not `amp`: the Trainer's
+            `bf16`/`fp16` decide it (`integrations/recording.py`).
+
     After the step (or the run, with `every`), `summary` holds what was written.
     """
 
@@ -75,15 +81,9 @@ class OneIterCallback(TrainerCallback):
         self,
         *,
         step: Optional[int] = None,
-        out: PathLike,
         every: Optional[int] = None,
-        replay: Optional[PathLike] = None,
-        include: Union[str, Sequence[str], None] = None,
-        exclude: Union[str, Sequence[str], None] = None,
-        seed: Optional[int] = 0,
-        isolate: bool = True,
-        force: bool = False,
-        model_name: Optional[str] = None,
+        options: Optional[RecordOptions] = None,
+        **record: Any,
     ):
         if (step is None) == (every is None):
             raise OneIterError("give step (one step, in full) or every (the statistics of every K-th step), not "
@@ -92,13 +92,11 @@ class OneIterCallback(TrainerCallback):
             raise OneIterError(f"step must be a non-negative int, got {step!r}", param="step")
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise OneIterError(f"every must be an int >= 1, got {every!r}", param="every")
-        if not isinstance(out, (str, os.PathLike)):
-            raise OneIterError(f"out must be a file path, got {out!r}", param="out")
+        if "out" in record and not isinstance(record["out"], (str, os.PathLike)):
+            raise OneIterError(f"out must be a file path, got {record['out']!r}", param="out")
         self.step, self.every = step, every
         # the Trainer enters autocast itself; its dtype is known when the step begins (`on_step_begin`)
-        self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
-                                     exclude=exclude, seed=seed, isolate=isolate, force=force, name=model_name,
-                                     manage_autocast=False)
+        self.options = settings(type(self).__name__, options, record)
         self.out, self.replay = self.options.out, self.options.replay
         if self.replay is not None and not self.replay.is_file():
             raise OneIterError(f"replay must be an existing recording (.h5), got '{self.replay}'", param="replay")
@@ -129,11 +127,8 @@ class OneIterCallback(TrainerCallback):
     def _open_steps(self, args, state, model, optimizer) -> None:
         """`every`: the multi-step recording of the run's steps 0, K, 2K, ... below max_steps (a replay: the
         reference's)."""
-        wanted = None if self.replay is not None else list(range(0, max(state.max_steps, 1), self.every))
-        options = replace(self.options, amp=_amp(args), meta=_meta(args, None))
-        self._steps = StepRecorder.from_options(model, options, wanted, optimizer=_torch_optimizer(optimizer),
-                                                twin=False)
-        self._steps.__enter__()
+        self._steps = open_steps(model, self.options, every=self.every, max_steps=state.max_steps,
+                                 optimizer=_torch_optimizer(optimizer), amp=_amp(args), meta=_meta(args, None))
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self._steps is not None:
@@ -141,7 +136,7 @@ class OneIterCallback(TrainerCallback):
             return
         if state.global_step != self.step or self.summary is not None or self._recorder is not None:
             return
-        options = replace(self.options, amp=_amp(args), meta=_meta(args, self.step))
+        options = for_step(self.options, amp=_amp(args), meta=_meta(args, self.step))
         self._recorder = self._enter(Recorder.from_options(model, options, optimizer=_torch_optimizer(optimizer)),
                                      model)
 

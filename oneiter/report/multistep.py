@@ -19,30 +19,18 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
+from oneiter.formatting import rel_diff
 from oneiter.judge.steps.step_compare import StepRow, StepsResult
 from oneiter.outputs import Destination, destination, open_text, write_text
 from oneiter.report.html import _CSS, MARK_COLOR, NOISE_COLOR, PHASE_COLORS, _embedded, _esc, banner
-from oneiter.report.terminal import print_verdict, print_wide, safe_text
+from oneiter.report.terminal import metric_text, plain_table, print_verdict, print_wide, safe_text
 
 __all__ = ["print_steps", "write_steps_csv", "render_steps_html", "write_steps_html", "MAX_ROWS"]
 
 MAX_ROWS = 40  # steps printed without --all: those around the named step (or the largest errors' on a match)
 METRICS = (("loss", "loss"), ("grad_norm", "grad norm"), ("update_norm", "update norm"))
-
-
-def _sci(value: Optional[float]) -> str:
-    return "-" if value is None or value != value else f"{value:9.2e}"
-
-
-def _rel(row: StepRow, name: str) -> float:
-    ref, tgt = getattr(row, name)
-    if ref == tgt:
-        return 0.0
-    scale = max(abs(ref), abs(tgt))
-    return abs(ref - tgt) / scale if scale and math.isfinite(scale) else math.nan
 
 
 def _shown(result: StepsResult, show_all: bool) -> tuple[list[StepRow], str]:
@@ -68,7 +56,7 @@ def print_steps(console: Console, result: StepsResult, *, show_all: bool = False
                          if meta.get(k) not in (None, ""))
         console.print(Text(safe_text(f"{label:<9} {path} ({said})")))
     rows, caption = _shown(result, show_all)
-    table = Table(caption=caption or None, caption_justify="left", header_style="bold", box=None, pad_edge=False)
+    table = plain_table(caption)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
     for _, title in METRICS:
@@ -81,9 +69,9 @@ def print_steps(console: Console, result: StepsResult, *, show_all: bool = False
         cells = [f">{row.step}" if row.step == result.step else str(row.step), row.status]
         for name, _ in METRICS:
             ref, tgt = getattr(row, name)
-            cells += [_sci(ref), _sci(tgt), _sci(_rel(row, name))]
+            cells += [metric_text(ref), metric_text(tgt), metric_text(rel_diff(ref, tgt))]
         ratio = row.ratio
-        cells += [_sci(row.error), _sci(row.band),
+        cells += [metric_text(row.error), metric_text(row.band),
                   "-" if ratio is None else f"{ratio:6.2f}x" + ("!" if row.outside else " "), row.by]
         style = "bold red" if row.step == result.step else ("red" if row.outside else "")
         table.add_row(*(Text(safe_text(c)) for c in cells), style=style)
@@ -106,7 +94,7 @@ def write_steps_csv(result: StepsResult, path: Union[str, Path, Destination]) ->
                                     "nonfinite": int(row.nonfinite), "role": " ".join(result.verdict_obj.roles(i))}
             for name, _ in METRICS:
                 ref, tgt = getattr(row, name)
-                data |= {f"{name}_reference": ref, f"{name}_target": tgt, f"{name}_difference": _rel(row, name)}
+                data |= {f"{name}_reference": ref, f"{name}_target": tgt, f"{name}_difference": rel_diff(ref, tgt)}
             writer.writerow(data)
 
 
@@ -242,8 +230,8 @@ def render_steps_html(result: StepsResult) -> str:
                                              "band", "ratio"))
     body = "".join(
         f"<tr class='{'first' if r.step == result.step else ''}'><td>{r.step}</td><td>{_esc(r.status)}</td>"
-        + "".join(f"<td class='num'>{_sci(v)}</td>" for n, _ in METRICS for v in getattr(r, n))
-        + f"<td class='num'>{_sci(r.error)}</td><td class='num'>{_sci(r.band)}</td>"
+        + "".join(f"<td class='num'>{metric_text(v)}</td>" for n, _ in METRICS for v in getattr(r, n))
+        + f"<td class='num'>{metric_text(r.error)}</td><td class='num'>{metric_text(r.band)}</td>"
         f"<td class='num'>{'-' if r.ratio is None else f'{r.ratio:.2f}x'}</td></tr>" for r in result.rows)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare (steps): "
             f"{verdict.status}</title><style>{_CSS}</style></head><body>{banner(verdict)}<section><h2>Runs</h2>"

@@ -12,9 +12,10 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from oneiter.formatting import json_ready
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.rows import STATUSES, LocalResult, Row
-from oneiter.judge.iteration.verdict import Culprit, Verdict, decide, json_ready
+from oneiter.judge.iteration.verdict import Culprit, Verdict, decide
 
 __all__ = ["CompareResult"]
 

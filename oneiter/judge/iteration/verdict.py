@@ -28,10 +28,10 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
+from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
 from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.runtime.precision_modes import describe, reduced
@@ -45,27 +45,6 @@ HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise 
 # what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
 FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "culprit": "culprit",
          "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss"}
-
-
-def num(value: Any) -> Optional[float]:
-    """A number of the verdict or a JSON document as float: "inf"/"nan" strings (JSON has none) back to floats."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def json_ready(value: Any) -> Any:
-    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (`num` reads them back)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
 
 
 def entry_name(item: dict) -> str:
@@ -456,13 +435,8 @@ def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], exp
                 f"given the same inputs")
     tensor = str(tensor)
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
-    return (f"{own} error rel_l2 {_sci(rel_l2)}, on the reference's inputs, is "
-            f"{num(ratio) or 0:.1f}x its expected noise {_sci(expected)}")
-
-
-def _sci(value: Any) -> str:
-    v = num(value)
-    return "-" if v is None else f"{v:.2e}"
+    return (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
+            f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
 
 
 def _nonfinite_differs(e: dict) -> bool:
@@ -480,7 +454,7 @@ def _numbers(e: dict) -> str:
         return f"{str(e.get('entry_status', '')).replace('_', ' ')} ({e.get('reason', '')})"
     if str(e.get("reason") or "").startswith(STATS_REASON):  # `--level stats`: no elementwise numbers exist
         return str(e["reason"])
-    numbers = (f"max_abs {_sci(e.get('max_abs'))} max_rel {_sci(e.get('max_rel'))} rel_l2 {_sci(e.get('rel_l2'))} "
+    numbers = (f"max_abs {sci(e.get('max_abs'))} max_rel {sci(e.get('max_rel'))} rel_l2 {sci(e.get('rel_l2'))} "
                f"cosine {num(e.get('cosine')):.6f}")
     if num(e.get("frac_out")) is not None and num(e.get("atol")) is not None:
         numbers += (f", {num(e['frac_out']):.2%} of elements outside atol {num(e['atol']):.1e} "
@@ -510,7 +484,7 @@ def _details(v: Verdict) -> list[str]:
 
 def _first_divergence_line(first: dict) -> str:
     """The first entry outside tolerance, labelled as such: with local data it is seldom the culprit."""
-    size = f" (rel_l2 {_sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
+    size = f" (rel_l2 {sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
     if _nonfinite_differs(first) and first.get("num_nan_ref") is not None:
         size = f" ({_nan_inf(first)})"
     drift = {"drift": ": accumulated drift, which the verdict does not rest on",

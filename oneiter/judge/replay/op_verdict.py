@@ -295,9 +295,9 @@ def _program(path, trace: LayerTrace, factor: float) -> list[ProgramTensor]:
                 continue
             recorded_dtype = ref.dtype_of(dataset)
             recorded = ref.read(dataset)
-            program = _rel(exact[name], recorded)
-            explained = max(_rel(exact[name], _values(target[name])),
-                            _rel(exact[name], _values(coarse[name])) if coarse.get(name) is not None else 0.0)
+            program = _rel_l2_to_exact(exact[name], recorded)
+            coarse_error = _rel_l2_to_exact(exact[name], _values(coarse[name])) if coarse.get(name) is not None else 0.0
+            explained = max(_rel_l2_to_exact(exact[name], _values(target[name])), coarse_error)
             floor = max(unit_roundoff(recorded_dtype), unit_roundoff(target[name][1]))
             ratio = program / max(explained, floor)
             out.append(ProgramTensor(name, program, explained, floor, ratio, ratio > factor))
@@ -309,7 +309,7 @@ def _values(produced: tuple[np.ndarray, str]) -> np.ndarray:
     return decode(array, dtype)
 
 
-def _rel(exact: tuple[np.ndarray, str], other: np.ndarray) -> float:
+def _rel_l2_to_exact(exact: tuple[np.ndarray, str], other: np.ndarray) -> float:
     """rel_l2 of `other` against the exact (float64) values, over the positions finite on both sides."""
     reference = _values(exact)
     if reference.shape != other.shape:

@@ -35,6 +35,7 @@ import numpy as np
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.signature import GROUPS, UPDATE, Signature
+from oneiter.formatting import rel_diff
 from oneiter.judge.iteration.pairing import causal_pairs, positions
 from oneiter.judge.measure.tolerance import default_tolerance
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
@@ -131,7 +132,7 @@ class StepRow:
         out: dict[str, Any] = {"step": self.step, "status": self.status, "bitwise": self.bitwise}
         for name in ("loss", "grad_norm", "update_norm"):
             ref, tgt = getattr(self, name)
-            out[name] = {"reference": ref, "target": tgt, "difference": _rel(tgt, ref)}
+            out[name] = {"reference": ref, "target": tgt, "difference": rel_diff(tgt, ref)}
         out.update({"error": self.error, "band": self.band, "ratio": self.ratio, "by": self.by,
                     "nonfinite": self.nonfinite,
                     "groups": {g: {"error": self.errors[g], "band": self.bands.get(g), "judged": self.judges(g)}
@@ -139,13 +140,6 @@ class StepRow:
         if self.twin is not None:
             out["twin"] = dict(zip(("loss", "grad_norm", "update_norm"), self.twin, strict=True))
         return out
-
-
-def _rel(a: float, b: float) -> float:
-    if a == b:
-        return 0.0
-    scale = max(abs(a), abs(b))
-    return abs(a - b) / scale if scale and math.isfinite(scale) else math.nan
 
 
 def step_rows(ref: IterationFile, tgt: IterationFile, steps: list[int], mine: Signature, theirs: Signature,

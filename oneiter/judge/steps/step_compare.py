@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile, reading
+from oneiter.formatting import json_ready
 from oneiter.judge.iteration.pairing import check_compatible, check_replay, same_start
-from oneiter.judge.iteration.verdict import json_ready
 from oneiter.judge.steps.band import BAND_FACTOR, DECORRELATED, StepRow, distance, step_rows
 from oneiter.judge.steps.step_verdict import StepVerdict, decide_steps
 

@@ -15,8 +15,8 @@ needs torch, in `oneiter.format`).
 """
 
 from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.entries import Row
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.rows import Row
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, default_tolerance
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from oneiter.formatting import json_ready, num, sci
+from oneiter.judge.iteration.entries import NOT_DIVERGED, PHASES
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.rows import NOT_DIVERGED, PHASES
 from oneiter.judge.iteration.verdict import Verdict, entry_name
 from oneiter.outputs import Destination, destination, write_text
 from oneiter.report.op_table import ops_section

@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from oneiter.formatting import sci
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Row, nan_inf_text
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, Row, nan_inf_text
 from oneiter.outputs import Destination, destination, open_text
 
 __all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "rows_to_show",

@@ -1,10 +1,10 @@
 """`judge/iteration/`: two recordings of one iteration compared.
 
-Imports go one way: `rows` -> `findings` -> `blame`, `pairing`, `verdict` -> `results` -> `engine` -> `ranks`,
-`suggest`. The result types have modules of their own (`rows.py`, `results.py`), so the engine, blame and the
+Imports go one way: `entries` -> `findings` -> `blame`, `pairing`, `verdict` -> `results` -> `engine` -> `ranks`,
+`suggest`. The result types have modules of their own (`entries.py`, `results.py`), so the engine, blame and the
 verdict read them without reading one another (the verdict reads a result as its `Evidence`).
 
-- `rows.py`     the rows of a comparison: an entry of both files compared (`Row`), a call's own error (`LocalResult`)
+- `entries.py`  an entry of both files compared (`Row`), a call's own error (`LocalResult`), the row statuses
 - `findings.py` what blame found, and the one table of priorities the verdict picks among them by
 - `pairing.py`  which entries pair up, in causal order; whether two files may be compared (model, replay start)
 - `blame.py`    local (per-call) error against expected noise: the culprit; the NaN/Inf origin

@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
+from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
-from oneiter.judge.iteration.rows import LocalMetrics, LocalResult
 from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 

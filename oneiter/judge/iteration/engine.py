@@ -14,7 +14,7 @@ presentation (`oneiter.report`, the CLI). Steps:
    (`verdict.py`) is decided once from all of it: the culprit, or the first row, in that order, that is not a
    match.
 
-Row statuses (`rows.py`) are set here, drift and rounding settled by `verdict.py`. Stored dtypes may differ
+Row statuses (`entries.py`) are set here, drift and rounding settled by `verdict.py`. Stored dtypes may differ
 without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta `dtype`/`amp`
 differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.
 """
@@ -55,10 +55,10 @@ from oneiter.judge.iteration.blame import (
     own_values,
     unexplained_rows,
 )
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.verdict import STATS_REASON, culprit_reason, settle_rows
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.stat_metrics import compare_stats

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 
 __all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "Finding", "row_findings", "strongest", "of_kind", "status_of"]
 

@@ -19,7 +19,7 @@ from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile
 from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE
 from oneiter.format.schema import OPTIMIZER, STATE_AFTER, STATE_BEFORE, natural_key, seq_kind
-from oneiter.judge.iteration.rows import PHASES
+from oneiter.judge.iteration.entries import PHASES
 
 __all__ = ["positions", "causal_pairs", "check_compatible", "check_replay", "same_start"]
 

@@ -3,7 +3,7 @@ decided from them, and its JSON form.
 
 The engine (`engine.py`) fills one from two files, blame and the findings (`blame.py`, `findings.py`) add what they
 found, and the verdict (`verdict.py`, which reads a result as `verdict.Evidence`) is decided once, the first time it
-is asked for; every report (`oneiter.report`) and the public API read it. The rows themselves are `rows.py`'s.
+is asked for; every report (`oneiter.report`) and the public API read it. The rows themselves are `entries.py`'s.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from oneiter.formatting import json_ready
+from oneiter.judge.iteration.entries import STATUSES, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding
-from oneiter.judge.iteration.rows import STATUSES, LocalResult, Row
 from oneiter.judge.iteration.verdict import Culprit, Verdict, decide
 
 __all__ = ["CompareResult"]

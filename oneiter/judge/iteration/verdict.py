@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
 from oneiter.formatting import json_ready, num, sci
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
-from oneiter.judge.iteration.rows import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",

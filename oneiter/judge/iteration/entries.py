@@ -1,5 +1,5 @@
-"""The rows of one comparison: an entry of both recordings compared (`Row`), one call's own error (`LocalResult`),
-and the statuses a row can have.
+"""The entries of one comparison: an entry of both recordings compared (`Row`), one call's own error
+(`LocalResult`), and the statuses a row can have.
 
 The bottom of `judge/iteration/`: the engine makes `Row`s (`engine.py`), blame judges the target's `/local` table
 into `LocalResult`s (`blame.py`), findings name them (`findings.py`) and the verdict settles their statuses

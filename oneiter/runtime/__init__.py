@@ -5,4 +5,5 @@
 - `devices.py`     device names, vendor plugins imported lazily (torch_npu, torch_mlu, torch_dipu)
 - `precision.py`   dtypes, autocast, unit roundoff
 - `distributed.py` torchrun ranks, DDP, per-rank file names
+- `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
 """

@@ -15,9 +15,10 @@ record` writes. What the Recorder takes from Lightning:
 - the batch is what `training_step` is called with (after `transfer_batch_to_device` and the precision plugin's
   input cast), names `input.0.<i>` for a `(x, y)` batch; with `replay=` the reference's tensors are put in its
   place. Lightning calls `training_step`, not the module, so the callback routes that one call through the
-  Recorder (`Recorder.inputs`); under DDP the module's own call (Lightning redirects it to `training_step`) takes
-  the batch first, the same names, and is not recorded itself (the module's calls under DDP are then those of a
-  single process: a `forward` that `training_step` calls as `self(x)` included, which DDP leaves unrecorded);
+  Recorder (`Recorder.inputs`); under DDP Lightning runs `training_step` as the module's own call, which takes
+  the batch first (the same names) and is not recorded itself: plumbing, not the model's forward, so the file
+  holds the calls a single process's holds (under DDP the module's own `forward`, if `training_step` calls it as
+  `self(x)`, goes unrecorded with it);
 - the loss is the tensor Lightning's backward runs on (`manual_backward`'s under manual optimization);
 - under automatic optimization Lightning runs forward and backward *inside* `optimizer.step(closure)`: the
   Recorder reads the parameter gradients when backward returns and judges the update when the closure returns

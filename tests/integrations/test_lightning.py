@@ -173,8 +173,8 @@ def test_an_exception_inside_the_recorded_step_leaves_no_file_and_no_hook(tmp_pa
     assert not any(len(m._forward_pre_hooks) for m in module.modules())
 
 
-def test_callback_arguments_are_checked(tmp_path, lit_ref):
-    ref = lit_ref[0]
+def test_callback_arguments_are_checked(tmp_path, auto_ref):
+    ref = auto_ref
     with pytest.raises(OneIterError, match="give step .* or every"):
         OneIterCallback(out=tmp_path / "x.h5")
     with pytest.raises(OneIterError, match="already exists; pass force=True"):

@@ -25,7 +25,7 @@ ModelArg = Annotated[
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
         "No progress and no notes on stderr (off a terminal progress is plain lines: one per phase, then one every "
-        "few seconds); errors and warnings still print, and results (tables, reports) go to stdout as usual.")]
+        "few seconds): one line says what was written; errors and warnings still print.")]
 RecordingFile = Annotated[
     Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
 ]

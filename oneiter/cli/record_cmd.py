@@ -113,8 +113,6 @@ def record_command(
     with status as update:
         summary = record(options, progress=update,
                          notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if notes else None)
-    if quiet:  # errors and warnings still print; what was written is `oneiter inspect`'s to tell
-        return
     what = f"{summary.num_calls} module calls, {summary.num_entries} tensors"
     if summary.num_steps:
         what = f"{summary.num_steps} steps ({what} each)"

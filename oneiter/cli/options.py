@@ -31,7 +31,8 @@ ModelArg = Annotated[Optional[List[str]], typer.Option(*flags.MODEL_ARG.decls, h
         "KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable).")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
-        "No progress on stderr (off a terminal progress is plain lines: one per phase, then one every few seconds).")]
+        "No progress and no notes on stderr (off a terminal progress is plain lines: one per phase, then one every "
+        "few seconds): one line says what was written; errors and warnings still print.")]
 RecordingFile = Annotated[
     Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
 ]

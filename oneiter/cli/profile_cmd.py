@@ -95,8 +95,9 @@ def profile_command(
         return
     if model is None:
         model = DEFAULT_MODEL
-        err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for another)",
-                  markup=False)
+        if not quiet:
+            err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for "
+                      f"another)", markup=False)
     from oneiter.profile.runner import ProfileOptions, profile
     from oneiter.runtime.modelspec import parse_model_args
 
@@ -109,7 +110,7 @@ def profile_command(
     )  # fmt: skip
     with _progress(f"profiling {model} on {device}", quiet) as on_step:
         result = profile(options, on_step=on_step)
-    for note in result.notes:
+    for note in [] if quiet else result.notes:
         err.print(f"note: {note}", markup=False)
     for warning in result.warnings:
         err.print(f"[yellow]warning:[/] {warning}", markup=True)

@@ -108,9 +108,10 @@ def record_command(
     prefix = f"[rank {info.rank}] " if info.distributed else ""
     status = live_status(f"recording {model or replay}", quiet=quiet) if info.rank == 0 else \
         nullcontext(lambda *_: None)
+    notes = info.rank == 0 and not quiet
     with status as update:
         summary = record(options, progress=update,
-                         notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if info.rank == 0 else None)
+                         notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if notes else None)
     what = f"{summary.num_calls} module calls, {summary.num_entries} tensors"
     if summary.num_steps:
         what = f"{summary.num_steps} steps ({what} each)"

@@ -177,9 +177,9 @@ class OneIterRecordHook(Hook):
     def _open_steps(self, runner, max_iters) -> None:
         """`every`: the multi-step recording of iterations 0, K, 2K, ... (a replay: the reference's)."""
         model = _unwrap(runner.model)
-        self._steps = open_steps(model, self.options, every=self.every, max_steps=max_iters,
-                                 optimizer=_optimizers(runner.optim_wrapper), amp=self._amp(runner, model),
-                                 meta=self._meta(runner))
+        options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        self._steps = open_steps(model, options, every=self.every, max_steps=max_iters,
+                                 optimizer=_optimizers(runner.optim_wrapper))
 
     def _amp(self, runner, model) -> Optional[str]:
         param = next(model.parameters(), None)

@@ -1,8 +1,9 @@
 """What every framework integration shares: its settings (one `RecordOptions`), which steps it records, and the
 `Recorder` or `StepRecorder` it opens for them.
 
-The pattern, followed by the Hugging Face Trainer callback (`hf.py`) and the mmengine Runner hook (`mmengine.py`);
-a new framework (a PyTorch Lightning callback) is a third module on the same lines:
+The pattern, followed by the mmengine Runner hook (`mmengine.py`) and, through their shared `step_driver.py`, the
+Hugging Face Trainer callback (`hf.py`) and the PyTorch Lightning callback (`lightning.py`); a new framework is one
+more module on the same lines:
 
 1. **Construct**: which step to record — one step in full (`step=N`; mmengine says `iteration`) or the statistics
    of every K-th step (`every=K`: a multi-step file) — and the recording's settings, as one `RecordOptions`
@@ -13,8 +14,9 @@ a new framework (a PyTorch Lightning callback) is a third module on the same lin
    what the framework feeds the model but is no part of it is skipped (mmengine's data preprocessor). Check
    `out` (never overwritten unless `force`) and `replay` (an existing file) here, before training starts, in the
    framework's error convention.
-2. **When training starts**: with `every`, `open_steps()` opens the multi-step file (a `StepRecorder` without a
-   twin: a framework's step cannot be run again) over the run's steps 0, K, 2K, ... (a replay: the reference's).
+2. **When training starts**: with `every`, `open_steps(model, for_step(...), ...)` opens the multi-step file
+   (a `StepRecorder` without a twin: a framework's step cannot be run again) over the run's steps 0, K, 2K, ...
+   (a replay: the reference's).
 3. **At the step**: a `Recorder` of `for_step(options, amp=..., meta=...)` (`Recorder.from_options`), or the
    multi-step file's `step(s)` block, entered when the framework's step begins and left when it ends: the run's
    autocast dtype, and what only the framework knows in the file's root attributes (batch size, seed, version).
@@ -73,12 +75,11 @@ def for_step(options: RecordOptions, *, amp: Optional[str], meta: dict[str, Any]
     return replace(options, amp=amp, meta={**options.meta, **meta})
 
 
-def open_steps(model, options: RecordOptions, *, every: int, max_steps: Optional[int], optimizer,
-               amp: Optional[str], meta: dict[str, Any]) -> StepRecorder:
+def open_steps(model, options: RecordOptions, *, every: int, max_steps: Optional[int], optimizer) -> StepRecorder:
     """`every=K`: the multi-step recording of the run's steps 0, K, 2K, ... below `max_steps` (a replay: the
-    reference's steps), entered; no twin (the framework's step cannot be run again)."""
+    reference's steps), of `options` (`for_step`'s: the run's autocast and metadata), entered; no twin (the
+    framework's step cannot be run again)."""
     wanted = None if options.replay is not None else list(range(0, max(int(max_steps or 1), 1), every))
-    steps = StepRecorder.from_options(model, for_step(options, amp=amp, meta=meta), wanted, optimizer=optimizer,
-                                      twin=False)
+    steps = StepRecorder.from_options(model, options, wanted, optimizer=optimizer, twin=False)
     steps.__enter__()
     return steps

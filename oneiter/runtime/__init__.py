@@ -8,4 +8,5 @@
 - `distributed.py` torchrun ranks, DDP, per-rank file names
 - `sharding.py`    sharded parameters (FSDP2): a rank's own shard, and how gradients are reduced
 - `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
+- `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
 """

@@ -370,8 +370,7 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
     err = _scalar_error(loss)
     if err is None:
         return []
-    outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
-            and r.phase == FORWARD and not is_input(r.tensor)]
+    outs = [r.metrics.rel_l2 for r in _model_outputs(rows)]
     bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
     tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
     if err > bound and (not same_precision or err > tolerance):
@@ -379,6 +378,17 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
                                          f"explain ({bound:.2e}); code outside the model's forward (the loss "
                                          f"function) is not probed")]
     return []
+
+
+def _model_outputs(rows: list) -> list:
+    """The rows of the model's outputs: its own call's (`(root)`), or, when the model itself was never called (a
+    Lightning `training_step` calls its submodules, `self.encoder(x)`), those of the outermost calls it made."""
+    outputs = [r for r in rows if r.metrics is not None and r.phase == FORWARD and not is_input(r.tensor)]
+    root = [r for r in outputs if r.module == ROOT_MODULE]
+    if root:
+        return root
+    modules = {r.module for r in outputs}
+    return [r for r in outputs if not any(r.module.startswith(m + ".") for m in modules)]
 
 
 def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:

@@ -35,6 +35,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.signature import signature_columns
+from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
@@ -77,7 +78,7 @@ class StepMetrics:
         self._handles: list = []
 
     def __enter__(self) -> "StepMetrics":
-        self._handles = [opt.register_step_pre_hook(self._pre) for opt in self.optimizers]
+        self._handles = [before_update(opt, self._pre) for opt in self.optimizers]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -85,7 +86,7 @@ class StepMetrics:
             handle.remove()
         self._handles = []
 
-    def _pre(self, *_args) -> None:
+    def _pre(self) -> None:
         if self.grads is None:
             self.grads = _norms([p.grad for p in self.params])
             self._before = [p.detach().clone() for p in self.params]

@@ -36,6 +36,7 @@ import torch
 
 from oneiter.errors import OneIterError
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.local.rerun import scaled_by_signs
 from oneiter.record.modes.fallback import OpFallback
 from oneiter.record.modes.randomness import RandomReplayer
@@ -102,7 +103,7 @@ class Twin:
                 m._buffers[name] = b
             for opt, state in zip(self.optimizers, self.states, strict=True):
                 opt.state = state
-            handles = [opt.register_step_pre_hook(lambda *_: self._unperturb(clean)) for opt in self.optimizers]
+            handles = [before_update(opt, lambda: self._unperturb(clean)) for opt in self.optimizers]
             try:
                 yield
             finally:

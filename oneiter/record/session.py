@@ -27,7 +27,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, STEP_START, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture.hooks import ModuleCapture, TensorSink
+from oneiter.record.capture.hooks import ModuleCapture, TensorSink, unscaled
 from oneiter.runtime.names import parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor
 
@@ -227,7 +227,8 @@ class RecordingSession:
 
     def param_grads(self) -> None:
         self.enter_phase("parameters")
-        grads = [(n, p.grad) for n, p in parameters(self.model) if p.grad is not None]
+        scale = self.module_capture.grad_scale
+        grads = [(n, unscaled(p.grad, scale)) for n, p in parameters(self.model) if p.grad is not None]
         self._named(PARAM_GRADS, grads)
 
     def state_after(self) -> None:

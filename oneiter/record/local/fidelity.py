@@ -34,7 +34,7 @@ import torch
 
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, tensor_path
 from oneiter.record.capture.hooks import CallRecord
-from oneiter.record.local.rerun import ProbeSkip, RunResult, rel_l2
+from oneiter.record.local.rerun import ProbeSkip, RunResult, rel_l2, stored_layout
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR", "BackwardChecks"]
@@ -56,6 +56,9 @@ class LiveSource:
 
     def tensor(self, path: str):
         return self.live[path] if path in self.live else self.inner.tensor(path)
+
+    def layout(self, path: str) -> tuple | None:
+        return None if path in self.live else stored_layout(self.inner, path)
 
 
 def exact(source, path: str, live) -> bool:

@@ -79,7 +79,17 @@ from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
-from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
+from oneiter.record.local.rerun import (
+    AMBIENT,
+    PROBED,
+    ProbeSkip,
+    Rerunner,
+    RunResult,
+    Site,
+    rel_l2,
+    stored_layout,
+    tensor_stats,
+)
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.options import CALIBRATIONS
@@ -121,6 +131,9 @@ class _Cached:
         if path not in self._seen:
             self._seen[path] = self.inner.tensor(path)
         return self._seen[path]
+
+    def layout(self, path: str) -> tuple | None:
+        return stored_layout(self.inner, path)
 
     def clear(self) -> None:
         self._seen.clear()

@@ -37,6 +37,7 @@ from oneiter.format.schema import (
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
+    STEP_START,
     STEPS,
     TWIN_SIGNATURE,
     UNPROBED,
@@ -261,6 +262,7 @@ class IterationFile:
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
+        consistency.check_step_start(self._names_in(STEP_START), params, self.path)
         self._pass_through: set[tuple[str, int]] = set()
         if self.local_kind() and LOCAL in datasets:
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,

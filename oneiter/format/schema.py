@@ -45,6 +45,7 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
+    "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
     "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "RAW_BITS", "check_name", "call_key",
@@ -73,6 +74,10 @@ STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/s
 # multi-step tables, one row per step (`format/signature.py`): the run's, and its perturbed twin's
 SIGNATURE, TWIN_SIGNATURE = "signature", "twin_signature"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
+# group: the parameters the model itself wrote during the iteration (in place, outside the optimizer:
+# nn.Embedding(max_norm) renormalises the rows it looks up, in forward), as the optimizer step found them; every
+# other parameter starts its step as `state_before` holds it
+STEP_START = "step_start"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset

@@ -160,6 +160,18 @@ class Sources:
         self.everything = max(self.errors.values(), default=0.0)
         self.root_out = max(self.by_call.get((ROOT_MODULE, 0, "forward.out"), [0.0]))
         self.loss_err = _scalar_error(loss)
+        # the largest error of the backward entries computed before each gradient the model's outputs received: an
+        # output the model also consumed itself (BART's encoder_last_hidden_state, which every decoder layer's
+        # cross-attention reads) has a gradient summed from those consumers, computed after their backward
+        self.backward_before: dict[tuple, float] = {}
+        running = 0.0
+        for r in rows:
+            if r.phase != BACKWARD or r.metrics is None:
+                continue
+            key = (r.module, r.call, r.phase, r.tensor)
+            if r.module == ROOT_MODULE and r.tensor.startswith("grad_output"):
+                self.backward_before[key] = running
+            running = max(running, r.metrics.rel_l2) if not math.isnan(r.metrics.rel_l2) else running
 
     def exact_call(self, module: str, call: int, phase: str) -> bool:
         """Whether everything a call's own code computed from in `phase` is known and bitwise the reference's."""
@@ -215,7 +227,9 @@ class Sources:
             sources = self._module_errors(r.module, ("forward.in",))
             return max(sources) if sources else self.everything
         if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
-            return max(self.root_out, self.loss_err or 0.0)
+            # from the loss (computed from the outputs), and from whatever the model's own backward summed into it
+            before = self.backward_before.get((r.module, r.call, r.phase, r.tensor), 0.0)
+            return max(self.root_out, self.loss_err or 0.0, before)
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
             return self._call_inputs(r)
         return None  # covered by a probe

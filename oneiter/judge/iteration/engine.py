@@ -43,6 +43,7 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_START,
     split_call_key,
 )
 from oneiter.judge.iteration.blame import (
@@ -336,9 +337,11 @@ def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> list[
 
 
 def _update_scale(ref: IterationFile, module: str, tensor: str) -> float:
-    """||after|| / ||after - before|| of the reference's parameter `module.tensor` (inf: it did not move)."""
+    """||after|| / ||after - before|| of the reference's parameter `module.tensor` (inf: it did not move); `before`
+    is where its step started (`/step_start` for a parameter the model wrote itself, else `state_before`)."""
     name = tensor if module == ROOT_MODULE else f"{module}.{tensor}"
-    before, after = ref.state(STATE_BEFORE).get(name), ref.state(STATE_AFTER).get(name)
+    before = ref.state(STEP_START).get(name) or ref.state(STATE_BEFORE).get(name)
+    after = ref.state(STATE_AFTER).get(name)
     if before is None or after is None or ref.is_stats(before) or ref.is_stats(after):
         return math.inf
     a, b = ref.read(after).astype(np.float64), ref.read(before).astype(np.float64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS
+from oneiter.runtime.names import parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
@@ -18,7 +19,7 @@ __all__ = ["check_structure", "load_state", "load_reference"]
 def check_structure(model, ref: IterationFile) -> None:
     """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
     sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
-    mine = {name: tuple(local(t).shape) for name, t in model.state_dict().items()}
+    mine = {name: tuple(local(t).shape) for name, t, _ in state_tensors(model)}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -54,9 +55,9 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
 
 
 def _check_parameters(model, ref: IterationFile, where: str) -> None:
-    """Every parameter the reference has a gradient of (by its `named_parameters` name) exists here with its
-    shape (a sharded one: this rank's shard)."""
-    mine = {name: tuple(local(p).shape) for name, p in model.named_parameters()}
+    """Every parameter the reference has a gradient of (by its name as `runtime/names.py` names parameters) exists
+    here with its shape (a sharded one: this rank's shard)."""
+    mine = {name: tuple(local(p).shape) for name, p in parameters(model)}
     for name, path in ref.state(PARAM_GRADS).items():
         if name not in mine:
             raise OneIterError(f"model structure does not match {where}: it has parameter '{name}', this model "
@@ -74,16 +75,9 @@ def load_state(model, ref: IterationFile) -> None:
 
     check_structure(model, ref)
     state = {name: ref.tensor(path) for name, path in ref.state().items()}
-    live = model.state_dict(keep_vars=True)
-    sharded = [name for name, tensor in live.items() if is_dtensor(tensor)]
-    with torch.no_grad():
-        for name in sharded:
-            local(live[name]).copy_(state.pop(name))
-        if not sharded:
-            model.load_state_dict(state, strict=True)
-            return
-        for name, value in state.items():  # the unsharded rest (buffers), as load_state_dict would copy them
-            live[name].copy_(value)
+    with torch.no_grad():  # by the model's own names, as load_state_dict copies (its hooks do not run: see names.py)
+        for name, tensor, _ in state_tensors(model):
+            local(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])
 
 
 def load_reference(bundle, ref: IterationFile) -> None:

@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # only for annotations: the engine's rows, blame's local resu
     from oneiter.judge.iteration.blame import LocalResult
     from oneiter.judge.iteration.engine import Row
 
-__all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "NOT_JUDGED", "Finding", "row_findings", "strongest", "of_kind"]
+__all__ = ["PRIORITY", "UNATTRIBUTED", "INCONCLUSIVE", "MEASURED", "NOT_JUDGED", "Finding", "row_findings",
+           "strongest", "of_kind"]
 
 PRIORITY = {
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -30,8 +31,12 @@ PRIORITY = {
     "unexplained": 20,
     # the loss differs more than the model's outputs explain (or, without local data, outside its tolerance)
     "loss": 10,
+    # a call's calibrated noise is far above what its precision can produce (its own error within what can): the
+    # call is neither cleared nor blamed, so nothing else found, the verdict is no match (`INCONCLUSIVE`)
+    "calibration": 5,
 }
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
+INCONCLUSIVE = ("calibration",)  # a verdict resting on these is inconclusive: evidence neither way
 # row statuses of entries both sides hold with one shape and dtype
 MEASURED = ("match", "diverged", "drift", "rounding")
 # measured and shown, never evidence: a parameter's update when the optimizers did not start from the same state

@@ -14,7 +14,7 @@ a call would run and where it was registered (`CPU: registered at /path/file.cpp
 kernels were registered from torch's source tree (the folder aten's own schemas were registered from: its
 `RegisterSchema.cpp`), torch's own Python kernels (prims) from files inside the installed `torch` package. Anything
 else is not torch's own: a registration from another file, and every Python kernel registered through
-`torch.library`'s helpers (whose registrations name `torch/library.py` or `torch/_library/`, not the caller). Keys
+`torch.library`'s helpers (whose registrations name those helpers in torch's package, not the caller). Keys
 looked at, for a device type: its backend key (`CPU`, `CUDA`, `PrivateUse1`...) and its autograd key
 (`AutogradCPU`...: a replaced backward formula).
 

@@ -2,11 +2,12 @@
 kernels: `torch.library` over the op, for one backend, at import time. It knows nothing of oneiter.
 
 `import faulty_kernels` with the environment variable FAULTY_KERNEL set (`silu`: the forward kernel, `silu_backward`:
-only the backward one) registers that kernel over torch's CPU kernel; the autograd formula is torch's own, as with a
-real plugin. The kernel computes the right values with torch's `out=` kernel (its own registration, left alone)
-and, for float32 only, scales them by 1 + REL (FAULTY_KERNEL_REL, default 1e-3): other dtypes, float64 included,
-stay exact. Tests that run in-process call `install(name)` and `uninstall()` instead of importing it with the
-variable set. The kernel is simply wrong, wherever it runs: whatever oneiter reruns on the CPU meets it too.
+only the backward one) registers that kernel over torch's CPU kernel (FAULTY_KERNEL_KEY=CUDA: over its CUDA kernel,
+a kernel wrong only on the GPU); the autograd formula is torch's own, as with a real plugin. The kernel computes the
+right values with torch's `out=` kernel (its own registration, left alone) and, for float32 only, scales them by
+1 + REL (FAULTY_KERNEL_REL, default 1e-3): other dtypes, float64 included, stay exact. Tests that run in-process call
+`install(name)` and `uninstall()` instead of importing it with the variable set. The kernel is simply wrong, wherever
+it runs: whatever oneiter reruns on the CPU meets it too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import warnings
 
 import torch
 
-ENV, REL_ENV = "FAULTY_KERNEL", "FAULTY_KERNEL_REL"
+ENV, REL_ENV, KEY_ENV = "FAULTY_KERNEL", "FAULTY_KERNEL_REL", "FAULTY_KERNEL_KEY"
 _LIB: list = []
 
 
@@ -24,10 +25,12 @@ def _scaled(out: torch.Tensor, rel: float) -> torch.Tensor:
     return out * (1.0 + rel) if out.dtype == torch.float32 else out
 
 
-def install(name: str, rel: float | None = None) -> None:
-    """Register the wrong kernel of `name` (`silu` or `silu_backward`) for the CPU (once; `uninstall` undoes it)."""
+def install(name: str, rel: float | None = None, key: str | None = None) -> None:
+    """Register the wrong kernel of `name` (`silu` or `silu_backward`) for `key` (the CPU unless FAULTY_KERNEL_KEY
+    says otherwise; once: `uninstall` undoes it)."""
     uninstall()
     rel = float(os.environ.get(REL_ENV, "1e-3")) if rel is None else rel
+    key = key or os.environ.get(KEY_ENV, "CPU")
 
     def silu(x):
         return _scaled(torch.ops.aten.silu.out(x, out=torch.empty_like(x)), rel)
@@ -42,7 +45,7 @@ def install(name: str, rel: float | None = None) -> None:
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": that is what a plugin does
         warnings.simplefilter("ignore")
-        lib.impl(name, kernels[name], "CPU")
+        lib.impl(name, kernels[name], key)
     _LIB.append(lib)
 
 

@@ -720,7 +720,7 @@ def foreign_notes(attrs: dict) -> list[str]:
 
 
 def _short(where: str) -> str:
-    """A registration's place relative to the working folder when under it (`tests/model_files/x.py:51`)."""
+    """A registration's place relative to the working folder when under it, else as recorded."""
     try:
         relative = os.path.relpath(where)
     except ValueError:

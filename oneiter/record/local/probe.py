@@ -35,13 +35,21 @@ on the same inputs, once in the run's precision (`low`) and once in a high preci
 patched class, a replaced torch function are in both), so a difference in the code cancels out of the noise and
 stays in the local error. `noise_reference` is the same for the reference's precision. Where (`--calibrate`):
 - `cpu` (default): both on the CPU, `high` in float64, with the reference's weights. Trusted kernels: a device
-  kernel that is wrong only in low precision still shows. `--inject-fault` faults (they stand for device kernels)
-  and `--fallback` do not apply there. Cost: two (three if the reference ran in another precision) CPU reruns of
-  each calibrated call. A side whose float32 matmuls or convolutions ran TF32/HF32 (its `precision_modes`:
+  kernel that is wrong only in low precision still shows; an op whose CPU kernel is not torch's own (a plugin's
+  `torch.library` registration, a C++ extension's) runs through torch's own instead (`modes/trusted.py`; the
+  /local attribute `foreign_kernels` names them and their routes). `--inject-fault` faults (they stand for device
+  kernels) and `--fallback` do not apply there. Cost: two (three if the reference ran in another precision) CPU
+  reruns of each calibrated call. A side whose float32 matmuls or convolutions ran TF32/HF32 (its `precision_modes`:
   `runtime/precision_modes.py`) has those ops' operands rounded the same way in its CPU rerun (`reduced.py`).
 - `device`: `high` on the target device in a higher precision (float32 for bf16/fp16 runs, float64 for float32
-  runs); `low` is the probed rerun itself. One extra device rerun per calibrated call; blind to a kernel that is
-  wrong only in the low precision.
+  runs); `low` is the probed rerun itself. One extra device rerun per calibrated call. Its noise is held to the
+  trusted CPU's (below): a kernel wrong only in the low precision gives a device noise the CPU's does not.
+
+**A noise estimate is itself checked.** A calibrated noise (both sides) above `NOISE_BOUND_FACTOR` unit roundoffs
+of the run's precision is checked against what the precision can produce for the call on the trusted path
+(`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff.py`; with
+`--calibrate device` also the CPU's own calibration of the call); the rows' `noise_bound`. The judge holds the
+noise to it (`judge/iteration/blame.py`).
 A call is calibrated only when one of its tensors is off by more than one unit roundoff of its dtype (below
 that, nothing can flag it), or when a parameter it contributes to needs it. When the high run fails (an op
 without float64: `torch._grouped_mm`), a bf16/fp16 run tries float32, else the noise is a Monte Carlo estimate
@@ -382,8 +390,13 @@ class LocalProbe(ABC):
             noise_t = _rel_all(low, high)
             noise_r = _rel_all(reference, high) if reference is not None else {}
             self._add(rec, {"high": high})
-            if self._suspicious(noise_t, noise_r):
-                self._bounds[id(rec)] = self._bound(rec, high)
+            if how == where and self._suspicious(noise_t, noise_r):
+                try:
+                    self._bounds[id(rec)] = self._bound(rec, high)
+                except (ProbeSkip, OneIterError):
+                    raise
+                except Exception:  # noqa: BLE001 - the check could not be made: the noise stands unchecked
+                    pass
         self._add(rec, {"low": low, **({"reference": reference} if reference is not None else {})})
         self._calibrated.setdefault(id(rec), how)
         return noise_t, noise_r, how

@@ -63,7 +63,8 @@ class Site:
     `cast`: `live` (every tensor in the dtype it had in the live call), `source` (as the source stored it: the
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
-    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside, ops whose CPU kernels are
+    not torch's own run through torch's (see `trusted.py`).
     `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
     (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
     `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their

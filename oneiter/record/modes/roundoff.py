@@ -1,13 +1,14 @@
-"""A float64 rerun with the rounding of a lower precision injected into every op's result (Monte Carlo arithmetic).
+"""A float64 rerun with the rounding of a lower precision injected into every op (Monte Carlo arithmetic).
 
 Where this sits: the calibration checks its own noise estimates (`record/local/probe.py`, docs/blame.md "A noise
 estimate is itself checked"): a call's precision-only noise may not be far above what that precision can produce
 for the call. What it can produce is measured on the trusted path, with no kernel of that precision: the call is
 rerun on the CPU in float64 (torch's kernels: `trusted.py`) under `RoundoffInjection`, a TorchDispatchMode that
-multiplies each floating result of each op by (1 ± δ) (`runtime/roundoff.py`: one rounding plus the accumulation
-of its reduction), and, for the matmuls and convolutions a float32 run computes in TF32/HF32, each float32 operand
-by (1 ± that mode's roundoff) first. The spread of a few such runs around the plain float64 run is the bound; an
-op that amplifies (a normalisation's backward) amplifies the injected errors as it would the real ones.
+multiplies each floating input of each op by (1 ± δ) and each result by (1 ± u) (`runtime/roundoff.py`: the
+accumulation over its reduction on the terms, one rounding on the result; the inputs of the matmuls and
+convolutions a float32 run computes in TF32/HF32 at least at that mode's roundoff). The spread of a few such runs
+around the plain float64 run is the bound; an op that amplifies (a normalisation's backward) amplifies the injected
+errors as it would the real ones, and a sum that cancels loses the digits of its terms.
 
 Ops that compute nothing (views, copies, casts) and random draws (their values are the reference's) are left alone:
 a correct kernel of any precision gives them exactly.
@@ -20,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from oneiter.record.modes.randomness import is_random
-from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, OPERANDS
-from oneiter.runtime.roundoff import delta, perturbed_, reduction_length
+from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS
+from oneiter.runtime.roundoff import inject, perturbed_
 
 __all__ = ["RoundoffInjection", "COPIES", "UNINITIALIZED"]
 
@@ -56,17 +57,11 @@ class RoundoffInjection(TorchDispatchMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if hasattr(t, "is_floating_point")]
         if not any(t.is_floating_point() for t in tensors):
             return func(*args, **kwargs)  # a factory or an index op: nothing computed from floating values
-        operand = self.operand.get(name)
-        if operand:
-            args = list(args)
-            for i in OPERANDS.get(name, ()):
-                if i < len(args) and hasattr(args[i], "is_floating_point") and args[i].is_floating_point():
-                    args[i] = perturbed_(args[i].clone(), operand, self.rng)
+        args, kwargs = inject(func, args, kwargs, self.roundoff, self.accumulate, self.rng,
+                              self.operand.get(name, 0.0))
         out = func(*args, **kwargs)
         produced = {id(t): t for t in tree_flatten(out)[0] if hasattr(t, "is_floating_point")
                     and t.is_floating_point()}
-        if produced:
-            eps = delta(self.roundoff, self.accumulate, reduction_length(func, args, list(produced.values())))
-            for value in produced.values():
-                perturbed_(value, eps, self.rng)
+        for value in produced.values():
+            perturbed_(value, self.roundoff, self.rng)
         return out

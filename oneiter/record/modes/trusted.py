@@ -15,8 +15,8 @@ applies:
    `aten::silu`, the functional op for an out= or in-place one): bit for bit torch's kernel;
 2. `composite`: torch's own composite kernel of the op (`CompositeExplicitAutograd...`), redispatched to;
 3. `decomposition`: torch's decomposition of the op (`torch._decomp`) into other ops (themselves routed);
-4. `float64`: the op's own kernel in float64, its result perturbed at the op's precision (one rounding and the
-   accumulation of its reduction: `runtime/roundoff.py`) and rounded to the op's dtype — the noise then does not
+4. `float64`: the op's own kernel in float64, its inputs perturbed at the op's precision (the accumulation of
+   its reduction: `runtime/roundoff.py`) and its results rounded to the op's dtype — the noise then does not
    depend on the kernel's float32 (or bf16) path; a call already in float64 runs the kernel as it is.
 A replaced backward formula (an `AutogradCPU` registration) runs above any dispatch mode and is not routed (its
 report says so). Ops whose kernels are torch's own are left alone; with none replaced the recomputation runs with no
@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from oneiter.runtime import kernels
 from oneiter.runtime.precision import unit_roundoff
-from oneiter.runtime.roundoff import delta, perturbed_, reduction_length
+from oneiter.runtime.roundoff import inject, meta_outputs
 
 __all__ = ["active", "running", "routes", "Route", "route_for", "TrustedKernels", "SEED", "mark", "met_since",
            "met_kernels"]
@@ -125,8 +125,8 @@ def met_kernels(since: int) -> list[dict]:
             for f, route in routes("cpu") if f.op in met or (route.kind == "none" and f.op.startswith("aten::"))]
 
 
-_FLOAT64 = ("its own kernel in float64, the result perturbed at the op's precision and rounded to its dtype (no kernel "
-            "of torch's stands for it)")
+_FLOAT64 = ("its own kernel in float64, its inputs perturbed at the op's precision and its result rounded to its "
+            "dtype (no kernel of torch's stands for it)")
 
 
 def route_for(func) -> Route:
@@ -222,23 +222,22 @@ class TrustedKernels(TorchDispatchMode):
             self._inside.discard(func)
 
     def _float64(self, func, args: tuple, kwargs: dict):
-        """The op's own kernel in float64, its floating results perturbed at their precision and rounded."""
+        """The op's own kernel in float64 on inputs perturbed at its precision, results rounded back."""
         floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if not floats or all(t.dtype == torch.float64 for t in floats):
             return func(*args, **kwargs)
-        like = _meta_outputs(func, args, kwargs)
+        like = meta_outputs(func, args, kwargs)
+        dtypes = [t.dtype for t in like] if like else [floats[0].dtype]
+        u = max(unit_roundoff(str(d)) for d in dtypes if d.is_floating_point) if any(
+            d.is_floating_point for d in dtypes) else unit_roundoff(str(floats[0].dtype))
         wide = tree_map(_widened, (args, kwargs))
+        wide = inject(func, wide[0], wide[1], u, min(u, unit_roundoff("float32")), self._rng)
         result = func(*wide[0], **wide[1])
         produced = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-        length = reduction_length(func, args, produced)
-        dtypes = [t.dtype for t in like] if like is not None and len(like) == len(produced) else \
-            [floats[0].dtype] * len(produced)
-        narrowed = []
-        for value, dtype in zip(produced, dtypes, strict=True):
-            if value.is_floating_point() and dtype != torch.float64:
-                u = unit_roundoff(str(dtype))
-                value = perturbed_(value.clone(), delta(u, min(u, unit_roundoff("float32")), length), self._rng)
-            narrowed.append(value.to(dtype) if value.is_floating_point() else value)
+        if len(dtypes) != len(produced):
+            dtypes = [floats[0].dtype] * len(produced)
+        narrowed = [value.to(dtype) if value.is_floating_point() else value
+                    for value, dtype in zip(produced, dtypes, strict=True)]
         return _write_back(func, args, kwargs, narrowed)
 
 
@@ -248,23 +247,6 @@ def _widened(x):
     if isinstance(x, torch.dtype) and x.is_floating_point:
         return torch.float64
     return x
-
-
-def _meta_outputs(func, args, kwargs, keep_none: bool = False) -> list | None:
-    """The op's outputs on the meta device (shapes, strides, dtypes; `keep_none`: with None for the outputs it does
-    not compute, as `convolution_backward` for a mask); None where it has no meta kernel."""
-    def meta(x):
-        if isinstance(x, torch.Tensor):
-            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
-        return x
-
-    try:
-        out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
-    except Exception:  # noqa: BLE001 - no meta kernel: the caller does without
-        return None
-    if keep_none and isinstance(out, (tuple, list)):
-        return [t if isinstance(t, torch.Tensor) else None for t in out]
-    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
 
 
 def _write_back(func, args: tuple, kwargs: dict, values: list):
@@ -289,7 +271,7 @@ def _run_sibling(sibling, func, args: tuple, kwargs: dict):
         result = sibling(*args, **{k: v for k, v in kwargs.items() if k not in names})
         values = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         return _write_back(func, args, kwargs, values)
-    like = _meta_outputs(func, args, kwargs, keep_none=True)
+    like = meta_outputs(func, args, kwargs, keep_none=True)
     if like is None:
         raise RuntimeError(f"{func.name()}: no meta kernel to size the outputs of {sibling.name()}")
     device = next((t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)),

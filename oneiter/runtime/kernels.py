@@ -94,25 +94,45 @@ def foreign(device_type: str = "cpu") -> tuple[Foreign, ...]:
 
 @lru_cache(maxsize=8)
 def _census(keys: tuple[str, str], python: frozenset, modules: int) -> tuple[Foreign, ...]:
-    """The census itself, kept while the Python registrations are the same and no module was imported (a C++
-    extension registers its kernels when it is imported)."""
+    """The census, kept while the Python registrations are the same and no module was imported: the ops of the
+    last full scan whose kernels were not torch's (`_scan`) and the ops `torch.library` holds Python registrations
+    of (torch's own included), each asked again where its registrations changed (`_asked`)."""
+    by_op: dict[str, set[str]] = {}
+    for entry in python:  # `aten/silu/CPU`, `aten/silu.out/CompositeImplicitAutograd`
+        namespace, _, rest = entry.partition("/")
+        op, _, key = rest.rpartition("/")
+        if namespace and op:
+            by_op.setdefault(f"{namespace}::{op}", set()).add(key)
+    names = set(_scan(keys, modules)) | set(by_op)
+    return tuple(f for name in sorted(names) for f in _asked(name, keys, frozenset(by_op.get(name, ())), modules))
+
+
+@lru_cache(maxsize=4096)
+def _asked(name: str, keys: tuple[str, str], python_keys: frozenset, modules: int) -> tuple[Foreign, ...]:
+    """The kernels of one op for `keys` that are not torch's own; asked again only when its Python registrations
+    (`python_keys`) or the imported modules changed."""
+    return _not_own(name, keys)
+
+
+def _not_own(name: str, keys: tuple[str, str]) -> tuple[Foreign, ...]:
+    found = []
+    for key in keys:
+        where = registered_at(name, key)
+        if where is not None and not own_registration(where, name):
+            found.append(Foreign(name, key, where))
+    return tuple(found)
+
+
+@lru_cache(maxsize=4)
+def _scan(keys: tuple[str, str], modules: int) -> tuple[str, ...]:
+    """Every op with a kernel registered directly for `keys` whose kernel is not torch's own (the slow part, about
+    0.1 s: redone only when a module was imported, as a C++ extension registers its kernels on import)."""
     import torch
 
     names = set()
     for key in keys:
         names.update(torch._C._dispatch_get_registrations_for_dispatch_key(key))
-    for entry in python:  # `aten/silu/CPU`, `aten/silu.out/CompositeImplicitAutograd`
-        namespace, _, rest = entry.partition("/")
-        op = rest.rpartition("/")[0]
-        if namespace and op:
-            names.add(f"{namespace}::{op}")
-    found = []
-    for name in sorted(names):
-        for key in keys:
-            where = registered_at(name, key)
-            if where is not None and not own_registration(where, name):
-                found.append(Foreign(name, key, where))
-    return tuple(found)
+    return tuple(sorted({f.op for name in sorted(names) for f in _not_own(name, keys)}))
 
 
 def registered_at(name: str, key: str) -> str | None:

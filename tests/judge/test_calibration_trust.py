@@ -90,8 +90,10 @@ def test_a_calibration_of_1e3_for_a_float32_silu_is_not_trusted(llama, tmp_path,
     line = next(d for d in verdict["details"] if d.startswith("calibration not trusted ("))
     assert f"{ACT.format(0)}@0 forward output: its calibrated noise 2.00e-03 is" in line
     assert "what its precision can produce for it (1." in line
-    res = run_cli("compare", llama, target)
+    page = tmp_path / "report.html"
+    res = run_cli("compare", llama, target, "--html", page)
     assert res.exit_code == 1 and "calibration not trusted (" in res.stdout
+    assert "calibration not trusted (" in page.read_text()
 
 
 def test_device_noise_beyond_the_trusted_cpus_is_a_finding_not_a_wider_band(llama, plugin, tmp_path):

@@ -9,6 +9,7 @@ kernel), within rounding where it decomposes the op or computes it in float64.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import warnings
 
@@ -62,6 +63,23 @@ def test_the_dispatcher_says_which_kernel_a_plugin_registered_and_where(stand_in
     assert found[0].registered.rpartition(":")[0].endswith("model_files/faulty_kernels.py")
     faulty.uninstall()  # the census follows the registrations
     assert [f.op for f in kernels.foreign("cpu") if f.op.startswith("aten::")] == []
+
+
+def test_a_privateuse1_device_is_a_plugins_and_its_kernels_are_listed(tmp_path):
+    """A stand-in plugin renames torch's PrivateUse1 backend (in a child process: a rename cannot be undone) and
+    registers one kernel: every kernel of that device is a plugin's, and the census lists the one it registered."""
+    code = ("import torch, warnings\n"
+            "torch.utils.rename_privateuse1_backend('npu')\n"
+            "lib = torch.library.Library('aten', 'IMPL')\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.simplefilter('ignore')\n"
+            "    lib.impl('silu', lambda x: x, 'PrivateUse1')\n"
+            "from oneiter.runtime import kernels\n"
+            "print(kernels.backend_keys('npu'), kernels.is_plugin_backend('npu'),"
+            " [(f.op, f.key) for f in kernels.foreign('npu')])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "('PrivateUse1', 'AutogradPrivateUse1') True [('aten::silu', 'PrivateUse1')]"
 
 
 def test_a_replaced_backward_formula_is_named_and_not_routed(library):

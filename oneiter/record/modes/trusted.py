@@ -17,7 +17,8 @@ applies:
 3. `decomposition`: torch's decomposition of the op (`torch._decomp`) into other ops (themselves routed);
 4. `float64`: the op's own kernel in float64, its inputs perturbed at the op's precision (the accumulation of
    its reduction: `runtime/roundoff.py`) and its results rounded to the op's dtype — the noise then does not
-   depend on the kernel's float32 (or bf16) path; a call already in float64 runs the kernel as it is.
+   depend on the kernel's float32 (or bf16) path; a call already in float64, or an op without a float64 kernel,
+   runs its own kernel as it is (there is no other).
 A replaced backward formula (an `AutogradCPU` registration) runs above any dispatch mode and is not routed (its
 report says so). Ops whose kernels are torch's own are left alone; with none replaced the recomputation runs with no
 mode at all. `routes()` says, for each replaced op, where it was registered and which route it takes: what the
@@ -30,7 +31,6 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -130,12 +130,8 @@ _FLOAT64 = ("its own kernel in float64, its inputs perturbed at the op's precisi
 
 
 def route_for(func) -> Route:
-    """The route of an op whose CPU kernel is not torch's own (module docstring), decided once per op and census."""
-    return _route(func, kernels.foreign("cpu"))
-
-
-@lru_cache(maxsize=256)
-def _route(func, _census: tuple) -> Route:
+    """The route of an op whose CPU kernel is not torch's own (module docstring), as the registrations and torch's
+    decompositions are now (each trusted recomputation decides it once per op)."""
     sibling = _sibling(func)
     if sibling is not None:
         return Route("sibling", f"torch's CPU kernel of {sibling.name()}", sibling)
@@ -200,6 +196,7 @@ class TrustedKernels(TorchDispatchMode):
         self.replaced = {kernels.op_named(f.op): f for f in replaced}
         self.replaced.pop(None, None)
         self.used: dict[str, str] = {}
+        self._routes: dict = {}
         self._inside: set = set()  # ops whose route is running
         self._rng = np.random.default_rng(SEED)
 
@@ -209,7 +206,9 @@ class TrustedKernels(TorchDispatchMode):
             return func(*args, **kwargs)
         if func in self._inside:  # its route calls the op back (a decomposition of one case into another)
             return self._float64(func, args, kwargs)
-        route = route_for(func)
+        route = self._routes.get(func)
+        if route is None:
+            route = self._routes[func] = route_for(func)
         self.used[func.name()] = route.label
         _met[func.name()] = _marks[0]
         self._inside.add(func)
@@ -232,7 +231,10 @@ class TrustedKernels(TorchDispatchMode):
             d.is_floating_point for d in dtypes) else unit_roundoff(str(floats[0].dtype))
         wide = tree_map(_widened, (args, kwargs))
         wide = inject(func, wide[0], wide[1], u, min(u, unit_roundoff("float32")), self._rng)
-        result = func(*wide[0], **wide[1])
+        try:
+            result = func(*wide[0], **wide[1])
+        except Exception:  # noqa: BLE001 - no float64 kernel either: the op's own kernel as it is, the only one
+            return func(*args, **kwargs)
         produced = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         if len(dtypes) != len(produced):
             dtypes = [floats[0].dtype] * len(produced)

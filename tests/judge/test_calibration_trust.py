@@ -7,15 +7,18 @@ that kernel too; they must find it (the dispatcher says where each kernel was re
 so the wrong kernel's error is never its own noise. A Python-level patch wrong only in float32 (faultkit's
 `function_f32:silu`: nothing the dispatcher can see) makes the calibration itself return 1e-3 for a float32 SiLU:
 far above what float32 can produce for an elementwise op, so that noise is not trusted, both figures are reported,
-and the verdict is no match. With `--calibrate device` the device's (here: the CPU's own, untrusted) noise is held to
-the trusted CPU's.
+and the verdict is no match: the culprit where its error is above what float32 can produce, INCONCLUSIVE (exit 2)
+where it is within (a patch wrong only in float64, the calibration's own run). With `--calibrate device` the
+device's (here: the CPU's own, untrusted) noise is held to the trusted CPU's.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
+import torch
 from conftest import MODEL_FILES, compare_verdict, replay, replay_with_fault, run_cli
 
 from oneiter.format.layout import IterationFile
@@ -111,3 +114,34 @@ def test_device_noise_beyond_the_trusted_cpus_is_a_finding_not_a_wider_band(llam
     assert device and device[0]["calibration"] == "device"
     line = next(d for d in verdict["details"] if d.startswith("calibration not trusted ("))
     assert "the device's own noise 2.00e-03 for it is" in line and "the trusted CPU's (" in line
+
+
+def test_an_untrusted_calibration_of_a_call_within_its_bound_is_inconclusive(llama, tmp_path, monkeypatch):
+    """A Python-level SiLU (a plugin's patch, nothing the dispatcher sees) one float32 ulp off in float32, within what
+    float32 can produce, and 1e-3 off in float64: the calibration's float64 run is wrong, its noise of 2e-3 is not
+    trusted, and the call's own error, within its bound, clears nothing: no match, no culprit, exit 2."""
+    original = torch.nn.functional.silu
+
+    def silu(x, inplace=False):
+        out = original(x, inplace=inplace)
+        scale = {torch.float32: 1.0 + 2.0**-23, torch.float64: 1.0 + 1e-3}.get(out.dtype, 1.0)
+        return out * scale
+
+    monkeypatch.setattr(torch.nn.functional, "silu", silu)
+    target = tmp_path / "target.h5"
+    replay(llama, target)
+    monkeypatch.setattr(torch.nn.functional, "silu", original)
+    report = tmp_path / "report.json"
+    res = run_cli("compare", llama, target, "--json", report)
+    verdict = json.loads(report.read_text())["verdict"]
+    assert res.exit_code == 2 and verdict["status"] == "inconclusive", res.output
+    assert verdict["focus"] == "calibration not trusted" and verdict["num_flagged"] == 0
+    assert verdict["headline"].startswith("INCONCLUSIVE: the calibration of ") and " is not trusted" in res.stdout
+    first = {(u["module"], u["phase"], u["tensor"]): u for u in verdict["untrusted"]}[(ACT.format(0), "forward",
+                                                                                       "output")]
+    # both figures: the calibration's 1e-3 per side, and what float32 can produce for two roundings per side (the
+    # SiLU and the scaling), a few unit roundoffs; its own error (about two) is within 4x that, so nothing is flagged
+    assert first["calibrated"] == pytest.approx(2e-3, rel=1e-2) and 2**-24 <= first["bound"] < 8 * 2**-24
+    assert first["expected"] == first["bound"] and 2**-24 < first["rel_l2"] <= 4 * first["bound"]
+    assert not first["flagged"] and first["calibration"] == "cpu"
+    assert f"{ACT.format(0)}@0 forward output: its calibrated noise 2.00e-03 is" in res.stdout

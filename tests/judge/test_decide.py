@@ -11,7 +11,15 @@ import pytest
 from oneiter.judge.iteration.blame import LocalMetrics, LocalResult
 from oneiter.judge.iteration.engine import CompareResult, Row
 from oneiter.judge.iteration.findings import PRIORITY, Finding, row_findings, strongest
-from oneiter.judge.iteration.verdict import FOCUS, Verdict, calibration_reason, culprit_reason, decide, settle_rows
+from oneiter.judge.iteration.verdict import (
+    FOCUS,
+    Verdict,
+    calibration_reason,
+    culprit_reason,
+    decide,
+    decide_ranked,
+    settle_rows,
+)
 from oneiter.judge.measure.metrics import Metrics
 from oneiter.judge.measure.tolerance import Tolerance
 
@@ -205,6 +213,17 @@ def test_every_untrusted_calibration_is_listed_with_both_figures():
     line = next(d for d in verdict.details if d.startswith("calibration not trusted (2 tensors): "))
     assert "b@0 forward output: its calibrated noise 2.00e-03 is 16667x what its precision can produce" in line
     assert "c@0 forward output" in line and "(within that with its own error 2.00e-07)" in line
+
+
+def test_ranks_inconclusive_say_why_their_first_is():
+    clean = decide(compare([row("a"), row("b")], local_kind=TF, local_results=(local("a"), local("b"))))
+    untrusted_b = decide(compare([row("a"), row("b")], local_kind=TF, local_results=(local("a"), untrusted("b"))))
+    ranked = decide_ranked({0: clean, 1: untrusted_b})
+    assert (ranked.status, ranked.exit_code) == ("inconclusive", 2)
+    assert ranked.headline == "INCONCLUSIVE on rank 1 of 2: the calibration of b@0 forward output is not trusted"
+    nothing = decide(compare([row("a")], local_kind=TF))
+    assert decide_ranked({0: nothing, 1: clean}).headline == (
+        "INCONCLUSIVE on rank 0 of 2: no call's own error could be measured")
 
 
 def test_from_dict_reads_a_saved_json_verdict():

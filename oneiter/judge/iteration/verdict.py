@@ -9,7 +9,8 @@ multi-rank summary (`report/ranks.py`) only lay out what a `Verdict` holds (a sa
 outputs can disagree.
 
 **Status.** `match`, `diverged`, or `inconclusive` (the recording carries local data but not one call's own error
-could be measured: nothing was judged, so it is not a pass; exit code 2, input that cannot be judged).
+could be measured, or a call's calibration was not trusted and nothing else was found: neither is a pass; exit code
+2, input that cannot be judged).
 
 **Basis** (what the status rests on):
 - `first_divergence`: no local data; the run diverges at the first entry outside tolerance in causal order;
@@ -652,9 +653,9 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
         headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
         return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))
     if inconclusive:
+        why = verdicts[inconclusive[0]].title.removeprefix("INCONCLUSIVE: ")  # the first such rank's reason
         return RankedVerdict("inconclusive", None, total, (), f"INCONCLUSIVE on rank "
-                             f"{', '.join(map(str, inconclusive))} of {total}: no call's own error could be measured",
-                             None)
+                             f"{', '.join(map(str, inconclusive))} of {total}: {why}", None)
     return RankedVerdict("match", None, total, (), f"MATCH on all {total} ranks", None)
 
 

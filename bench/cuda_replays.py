@@ -7,6 +7,12 @@ and `device`, and an injected fault, on the three built-in models at small sizes
     python bench/cuda_replays.py steps        # 12 steps of the tests' HF Llama: CUDA against CUDA, CPU -> CUDA
                                               # replays (TF32 off/on, bf16) and two faults first hit at step 6
     python bench/cuda_replays.py calibration  # what the calibration checks need a GPU for (below)
+    python bench/cuda_replays.py calibration bn replays kernel   # the same; name fewer parts to split it up
+
+From a checkout, nothing installed (the repository root is put on the path; torch with CUDA, h5py, numpy, typer
+and rich needed, transformers for `steps`), e.g. on a lent GPU machine, one command:
+
+    OUT=$OUT PYTHONUNBUFFERED=1 python3 bench/cuda_replays.py calibration
 
 `calibration`, in one run: (1) mobilenet_v2 CPU -> CUDA, TF32 off, `--calibrate cpu`: the BatchNorm buffer rows
 (running_mean / running_var updates) with their local error, noise and bound, then the worst one bisected: its
@@ -17,8 +23,10 @@ mobilenet_v2 CPU -> CUDA replays, TF32 off/on x `--calibrate cpu/device`, with t
 trusted and the calibration's notes (zero false alarms wanted); (3) llama_tiny with a SiLU kernel 1e-3 off
 registered over torch's CUDA kernel only (tests/model_files/faulty_kernels.py, FAULTY_KERNEL_KEY=CUDA), replayed
 with both calibrations (the culprit wanted: the call holding the SiLU, `layers.0.feed_forward`). Output in
-$OUT/calibration.json. ONEITER_BENCH_DEVICE=cpu ONEITER_BENCH_SMALL=1 is a dry run on a machine without a GPU (the
-"CUDA" kernel is then the CPU's; small sizes).
+$OUT/calibration.json. Parts (1) `bn`, (2) `replays` and (3) `kernel` can run in separate calls (the recordings
+stay in /tmp/cuda_replays, a missing CPU reference is recorded again; output in $OUT/calibration-<parts>.json).
+ONEITER_BENCH_DEVICE=cpu ONEITER_BENCH_SMALL=1 is a dry run on a machine without a GPU (the "CUDA" kernel is then
+the CPU's; small sizes).
 
 Each line printed is one comparison (JSON: status, the entry the verdict names, counts, headline); all of them also
 land in $OUT/<what>.json when OUT is set (else /tmp/cuda_replays/). "TF32 off" sets
@@ -37,6 +45,7 @@ import time
 WORK = "/tmp/cuda_replays"
 DEVICE = os.environ.get("ONEITER_BENCH_DEVICE", "cuda")  # "cpu": a dry run of this script on a machine without one
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # oneiter from this checkout, installed or not (bn_bisect imports it; the CLI runs below)
 HF_STEPS = ["--model", f"{ROOT}/tests/model_files/hf_llama.py:build_steps", "--model-arg", "layers=1"]
 SMALL = bool(os.environ.get("ONEITER_BENCH_SMALL"))  # a dry run's sizes: 32x32 images, 16 tokens, batch 2
 MODELS = {"resnet18": ["--model-arg", f"image_size={32 if SMALL else 64}"],
@@ -67,6 +76,7 @@ def cli_with_tf32() -> None:
 def oneiter(args: list[str], tf32: int | None = None, fault: str = "",
             env_extra: dict | None = None) -> tuple[int, str]:
     env = dict(os.environ, ONEITER_NO_PROGRESS="1", ONEITER_TEST_FAULT=fault)  # the model files' faults (faultkit)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # this checkout's oneiter
     env.update(env_extra or {})
     if tf32 is not None:
         env["ONEITER_TF32"] = str(tf32)
@@ -115,7 +125,7 @@ def invariance(model: str, base: list[str]) -> list[dict]:
 def replays(model: str, base: list[str], fault: bool, device: str = "cuda", reference: bool = True) -> list[dict]:
     """`reference`: record the CPU reference first (False: it was, by `calibration`)."""
     ref = f"{WORK}/{model}.cpu.h5"
-    if reference:
+    if reference or not os.path.exists(ref):
         record([*base, "--device", "cpu", "-o", ref])
     found = []
     for tf32 in (0, 1):
@@ -208,25 +218,34 @@ def bn_bisect(reference: str, target: str, module: str) -> dict:
     return out
 
 
-def calibration() -> list[dict]:
-    """The calibration checks that need a GPU (module docstring, `calibration`)."""
+CALIBRATION_PARTS = ("bn", "replays", "kernel")
+
+
+def calibration(parts: tuple[str, ...] = CALIBRATION_PARTS) -> list[dict]:
+    """The calibration checks that need a GPU (module docstring, `calibration`): `parts`, in this order."""
+    unknown = sorted(set(parts) - set(CALIBRATION_PARTS))
+    if unknown:
+        sys.exit(f"calibration: unknown part {', '.join(unknown)} (parts: {', '.join(CALIBRATION_PARTS)})")
     found = []
     base = {m: ["--model", m, *MODELS[m], "--batch-size", BATCH] for m in MODELS}
     # (1) the BatchNorm running_mean false culprit, bisected
     ref = f"{WORK}/mobilenet_v2.cpu.h5"
-    record([*base["mobilenet_v2"], "--device", "cpu", "-o", ref])
-    tag = "mobilenet_v2.bn.tf32-off.calibrate-cpu"
-    target = f"{WORK}/{tag}.h5"
-    record(["--replay", ref, "--device", DEVICE, "--calibrate", "cpu", "-o", target], 0)
-    found.append(compare(ref, target, tag))
-    rows = buffer_rows(tag)
-    found.append({"tag": f"{tag}.buffer_rows", "rows": rows[:10]})
-    if rows:
-        found.append({"tag": f"{tag}.bisect", **bn_bisect(ref, target, rows[0]["module"])})
-    # (2) the four replays of resnet18 and mobilenet_v2
-    for model in ("resnet18", "mobilenet_v2"):
+    if "bn" in parts:
+        record([*base["mobilenet_v2"], "--device", "cpu", "-o", ref])
+        tag = "mobilenet_v2.bn.tf32-off.calibrate-cpu"
+        target = f"{WORK}/{tag}.h5"
+        record(["--replay", ref, "--device", DEVICE, "--calibrate", "cpu", "-o", target], 0)
+        found.append(compare(ref, target, tag))
+        rows = buffer_rows(tag)
+        found.append({"tag": f"{tag}.buffer_rows", "rows": rows[:10]})
+        if rows:
+            found.append({"tag": f"{tag}.bisect", **bn_bisect(ref, target, rows[0]["module"])})
+    # (2) the four replays of resnet18 and mobilenet_v2 (mobilenet_v2's reference recorded by (1) when it ran)
+    for model in ("resnet18", "mobilenet_v2") if "replays" in parts else ():
         found += replays(model, base[model], False, device=DEVICE, reference=model != "mobilenet_v2")
     # (3) a SiLU kernel wrong on the GPU only, with both calibrations
+    if "kernel" not in parts:
+        return found
     ref = f"{WORK}/llama_tiny.cpu.h5"
     record([*base["llama_tiny"], "--device", "cpu", "-o", ref])
     wrong = {"FAULTY_KERNEL": "silu", "FAULTY_KERNEL_KEY": "CUDA" if DEVICE.startswith("cuda") else "CPU"}
@@ -243,7 +262,8 @@ def main() -> None:
         return cli_with_tf32()
     what = sys.argv[1] if len(sys.argv) > 1 else "replays"
     os.makedirs(WORK, exist_ok=True)
-    results = steps() if what == "steps" else calibration() if what == "calibration" else []
+    parts = tuple(sys.argv[2:]) or CALIBRATION_PARTS
+    results = steps() if what == "steps" else calibration(parts) if what == "calibration" else []
     for row in results:
         print(json.dumps(row), flush=True)
     for model, extra in MODELS.items() if what not in ("steps", "calibration") else ():
@@ -253,7 +273,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         results += found
     out = os.environ.get("OUT", WORK)
-    with open(f"{out}/{what}.json", "w") as f:
+    name = what if what != "calibration" or parts == CALIBRATION_PARTS else f"{what}-{'-'.join(parts)}"
+    with open(f"{out}/{name}.json", "w") as f:
         json.dump(results, f, indent=1)
 
 

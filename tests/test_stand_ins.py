@@ -1,11 +1,13 @@
 """A fault never cooperates with the tool: the tests' stand-ins know nothing of oneiter, and oneiter nothing of them.
 
 The stand-ins are the files of tests/model_files: the wrong kernels a vendor plugin would register
-(`faulty_kernels.py`, `tf32kit.py`), the Python-level faults a vendor's stack would patch in (`faultkit.py`), and
-the user models that use them. None may import oneiter, name it in code, or ask it anything (whether a calibration
-is running, as `faulty_kernels.install(..., device_only=True)` once did through `oneiter.record.modes.trusted`): a
-tool that can only pass with their help is wrong. And oneiter's own code never names them (only its docs may), so it
-cannot recognise a test's fault and treat it differently from a real one.
+(`faulty_kernels.py`, `tf32kit.py`) and the Python-level faults a vendor's stack would patch in (`faultkit.py`) may
+not import oneiter, name it in code, or ask it anything (whether a calibration is running, as
+`faulty_kernels.install(..., device_only=True)` once did through `oneiter.record.modes.trusted`): a tool that can
+only pass with their help is wrong. The user models that use them import nothing of oneiter where the model is
+built; only a user's training script in one of them adds oneiter's callback, as a user's does. And oneiter's own
+code never names them (only its docs may), so it cannot recognise a test's fault and treat it differently from a
+real one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ STAND_INS = sorted(MODEL_FILES.glob("*.py"))
 KERNEL_STAND_INS = ("faulty_kernels", "tf32kit", "faultkit")
 # what names a stand-in in oneiter's code: its module, the variables the tests set for it
 STAND_IN_NAMES = (*KERNEL_STAND_INS, "FAULTY_KERNEL", "ONEITER_TEST_")
+# model files that are also a user's training script, and the oneiter modules their script part imports
+USER_SCRIPTS = {"lightning_llama.py": ("oneiter.integrations.lightning",)}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -66,15 +70,25 @@ def _code_mentions(path: Path, words: tuple[str, ...]) -> list[str]:
     return hits
 
 
-def test_the_stand_ins_are_the_model_files():
+def test_the_kernel_and_fault_stand_ins_are_model_files():
     assert {p.stem for p in STAND_INS} >= set(KERNEL_STAND_INS)
 
 
-@pytest.mark.parametrize("path", STAND_INS, ids=lambda p: p.name)
-def test_a_stand_in_never_imports_or_names_oneiter(path):
-    source = path.read_text(encoding="utf-8")
-    assert imports(source, f"tests.model_files.{path.stem}") == []
+@pytest.mark.parametrize("name", KERNEL_STAND_INS)
+def test_a_kernel_or_fault_stand_in_never_imports_or_names_oneiter(name):
+    path = MODEL_FILES / f"{name}.py"
+    assert imports(path.read_text(encoding="utf-8"), f"tests.model_files.{name}") == []
     assert _code_mentions(path, ("oneiter", "device_only")) == []
+
+
+@pytest.mark.parametrize("path", STAND_INS, ids=lambda p: p.name)
+def test_a_model_file_imports_oneiter_only_in_its_users_script(path):
+    """A model and its faults import nothing of oneiter; a user's training script (`main`) may add oneiter's
+    callback, as a user's does, inside the function that runs it (`USER_SCRIPTS`), never where the model is built."""
+    found = imports(path.read_text(encoding="utf-8"), f"tests.model_files.{path.stem}")
+    assert [m for _, m, inside in found if not inside] == []
+    assert {m for _, m, _ in found} <= set(USER_SCRIPTS.get(path.name, ()))
+    assert _code_mentions(path, ("device_only", "trusted")) == []
 
 
 def test_the_scan_finds_what_the_old_plugin_did(tmp_path):

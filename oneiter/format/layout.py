@@ -26,6 +26,7 @@ from oneiter.format.schema import (
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     LOSS,
     OPTIMIZER,
     PARAM_GRADS,
@@ -425,8 +426,10 @@ class IterationFile:
         """The rows of `/local` (empty without local data), read once."""
         if getattr(self, "_local_rows", None) is None:
             table = self.file.get(LOCAL)
+            names = set(table.dtype.names or ()) if table is not None else set()
             self._local_rows = [] if table is None else [
-                LocalRow(**{n: plain(rec[n]) for n, _ in LOCAL_FIELDS}) for rec in table[()]]
+                LocalRow(**{n: plain(rec[n]) if n in names else LOCAL_OPTIONAL[n] for n, _ in LOCAL_FIELDS})
+                for rec in table[()]]
         return list(self._local_rows)
 
     def pass_through_calls(self) -> set[tuple[str, int]]:

@@ -39,6 +39,7 @@ from oneiter.format.schema import (
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     OPTIMIZER,
     PLACEMENTS,
     RAW_BITS,
@@ -623,6 +624,8 @@ def _check_table(shape, dtype, table: str, full: str, path) -> None:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}
     for name, kind in fields:
+        if table == "local" and name in LOCAL_OPTIONAL and name not in dtype.names:
+            continue  # a file from before the column
         if name not in dtype.names or dtype[name].kind not in kinds[kind]:
             got = dtype[name] if name in dtype.names else "no such column"
             raise _fail(path, f"'/{full}': column '{name}': expected {kind}, got {got}")

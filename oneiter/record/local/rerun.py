@@ -48,6 +48,7 @@ from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
+from oneiter.record.modes.roundoff import RoundoffInjection
 from oneiter.runtime import host_random
 from oneiter.runtime.precision import unit_roundoff
 
@@ -72,11 +73,14 @@ class Site:
     `cast`: `live` (every tensor in the dtype it had in the live call), `source` (as the source stored it: the
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
-    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside, ops whose CPU kernels are
+    not torch's own run through torch's (see `trusted.py`).
     `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
     (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
     `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
     operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
+    `inject`: (seed, roundoff, accumulate, families) of a run with a lower precision's rounding injected into every
+    op's result (`modes/roundoff.py`: the bound a noise estimate is checked against); None: none.
     """
 
     name: str
@@ -88,6 +92,7 @@ class Site:
     trusted: bool
     perturb: tuple[int, float] | None = None
     reduced: tuple = ()
+    inject: tuple | None = None
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -195,6 +200,8 @@ class Rerunner:
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
+            if site.inject is not None:
+                stack.enter_context(RoundoffInjection(*site.inject))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)

@@ -2,7 +2,7 @@
 
 Where this sits: two parts of the calibration need what a precision *can* produce without running that precision's
 kernels:
-- the plausibility bound of a call's noise (`record/local/probe.py`, `record/modes/roundoff.py`): the call rerun in
+- the plausibility bound of a call's noise (`record/local/probe.py`, `record/modes/roundoff_mode.py`): the call rerun in
   float64 on the CPU with torch's kernels, every op's arithmetic perturbed as a correct kernel of the run's
   precision could have rounded it; the spread of such runs around the plain float64 run is what the precision
   produces for that call, its condition included (an amplifying backward amplifies the perturbations too);

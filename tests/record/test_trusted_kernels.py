@@ -19,7 +19,7 @@ import torch
 from conftest import MODEL_FILES
 
 from oneiter.record.modes import trusted
-from oneiter.record.modes.roundoff import RoundoffInjection
+from oneiter.record.modes.roundoff_mode import RoundoffInjection
 from oneiter.runtime import kernels
 from oneiter.runtime.roundoff import delta, reduction_length
 

@@ -28,7 +28,7 @@ SAMPLES = 4  # perturbed reruns per estimate
 SCALE = 0.5  # the RMS spread of the samples times this is comparable to the float64-based noise (measured)
 OP_SCALE = 1 / math.sqrt(2)  # the same for one aten op: two independently rounded runs differ by ~sqrt(2) errors
 SEED = 0x5EED  # sample k's perturbation comes from a generator seeded with SEED + k
-# float64 reruns with a precision's rounding injected (`modes/roundoff.py`) whose RMS spread is the bound a call's
+# float64 reruns with a precision's rounding injected (`modes/roundoff_mode.py`) whose RMS spread is the bound a call's
 # noise is checked against: within the check's factor 16, two samples are enough (the RMS of two is within 2x)
 BOUND_SAMPLES = 2
 

@@ -47,7 +47,7 @@ stays in the local error. `noise_reference` is the same for the reference's prec
 
 **A noise estimate is itself checked.** A calibrated noise (both sides) above `NOISE_BOUND_FACTOR` unit roundoffs
 of the run's precision is checked against what the precision can produce for the call on the trusted path
-(`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff.py`; with
+(`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff_mode.py`; with
 `--calibrate device` also the CPU's own calibration of the call); the rows' `noise_bound`. The judge holds the
 noise to it (`judge/iteration/blame.py`).
 A call is calibrated only when one of its tensors is off by more than one unit roundoff of its dtype (below
@@ -477,7 +477,7 @@ class LocalProbe(ABC):
     def _bound(self, rec: CallRecord, high: RunResult | None) -> dict[tuple[str, str], float]:
         """What the precision can produce for each tensor of this call, measured on the trusted path (the CPU,
         torch's kernels): the spread of `BOUND_SAMPLES` float64 runs with the run's rounding injected into every
-        op (`modes/roundoff.py`) around the plain float64 run; with `--calibrate device`, at least the trusted CPU's
+        op (`roundoff_mode.py`) around the plain float64 run; with `--calibrate device`, at least the trusted CPU's
         own noise (the run's precision, its reduced modes rounded as it ran them, against float64). Both sides:
         the reference's part scaled by its roundoff (none when finer). The runs go into the sums (`bound_*`,
         `inj<k>`) for the parameter rows."""

@@ -48,7 +48,7 @@ from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
-from oneiter.record.modes.roundoff import RoundoffInjection
+from oneiter.record.modes.roundoff_mode import RoundoffInjection
 from oneiter.runtime import host_random
 from oneiter.runtime.precision import unit_roundoff
 
@@ -80,7 +80,7 @@ class Site:
     `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
     operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
     `inject`: (seed, roundoff, accumulate, families) of a run with a lower precision's rounding injected into every
-    op's result (`modes/roundoff.py`: the bound a noise estimate is checked against); None: none.
+    op's result (`modes/roundoff_mode.py`: the bound a noise estimate is checked against); None: none.
     """
 
     name: str

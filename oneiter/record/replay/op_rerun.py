@@ -54,7 +54,7 @@ from oneiter.record.local.reduced import OPERANDS
 from oneiter.record.local.rerun import Perturbation, tensor_stats
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import is_random
-from oneiter.record.modes.roundoff import COPIES, UNINITIALIZED
+from oneiter.record.modes.roundoff_mode import COPIES, UNINITIALIZED
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, round_mantissa
 
@@ -64,7 +64,7 @@ RANDOM_NOTE = "random: the reference's values"
 OWN_DTYPES = "cpu, the op's own dtypes"  # `OpRow.reference` of an op no higher precision ran
 UNIT_ROUNDOFF = "unit roundoff"  # `OpRow.noise_from` when the error, or the calibration, is within one
 # ops that move, cast or copy values without computing new ones (left out of the op sequence
-# `judge.replay.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff.py`'s
+# `judge.replay.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff_mode.py`'s
 _COPIES, _UNINITIALIZED = COPIES, UNINITIALIZED
 # frames that are no user's code: torch's, oneiter's, the standard library's
 _NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep,

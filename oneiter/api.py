@@ -16,6 +16,7 @@ from oneiter.judge.iteration import ranks
 from oneiter.judge.iteration.engine import compare_files, compare_local
 from oneiter.judge.measure.tolerance_file import FileTolerance, load_tolerance_file
 from oneiter.judge.steps.step_compare import compare_steps, is_steps
+from oneiter.runtime.distributed import RankInfo
 
 __all__ = ["compare", "compare_ranks", "inspect"]
 
@@ -66,12 +67,32 @@ def compare_ranks(
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
     tolerances: str | os.PathLike | None = None,
+    processes: RankInfo | None = None,
 ):
-    """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank."""
+    """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank, and
+    every rank's collectives against its group's recorded inputs; multi-step recordings step by step, per rank.
+    `processes`: this process's place in a torchrun job that shares the work (`torchrun -m oneiter compare`,
+    `ranks.compare_ranks_distributed`): process 0 gets the result, the others its exit code (an int)."""
     spec, policies = _policies(rtol, atol, tolerances)
-    result = ranks.compare_ranks(reference, target, **policies)
-    result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
+    if processes is not None and processes.distributed:
+        result = ranks.compare_ranks_distributed(reference, target, processes, pair=_compare_pair, **policies)
+    else:
+        result = ranks.compare_ranks(reference, target, pair=_compare_pair, **policies)
+    if not isinstance(result, int):
+        result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
     return result
+
+
+def _compare_pair(reference, target, **policies):
+    """One rank's pair: two recordings of one iteration, or two multi-step recordings step by step (what
+    `compare` does for one pair; a module-level function, so worker processes can run it)."""
+    if is_steps(reference) or is_steps(target):
+        if any(policies.get(k) is not None for k in ("rtol", "atol", "tolerance")):
+            raise OneIterError("rtol, atol and tolerances apply to one iteration's entries: two multi-step "
+                               "recordings are compared step by step against the band (docs/steps.md)",
+                               param="tolerances")
+        return compare_steps(reference, target)
+    return compare_files(reference, target, **policies)
 
 
 def inspect(path: str | os.PathLike):

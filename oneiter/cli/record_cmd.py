@@ -87,6 +87,10 @@ def record_command(
     step: Annotated[Optional[int], typer.Option("--step", help=
             "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
             "in the file, so a --replay of it starts from the reference's state at S.")] = None,
+    data_parallel: Annotated[str, typer.Option("--data-parallel", help=
+            "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
+            "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
+            "layers).")] = "auto",
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -103,6 +107,7 @@ def record_command(
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
+        data_parallel=data_parallel,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed

@@ -22,6 +22,10 @@ PRIORITY = {
     "first_divergence": 60,
     # an entry missing on one side, of another shape or dtype: the runs did not even compute the same things
     "structural": 50,
+    # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
+    # the reduction noise of its dtype and group size (`collectives.py`): the communication library is wrong, and
+    # every call that consumed its result was fed a wrong value
+    "collective": 45,
     # the first call whose own code's error exceeds its expected noise, or that makes NaN/Inf of its own
     "culprit": 40,
     # NaN/Inf at other positions than in the reference, with no call to blame for it
@@ -42,8 +46,9 @@ NOT_JUDGED = "not_judged"
 class Finding:
     """One piece of evidence that the runs diverge.
 
-    `entry` is the row it names (None: the loss, or a culprit tensor the report has no row for); `reason` says
-    why in words; `local` is the culprit's local result (None for every other kind).
+    `entry` is the row it names (None: the loss, a collective, or a culprit tensor the report has no row for);
+    `reason` says why in words; `local` is the culprit's local result, `collective` the judged collective
+    (`collectives.Judged.as_dict()` with its `order`), None for every other kind.
     """
 
     kind: str
@@ -51,11 +56,13 @@ class Finding:
     entry: Optional[int]
     reason: str = ""
     local: Optional[LocalResult] = None
+    collective: Optional[dict] = None
 
     @classmethod
-    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None) -> Finding:
+    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None,
+           collective: Optional[dict] = None) -> Finding:
         """A finding with its kind's priority from `PRIORITY` (the only place priorities are written)."""
-        return cls(kind, PRIORITY[kind], entry, reason, local)
+        return cls(kind, PRIORITY[kind], entry, reason, local, collective)
 
 
 def row_findings(rows: list[Row], first_divergence: Optional[int], has_local: bool) -> list[Finding]:

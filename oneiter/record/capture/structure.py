@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from oneiter.format.schema import kwarg_name
+from oneiter.runtime.sharding import local, spec_of
 
 __all__ = ["flatten", "flatten_call", "Slot", "layout_of", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache",
            "snapshot"]
@@ -53,6 +54,7 @@ class Slot:
     requires_grad: bool
     shape: tuple
     layout: tuple | None = None  # (strides, storage offset) when the live tensor was not contiguous from offset 0
+    placed: tuple | None = None  # a DTensor's (mesh, placements, global shape, stride): its shard is what is stored
 
 
 def layout_of(tensor) -> tuple | None:
@@ -91,8 +93,9 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             grad = value.requires_grad or (as_if_grad and value.is_floating_point())
+            spec, value = spec_of(value), local(value)  # a DTensor: its shard, and where it sits
             slot = Slot(name, value.dtype, value.device, bool(grad), tuple(value.shape),
-                        None if value.layout != torch.strided else layout_of(value))
+                        None if value.layout != torch.strided else layout_of(value), spec)
             slots.append(slot)
             return slot
         if isinstance(value, (tuple, list)):

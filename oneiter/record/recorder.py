@@ -212,6 +212,8 @@ class Recorder:
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
         recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
+        if step_of:  # the multi-step recorder named this rank's files already
+            recorder.out, recorder.replay = options.out, options.replay
         return recorder
 
     def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:

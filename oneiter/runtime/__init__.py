@@ -4,5 +4,6 @@
 - `training.py`    one training iteration (forward, loss, backward, step) and the optimizers
 - `devices.py`     device names, vendor plugins imported lazily (torch_npu, torch_mlu, torch_dipu)
 - `precision.py`   dtypes, autocast, unit roundoff
-- `distributed.py` torchrun ranks, DDP, per-rank file names
+- `distributed.py` torchrun ranks, DDP, per-rank file names, the process group compare shares its work over
+- `sharding.py`    DTensor parameters (FSDP2, tensor parallelism), whether a model parallelises itself
 """

@@ -12,9 +12,9 @@
   `ColwiseParallel` with a replicated output.
 
 Every rank of the tensor-parallel group (all ranks) builds the same full weights (a fixed generator) and the same
-batch; each keeps its own slice. `collective_fault=offset|bf16|drop` installs a wrong collective library first
-(`faulty_collectives.py`), `fault_rank` and `fault_min_numel` tune it. One process builds the plain model.
-"""
+batch; each keeps its own slice. `build_steps` is `build` for several iterations, with a fault from a given step on.
+`collective_fault=offset|bf16|drop` installs a wrong collective library first (`faulty_collectives.py`),
+`fault_rank` and `fault_min_numel` tune it. One process builds the plain model."""
 
 import faulty_collectives
 import torch
@@ -133,6 +133,25 @@ def build(batch_size, width=16, depth=2, collective_fault="", fault_rank=1, faul
     x = torch.randn(batch_size, 8, generator=gen)
     y = torch.randint(0, 4, (batch_size,), generator=gen)
     return model, (x,), lambda out: F.cross_entropy(out, y.to(out.device))
+
+
+def build_steps(batch_size, wrong_from=-1, fault_rank=1):
+    """`build` for several iterations: `batch(step)` draws step's batch from its own generator, scaled by 1 + step;
+    `wrong_from=S` makes rank `fault_rank`'s `inp` layer 5 % off from the step whose inputs reach S in magnitude (a
+    kernel wrong for large values only, written into the model, as a vendor's would be)."""
+    model, _, _ = build(batch_size)
+    rank = _tp()[0]
+    if wrong_from >= 0 and rank == fault_rank:
+        model.inp.register_forward_hook(lambda _m, args, out: out * 1.05 if args[0].abs().max() >= wrong_from else None)
+
+    def batch(step):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(batch_size, 8, generator=gen).clamp(-2, 2) * (1 + step)
+        y = torch.randint(0, 4, (batch_size,), generator=gen)
+        return (x,), lambda out: F.cross_entropy(out, y.to(out.device))
+
+    inputs, loss_fn = batch(0)
+    return model, inputs, loss_fn, None, batch
 
 
 # -- torch.distributed.tensor.parallel ------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ two directories, or two names such as `ref.h5` that do not exist while `ref.rank
 (written by `torchrun ... -m oneiter record -o ref.h5`, see `oneiter.runtime.distributed`). Files are paired by rank,
 each pair is compared in its own process (`ProcessPoolExecutor`, at most one worker per CPU), and
 
-- each rank gets the verdict `compare_files` gives its pair;
+- each rank gets the verdict `compare_files` gives its pair (two multi-step recordings: the first step outside the
+  band, with `pair` dispatching to their comparison);
+- every rank's collectives are judged against the exact reduction of their group's recorded inputs
+  (`collectives.py`): a rank's first wrong collective is its `collective` finding;
 - the overall verdict (`judge.iteration.verdict.decide_ranked`) is a divergence if any rank diverged, and names the
   rank whose
   divergence comes first in causal order (ties: the lowest rank). Gradients are averaged across ranks (DDP's
@@ -14,8 +17,9 @@ each pair is compared in its own process (`ProcessPoolExecutor`, at most one wor
   started is named.
 
 A rank present on one side only, or missing from a run (0..N-1 with N the recorded `world_size`), is an input
-error (the CLI exits 2), never a pass. Limits: the pairs are judged independently; nothing here checks that the
-ranks' own inputs differ, or that the allreduce itself was right (compare two ranks' param_grads for that).
+error (the CLI exits 2), never a pass. Under torchrun (`compare_ranks_distributed`) the processes of the job share
+the pairs and the collective instances, and process 0 gathers the one result. Limits: the pairs are judged
+independently; nothing here checks that the ranks' own inputs differ.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any, Optional
 
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.format.schema import COLLECTIVES
 from oneiter.judge.iteration.blame import NoisePolicy
 from oneiter.judge.iteration.collectives import Judged, findings, instances, judge, read_plans
 from oneiter.judge.iteration.engine import CompareResult, compare_files
@@ -198,8 +203,18 @@ def _judge_pair(pair, reference: Path, target: Path, kwargs: dict) -> tuple[Any,
     """One rank's pair judged (`pair`: `compare_files`, or the caller's dispatch to multi-step recordings), and the
     collectives its target recorded (`collectives.read_plans`)."""
     result = pair(reference, target, **kwargs)
-    plan = read_plans({0: target})[0] if isinstance(result, CompareResult) else []  # multi-step: not judged
-    return result, plan
+    if not isinstance(result, CompareResult) or not _has_collectives(target):  # multi-step: not judged
+        return result, []
+    return result, read_plans({0: target})[0]
+
+
+def _has_collectives(path: Path) -> bool:
+    """Whether a recording (read and validated already) holds collectives: one HDF5 lookup instead of a second
+    validated open of a file that has none (a run of one process per rank without collectives)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return COLLECTIVES in f
 
 
 def _factor(kwargs: dict) -> float:

@@ -32,6 +32,9 @@ a run in full (--step S).
 
   torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
 
+  torchrun --nproc-per-node 4 -m oneiter record --model my_tp_model.py:build --data-parallel none -o tp.h5
+  [dim](a model that splits itself across ranks: no DDP around it; its collectives are recorded)[/dim]
+
   oneiter record --model my_model.py:build --steps 100 -o ref_steps.h5
 
   oneiter record --replay ref_steps.h5 --model my_model.py:build --amp bf16 -o bf16_steps.h5

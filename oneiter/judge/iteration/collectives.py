@@ -21,7 +21,7 @@ are not judged there.
 
 A collective is flagged when its error exceeds `factor` (the noise policy's, 4) times its expected noise, or (no
 arithmetic) when it is not bitwise; `findings` turns the first flagged collective of a rank into that rank's
-`collective` finding (`findings.PRIORITY`: above a culprit call, which was fed its result), with its causal
+`collective` finding (`findings.PRIORITY`: above every other, since it is judged on its own inputs), with its causal
 position across ranks: the row where its result first shows (its owner's outputs or input gradients, or, for a
 gradient bucket, the first parameter gradient). `consumed` gives blame (`blame.Sources`) each call's collectives as
 values its own code computed from.

@@ -18,14 +18,15 @@ if TYPE_CHECKING:  # only for annotations: the engine's rows, blame's local resu
 __all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "NOT_JUDGED", "Finding", "row_findings", "strongest", "of_kind"]
 
 PRIORITY = {
+    # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
+    # the reduction noise of its dtype and group size (`collectives.py`): judged on its own inputs, with or without
+    # local data, so certain evidence that the communication library is wrong; every value that consumed its
+    # result (a layer's rerun got the reference's, an accumulated entry did not) is downstream of it
+    "collective": 70,
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
     "first_divergence": 60,
     # an entry missing on one side, of another shape or dtype: the runs did not even compute the same things
     "structural": 50,
-    # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
-    # the reduction noise of its dtype and group size (`collectives.py`): the communication library is wrong, and
-    # every call that consumed its result was fed a wrong value
-    "collective": 45,
     # the first call whose own code's error exceeds its expected noise, or that makes NaN/Inf of its own
     "culprit": 40,
     # NaN/Inf at other positions than in the reference, with no call to blame for it

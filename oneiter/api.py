@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oneiter.errors import OneIterError
 from oneiter.format.summary import summarize_file
@@ -68,18 +68,26 @@ def compare_ranks(
     atol: Optional[float] = None,
     tolerances: str | os.PathLike | None = None,
     processes: RankInfo | None = None,
+    report: Optional[Callable[[Any], None]] = None,
 ):
     """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank, and
     every rank's collectives against its group's recorded inputs; multi-step recordings step by step, per rank.
     `processes`: this process's place in a torchrun job that shares the work (`torchrun -m oneiter compare`,
-    `ranks.compare_ranks_distributed`): process 0 gets the result, the others its exit code (an int)."""
+    `ranks.compare_ranks_distributed`): process 0 gets the result, the others its exit code (an int). `report`,
+    when given, is called with the result where it is made (under torchrun: on process 0 while the others wait, so
+    that torchrun, which stops the whole job when one process exits non-zero, cannot stop it mid-report)."""
     spec, policies = _policies(rtol, atol, tolerances)
-    if processes is not None and processes.distributed:
-        result = ranks.compare_ranks_distributed(reference, target, processes, pair=_compare_pair, **policies)
-    else:
-        result = ranks.compare_ranks(reference, target, pair=_compare_pair, **policies)
-    if not isinstance(result, int):
+
+    def finish(result):
         result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
+        if report is not None:
+            report(result)
+
+    if processes is not None and processes.distributed:
+        return ranks.compare_ranks_distributed(reference, target, processes, pair=_compare_pair, report=finish,
+                                               **policies)
+    result = ranks.compare_ranks(reference, target, pair=_compare_pair, **policies)
+    finish(result)
     return result
 
 

@@ -275,16 +275,17 @@ def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_a
     from oneiter.report.ranks import print_ranked
     from oneiter.runtime.distributed import rank_info
 
+    def report(result) -> None:
+        set_outcome(result.exit_code)
+        for note in result.notes:
+            err.print(f"warning: {terminal_text(note)}", markup=False)
+        print_ranked(err if to_stdout else out, result, show_all=show_all)
+        _emit_json(json_dest, result.to_json)
+
     # under torchrun the processes share the rank pairs: process 0 reports, every process exits with its verdict
-    result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances, processes=rank_info())
-    if isinstance(result, int):
-        return result
-    set_outcome(result.exit_code)
-    for note in result.notes:
-        err.print(f"warning: {terminal_text(note)}", markup=False)
-    print_ranked(err if to_stdout else out, result, show_all=show_all)
-    _emit_json(json_dest, result.to_json)
-    return result.exit_code
+    result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances, processes=rank_info(),
+                           report=report)
+    return result if isinstance(result, int) else result.exit_code
 
 
 def register(app: typer.Typer) -> None:

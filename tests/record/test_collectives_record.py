@@ -89,3 +89,56 @@ def test_a_rerun_that_runs_another_collective_is_unprobed_not_run(one_rank, tmp_
         assert reasons["1"].startswith("the rerun ran a collective (broadcast of [[3, 8]] in forward) the source "
                                        "did not record for this call")
         assert [a["op"] for _, a in f.collectives()] == ["all_reduce", "all_reduce"]  # the live run's only
+
+
+STAND_IN = """
+import sys
+import torch, torch.distributed as dist
+import faulty_collectives, moe_a2a, tensor_parallel
+for build in (tensor_parallel.build, tensor_parallel.build_dtensor, moe_a2a.build):  # one process: the plain model
+    model, inputs, loss_fn = build(4, collective_fault="offset", fault_rank=0)
+    loss_fn(model(*inputs)).backward()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+faulty_collectives.install("offset", rank=0)  # wrong on its own, with nothing of oneiter around it
+x = torch.ones(4)
+dist.all_reduce(x)
+print(x[0].item(), sorted(n for n in sys.modules if n.split(".")[0] == "oneiter"))
+"""
+
+
+def test_the_faulty_collective_library_and_the_parallel_models_never_import_oneiter():
+    import subprocess
+    import sys
+
+    from conftest import MODEL_FILES
+
+    env = {"PYTHONPATH": str(MODEL_FILES), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", STAND_IN], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    value, loaded = proc.stdout.split()
+    assert float(value) == torch.tensor(1.001).item() and loaded == "[]"  # 0.1 % off; not one oneiter module loaded
+
+
+def test_a_model_that_parallelises_itself_is_not_wrapped_in_ddp_unless_asked(one_rank, monkeypatch, tmp_path):
+    from conftest import MODEL_FILES, run_cli
+
+    from oneiter.errors import OneIterError
+    from oneiter.record.run import SpecOptions, _data_parallel
+
+    monkeypatch.syspath_prepend(str(MODEL_FILES))
+    import tensor_parallel
+
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    megatron = tensor_parallel.build(4)[0]  # Megatron-LM's `tensor_model_parallel` mark on its sharded weights
+    dtensor = tensor_parallel.parallelize(tensor_parallel.TokenMLP())  # torch.distributed.tensor.parallel
+    models = (plain, megatron, dtensor)
+    assert [_data_parallel("auto", m) for m in models] == [True, False, False]
+    assert [_data_parallel("none", m) for m in models] == [False, False, False]
+    assert _data_parallel("ddp", plain) and _data_parallel("ddp", megatron)
+    with pytest.raises(OneIterError, match="^--data-parallel ddp: the model's parameters are DTensors"):
+        _data_parallel("ddp", dtensor)
+    with pytest.raises(OneIterError, match="^data_parallel must be one of auto, ddp, none, got 'fsdp'$"):
+        SpecOptions(out="x.h5", data_parallel="fsdp")
+    res = run_cli("record", "--data-parallel", "fsdp", "-o", tmp_path / "x.h5")
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        "error: --data-parallel must be one of auto, ddp, none, got 'fsdp'"] and not (tmp_path / "x.h5").exists()

@@ -7,7 +7,7 @@ dispatch) — through the CLI's path (`oneiter.record.run.record`): a reference,
 forward fault in one layer on rank 1, and replays whose collective library is wrong (`faulty_collectives.py`,
 installed by the model's builder from its model arguments; with 2 ranks one of them at `--level stats` too). With
 `steps`: `tensor_parallel.py:build_steps` recorded for 3 steps, and replayed with rank 1's `inp` layer wrong from
-step 2 on."""
+step 2 on; and the Megatron-style model recorded with `data_parallel="ddp"` (wrapped in DDP all the same)."""
 
 import sys
 from pathlib import Path
@@ -50,7 +50,9 @@ def main(folder: Path, steps: bool) -> None:
         if world == 2 and name == "megatron":  # statistics only: the collectives judged by their sums
             record(SpecOptions(out=out / "stats_offset.h5", replay=out / "ref.h5", model=spec, level="stats",
                                model_args={"collective_fault": "offset"}))
-    if steps:
+    if steps:  # --data-parallel ddp: the Megatron-style model wrapped in DDP all the same
+        record(SpecOptions(out=folder / "megatron" / "ddp.h5", model=str(MODEL_FILES / MODELS["megatron"][0]),
+                           batch_size=4, data_parallel="ddp"))
         spec = str(MODEL_FILES / "tensor_parallel.py:build_steps")
         record(SpecOptions(out=folder / "steps_ref.h5", model=spec, batch_size=4, steps=3))
         record(SpecOptions(out=folder / "steps_fault.h5", replay=folder / "steps_ref.h5", model=spec,

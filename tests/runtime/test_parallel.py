@@ -97,9 +97,23 @@ def test_two_ranks_clean_replays_match_and_a_layer_fault_is_named_on_its_rank(tw
         assert found == [("all_reduce", "forward", "blocks.0.fc2@0"), ("all_reduce", "forward", "blocks.1.fc2@0"),
                          ("all_reduce", "backward", "blocks.1.fc1@0"), ("all_reduce", "backward", "blocks.0.fc1@0")]
         assert f.meta["grad_reduction"] == "none"  # not wrapped in DDP: each rank's own gradients
+    # each rank its own shard; --data-parallel ddp wraps the model all the same: DDP makes every rank's shards rank
+    # 0's, and averages the gradients
+    for name, shared in (("ref", False), ("ddp", True)):
+        with IterationFile(two / "megatron" / f"{name}.rank0.h5") as r0, \
+                IterationFile(two / "megatron" / f"{name}.rank1.h5") as r1:
+            shards = [f.read(f.state("state_before")["blocks.0.fc1.weight"]) for f in (r0, r1)]
+            assert np.array_equal(*shards) == shared, name
+            assert r1.meta["grad_reduction"] == ("allreduce_mean" if shared else "none"), name
+            assert any(a["bucket"] >= 0 for _, a in r1.collectives()) == shared, name
+    res = run_cli("compare", two / "megatron" / "ref.h5", two / "megatron" / "clean.h5")
+    assert res.exit_code == 0 and res.stdout.splitlines()[0] == "MATCH on all 2 ranks", res.output
 
 
 def test_two_ranks_a_wrong_collective_library_is_named_as_the_collective(two):
+    res = run_cli("compare", two / "megatron" / "ref.h5", two / "megatron" / "offset.h5")
+    assert res.exit_code == 1 and res.stdout.startswith("DIVERGED on rank 1 at collective all_reduce sum #0 (group"), \
+        res.output
     offset = _collective(two, "megatron", "offset")  # 0.1 % off on rank 1 only
     assert (offset["rank"], offset["ranks"], offset["op"], offset["index"]) == (1, [1], "all_reduce", 0)
     assert offset["call"] == "blocks.0.fc2@0" and offset["site"].startswith("tensor_parallel.py:")
@@ -148,8 +162,14 @@ def test_compare_under_torchrun_over_many_rank_files_gives_the_one_process_verdi
     one = run_cli("compare", ref, tgt, "--json", str(tmp_path / "one.json"))
     assert one.exit_code == 1, one.output
     proc = _torchrun(4, "-m", "oneiter", "compare", ref, tgt, "--json", tmp_path / "four.json", timeout=600)
-    assert proc.returncode != 0 and "DIVERGED on rank 9" in proc.stdout, proc.stderr[-3000:]
+    # every process exits with the verdict's code (1); torchrun reports that as a failure and exits 1 itself
+    assert proc.returncode == 1 and "DIVERGED on rank 9" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stdout.count("DIVERGED on rank 9") == 1 and "(exitcode: 1)" in proc.stderr  # process 0 reports
     a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "four"))
     assert a["verdict"] == b["verdict"] and a["ranks"] == b["ranks"] and len(a["ranks"]) == 32
     assert a["verdict"]["rank"] == 9 and a["verdict"]["diverged_ranks"] == [9, 21]
     assert np.array_equal([r["rank"] for r in b["ranks"]], np.arange(32))
+    # files that cannot be compared so: every process stops with the one-line error and exit 2, nothing hangs
+    bad = _torchrun(2, "-m", "oneiter", "compare", ref / "run.rank0.h5", tgt / "run.rank0.h5", timeout=300)
+    assert bad.returncode == 1 and "(exitcode: 2)" in bad.stderr and "Traceback" not in bad.stdout
+    assert bad.stderr.count("error: compare under torchrun shares the files of multi-rank runs") == 2

@@ -261,26 +261,17 @@ def _ranked(reference, target, results: dict, judged: list[Judged], factor: floa
 
 
 def compare_ranks_distributed(
-    reference: str | os.PathLike, target: str | os.PathLike, info: RankInfo, *, pair=None, **kwargs
+    reference: str | os.PathLike, target: str | os.PathLike, info: RankInfo, *, pair=None, report=None, **kwargs
 ) -> RankedResult | int:
     """`compare_ranks` spread over the processes of a torchrun job (`info`: this process's place in it): process p
     of P judges the rank pairs p, p + P, ... and the collective instances p, p + P, ... (every file reachable from
     every node: a shared filesystem), and process 0 gathers one RankedResult; the others get its exit code. Every
-    process raises the same OneIterError when the files cannot be compared. Communicates over gloo (CPU)."""
+    process raises the same OneIterError when the files cannot be compared. Communicates over gloo (CPU).
+    `report(result)` runs on process 0 before the others get the exit code: torchrun stops every process of the job
+    once one exits non-zero (a divergence), so process 0 must have reported by then."""
     pair = pair or compare_files
     with process_group(cpu_device(), info):
-        found = None
-        if info.rank == 0:
-            try:
-                refs, tgts = find_rank_files(reference), find_rank_files(target)
-                _check_pairs(refs, tgts, reference, target)
-                found = (refs, tgts)
-            except OneIterError as exc:
-                found = exc
-        found = broadcast_object(found)
-        if isinstance(found, OneIterError):
-            raise found
-        refs, tgts = found
+        refs, tgts = _shared_pairs(reference, target, info)
         mine, error = {}, None
         for rank in sorted(refs)[info.rank::info.world_size]:
             try:
@@ -302,5 +293,36 @@ def compare_ranks_distributed(
         if parts is not None:
             results = {r: result for part, _, _ in parts for r, result in part.items()}
             ranked = _ranked(reference, target, results, [j for _, js, _ in parts for j in js], _factor(kwargs))
+        failure = _reported(ranked, report)
         code = broadcast_object(ranked.exit_code if ranked is not None else None)
+    if failure is not None:
+        raise failure
     return ranked if ranked is not None else code
+
+
+def _shared_pairs(reference, target, info: RankInfo) -> tuple[dict[int, Path], dict[int, Path]]:
+    """The rank files of both runs, found and checked by process 0 and sent to every process (which all raise its
+    OneIterError when they cannot be compared)."""
+    found = None
+    if info.rank == 0:
+        try:
+            refs, tgts = find_rank_files(reference), find_rank_files(target)
+            _check_pairs(refs, tgts, reference, target)
+            found = (refs, tgts)
+        except OneIterError as exc:
+            found = exc
+    found = broadcast_object(found)
+    if isinstance(found, OneIterError):
+        raise found
+    return found
+
+
+def _reported(ranked: RankedResult | None, report) -> BaseException | None:
+    """`report(ranked)` run where the result is (process 0); what it raised, to raise once the others are released."""
+    if ranked is None or report is None:
+        return None
+    try:
+        report(ranked)
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller after the exit code is sent
+        return exc
+    return None

@@ -9,7 +9,9 @@ model's builder before anything communicates. Pure torch: it never imports or co
 - `bf16`: every all-reduce and reduce-scatter accumulates the ranks' contributions in bfloat16, whatever the dtype
   (a library that reduces float32 in a lower precision), on every rank;
 - `drop`: a sum of `min_numel` or more elements leaves out the last rank's contribution (a library that loses one
-  peer's message above a size), on every rank.
+  peer's message above a size), on every rank;
+- `fail`: on rank `rank`, every all-reduce raises the RuntimeError gloo raises when a peer closed its connection
+  (another rank that stopped).
 
 Every kernel computes the right result with gloo's own implementation (the `Backend` of the group, which these
 kernels do not replace), then makes it wrong. `uninstall()` puts torch's kernels back (a process that builds twice).
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceScatterOptions
 
-KINDS = ("offset", "bf16", "drop")
+KINDS = ("offset", "bf16", "drop", "fail")
 _LIB: list = []
 
 
@@ -92,6 +94,8 @@ class _Fault:
         return None
 
     def allreduce(self, tensors, process_group, reduce_op, sparse_indices, async_op=True, timeout=-1):
+        if self.kind == "fail" and dist.get_rank() == self.rank:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:14240")
         backend = _backend(process_group)
         op = _op(reduce_op)
         if op == dist.ReduceOp.SUM and self.kind in ("bf16", "drop") and tensors[0].is_floating_point():

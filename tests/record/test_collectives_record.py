@@ -142,3 +142,39 @@ def test_a_model_that_parallelises_itself_is_not_wrapped_in_ddp_unless_asked(one
     res = run_cli("record", "--data-parallel", "fsdp", "-o", tmp_path / "x.h5")
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
         "error: --data-parallel must be one of auto, ddp, none, got 'fsdp'"] and not (tmp_path / "x.h5").exists()
+
+
+FAILING_MODEL = """
+import faulty_collectives, torch, torch.distributed as dist, torch.nn as nn
+
+class Summed(nn.Linear):
+    def forward(self, x):
+        y = super().forward(x)
+        dist.all_reduce(y)
+        return y
+
+def build(batch_size):
+    faulty_collectives.install("fail", rank=0)  # the backend raises as gloo does when a peer went away
+    model = nn.Sequential(nn.Linear(4, 8), Summed(8, 2))
+    return model, (torch.randn(batch_size, 4),), lambda out: out.square().mean()
+"""
+
+
+def test_a_collective_the_backend_cannot_complete_is_one_line_and_exit_2_not_an_internal_error(
+        one_rank, monkeypatch, tmp_path):
+    from conftest import MODEL_FILES, run_cli
+
+    monkeypatch.syspath_prepend(str(MODEL_FILES))
+    import faulty_collectives
+
+    (tmp_path / "failing.py").write_text(FAILING_MODEL)
+    try:
+        res = run_cli("record", "--model", f"{tmp_path / 'failing.py'}:build", "-o", tmp_path / "x.h5")
+    finally:
+        faulty_collectives.uninstall()
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        "error: all_reduce on ranks [0] at failing.py:7 in forward failed on this rank: RuntimeError: "
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:14240 (when another rank stopped "
+        "first, its error says why)"]
+    assert not (tmp_path / "x.h5").exists()

@@ -275,6 +275,15 @@ def _where() -> tuple[str, str]:
     return site, via
 
 
+def _failed(parsed: Parsed, site: str, exc: Exception) -> OneIterError:
+    """The error of a collective the backend could not complete (a peer that stopped: its own error says why; a
+    timeout; arguments the backend refuses): one line naming the collective, exit 2, on every rank it reaches."""
+    text = " ".join(str(exc).split())[:300]
+    where = f" at {site}" if site else ""
+    return OneIterError(f"{parsed.op} on ranks {_ranks(parsed.group)}{where} failed on this rank: "
+                        f"{type(exc).__name__}: {text} (when another rank stopped first, its error says why)")
+
+
 # -- recording ------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RecordedCollective:
@@ -344,8 +353,11 @@ class CollectiveRecorder(TorchDispatchMode):
         group = collective_group(index)
         for i, tensor in enumerate(parsed.inputs):  # before an in-place op overwrites them
             self.sink.put(group, f"input.{i}", tensor)
-        result = func(*args, **kwargs)
-        outputs = _wait(parsed, result)
+        try:
+            result = func(*args, **kwargs)
+            outputs = _wait(parsed, result)
+        except Exception as exc:  # noqa: BLE001 - the backend's, on the model's own arguments: never oneiter's bug
+            raise _failed(parsed, site, exc) from exc
         for i, tensor in enumerate(outputs):
             # never a link: a c10d op writes its tensors in place without bumping their version counter, so the
             # sink would take the result for the input it recorded; from here on that tensor is this output

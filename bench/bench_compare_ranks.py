@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None)
     args = parser.parse_args()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="oneiter-ranks-"))
+    folder.mkdir(parents=True, exist_ok=True)
     ref, tgt = make_ranks(folder, args.ranks, diverged=(173 % args.ranks, 201 % args.ranks))
     oneiter = [sys.executable, "-m", "oneiter", "compare", str(ref), str(tgt)]
     verdicts = {}

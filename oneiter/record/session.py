@@ -36,7 +36,7 @@ from oneiter.format.schema import (
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy
+from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -260,7 +260,8 @@ class RecordingSession:
         """Store the parameter gradients; `unreduced`: they were reduced over ranks, and the copies
         `watch_unreduced` kept of each rank's own are stored too (`param_grads_unreduced`)."""
         self.enter_phase("parameters")
-        grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        scale = self.module_capture.grad_scale
+        grads = [(n, unscaled(p.grad, scale)) for n, p in self.model.named_parameters() if p.grad is not None]
         self._named(PARAM_GRADS, grads)
         kept, self._unreduced = self._unreduced, None
         self._unwatch()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from oneiter.judge.iteration.engine import CompareResult
 from oneiter.judge.iteration.ranks import RankedResult
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.report.multistep import print_steps
 from oneiter.report.terminal import print_report, safe_text
 

@@ -35,10 +35,12 @@ from typing import Any, Optional
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import COLLECTIVES
-from oneiter.judge.iteration.blame import NoisePolicy
+from oneiter.formatting import json_ready
 from oneiter.judge.iteration.collectives import Judged, findings, instances, judge, read_plans
-from oneiter.judge.iteration.engine import CompareResult, compare_files
-from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked, json_ready
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked
+from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.distributed import (
     LOOKS_RANKED,
     RANK_FILE,

@@ -6,4 +6,5 @@
 - `batch.py`       the model's batch as a framework delivers it: named, stored, swapped for a reference's
 - `hooks.py`       module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
 - `raised_at.py`   which call, phase and line of the user's model raised an exception
+- `optimizer_step.py` the moment right before an optimizer updates the weights, closure steps included
 """

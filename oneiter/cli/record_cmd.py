@@ -33,6 +33,9 @@ a run in full (--step S).
 
   torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
 
+  torchrun --nproc-per-node 4 -m oneiter record --model my_tp_model.py:build --data-parallel none -o tp.h5
+  [dim](a model that splits itself across ranks: no DDP around it; its collectives are recorded)[/dim]
+
   oneiter record --model my_model.py:build --steps 100 -o ref_steps.h5
 
   oneiter record --replay ref_steps.h5 --model my_model.py:build --amp bf16 -o bf16_steps.h5
@@ -86,6 +89,10 @@ def record_command(
     step: Annotated[Optional[int], typer.Option(*flags.STEP.decls, help=
             "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
             "in the file, so a --replay of it starts from the reference's state at S.")] = None,
+    data_parallel: Annotated[str, typer.Option("--data-parallel", help=
+            "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
+            "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
+            "layers).")] = "auto",
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -102,6 +109,7 @@ def record_command(
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
+        data_parallel=data_parallel,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed

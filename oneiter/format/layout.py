@@ -23,6 +23,7 @@ from oneiter.format.schema import (
     BACKWARD,
     BATCH,
     CALLS,
+    COLLECTIVES,
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
@@ -260,6 +261,7 @@ class IterationFile:
         consistency.check_calls(groups, self.path)
         self._stats_index = self._read_stats()
         consistency.check_random(groups, datasets, self.path)
+        consistency.check_collectives(self.meta, groups, datasets, self._stats_raw, self.path)
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
@@ -471,6 +473,17 @@ class IterationFile:
             names += [p[len(prefix):] for p in self.stats_index if p.startswith(prefix) and "/" not in p[len(prefix):]]
             names.sort()
         return names
+
+    def names_in(self, group_name: str) -> list[str]:
+        """The entries directly in a group (its datasets, and its rows of `/stats`)."""
+        return self._names_in(group_name)
+
+    def collectives(self) -> list[tuple[str, dict[str, Any]]]:
+        """(group name, attributes) of every collective this rank recorded (`/collectives/<index>`), in order."""
+        if COLLECTIVES not in self._tree.groups:
+            return []
+        names = sorted(self._tree.groups[COLLECTIVES][1], key=int)
+        return [(n, dict(self._tree.groups[f"{COLLECTIVES}/{n}"][0])) for n in names]
 
     def calls(self) -> list[tuple[str, dict[str, Any]]]:
         """(call key, attrs) in execution order."""

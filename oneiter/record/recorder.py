@@ -64,7 +64,7 @@ from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.names import state_tensors
 from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
-from oneiter.runtime.sharding import class_name, local, reduction
+from oneiter.runtime.sharding import class_name, is_sharded, local, reduction
 from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
 from oneiter.version import __version__
 
@@ -199,6 +199,8 @@ class Recorder:
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
         recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
+        if step_of:  # the multi-step recorder named this rank's files already
+            recorder.out, recorder.replay = options.out, options.replay
         return recorder
 
     def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:
@@ -314,8 +316,7 @@ class Recorder:
     def _attach(self, stack: ExitStack) -> None:
         """The modes, hooks and patches of the block, each undone by `stack`."""
         opts = self.options
-        self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
-        self.session.attach_random(self._modes.random)
+        self._modes = self._make_modes()
         if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
             stack.callback(self._forward_cast.uncast())
         stack.enter_context(self.session.capture())
@@ -361,7 +362,8 @@ class Recorder:
             self.session.state_after()
             if not self._explicit_loss:  # the tensor backward ran on: the loss times the GradScaler's scale
                 self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
-            counts = self.session.finish(self._loss, self._modes.summary())
+            reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
+            counts = self.session.finish(self._loss, {**self._modes.summary(), GRAD_REDUCTION: reduced})
         self.summary = RecordSummary(
             self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started,
             float(self._loss.float()), self.session.module_capture.num_calls,
@@ -542,7 +544,7 @@ class Recorder:
             self.session.enter_phase("probes")
         self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
-        self.session.param_grads()
+        self.session.param_grads(unreduced=self._modes.reduced_grads())
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
 
     def _remove_hooks(self) -> None:
@@ -568,6 +570,17 @@ class Recorder:
             if why:
                 warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
+
+    def _make_modes(self) -> "_Modes":
+        """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
+        opts = self.options
+        modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
+                       self.session.module_capture, self.session.live_collective)
+        self.session.attach_random(modes.random)
+        self.session.attach_collectives(modes.collectives)
+        if modes.collectives is not None and not is_sharded(self.model):
+            self.session.watch_unreduced()  # DDP's reducer may average them: each rank's own are kept
+        return modes
 
     def _stats_groups(self):
         """At the stats level: which groups hold statistics only. Random values and the loss stay full; so do the
@@ -620,7 +633,7 @@ class Recorder:
             "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
-            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),
+            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),  # until backward shows a reducer
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind
@@ -629,9 +642,11 @@ class Recorder:
 
 
 class _Modes:
-    """The torch modes active during forward and backward: random record/replay, op fallback."""
+    """The torch modes active during forward and backward: random record/replay, op fallback, and (with a process
+    group) the collectives' recorder (`record/modes/collectives.py`)."""
 
-    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str]):
+    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None):
+        from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
@@ -640,9 +655,12 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self._stack = ExitStack()
+        self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
+        self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "_Modes":
+        if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
             if mode is not None:
                 self._stack.enter_context(mode)
@@ -650,10 +668,18 @@ class _Modes:
 
     def __exit__(self, *exc) -> None:
         self.close()
+        self._until_end.close()
 
     def close(self) -> None:
-        """End the modes (before the optimizer step: its math is not part of what they judge)."""
+        """End the modes (before the optimizer step: its math is not part of what they judge); the collectives are
+        recorded until the block ends, the step's as its own phase (a tensor-parallel step reduces gradients)."""
         self._stack.close()
+        if self.collectives is not None:
+            self.collectives.stepping = True
+
+    def reduced_grads(self) -> bool:
+        """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""
+        return self.collectives is not None and self.collectives.reduced_grads
 
     def summary(self) -> dict:
         return {

@@ -9,8 +9,9 @@
 - `kernels.py`     which kernels a device runs that are not torch's own, asked of the dispatcher
 - `names.py`       the names a model's parameters and buffers have in a recording (never state_dict's)
 - `host_random.py` the random generators outside torch (Python's, numpy's): seeded, and kept around reruns
-- `distributed.py` torchrun ranks, DDP, per-rank file names
-- `sharding.py`    sharded parameters (FSDP2): a rank's own shard, and how gradients are reduced
+- `distributed.py` torchrun ranks, DDP, per-rank file names, the process group compare shares its work over
+- `sharding.py`    DTensor parameters (FSDP2, tensor parallelism), whether a model parallelises itself, how
+                   gradients are reduced
 - `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
 - `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
 """

@@ -192,7 +192,7 @@ def test_unexplained_entries_and_the_loss_are_listed_whatever_is_named():
 def test_priorities_are_one_table_and_the_strongest_wins():
     assert set(PRIORITY) == set(FOCUS) and len(set(PRIORITY.values())) == len(PRIORITY)
     assert sorted(PRIORITY, key=PRIORITY.get, reverse=True) == [
-        "first_divergence", "structural", "culprit", "nan_inf", "unexplained", "loss", "calibration"]
+        "collective", "first_divergence", "structural", "culprit", "nan_inf", "unexplained", "loss", "calibration"]
     found = [Finding.of("loss", None), Finding.of("unexplained", 3), Finding.of("unexplained", 1)]
     assert strongest(found) is found[1]  # of equals, the first recorded (causal order)
     assert strongest([]) is None

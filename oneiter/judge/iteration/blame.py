@@ -146,9 +146,12 @@ class Sources:
     and its children's outputs; backward, the same plus its output gradients and its children's input gradients.
     An entry is *exact* when it was measured and is bitwise equal (rel_l2 and max_abs 0, NaN/Inf where the
     reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
-    or a child with no recorded output, is not)."""
+    or a child with no recorded output, is not). A collective a call's own code ran is one more thing it computed
+    from (`consumed`: ((module, call, phase), key, error, bitwise) per collective output, from
+    `judge/iteration/collectives.consumed`)."""
 
-    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None):
+    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None,
+                 consumed: tuple = ()):
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
         self.keys: dict[tuple[str, int, str], list[tuple]] = {}
@@ -158,6 +161,11 @@ class Sources:
             self.keys.setdefault((module, call, f"{phase}.{kind}"), []).append((module, call, phase, tensor))
         self.bitwise = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None
                       and r.status in ("match", "diverged") and _bitwise(r.metrics)}
+        for (module, call, phase), key, err, bitwise in consumed:
+            self.by_call.setdefault((module, call, f"{phase}.in"), []).append(err)
+            self.keys.setdefault((module, call, f"{phase}.in"), []).append(key)
+            if bitwise:
+                self.bitwise.add(key)
         self.children: dict[tuple[str, int], list[tuple[str, int]]] = {}
         for child, parent in (parents or {}).items():
             if parent is not None:

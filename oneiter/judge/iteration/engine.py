@@ -58,6 +58,7 @@ from oneiter.judge.iteration.blame import (
     own_values,
     unexplained_rows,
 )
+from oneiter.judge.iteration.collectives import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
@@ -68,6 +69,7 @@ from oneiter.judge.measure.stat_metrics import compare_stats
 from oneiter.judge.measure.tolerance import DtypeTolerance, NoisePolicy, Tolerance, TolerancePolicy, looser
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.precision_modes import from_attr, reduced
+from oneiter.runtime.sharding import grads_reduced
 
 __all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
@@ -249,13 +251,14 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
     result.precision = _precision(ref, tgt)
-    sources = Sources(result.rows, result.loss, parents)
+    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)))
     own: list[Finding] = []
     if result.local_kind == "teacher_forced":
         own, result.rounding = own_values(
             result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
             run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
-            world_size=int(tgt.meta.get("world_size") or 1), update_scale=functools.partial(_update_scale, ref))
+            world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
+            update_scale=functools.partial(_update_scale, ref))
     if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
         same = {result.stored[i] for i in result.rounding}
         result.rounding = {i for i, ident in enumerate(result.stored) if ident is not None and ident in same}
@@ -320,10 +323,12 @@ def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile,
         unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
                      if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
     covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
-    if int(tgt.meta.get("world_size") or 1) > 1:  # averaged over ranks (grad_reduction): not this rank's own numbers
+    if grads_reduced(tgt.meta):  # averaged over ranks (grad_reduction): not this rank's own numbers
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
                     if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
+    if step_reduced(ref, tgt):  # the step's own collectives (tensor-parallel gradients) differ: judged across ranks
+        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "optimizer"}
     found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
                              amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources)
     return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))

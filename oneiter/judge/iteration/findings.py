@@ -20,6 +20,11 @@ __all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "INCONCLUSIVE", "Finding
            "of_kind", "status_of"]
 
 PRIORITY = {
+    # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
+    # the reduction noise of its dtype and group size (`collectives.py`): judged on its own inputs, with or without
+    # local data, so certain evidence that the communication library is wrong; every value that consumed its
+    # result (a layer's rerun got the reference's, an accumulated entry did not) is downstream of it
+    "collective": 70,
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
     "first_divergence": 60,
     # an entry missing on one side, of another shape or dtype: the runs did not even compute the same things
@@ -51,8 +56,9 @@ INCONCLUSIVE = ("calibration",)  # a verdict resting on these is inconclusive: e
 class Finding:
     """One piece of evidence that the runs diverge.
 
-    `entry` is the row it names (None: the loss, or a culprit tensor the report has no row for); `reason` says
-    why in words; `local` is the culprit's local result (None for every other kind).
+    `entry` is the row it names (None: the loss, a collective, or a culprit tensor the report has no row for);
+    `reason` says why in words; `local` is the culprit's local result, `collective` the judged collective
+    (`collectives.Judged.as_dict()` with its `order`), None for every other kind.
     """
 
     kind: str
@@ -60,12 +66,14 @@ class Finding:
     entry: Optional[int]
     reason: str = ""
     local: Optional[LocalResult] = None
+    collective: Optional[dict] = None
 
     @classmethod
-    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None) -> Finding:
+    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None,
+           collective: Optional[dict] = None) -> Finding:
         """A finding with its kind's priority from `PRIORITY` or `STEP_PRIORITY` (the only place priorities are
         written)."""
-        return cls(kind, _PRIORITIES[kind], entry, reason, local)
+        return cls(kind, _PRIORITIES[kind], entry, reason, local, collective)
 
     def as_dict(self) -> dict[str, Any]:
         """What the JSON report's `verdict.findings` holds of it: kind, priority, entry (the index of the row, or

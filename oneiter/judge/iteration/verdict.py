@@ -45,8 +45,8 @@ __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "deci
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
 # what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
-FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "culprit": "culprit",
-         "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss",
+FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "collective": "collective",
+         "culprit": "culprit", "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss",
          "calibration": "calibration not trusted"}
 
 
@@ -325,6 +325,11 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     if finding.kind == "loss":
         return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
                 "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
+    if finding.kind == "collective":  # no row: the collective itself (`collectives.Judged`), and where it shows
+        c = finding.collective
+        return {"index": None, "module": None, "call": None, "phase": c["phase"], "tensor": None,
+                "entry_status": "collective", "reason": finding.reason, "rel_l2": c["rel_l2"],
+                "max_abs": c["max_abs"], "cosine": None, "collective": c, "order": c["order"]}
     entry = _entry(result.rows, finding.entry)
     return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
 
@@ -427,6 +432,8 @@ def _headline(v: Verdict) -> tuple[str, str]:
                 f"be probed and the {n} entries were only checked for error growth: not a pass")
     if where.get("entry_status") == "local_error" and v.culprit:
         return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
+    if v.focus == "collective":
+        return f"DIVERGED at collective {where['collective']['name']}", str(where.get("reason") or "")
     if v.basis == "unattributed":
         if where.get("module") is None:
             return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
@@ -514,6 +521,11 @@ def _details(v: Verdict) -> list[str]:
         lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
     if v.culprit and v.where.get("entry_status") != "local_error":
         lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
+    if v.focus == "collective":
+        c = v.where["collective"]
+        lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result of "
+                     f"their group's recorded inputs (the first is named); each call that consumed one is judged on "
+                     f"the reference's result")
     lines.append(_basis_line(v))
     if v.basis != "first_divergence":
         lines += _precision_lines(v.precision)
@@ -623,19 +635,31 @@ class RankedVerdict:
 
 
 def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
-    """Combine one Verdict per rank (ascending ranks)."""
+    """Combine one Verdict per rank (ascending ranks); of multi-step recordings (`StepVerdict`s, which name a
+    `step`), the rank whose first step outside the band comes first."""
     diverged = tuple(r for r, v in verdicts.items() if v.status == "diverged")
     inconclusive = [r for r, v in verdicts.items() if v.status == "inconclusive"]
     total = len(verdicts)
 
     def position(rank: int) -> tuple:
+        if not isinstance(verdicts[rank], Verdict):  # multi-step recordings: the first step outside the band
+            step = verdicts[rank].step
+            return (math.inf if step is None else step, rank)
         index = verdicts[rank].index
+        if index is None:  # a collective: where its result first shows; else after every row
+            index = (verdicts[rank].entry or {}).get("order")
         return (verdicts[rank].num_entries if index is None else index, rank)
 
     origin = min(diverged, key=position, default=None)
     if origin is not None:
         v = verdicts[origin]
+        if not isinstance(v, Verdict):
+            which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
+            return RankedVerdict("diverged", origin, total, diverged, f"DIVERGED on rank {origin} at step {v.step} "
+                                 f"({len(diverged)} of {total} ranks diverged{which})", None)
         where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
+        if v.focus == "collective":
+            where = f" at collective {v.entry['collective']['name']}"
         which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
         headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
         return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))

@@ -45,7 +45,7 @@ from oneiter.record.capture.input_grads import InputGradTracker, region_of, view
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random
-from oneiter.runtime.sharding import local, placement_of
+from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
            "unscaled"]
@@ -99,7 +99,8 @@ class TensorSink:
             return
         placement = placement_of(tensor)
         if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
-            attrs, tensor = {**(attrs or {}), **shard_attrs(placement)}, local(tensor)
+            attrs = {**(attrs or {}), **shard_attrs(placement)}
+        tensor = local(tensor)  # a DTensor's shard; a collective's result under way, waited for
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -163,6 +164,9 @@ class CallRecord:
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
     live_outputs: dict | None = None
+    # the outputs of the collectives its own code ran live (and those of its descendants whose probe failed), by
+    # path: what the fidelity check feeds its rerun when they are not the reference's (`record/modes/collectives.py`)
+    live_collectives: dict = field(default_factory=dict)
     outputs_exact: bool = False
     kept_outputs: dict | None = None
 
@@ -172,6 +176,7 @@ class CallRecord:
         descendants forced, so it keeps them."""
         self.args = self.kwargs = None
         self.live_inputs = self.live_outputs = None
+        self.live_collectives = {}
         if self.status == PROBED:
             self.children = []
 
@@ -237,7 +242,13 @@ class ModuleCapture:
                 continue
             check_name(path, "module")
             self._names[id(module)] = path
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            # first of the module's own pre-hooks (a call is everything `module(...)` runs, as its rerun runs it:
+            # torch's tensor-parallel styles convert inputs there), after FSDP2's (parameter management, which
+            # reruns leave out); the post-hook last
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
+            hooks = module._forward_pre_hooks
+            for key in reversed([k for k, h in hooks.items() if is_fsdp_hook(h)]):
+                hooks.move_to_end(key, last=False)
             self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
     def detach(self) -> None:
@@ -259,6 +270,26 @@ class ModuleCapture:
         """(key, module path) of the calls whose forward has begun and not returned, outermost first: where an
         exception raised in forward is (the post-hooks never ran)."""
         return [(key, path) for key, _record, _first, path in self._stack]
+
+    def owner(self) -> tuple[str, "CallRecord | None"]:
+        """The innermost open call (key, its CallRecord or None without a probe); ("", None) outside every call."""
+        if not self._stack:
+            return "", None
+        key, record, _first, _path = self._stack[-1]
+        return key, record
+
+    def owner_of_node(self, number: int) -> str | None:
+        """The call whose forward created autograd node `number` (`call_of_node`); None: none (the loss, a hook)."""
+        return self.call_of_node(number)
+
+    def recomputing(self) -> bool:
+        """Whether activation checkpointing is running a region's forward again (in backward)."""
+        return self.recomputations.recomputing()
+
+    def next_seq(self) -> int:
+        """The next number of the capture order (each call's `seq_*` attributes, a collective's `seq`)."""
+        with self._lock:
+            return next(self._seq)
 
     def path_of(self, module) -> str | None:
         """The recorded path of a module of the model (None: not recorded)."""
@@ -363,7 +394,7 @@ class ModuleCapture:
             record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state())
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
-                record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
+                record.live_inputs = {n: local(v).detach().clone() for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
         self._stack.append((key, record, next_node_number(), path))
@@ -391,7 +422,7 @@ class ModuleCapture:
                     record.identity[name] = hit[0]
             record.given = {}
             if record.live_inputs is not None:
-                record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
+                record.live_outputs = {n: local(v).detach() for n, v in named if _is_tensor(v)}
             with self.suspended(), untracked():
                 self.probe.after_call(record)
 

@@ -81,6 +81,7 @@ from oneiter.format.schema import (
     REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
+    UNREDUCED_GRADS,
     LocalRow,
     group_path,
     tensor_path,
@@ -92,12 +93,14 @@ from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
 from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
+from oneiter.record.modes.collectives import RecordedCollective, recorded_collectives
 from oneiter.record.modes.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.options import CALIBRATIONS
 from oneiter.runtime import kernels
 from oneiter.runtime.names import canonical, parameters, tensor_names
 from oneiter.runtime.precision import NOISE_BOUND_FACTOR, amp_dtype_name, unit_roundoff
 from oneiter.runtime.precision_modes import MANTISSA_BITS, from_attr, reduced
+from oneiter.runtime.sharding import grads_reduced
 
 __all__ = ["PROBED", "LocalProbe", "TeacherForcedProbe", "AgainstCpuProbe", "MemorySource", "CALIBRATIONS",
            "teacher_forced_factory", "against_cpu_factory", "reference_precision"]
@@ -137,6 +140,11 @@ class _Cached:
 
     def clear(self) -> None:
         self._seen.clear()
+
+    def attrs(self, path: str) -> dict:
+        """The attributes the source stored with `path` (a shard's placements), {} where it keeps none."""
+        attrs = getattr(self.inner, "attrs", None)
+        return attrs(path) if callable(attrs) else {}
 
     def read(self) -> dict:
         """What was read since `clear()`, by path."""
@@ -220,6 +228,20 @@ class LocalProbe(ABC):
     @random_ops.setter
     def random_ops(self, ops: list[RecordedOp]) -> None:
         self.rerunner.random_ops = ops
+
+    SOURCE_IS_RUN = False  # the source is this run's own captured values (`--against cpu`), not a reference
+
+    @property
+    def collectives(self) -> list[RecordedCollective]:
+        """The source's collectives, which reruns force (`record/modes/collectives.py`)."""
+        return self.rerunner.collectives
+
+    @collectives.setter
+    def collectives(self, items: list[RecordedCollective]) -> None:
+        self.rerunner.collectives = items
+
+    def live_collective(self, record: CallRecord | None, phase: str, outputs: dict) -> None:  # noqa: B027 - a hook
+        """A collective's live outputs by path, run by `record`'s own code in `phase` (the fidelity check's)."""
 
     def bind(self, model, optimizer=None) -> None:
         """The model being recorded (canonical parameter names) and its optimizer (the `optimizer` rows)."""
@@ -320,8 +342,11 @@ class LocalProbe(ABC):
             self._sums.add("primary", primary)
             for name in (*primary.param_grads, *primary.buffers):
                 self._contributors.setdefault(name, []).append(rec)
+        live, rec.live_collectives = rec.live_collectives, {}
         if rec.status != PROBED:
             self.unprobed.append((module, rec.call, rec.status))
+            if rec.parent is not None:  # it runs live in its caller's rerun: so do its collectives
+                rec.parent.live_collectives.update(live)
         if rec.status != PROBED or not (primary.param_grads or primary.buffers):
             rec.release()
         self.source.clear()
@@ -568,8 +593,6 @@ class LocalProbe(ABC):
     # -- parameter gradients ----------------------------------------------------------------------------------------
     def _param_rows(self) -> None:
         """One row per parameter gradient: the sum of every call's own contribution, judged like any tensor."""
-        if _world_size() > 1:  # DDP averages gradients over ranks; one rank's own contributions cannot match
-            return
         for index, (name, param) in enumerate(parameters(self.model)):
             records = self._contributors.get(name)
             judged = self._sums.get("primary", name)
@@ -659,9 +682,11 @@ class TeacherForcedProbe(LocalProbe):
     PARAMS = "reference"
     CHECKS_LIVE = True
 
-    def __init__(self, source, device, *, ref_optimizer_state: str = "", **kwargs):
+    def __init__(self, source, device, *, ref_optimizer_state: str = "", grads_reduced: bool = False, **kwargs):
         super().__init__(source, device, **kwargs)
         self.ref_optimizer_state = ref_optimizer_state  # the reference's `optimizer_state` (format/optimizer_state.py)
+        # the reference's parameter gradients were reduced over ranks: each rank's own are its unreduced ones
+        self.ref_grads_reduced = grads_reduced
         self.optimizer_start = ""  # the target's, as the Recorder found (or loaded) it when the step began
         # digests are bitwise: only where reruns are deterministic (the CPU)
         self.backward_checks = None
@@ -673,6 +698,7 @@ class TeacherForcedProbe(LocalProbe):
             return
         live = Rerunner(None, self.device, self.rerunner.random_ops, self.rerunner.names)
         live._state = self.rerunner._state  # the starting states, read once for both
+        live.collectives = self.rerunner.collectives
 
         def rerun(source) -> RunResult:
             live.source = source
@@ -717,11 +743,22 @@ class TeacherForcedProbe(LocalProbe):
         return stored, value
 
     def _stored_grad(self, name: str, param):
-        path = group_path(PARAM_GRADS, name)
+        """The reference's own gradient of this rank: as recorded, or before its reduction over ranks (DDP; under
+        FSDP2 no rank's own gradient is recorded: not judged)."""
+        path = group_path(UNREDUCED_GRADS if self.ref_grads_reduced else PARAM_GRADS, name)
         return self.source.uncached(path) if self.source.has(path) else None
 
     def _summed_grad_dtype(self, stored, param):
         return param.dtype
+
+    def live_collective(self, record: CallRecord | None, phase: str, outputs: dict) -> None:
+        """Forward: kept on the call whose own code ran it, until its probe (the fidelity check feeds a rerun these
+        when they are not the reference's); every phase: their fingerprints, for the backward half of the check."""
+        if phase == FORWARD and record is not None and self.CHECKS_LIVE:
+            record.live_collectives.update((path, t.detach().clone()) for path, t in outputs.items())
+        if self.backward_checks is not None:
+            for path, tensor in outputs.items():
+                self.backward_checks.live_tensor(path, tensor)
 
     def _rerun_primary(self, low_site: Site | None) -> bool:
         return low_site is None  # device calibration: the primary rerun is its low-precision side
@@ -790,6 +827,7 @@ class AgainstCpuProbe(LocalProbe):
     captured inputs; this run's values are judged against that recomputation (noise always on the CPU)."""
 
     KIND = "against_cpu"
+    SOURCE_IS_RUN = True
 
     def __init__(self, source, device, **kwargs):
         super().__init__(source, device, **kwargs)
@@ -813,7 +851,9 @@ class AgainstCpuProbe(LocalProbe):
         return value, stored  # the CPU recomputation is the reference, this run's recorded value is judged
 
     def _stored_grad(self, name: str, param):
-        return None if param.grad is None else param.grad.detach().to(_CPU)
+        if param.grad is None or _world_size() > 1:  # averaged over ranks by a reducer: not this rank's own sum
+            return None
+        return param.grad.detach().to(_CPU)
 
     def _summed_grad_dtype(self, stored, param):
         return stored.dtype
@@ -832,11 +872,14 @@ def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str 
     """A `RecordingSession` probe factory: teacher forced against the open reference `ref`. `modes`: this run's
     reduced-precision modes (`precision_modes.current`); the reference's are in its root attributes."""
     def factory(_sink):
-        return TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
-                                  ref_precision=reference_precision(ref.meta, amp, dtype),
-                                  random_ops=recorded_random_ops(ref), modes=modes,
-                                  ref_modes=from_attr(ref.meta.get(PRECISION_MODES)),
-                                  ref_optimizer_state=str(ref.meta.get(OPTIMIZER_STATE) or ""))
+        probe = TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
+                                   ref_precision=reference_precision(ref.meta, amp, dtype),
+                                   random_ops=recorded_random_ops(ref), modes=modes,
+                                   ref_modes=from_attr(ref.meta.get(PRECISION_MODES)),
+                                   ref_optimizer_state=str(ref.meta.get(OPTIMIZER_STATE) or ""),
+                                   grads_reduced=grads_reduced(ref.meta))
+        probe.collectives = recorded_collectives(ref)
+        return probe
 
     return factory
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict, deque
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -34,6 +34,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
+    PLACEMENTS,
     STATE_BEFORE,
     STEP_START,
     child_tensor,
@@ -47,10 +48,12 @@ from oneiter.record.capture.recompute import checkpoint_disabled
 from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
+from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
 from oneiter.record.modes.roundoff_mode import RoundoffInjection
 from oneiter.runtime import host_random
 from oneiter.runtime.precision import unit_roundoff
+from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
            "tensor_stats", "rel_l2", "with_layout"]
@@ -156,6 +159,7 @@ class Rerunner:
         self.target_device = torch.device(target_device)
         self.random_ops = random_ops
         self.names = names
+        self.collectives: list[RecordedCollective] = []  # the source's, in order (`record/modes/collectives.py`)
         self._state: dict[str, Any] = {}
         self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)
         self.rounded = 0  # ops whose operands the last run rounded (a site with `reduced`)
@@ -209,6 +213,7 @@ class Rerunner:
             before = {c: t.detach().clone() for c, t in buffers.items()}
             stack.enter_context(forcing)
             stack.enter_context(self._random(rec, forced, site.device))
+            stack.enter_context(self._collectives(rec))
             if site.live:
                 out = module(*args, **kwargs)
             else:
@@ -236,25 +241,29 @@ class Rerunner:
         # a value handed in and passed on unchanged (same object, same version) holds none of this call's work
         passed = {(FORWARD, n) for n, v in forward.items() if given.get(id(v)) == v._version}
         passed |= {(BACKWARD, n) for n, v in backward.items() if given.get(id(v)) == v._version}
-        return RunResult({n: v.detach() for n, v in forward.items()}, {n: v.detach() for n, v in backward.items()},
-                         passed, param_grads, changed, internal)
+        return RunResult({n: local(v).detach() for n, v in forward.items()},
+                         {n: local(v).detach() for n, v in backward.items()}, passed, param_grads, changed, internal)
 
     def _input(self, rec: CallRecord, slot: Slot, site: Site, leaves: dict):
         """The source's value of one input slot for the rerun: a leaf (kept in `leaves`) when it takes a gradient,
         handed in as a clone (an in-place module may overwrite its input; a leaf cannot be), laid out as live."""
         value = self.value(tensor_path(rec.key, FORWARD, slot.name), slot, site, f"input {slot.name}")
+        value = to_placed(value, slot.placed)  # a DTensor argument: the recorded shard, placed as it was
         if slot.requires_grad and value.is_floating_point():
             leaf = value.requires_grad_()
             leaves[slot.name] = leaf
             value = leaf.clone()
-        return with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
+        if slot.placed is None:
+            value = with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
+        return value
 
     def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict, anchor):
         pairs = []
         for name, out in outputs.items():
             path = tensor_path(rec.key, BACKWARD, grad_name(name))
             if out.requires_grad and self.source.has(path):
-                pairs.append((name, out, self.perturb(self.source.tensor(path).to(site.device, out.dtype))))
+                seed = self.perturb(self.source.tensor(path).to(site.device, out.dtype))
+                pairs.append((name, out, self.placed_like(seed, path, out)))
         if not pairs:
             return {}, {}, {}
         seeds, internal = _external_grads(pairs)
@@ -263,7 +272,7 @@ class Rerunner:
         grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
         # `grads` follows `targets`: the leaves', then the weights', then the anchor's; each zip takes its part
         inputs = {grad_name(n): g for n, g in zip(leaves, grads, strict=False) if g is not None}
-        contributions = {c: g.detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
+        contributions = {c: local(g).detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
                          if g is not None}
         return inputs, contributions, internal
 
@@ -290,15 +299,17 @@ class Rerunner:
                 continue
             # buffers start where they were before the iteration (the live ones already hold this call's update)
             stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
-            if stored is not None and tuple(stored.shape) != tuple(tensor.shape):
+            own = local(tensor)  # a tensor-parallel weight (a DTensor): this rank's shard, placed again below
+            if stored is not None and tuple(stored.shape) != tuple(own.shape):
                 # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
                 # call runs: the reference's full values in a replay (in the run's dtype)
                 stored = None
-            base = stored if stored is not None else tensor.detach()
+            base = stored if stored is not None else own.detach()
             if base.is_floating_point() or base.is_complex():
                 value = self.perturb(base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True))
             else:
                 value = base.to(site.device, copy=True)
+            value = as_placed(value, tensor)
             if is_param and tensor.requires_grad and value.is_floating_point():
                 value.requires_grad_()
             found[name] = (canonical, value)
@@ -320,6 +331,16 @@ class Rerunner:
                     t.data.copy_(start.to(t.device, t.dtype))
             found[name] = t
         return found
+
+    def placed_like(self, value, path: str, like):
+        """`value` (the source's tensor at `path`: a shard) as a DTensor placed as the source recorded it (or as
+        `like` is, when it did not say), when `like` is a DTensor; `value` itself otherwise."""
+        spec = spec_of(like)
+        if spec is None:
+            return value
+        attrs = getattr(self.source, "attrs", None)
+        text = attrs(path).get(PLACEMENTS) if callable(attrs) else None
+        return to_placed(value, spec, parse_placements(text) if text else None)
 
     def reference_state(self, name: str):
         """state_before/<name> of the source (None when it has no such entry), read once."""
@@ -343,6 +364,25 @@ class Rerunner:
         if any(k >= len(self.random_ops) for k in wanted):
             raise ProbeSkip("the call ran random ops the source did not record")
         return RandomReplayer(self.source, device, ops=[self.random_ops[k] for k in wanted])
+
+
+    def _collectives(self, rec: CallRecord):
+        """Force the collectives this call's own code ran (and those of the descendants that run live in the rerun:
+        the unprobed ones, outside forced calls), forward and backward apart, in the order they ran; with no process
+        group and nothing recorded, nothing to do."""
+        if not self.collectives and not is_distributed():
+            return nullcontext()
+        keys, stack = {rec.key}, list(rec.children)
+        while stack:
+            child = stack.pop()
+            if child.status != PROBED:
+                keys.add(child.key)
+                stack.extend(child.children)
+        queues: dict[str, list] = {FORWARD: [], BACKWARD: []}
+        for item in self.collectives:
+            if item.call in keys and not item.recomputed:
+                queues.setdefault(item.phase, []).append(item)
+        return CollectiveForcer(self.source, queues, lambda t: self.perturb(t), ProbeSkip)
 
 
 def with_layout(value, layout: tuple | None):
@@ -503,9 +543,9 @@ class _Forcing:
             value = with_layout(self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
                                                     f"output {slot.name} of {child.key}"), slot.layout)
             if slot.requires_grad and value.is_floating_point():
-                grad_slots.append((slot.name, value))
+                grad_slots.append((slot, value))
             else:
-                outs[slot.name] = value
+                outs[slot.name] = to_placed(value, slot.placed)
         return outs, grad_slots
 
     def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
@@ -513,12 +553,12 @@ class _Forcing:
         aliases: dict[str, list] = {}
         for slot in child.output.slots:
             aliases.setdefault(slot.alias or slot.name, []).append(slot.name)
-        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
+        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [slot.name for slot, _ in grad_slots],
                            [v for _, v in grad_slots], aliases)
         self._calls.append(info)
         results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
-        for (name, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
-            outs[name] = value
+        for (slot, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
+            outs[slot.name] = to_placed(value, slot.placed)  # a DTensor output: placed as the live one was
 
     def _hand_out(self, child: CallRecord, given: dict, outs: dict) -> None:
         """Note the outputs the child produced (not inputs it passed on) as handed to the caller, and keep them."""
@@ -529,11 +569,16 @@ class _Forcing:
             if id(value) not in passed_on:
                 self.origin[id(value)] = (child, name)
 
-    def grad_for(self, child: CallRecord, name: str, like):
+    def grad_for(self, child: CallRecord, name: str, like, spec: tuple | None = None):
+        """The source's gradient w.r.t. a forced child's input, like `like` (placed as a DTensor input was: `spec`)."""
         path = tensor_path(child.key, BACKWARD, grad_name(name))
         if not self.rerunner.source.has(path):
             return None
         grad = self.rerunner.perturb(self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True))
+        if spec is not None:
+            attrs = getattr(self.rerunner.source, "attrs", None)
+            text = attrs(path).get(PLACEMENTS) if callable(attrs) else None
+            grad = to_placed(grad, spec, parse_placements(text) if text else None)
         self.produced[id(grad)] = grad._version
         self._alive.append(grad)
         return grad
@@ -559,6 +604,7 @@ def _forced_function():
         def forward(ctx, info: _ForcedCall, anchor, *inputs):
             ctx.info = info
             ctx.likes = [torch.empty((), dtype=t.dtype, device=t.device) for t in inputs]
+            ctx.specs = [spec_of(t) for t in inputs]
             return tuple(info.values)
 
         @staticmethod
@@ -571,8 +617,8 @@ def _forced_function():
                 if grad is not None and grad_name(name) not in info.child.internal:
                     for each in info.aliases.get(name, [name]):  # every place the tensor was returned in
                         info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(each))] = grad
-            likes = zip(info.input_names, ctx.likes, strict=True)  # both one per input
-            back = [info.forcing.grad_for(info.child, name, like) for name, like in likes]
+            likes = zip(info.input_names, ctx.likes, ctx.specs, strict=True)  # all one per input
+            back = [info.forcing.grad_for(info.child, name, like, spec) for name, like, spec in likes]
             return (None, None, *back)
 
     return Forced
@@ -602,12 +648,6 @@ def _reduced(site: Site) -> Iterator[Any]:
         yield mode
 
 
-def _is_sharding_hook(hook) -> bool:
-    """A forward hook of FSDP2 (`fully_shard`): it all-gathers and reshards parameters, collectives every rank must
-    join, and registers the gradient reduction."""
-    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
-
-
 @contextmanager
 def _without_sharding_hooks(module) -> Iterator[None]:
     """FSDP2's forward hooks off on `module` and every module under it for a rerun: a rerun on one rank must run no
@@ -619,9 +659,9 @@ def _without_sharding_hooks(module) -> Iterator[None]:
     for mod in module.modules():
         for name in ("_forward_pre_hooks", "_forward_hooks"):
             hooks = getattr(mod, name, None)
-            if hooks and any(_is_sharding_hook(h) for h in hooks.values()):
+            if hooks and any(is_fsdp_hook(h) for h in hooks.values()):
                 saved.append((hooks, list(hooks.items())))
-                for key in [k for k, h in hooks.items() if _is_sharding_hook(h)]:
+                for key in [k for k, h in hooks.items() if is_fsdp_hook(h)]:
                     del hooks[key]
     try:
         yield
@@ -687,7 +727,7 @@ def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
 # -- numbers --------------------------------------------------------------------------------------------------------
 def _pair(reference, value):
     """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32."""
-    a, b = reference.detach().reshape(-1), value.detach().reshape(-1)
+    a, b = local(reference).detach().reshape(-1), local(value).detach().reshape(-1)  # never a tensor subclass
     work = torch.promote_types(a.dtype, b.dtype)
     if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
         work = torch.float64 if not work.is_floating_point else torch.float32

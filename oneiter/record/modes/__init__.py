@@ -5,4 +5,5 @@
 - `randomness.py` random ops recorded on the reference and replayed on the target
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
+- `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 """

@@ -56,13 +56,15 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
 
 def _check_parameters(model, ref: IterationFile, where: str) -> None:
     """Every parameter the reference has a gradient of (by its name as `runtime/names.py` names parameters) exists
-    here with its shape (a sharded one: this rank's shard)."""
+    here with its shape (a sharded one: this rank's shard, or the whole parameter's for a gradient placed otherwise
+    than its parameter: tensor parallelism's `Replicate` gradient of a `Shard(0)` embedding)."""
     mine = {name: tuple(local(p).shape) for name, p in parameters(model)}
+    whole = {name: tuple(p.shape) for name, p in parameters(model) if is_dtensor(p)}
     for name, path in ref.state(PARAM_GRADS).items():
         if name not in mine:
             raise OneIterError(f"model structure does not match {where}: it has parameter '{name}', this model "
                                f"does not ({_BUILT_OTHERWISE})")
-        if mine[name] != ref.shape_of(path):
+        if ref.shape_of(path) not in (mine[name], whole.get(name)):
             raise OneIterError(f"model structure does not match {where}: parameter '{name}' has shape "
                                f"{list(ref.shape_of(path))} there, {list(mine[name])} here ({_BUILT_OTHERWISE})")
 

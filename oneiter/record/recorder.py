@@ -46,7 +46,17 @@ from typing import Any, Callable, Iterable, Sequence
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import NOT_RECORDED, OPTIMIZER_STATE, updates_not_judged
-from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
+from oneiter.format.schema import (
+    BATCH,
+    COMPILED,
+    GRAD_REDUCTION,
+    LOSS,
+    OPTIMIZER,
+    PRECISION_MODES,
+    RANDOM,
+    ROOT_MODULE,
+    STATE_BEFORE,
+)
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
@@ -56,6 +66,7 @@ from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
+from oneiter.runtime.compiled import CompileWatch, compile_modules, inductor_cache_dir, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
@@ -78,6 +89,7 @@ class RecordSummary:
     loss: float
     num_calls: int
     iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
+    compile_seconds: float = 0.0  # torch.compile's compiling inside the block (never part of the seconds above)
     # a multi-step recording (`record/steps/step_recorder.py`): its iterations (num_entries: its tensors)
     num_steps: int = 0
 
@@ -137,6 +149,10 @@ class Recorder:
         (`record.steps.step_recorder.StepRecorder`:
             `rec.run(fn)` calls `fn(step)` for each); with `replay=` of such a file, its steps. See `__new__`.
         twin: with `steps` and `replay`, also run each step by the perturbed twin (the band: docs/steps.md).
+        compile: a torch.compile backend name ("inductor"; True: inductor): the model is compiled in place for the
+            block (or each module `compile_modules` matches, one block each) and left as it was after it. A model
+            that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this.
+        compile_modules: regexes on module paths: with `compile`, each outermost matching module is compiled alone.
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -170,13 +186,16 @@ class Recorder:
         level: str = "full",
         steps=None,
         twin: bool = True,
+        compile: str | bool | None = None,
+        compile_modules: str | Sequence[str] | None = None,
     ):
         _check_model(model)
         options = RecordOptions(
             out=out, replay=replay, amp=amp, include=include, exclude=exclude, seed=seed, isolate=isolate,
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
             name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
-            queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level,
+            queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level, compile=compile,
+            compile_modules=compile_modules,
         )
         self._setup(model, options, optimizer, progress, notify)
 
@@ -273,6 +292,7 @@ class Recorder:
         self._started = time.perf_counter()
         stack = ExitStack()
         try:
+            stack.callback(self._compile())
             self.ref = self._given_ref if self._given_ref is not None else (
                 stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None)
             self.device = _device_of(self.model)
@@ -304,10 +324,12 @@ class Recorder:
                 torch.manual_seed(opts.seed)
             self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
             self.session.attach_random(self._modes.random)
-            stack.enter_context(self.session.capture())
+            capture = stack.enter_context(self.session.capture())
+            self._check_blocks(capture.blocks)
+            self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
             stack.enter_context(self._modes)
             stack.callback(self._remove_hooks)
-            self._hooks = [self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True, prepend=True)]
+            self._hooks = outside_call(self.model, self._first_forward, prepend=True)
             self._hooks += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
             self._patch_backward(stack)
             self._autocast = None
@@ -333,7 +355,7 @@ class Recorder:
             self._advance(Phase.CLOSED)
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
-            self.session = self._modes = self.ref = self._swap = None
+            self.session = self._modes = self.ref = self._swap = self._watch = None
             self._first_call = self._failed_backward = None
 
     def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
@@ -351,10 +373,14 @@ class Recorder:
             self._read_grads()
             self.session.enter_phase("writing")
             self.session.state_after()
-            counts = self.session.finish(self._loss, self._modes.summary())
+            self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
+            compiled = self._compiled_attrs()
+            counts = self.session.finish(self._loss, {**self._modes.summary(), **compiled})
+            self._note_compiled(compiled)
+        compiling = self._watch.total_seconds
         self.summary = RecordSummary(
-            self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started,
-            float(self._loss.float()), self.session.module_capture.num_calls,
+            self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started - compiling,
+            float(self._loss.float()), self.session.module_capture.num_calls, compile_seconds=compiling,
         )
         self.summary.iteration_seconds = self.summary.seconds
 
@@ -501,6 +527,75 @@ class Recorder:
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _compile(self) -> Callable[[], None]:
+        """`compile=`: compile the model (or the modules `compile_modules` names) in place; returns the undo."""
+        opts = self.options
+        if not opts.compile:
+            return lambda: None
+        return compile_modules(self.model, opts.compile, opts.compile_modules)
+
+    def _check_blocks(self, blocks) -> None:
+        """What a recording of compiled blocks cannot do, refused up front: a torch without `set_stance` (reruns
+        standing for eager code force it), op fallback, and replaying random values a block's compiled code would
+        draw itself (the reference's calls at a block's path drew random numbers)."""
+        if not blocks:
+            return
+        import torch
+
+        first = next(iter(blocks.by_path)) or ROOT_MODULE
+        if not hasattr(torch.compiler, "set_stance"):
+            raise OneIterError(f"the model holds compiled code ({first}): recording it needs torch >= 2.6 "
+                               f"(torch.compiler.set_stance), this is {torch.__version__}", param="model")
+        if self.options.fallback:
+            raise OneIterError(f"fallback moves single aten ops to the CPU, which the compiled code of {first} does "
+                               f"not run: drop fallback", param="fallback")
+        if self.ref is None or not self.options.random_replay:
+            return
+        for _key, attrs in self.ref.calls():
+            path = str(attrs.get("module") or "")
+            block = blocks.by_path.get(path) or blocks.around(path)
+            if block is not None and int(attrs.get("random_end", 0) or 0) > int(attrs.get("random_begin", 0) or 0):
+                raise OneIterError(
+                    f"the reference drew random numbers in {path or ROOT_MODULE} (dropout), which runs inside the "
+                    f"compiled block {block.path or ROOT_MODULE} here: compiled code draws its own, which a replay "
+                    f"cannot give the reference's; turn dropout off (p=0, or eval() of the dropout modules) on both "
+                    f"sides, or leave that module uncompiled (compile_modules)", param="replay")
+
+    def _compiled_attrs(self) -> dict[str, Any]:
+        """The file's `compiled` attribute: its blocks, what compiling them cost, the graph breaks (empty: none)."""
+        blocks = self.session.module_capture.blocks
+        watch = self._watch
+        if not blocks and not watch.total_seconds:
+            return {}
+        graphs = dict(watch.graphs)
+        info = {
+            "blocks": {path: {"kind": b.kind, "backend": b.backend, "graphs": graphs.pop(path, 0),
+                              "hidden_modules": b.num_hidden, "eager": b.eager} for path, b in blocks.by_path.items()},
+            "other_graphs": sum(graphs.values()), "graph_breaks": watch.breaks,
+            "compile_seconds": round(watch.seconds, 3), "rerun_compile_seconds": round(watch.rerun_seconds, 3),
+            "rerun_graphs": watch.rerun_graphs,
+            "cache_dir": inductor_cache_dir() if any(b.backend == "inductor" for b in blocks.by_path.values()) else "",
+        }
+        return {COMPILED: json.dumps(info, sort_keys=True)}
+
+    def _note_compiled(self, attrs: dict[str, Any]) -> None:
+        """One line for the user: the compiled blocks, what they hide, their graphs and graph breaks."""
+        if not attrs or self.notify is None or self._step_of:
+            return
+        info = json.loads(attrs[COMPILED])
+        blocks = info["blocks"]
+        names = ", ".join((path or ROOT_MODULE) for path in list(blocks)[:4]) + (", ..." if len(blocks) > 4 else "")
+        hidden = sum(b["hidden_modules"] for b in blocks.values())
+        graphs = sum(b["graphs"] for b in blocks.values())
+        breaks = info["graph_breaks"]
+        where = f" (first at {breaks[0]['where']}: {breaks[0]['reason']})" if breaks else ""
+        self.notify(f"compiled: {len(blocks)} block(s) ({names}), {graphs} graph(s) compiled, "
+                    f"{len(breaks)} graph break(s){where}; the {hidden} module(s) inside them are not recorded "
+                    f"(a block shows its inputs, outputs and their gradients)")
+        for path, block in blocks.items():
+            if block["eager"]:
+                self.notify(f"compiled: {path or ROOT_MODULE}: {block['eager']}")
 
     def _remove_hooks(self) -> None:
         for handle in getattr(self, "_hooks", []):

@@ -28,6 +28,7 @@ from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFT
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture.hooks import ModuleCapture, TensorSink
+from oneiter.runtime.compiled import eager_name
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -193,7 +194,7 @@ class RecordingSession:
                 self.probe.before_step(grads_changed=grads_changed)
 
     def state_before(self) -> None:
-        self._named(STATE_BEFORE, self.model.state_dict(keep_vars=True).items())
+        self._named(STATE_BEFORE, _eager(self.model.state_dict(keep_vars=True).items()))
 
     def optimizer_state(self, entries) -> None:
         """The optimizer's state as the step begins: (`<parameter>.<key>`, tensor) pairs
@@ -214,11 +215,11 @@ class RecordingSession:
 
     def param_grads(self) -> None:
         self.enter_phase("parameters")
-        grads = [(n, p.grad) for n, p in self.model.named_parameters() if p.grad is not None]
+        grads = [(n, p.grad) for n, p in _eager(self.model.named_parameters()) if p.grad is not None]
         self._named(PARAM_GRADS, grads)
 
     def state_after(self) -> None:
-        self._named(STATE_AFTER, self.model.state_dict(keep_vars=True).items())
+        self._named(STATE_AFTER, _eager(self.model.state_dict(keep_vars=True).items()))
         if self.probe is not None:
             self.probe.after_step()
 
@@ -241,3 +242,8 @@ class RecordingSession:
             self.sink.put(group, name, tensor, dedup=False)
             names.append(name)
         self.writer.attrs(group, {"order": names})
+
+
+def _eager(named):
+    """(name, value) pairs with the eager model's names (`runtime.compiled.eager_name`: `_orig_mod` dropped)."""
+    return ((eager_name(name), value) for name, value in named)

@@ -5,4 +5,5 @@
 - `devices.py`     device names, vendor plugins imported lazily (torch_npu, torch_mlu, torch_dipu)
 - `precision.py`   dtypes, autocast, unit roundoff
 - `distributed.py` torchrun ranks, DDP, per-rank file names
+- `compiled.py`    torch.compile'd blocks: found, hooked from outside their compiled code, compiled on request
 """

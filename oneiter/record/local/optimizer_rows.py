@@ -30,6 +30,7 @@ from oneiter.record.local.fidelity import digest, exact_tensor
 from oneiter.record.local.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
+from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
@@ -193,7 +194,7 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
     state_after: one row per parameter, or none and the reason the update cannot be judged. `expected` receives,
     per parameter, the digest of the update the live step must give (`check_updates`; `record/local/fidelity.py`).
     The caller has checked that the optimizer starts from the reference's state (`format/optimizer_state.py`)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): eager_name(n) for n, p in model.named_parameters()}
     order = {n: i for i, n in enumerate(names.values())}
     rows = []
     for chunk in step_chunks(opt):
@@ -244,7 +245,8 @@ def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
 
 def check_updates(model, expected: dict[str, tuple]) -> list[str]:
     """The parameters whose live value after the step differs from the checked shadow step's."""
-    return [name for name, p in model.named_parameters() if name in expected and digest(p) != expected[name]]
+    named = ((eager_name(n), p) for n, p in model.named_parameters())
+    return [name for name, p in named if name in expected and digest(p) != expected[name]]
 
 
 def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow]], chunk: set[int] | None) -> None:

@@ -83,6 +83,7 @@ from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, Run
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.options import CALIBRATIONS
+from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 from oneiter.runtime.precision_modes import MANTISSA_BITS, from_attr, reduced
 
@@ -209,8 +210,8 @@ class LocalProbe(ABC):
         """The model being recorded (canonical parameter names) and its optimizer (the `optimizer` rows)."""
         self.model = model
         self.optimizer = optimizer
-        names = {id(b): n for n, b in model.named_buffers()}
-        names.update({id(p): n for n, p in model.named_parameters()})
+        names = {id(b): eager_name(n) for n, b in model.named_buffers()}
+        names.update({id(p): eager_name(n) for n, p in model.named_parameters()})
         self.rerunner.names = names
 
     # -- entry points -----------------------------------------------------------------------------------------------
@@ -471,7 +472,7 @@ class LocalProbe(ABC):
         """One row per parameter gradient: the sum of every call's own contribution, judged like any tensor."""
         if _world_size() > 1:  # DDP averages gradients over ranks; one rank's own contributions cannot match
             return
-        for index, (name, param) in enumerate(self.model.named_parameters()):
+        for index, (name, param) in enumerate((eager_name(n), p) for n, p in self.model.named_parameters()):
             records = self._contributors.get(name)
             judged = self._sums.get("primary", name)
             if not records or judged is None:
@@ -638,7 +639,7 @@ class TeacherForcedProbe(LocalProbe):
 
     def _buffer_rows(self) -> None:
         """One row per buffer a single call updated (BatchNorm's running statistics) against its state_after."""
-        names = [n for n, _ in self.model.named_buffers()]
+        names = [eager_name(n) for n, _ in self.model.named_buffers()]
         for index, name in enumerate(names):
             records = self._contributors.get(name)
             judged = self._sums.get("primary", name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
@@ -17,7 +18,7 @@ __all__ = ["check_structure", "load_state", "load_reference"]
 def check_structure(model, ref: IterationFile) -> None:
     """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
     sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
-    mine = {name: tuple(local(t).shape) for name, t in model.state_dict().items()}
+    mine = {eager_name(name): tuple(local(t).shape) for name, t in model.state_dict().items()}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -41,8 +42,10 @@ def load_state(model, ref: IterationFile) -> None:
     import torch
 
     check_structure(model, ref)
-    state = {name: ref.tensor(path) for name, path in ref.state().items()}
     live = model.state_dict(keep_vars=True)
+    paths = ref.state()
+    # by the model's own names (a compiled model's hold `_orig_mod`): the reference holds the eager model's
+    state = {name: ref.tensor(paths[eager_name(name)]) for name in live if eager_name(name) in paths}
     sharded = [name for name, tensor in live.items() if is_dtensor(tensor)]
     with torch.no_grad():
         for name in sharded:

@@ -40,6 +40,7 @@ from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
 from oneiter.record.steps.twin import Twin, TwinPass
 from oneiter.runtime import precision_modes
+from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.distributed import current_rank
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 
@@ -125,6 +126,9 @@ class StepRecorder:
         if options.against:
             raise OneIterError("against='cpu' judges one iteration: record several steps against a reference "
                                "(replay=) instead", param="against")
+        if options.compile:
+            raise OneIterError("compile records one iteration: for several steps of a compiled model, compile it in "
+                               "the training code (torch.compile) or record one step (--step)", param="compile")
         if current_rank().distributed:
             raise OneIterError("several steps are recorded by a single process (torchrun runs: record one step with "
                                "--step)", param="steps")
@@ -201,7 +205,7 @@ class StepRecorder:
     def _finish(self) -> None:
         """The signature tables and the root attributes; the file is renamed into place when the block closes."""
         first = self._file[STEPS][str(self._done[0])]
-        columns = signature_columns([n for n, _ in self.model.named_parameters()])
+        columns = signature_columns([eager_name(n) for n, _ in self.model.named_parameters()])
         tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows)]
         tables = [(name, rows) for name, rows in tables if rows]
         for name, rows in tables:

@@ -1,0 +1,218 @@
+"""Compiled models (torch.compile): recorded as they run, replayed against an eager reference, blamed per block.
+
+A model arrives compiled in every way training code compiles it (`torch.compile(model)`, `model.compile()`,
+`model.forward = torch.compile(...)`, compiled submodules), or oneiter compiles it (`record --compile`, one block
+per module `--compile-modules` matches). The faults are not oneiter's: a model file's own (`faultkit`), active
+inside the compiled code, and `wrong_backend.py`'s torch.compile backends, whose compiler pass perturbs one op's
+result (they do not import oneiter). The cheap `aot_eager` backend checks the plumbing; inductor, the default
+backend, runs in the slow tests (tiny shapes, its cache in a temporary folder).
+"""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import pytest
+from conftest import MODEL_FILES, compare_verdict, record_small, replay, replay_with_fault, run_cli
+
+from oneiter.runtime.compiled import eager_name
+
+COMPILED = str(MODEL_FILES / "compiled.py:build")
+LLAMA = str(MODEL_FILES / "hf_llama.py:build")
+
+
+@pytest.fixture(autouse=True)
+def _inductor_cache(tmp_path_factory, monkeypatch):
+    """Inductor's cache in a temporary folder (shared by this module's tests), its compiles in this process."""
+    folder = tmp_path_factory.getbasetemp() / "inductor_cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def cnn_ref(tmp_path_factory):
+    """An eager reference of the functional CNN, through the model file that compiles it on the target side."""
+    out = tmp_path_factory.mktemp("compiled") / "ref.h5"
+    record_small(out, COMPILED, model_args={"how": "eager"})
+    return out
+
+
+def _attrs(path) -> dict:
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["compiled"]) if "compiled" in f.attrs else {}
+
+
+def _calls(path) -> list[str]:
+    with h5py.File(path, "r") as f:
+        return sorted(str(g.attrs["module"]) for g in f["calls"].values())
+
+
+def test_orig_mod_is_dropped_from_names():
+    assert eager_name("_orig_mod.0.weight") == "0.weight"
+    assert eager_name("layers.1._orig_mod.mlp.down_proj.weight") == "layers.1.mlp.down_proj.weight"
+    assert eager_name("_orig_mod") == ""
+    assert eager_name("orig_mod.x") == "orig_mod.x"
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in_place", "forward", "blocks"])
+def test_compiled_model_replays_its_eager_reference_bitwise(how, cnn_ref, tmp_path):
+    """Every way a model arrives compiled records (no hook traced into a graph: the internal error this replaced),
+    with the eager model's names, the blocks' calls only, and replays the eager reference: aot_eager computes what
+    eager computes, bit for bit, so every entry matches and the verdict is a MATCH."""
+    out = tmp_path / f"{how}.h5"
+    args = {"how": how, "backend": "aot_eager", **({"blocks": "shared|head"} if how == "blocks" else {})}
+    summary = replay(cnn_ref, out, model=COMPILED, model_args=args)
+    info = _attrs(out)
+    blocks = ["shared", "head"] if how == "blocks" else [""]
+    assert sorted(info["blocks"]) == sorted(blocks)
+    assert {b["backend"] for b in info["blocks"].values()} == {"aot_eager"}
+    assert {b["eager"] for b in info["blocks"].values()} == {""}
+    assert info["graph_breaks"] == []  # (graphs compiled by an earlier test of this process are reused: not counted)
+    assert summary.compile_seconds == pytest.approx(info["compile_seconds"] + info["rerun_compile_seconds"], abs=2e-3)
+    assert not any("_orig_mod" in m for m in _calls(out))
+    with h5py.File(out, "r") as f:
+        names = [str(n) for n in f["state_before"].attrs["order"]]
+    assert "stem.weight" in names and not any("_orig_mod" in n for n in names)
+    if how == "blocks":  # the eager root and block calls; the modules inside the blocks are not calls
+        assert _calls(out) == ["", "block", "block.bn", "block.conv", "bn", "head", "shared", "shared", "stem"]
+    else:
+        assert _calls(out) == [""]
+    code, verdict = compare_verdict(cnn_ref, out, tmp_path)
+    assert (code, verdict["status"]) == (0, "match"), verdict["headline"]
+    assert verdict["num_diverged"] == 0 and verdict["num_drift"] == 0
+    hidden = verdict["compiled"]["hidden"]
+    assert hidden and all(h["side"] == "target" for h in hidden)
+    assert any(line.startswith("compiled: ") and "are not compared" in line for line in verdict["details"])
+
+
+def test_wrong_backend_names_the_block_holding_the_op(cnn_ref, tmp_path):
+    """`record --compile wrong_gelu --compile-modules ...`: the backend's pass perturbs gelu's result by 1e-3; the
+    block whose graph holds gelu (`shared`, called twice) is the culprit, its first call, forward."""
+    out = tmp_path / "wrong.h5"
+    res = run_cli("record", "--replay", cnn_ref, "-m", COMPILED, "--compile", "wrong_gelu", "--compile-modules",
+                  "^(block|shared|head)$", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    assert "compiling" in res.stderr
+    assert sorted(_attrs(out)["blocks"]) == ["block", "head", "shared"]
+    code, verdict = compare_verdict(cnn_ref, out, tmp_path)
+    assert code == 1
+    culprit = verdict["culprit"]
+    assert (culprit["module"], culprit["call"], culprit["phase"], culprit["tensor"]) == ("shared", 0, "forward",
+                                                                                     "output")
+
+
+def test_replay_ops_names_the_op_a_wrong_backend_pass_changed(cnn_ref, tmp_path):
+    """`replay --layer shared --ops --compile wrong_gelu`: the compiled graph's nodes, each judged on its own
+    inputs; the gelu node is flagged, at the model file's line; with the right backend no node is."""
+    wrong = run_cli("replay", cnn_ref, "--layer", "shared", "--ops", "-m", COMPILED, "--compile", "wrong_gelu",
+                    "--json", tmp_path / "wrong.json")
+    assert wrong.exit_code == 1, wrong.output
+    doc = json.loads((tmp_path / "wrong.json").read_text())
+    assert doc["culprit"]["op"] == "fx::gelu"
+    assert "functional_cnn.py" in doc["culprit"]["line"]
+    assert [op["op"] for op in doc["ops"]] == ["fx::conv2d", "fx::gelu"]
+    right = run_cli("replay", cnn_ref, "--layer", "shared", "--ops", "-m", COMPILED, "--compile", "aot_eager")
+    assert right.exit_code == 0, right.output
+
+
+def test_unknown_backend_is_one_line_exit_2(cnn_ref, tmp_path):
+    res = run_cli("record", "--replay", cnn_ref, "-m", COMPILED, "--compile", "no_such_backend", "-o",
+                  tmp_path / "x.h5")
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no backend 'no_such_backend'" in lines[0], res.stderr
+    assert not (tmp_path / "x.h5").exists()
+
+
+def test_compile_options_are_checked(tmp_path):
+    from oneiter.errors import OneIterError
+    from oneiter.record.options import RecordOptions
+
+    assert RecordOptions(out=tmp_path / "a.h5", compile=True).compile == "inductor"
+    with pytest.raises(OneIterError, match="compile_modules chooses"):
+        RecordOptions(out=tmp_path / "a.h5", compile_modules=["x"])
+    with pytest.raises(OneIterError, match="bad regular expression"):
+        RecordOptions(out=tmp_path / "a.h5", compile="inductor", compile_modules=["("])
+    with pytest.raises(OneIterError, match="fallback"):
+        RecordOptions(out=tmp_path / "a.h5", compile="inductor", fallback=["convolution"])
+
+
+def test_recorder_compiles_for_the_block_and_undoes_it(tmp_path):
+    """`Recorder(compile=...)`: the model runs compiled inside the block, as it was after it."""
+    import torch
+
+    import oneiter
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with oneiter.Recorder(model, tmp_path / "r.h5", optimizer=opt, compile="aot_eager") as rec:
+        model(rec.inputs(x)).sum().backward()
+        opt.step()
+    assert "_compiled_call_impl" not in model.__dict__
+    info = _attrs(tmp_path / "r.h5")
+    assert info["blocks"][""]["graphs"] == 1 and info["blocks"][""]["eager"] == ""
+    assert _calls(tmp_path / "r.h5") == [""]
+    assert rec.summary.compile_seconds > 0
+
+
+def test_a_block_torch_compile_leaves_eager_is_said(tmp_path):
+    """`nn.Sequential.compile()` compiles nothing (Dynamo skips torch.nn's own frames): the file says it ran
+    eagerly, with the reason, instead of passing it off as compiled."""
+    import torch
+
+    import oneiter
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model.compile(backend="aot_eager")
+    with oneiter.Recorder(model, tmp_path / "r.h5") as rec:
+        model(rec.inputs(torch.randn(3, 4))).sum().backward()
+    block = _attrs(tmp_path / "r.h5")["blocks"][""]
+    assert (block["kind"], block["graphs"]) == ("in_place", 0)
+    assert "ran eagerly" in block["eager"] and "Sequential" in block["eager"]
+
+
+# -- inductor --------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_model_file_returning_torch_compile_matches_its_eager_reference(cnn_ref, tmp_path):
+    """The model file returns `torch.compile(model)` (inductor): `oneiter record` exits 0, a replay of the eager
+    reference is a MATCH: every tensor judged within the noise of float32 (the block rerun through the compiled
+    code against the same block run eagerly in float32 and in float64)."""
+    alone = run_cli("record", "-m", COMPILED, "-b", "2", "-o", tmp_path / "alone.h5", "-q")
+    assert alone.exit_code == 0, alone.output
+    out = tmp_path / "inductor.h5"
+    res = run_cli("record", "--replay", cnn_ref, "-m", COMPILED, "--model-arg", "how=wrapper", "-o", out, "-q")
+    assert res.exit_code == 0, res.output
+    assert _attrs(out)["blocks"][""]["backend"] == "inductor"
+    code, verdict = compare_verdict(cnn_ref, out, tmp_path)
+    assert (code, verdict["status"]) == (0, "match"), verdict["headline"]
+    assert verdict["num_local"] >= 30 and verdict["num_flagged"] == 0
+
+
+@pytest.mark.slow
+def test_fault_in_the_model_file_names_its_compiled_block(cnn_ref, tmp_path, monkeypatch):
+    """A fault of the model's own code inside a compiled block (`shared.conv`'s forward, 1e-3), each block compiled
+    by inductor on its own: the block holding it is named, not the root, not a clean block."""
+    out = tmp_path / "fault.h5"
+    replay_with_fault(cnn_ref, out, "instance:shared.conv", monkeypatch, model=COMPILED, compile="inductor",
+                      compile_modules=["^(block|shared|head)$"])
+    code, verdict = compare_verdict(cnn_ref, out, tmp_path)
+    assert code == 1
+    culprit = verdict["culprit"]
+    assert (culprit["module"], culprit["call"], culprit["phase"]) == ("shared", 0, "forward")
+
+
+@pytest.mark.slow
+def test_llama_eager_reference_matches_inductor(tmp_path):
+    """A tiny Hugging Face Llama compiled whole by inductor (`compile=`) against its eager reference: MATCH."""
+    ref = tmp_path / "ref.h5"
+    record_small(ref, LLAMA)
+    out = tmp_path / "inductor.h5"
+    summary = replay(ref, out, compile="inductor")
+    assert summary.compile_seconds > 0
+    info = _attrs(out)
+    assert info["blocks"][""]["backend"] == "inductor" and info["graph_breaks"] == []
+    code, verdict = compare_verdict(ref, out, tmp_path)
+    assert (code, verdict["status"]) == (0, "match"), verdict["headline"]
+    assert verdict["num_flagged"] == 0

@@ -341,11 +341,15 @@ def _targets(model, patterns: list[str]) -> list:
 
 
 # -- watching compilation -------------------------------------------------------------------------------------------
-_BREAK = re.compile(r"in user code at (?P<file>.+?):(?P<line>\d+)\s*\n\s*Graph Break Reason: (?P<reason>[^\n]*)")
+_BREAK = re.compile(r"in user code at (?P<file>.+?):(?P<line>\d+)\s*\n\s*Graph Break Reason: (?P<reason>.*)", re.S)
 _BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"
+_WRAPPING = "Encountered graph break when attempting to trace"  # Dynamo's line before the reason of a nested break
 
 
 class _BreakLog(logging.Handler):
+    """Dynamo's graph-break log records, each as {block, where (file:line), reason (its first line)}, once each:
+    a break inside an inlined call is logged again by each frame it breaks."""
+
     def __init__(self, where: Callable[[], str | None]):
         super().__init__(logging.DEBUG)
         self.where = where
@@ -359,8 +363,13 @@ class _BreakLog(logging.Handler):
         match = _BREAK.search(text)
         if match is None:
             return
-        self.found.append({"block": self.where(), "where": f"{match['file']}:{match['line']}",
-                           "reason": match["reason"].strip()[:300]})
+        lines = [line.strip() for line in match["reason"].splitlines() if line.strip()]
+        if len(lines) > 1 and lines[0].startswith(_WRAPPING):
+            lines = lines[1:]
+        found = {"block": self.where(), "where": f"{match['file']}:{match['line']}",
+                 "reason": (lines[0] if lines else "")[:300]}
+        if found not in self.found:
+            self.found.append(found)
 
 
 class CompileWatch:
@@ -389,10 +398,12 @@ class CompileWatch:
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
         logger = logging.getLogger(_BREAK_LOGGER)
-        self._saved = (logger.level, logger.disabled)
+        self._saved = (logger.level, logger.disabled, logger.propagate)
         self._log = _BreakLog(self.where)
         logger.addHandler(self._log)
-        logger.setLevel(logging.DEBUG)
+        if not logger.isEnabledFor(logging.DEBUG):  # not shown to the user (TORCH_LOGS=graph_breaks shows them)
+            logger.setLevel(logging.DEBUG)
+            logger.propagate = False
         logger.disabled = False
         self._active = True
         return self
@@ -407,7 +418,7 @@ class CompileWatch:
         logger = logging.getLogger(_BREAK_LOGGER)
         logger.removeHandler(self._log)
         logger.setLevel(self._saved[0])
-        logger.disabled = self._saved[1]
+        logger.disabled, logger.propagate = self._saved[1], self._saved[2]
         self.breaks = list(self._log.found)
         self._active = False
 

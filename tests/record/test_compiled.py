@@ -102,6 +102,18 @@ def test_wrong_backend_names_the_block_holding_the_op(cnn_ref, tmp_path):
                                                                                      "output")
 
 
+def test_drill_traces_the_compiled_culprit_with_its_backend(cnn_ref, tmp_path):
+    """`compare --drill` of a compiled target: the culprit block is traced compiled with the target's backend, and
+    the printed command says `--compile wrong_gelu`."""
+    out = tmp_path / "wrong.h5"
+    replay(cnn_ref, out, model=COMPILED, compile="wrong_gelu", compile_modules=["^(shared|head)$"])
+    res = run_cli("compare", cnn_ref, out, "--drill", "-m", COMPILED, "--json", tmp_path / "report.json")
+    assert res.exit_code == 1, res.output
+    drill = json.loads((tmp_path / "report.json").read_text())["drill"]
+    assert "--compile wrong_gelu" in drill["command"]
+    assert drill["ops"]["culprit"]["op"] == "fx::gelu"
+
+
 def test_replay_ops_names_the_op_a_wrong_backend_pass_changed(cnn_ref, tmp_path):
     """`replay --layer shared --ops --compile wrong_gelu`: the compiled graph's nodes, each judged on its own
     inputs; the gelu node is flagged, at the model file's line; with the right backend no node is."""
@@ -114,6 +126,43 @@ def test_replay_ops_names_the_op_a_wrong_backend_pass_changed(cnn_ref, tmp_path)
     assert [op["op"] for op in doc["ops"]] == ["fx::conv2d", "fx::gelu"]
     right = run_cli("replay", cnn_ref, "--layer", "shared", "--ops", "-m", COMPILED, "--compile", "aot_eager")
     assert right.exit_code == 0, right.output
+
+
+def test_graph_breaks_are_reported_with_block_line_and_reason(tmp_path):
+    """A data-dependent branch (`.item()`) breaks the compiled block's graph: the file lists the break with its
+    block, the model's line and Dynamo's reason, and the record's note says so."""
+    import torch
+
+    import oneiter
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            if h.sum().item() > -1e9:  # a Python branch on a value: Dynamo breaks the graph here
+                h = torch.relu(h)
+            return self.b(h)
+
+    model, notes = Branchy(), []
+    with oneiter.Recorder(model, tmp_path / "r.h5", compile="aot_eager", notify=notes.append) as rec:
+        model(rec.inputs(torch.randn(3, 4))).sum().backward()
+    info = _attrs(tmp_path / "r.h5")
+    assert len(info["graph_breaks"]) == 1, info
+    (gb,) = info["graph_breaks"]
+    assert gb["block"] == "" and gb["where"].endswith(f"test_compiled.py:{_line_of('if h.sum().item()')}")
+    assert "item" in gb["reason"]
+    assert info["blocks"][""]["graphs"] >= 1
+    assert any("1 graph break(s) (first at " in n for n in notes), notes
+
+
+def _line_of(text: str) -> int:
+    from pathlib import Path
+
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
 
 
 def test_unknown_backend_is_one_line_exit_2(cnn_ref, tmp_path):
@@ -138,23 +187,48 @@ def test_compile_options_are_checked(tmp_path):
         RecordOptions(out=tmp_path / "a.h5", compile="inductor", fallback=["convolution"])
 
 
+RUNS: list[str] = []  # each run of a graph compiled by the `oneiter_test_counting` backend
+
+
+def _counting_backend() -> str:
+    """A registered torch.compile backend that counts the runs of the graphs it compiles (`RUNS`)."""
+    import torch
+
+    name = "oneiter_test_counting"
+    if name not in torch._dynamo.list_backends(exclude_tags=()):
+        def counting(gm, _example_inputs):
+            def run(*args):
+                RUNS.append(name)
+                return gm.forward(*args)
+
+            return run
+
+        torch._dynamo.register_backend(name=name, compiler_fn=counting)
+    return name
+
+
 def test_recorder_compiles_for_the_block_and_undoes_it(tmp_path):
-    """`Recorder(compile=...)`: the model runs compiled inside the block, as it was after it."""
+    """`Recorder(compile=...)`: inside the block, with oneiter's random-op mode active (torch.compile runs a model
+    eagerly while a mode that does not ignore compiled code is on), the model runs its compiled graph once; after
+    the block it is as it was."""
     import torch
 
     import oneiter
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(3, 4)
-    with oneiter.Recorder(model, tmp_path / "r.h5", optimizer=opt, compile="aot_eager") as rec:
-        model(rec.inputs(x)).sum().backward()
+    backend = _counting_backend()
+    RUNS.clear()
+    with oneiter.Recorder(model, tmp_path / "r.h5", optimizer=opt, compile=backend) as rec:
+        model(rec.inputs(torch.randn(3, 4))).sum().backward()
         opt.step()
+    assert RUNS == [backend]
     assert "_compiled_call_impl" not in model.__dict__
+    model(torch.randn(3, 4))
+    assert RUNS == [backend]  # eager again
     info = _attrs(tmp_path / "r.h5")
-    assert info["blocks"][""]["graphs"] == 1 and info["blocks"][""]["eager"] == ""
+    assert (info["blocks"][""]["backend"], info["blocks"][""]["eager"]) == (backend, "")
     assert _calls(tmp_path / "r.h5") == [""]
-    assert rec.summary.compile_seconds > 0
 
 
 def test_a_block_torch_compile_leaves_eager_is_said(tmp_path):

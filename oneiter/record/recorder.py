@@ -66,7 +66,7 @@ from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
-from oneiter.runtime.compiled import CompileWatch, compile_modules, inductor_cache_dir, outside_call
+from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, inductor_cache_dir, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
@@ -237,8 +237,9 @@ class Recorder:
         """The checks that need the model, and the state of a Recorder whose block has not started."""
         self.model, self.options = model, options
         self._select = options.selector()
-        if (options.include or options.exclude) and not any(self._select(p) for p, _ in model.named_modules()):
-            first = next((p for p, _ in model.named_modules() if p), "(root)")
+        paths = [eager_name(p) for p, _ in model.named_modules()]
+        if (options.include or options.exclude) and not any(self._select(p) for p in paths):
+            first = next((p for p in paths if p), "(root)")
             raise OneIterError(f"include {options.include} / exclude {options.exclude} leave no module of the model "
                                f"to record (module paths look like '{first}')", param="include")
         self.optimizers = optimizer_list(optimizer)

@@ -46,27 +46,18 @@ from typing import Any, Callable, Iterable, Sequence
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import NOT_RECORDED, OPTIMIZER_STATE, updates_not_judged
-from oneiter.format.schema import (
-    BATCH,
-    COMPILED,
-    GRAD_REDUCTION,
-    LOSS,
-    OPTIMIZER,
-    PRECISION_MODES,
-    RANDOM,
-    ROOT_MODULE,
-    STATE_BEFORE,
-)
+from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
-from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, inductor_cache_dir, outside_call
+from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.precision import autocast_for
@@ -326,7 +317,7 @@ class Recorder:
             self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
             self.session.attach_random(self._modes.random)
             capture = stack.enter_context(self.session.capture())
-            self._check_blocks(capture.blocks)
+            refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
             self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
             stack.enter_context(self._modes)
             stack.callback(self._remove_hooks)
@@ -375,9 +366,10 @@ class Recorder:
             self.session.enter_phase("writing")
             self.session.state_after()
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
-            compiled = self._compiled_attrs()
+            compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
             counts = self.session.finish(self._loss, {**self._modes.summary(), **compiled})
-            self._note_compiled(compiled)
+            for line in compiled_notes(compiled) if self.notify is not None and not self._step_of else ():
+                self.notify(line)
         compiling = self._watch.total_seconds
         self.summary = RecordSummary(
             self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started - compiling,
@@ -535,68 +527,6 @@ class Recorder:
         if not opts.compile:
             return lambda: None
         return compile_modules(self.model, opts.compile, opts.compile_modules)
-
-    def _check_blocks(self, blocks) -> None:
-        """What a recording of compiled blocks cannot do, refused up front: a torch without `set_stance` (reruns
-        standing for eager code force it), op fallback, and replaying random values a block's compiled code would
-        draw itself (the reference's calls at a block's path drew random numbers)."""
-        if not blocks:
-            return
-        import torch
-
-        first = next(iter(blocks.by_path)) or ROOT_MODULE
-        if not hasattr(torch.compiler, "set_stance"):
-            raise OneIterError(f"the model holds compiled code ({first}): recording it needs torch >= 2.6 "
-                               f"(torch.compiler.set_stance), this is {torch.__version__}", param="model")
-        if self.options.fallback:
-            raise OneIterError(f"fallback moves single aten ops to the CPU, which the compiled code of {first} does "
-                               f"not run: drop fallback", param="fallback")
-        if self.ref is None or not self.options.random_replay:
-            return
-        for _key, attrs in self.ref.calls():
-            path = str(attrs.get("module") or "")
-            block = blocks.by_path.get(path) or blocks.around(path)
-            if block is not None and int(attrs.get("random_end", 0) or 0) > int(attrs.get("random_begin", 0) or 0):
-                raise OneIterError(
-                    f"the reference drew random numbers in {path or ROOT_MODULE} (dropout), which runs inside the "
-                    f"compiled block {block.path or ROOT_MODULE} here: compiled code draws its own, which a replay "
-                    f"cannot give the reference's; turn dropout off (p=0, or eval() of the dropout modules) on both "
-                    f"sides, or leave that module uncompiled (compile_modules)", param="replay")
-
-    def _compiled_attrs(self) -> dict[str, Any]:
-        """The file's `compiled` attribute: its blocks, what compiling them cost, the graph breaks (empty: none)."""
-        blocks = self.session.module_capture.blocks
-        watch = self._watch
-        if not blocks and not watch.total_seconds:
-            return {}
-        graphs = dict(watch.graphs)
-        info = {
-            "blocks": {path: {"kind": b.kind, "backend": b.backend, "graphs": graphs.pop(path, 0),
-                              "hidden_modules": b.num_hidden, "eager": b.eager} for path, b in blocks.by_path.items()},
-            "other_graphs": sum(graphs.values()), "graph_breaks": watch.breaks,
-            "compile_seconds": round(watch.seconds, 3), "rerun_compile_seconds": round(watch.rerun_seconds, 3),
-            "rerun_graphs": watch.rerun_graphs,
-            "cache_dir": inductor_cache_dir() if any(b.backend == "inductor" for b in blocks.by_path.values()) else "",
-        }
-        return {COMPILED: json.dumps(info, sort_keys=True)}
-
-    def _note_compiled(self, attrs: dict[str, Any]) -> None:
-        """One line for the user: the compiled blocks, what they hide, their graphs and graph breaks."""
-        if not attrs or self.notify is None or self._step_of:
-            return
-        info = json.loads(attrs[COMPILED])
-        blocks = info["blocks"]
-        names = ", ".join((path or ROOT_MODULE) for path in list(blocks)[:4]) + (", ..." if len(blocks) > 4 else "")
-        hidden = sum(b["hidden_modules"] for b in blocks.values())
-        graphs = sum(b["graphs"] for b in blocks.values())
-        breaks = info["graph_breaks"]
-        where = f" (first at {breaks[0]['where']}: {breaks[0]['reason']})" if breaks else ""
-        self.notify(f"compiled: {len(blocks)} block(s) ({names}), {graphs} graph(s) compiled, "
-                    f"{len(breaks)} graph break(s){where}; the {hidden} module(s) inside them are not recorded "
-                    f"(a block shows its inputs, outputs and their gradients)")
-        for path, block in blocks.items():
-            if block["eager"]:
-                self.notify(f"compiled: {path or ROOT_MODULE}: {block['eager']}")
 
     def _remove_hooks(self) -> None:
         for handle in getattr(self, "_hooks", []):

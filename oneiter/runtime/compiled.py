@@ -20,8 +20,9 @@ Names: `_orig_mod` is transparent — `eager_name` drops it from parameter, buff
 model's names are its eager model's (the one place this mapping lives).
 
 `CompileWatch` measures a recording's compilation: the seconds torch spent compiling (Dynamo's start/end callbacks,
-a backward compiled lazily included), the graphs compiled per block, and the graph breaks with their reason and the
-user line where Dynamo broke the graph (its `graph_breaks` log, read while the watch runs). Reruns force compiled
+a backward compiled lazily included), the graphs compiled per block, the graph breaks with their reason and the
+user line where Dynamo broke the graph (its `graph_breaks` log, read while the watch runs), and the blocks Dynamo
+ran eagerly after hitting a recompile limit (its warning). Reruns force compiled
 code back to eager with `eager()` (`torch.compiler.set_stance("force_eager")`).
 
 Nothing here imports torch._dynamo unless the model holds compiled code or compiling is asked for: importing it
@@ -36,6 +37,7 @@ import os
 import re
 import sys
 import time
+import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -290,7 +292,6 @@ def compile_modules(model, backend, patterns: list[str]) -> Callable[[], None]:
     `patterns`, with `backend` (a registered name, checked; or a backend callable); returns the function that undoes
     it. A model that holds compiled code already is refused (it would be compiled twice)."""
     import torch
-    from torch._dynamo import external_utils
 
     if isinstance(backend, str) or not callable(backend):
         check_backend(backend)
@@ -300,13 +301,10 @@ def compile_modules(model, backend, patterns: list[str]) -> Callable[[], None]:
         raise OneIterError(f"compile: the model is compiled already ({where or '(root)'} is a compiled block): "
                            f"drop compile, or return the eager model", param="compile")
     targets = _targets(model, patterns)
-    undo = []
+    undo, codes = [], {}
     for module in targets:
         had = module.__dict__.get("_compiled_call_impl", _ABSENT)
-        # what torch.compile(module) compiles: the call, through a frame Dynamo traces (`module.compile()` leaves
-        # torch.nn containers such as nn.Sequential eager: their code is on Dynamo's skip list)
-        module.__dict__["_compiled_call_impl"] = torch.compile(external_utils.wrap_inline(module._call_impl),
-                                                               backend=backend)
+        module.__dict__["_compiled_call_impl"] = torch.compile(_frame(module, codes), backend=backend)
         undo.append((module, had))
 
     def restore() -> None:
@@ -320,6 +318,29 @@ def compile_modules(model, backend, patterns: list[str]) -> Callable[[], None]:
 
 
 _ABSENT = object()
+
+
+def _frame(module, codes: dict) -> Callable:
+    """The function whose frame Dynamo compiles for a block: it calls the module (its hooks, its forward), so
+    torch.nn's own classes compile too (`module.compile()` leaves nn.Sequential eager: Dynamo skips torch.nn's
+    frames). Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8, past which it
+    runs the frame eagerly), per code object: the blocks of one class and parameter shapes in one `codes` (one
+    compiling) share a code object, so identical blocks share a graph, while others and later compilings get their
+    own budget."""
+    key = (type(module), tuple(tuple(p.shape) for p in module.parameters()))
+    code = codes.get(key)
+    if code is None:
+        code = codes[key] = _template().__code__.replace(co_name=f"compiled_{type(module).__name__}")
+    return types.FunctionType(code, _template.__globals__, code.co_name, None, (types.CellType(module._call_impl),))
+
+
+def _template() -> Callable:
+    call: Callable = _ABSENT  # type: ignore[assignment]  (a cell: `_frame` gives each block its own)
+
+    def block(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    return block
 
 
 def _targets(model, patterns: list[str]) -> list:
@@ -341,6 +362,9 @@ def _targets(model, patterns: list[str]) -> list:
 
 
 # -- watching compilation -------------------------------------------------------------------------------------------
+_LIMIT = re.compile(r"torch\._dynamo hit config\.(?P<limit>\w+) \((?P<value>\d+)\)\s*\n"
+                    r"\s*function: (?P<function>[^\n]*)")
+_LIMIT_LOGGER = "torch._dynamo.convert_frame"
 _BREAK = re.compile(r"in user code at (?P<file>.+?):(?P<line>\d+)\s*\n\s*Graph Break Reason: (?P<reason>.*)", re.S)
 _BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"
 _WRAPPING = "Encountered graph break when attempting to trace"  # Dynamo's line before the reason of a nested break
@@ -372,6 +396,25 @@ class _BreakLog(logging.Handler):
             self.found.append(found)
 
 
+class _LimitLog(logging.Handler):
+    """Dynamo's warning that a frame hit a recompile limit (it then runs that frame eagerly): {block, limit,
+    function}, for the block whose call was open."""
+
+    def __init__(self, where: Callable[[], str | None], rerun: Callable[[], bool]):
+        super().__init__(logging.WARNING)
+        self.where, self.rerun = where, rerun
+        self.found: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            match = _LIMIT.search(record.getMessage())
+        except Exception:  # a record we cannot format says nothing we can use
+            return
+        if match is not None:
+            self.found.append({"block": self.where(), "limit": f"{match['limit']} ({match['value']})",
+                               "function": match["function"].strip(), "rerun": self.rerun()})
+
+
 class CompileWatch:
     """While active: the seconds torch spends compiling, the graphs compiled and the graph breaks, each put on the
     block whose call is open then (`where()`, a block's eager path, or None) and apart for reruns (`rerun()` True:
@@ -384,6 +427,7 @@ class CompileWatch:
         self.graphs: dict[str | None, int] = {}
         self.rerun_graphs = 0
         self.breaks: list[dict] = []
+        self.limits: list[dict] = []  # recompile limits hit: those frames ran eagerly
         self._started: float | None = None
         self._graphs_before = 0
         self._active = False
@@ -405,6 +449,8 @@ class CompileWatch:
             logger.setLevel(logging.DEBUG)
             logger.propagate = False
         logger.disabled = False
+        self._limit_log = _LimitLog(self.where, self.rerun)
+        logging.getLogger(_LIMIT_LOGGER).addHandler(self._limit_log)
         self._active = True
         return self
 
@@ -420,6 +466,8 @@ class CompileWatch:
         logger.setLevel(self._saved[0])
         logger.disabled, logger.propagate = self._saved[1], self._saved[2]
         self.breaks = list(self._log.found)
+        logging.getLogger(_LIMIT_LOGGER).removeHandler(self._limit_log)
+        self.limits = list(self._limit_log.found)
         self._active = False
 
     def _start(self, _args) -> None:

@@ -158,6 +158,32 @@ def test_graph_breaks_are_reported_with_block_line_and_reason(tmp_path):
     assert any("1 graph break(s) (first at " in n for n in notes), notes
 
 
+def test_a_block_dynamo_gave_up_on_is_said_to_run_eagerly(tmp_path):
+    """Past its recompile limit Dynamo runs a frame eagerly, with one warning: a recording whose block hit it says
+    the block ran eagerly, never passes it off as compiled (the limit lowered to 2 for the test)."""
+    import torch
+
+    import oneiter
+
+    class Widths(torch.nn.Module):  # a class of its own: no other test's compiled graphs on its code
+        def __init__(self, width):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, width)
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    said = []
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for k, width in enumerate((3, 5, 7)):  # other shapes: each a recompilation of Widths.forward
+            model = torch.compile(Widths(width), backend="aot_eager")
+            with oneiter.Recorder(model, tmp_path / f"r{k}.h5") as rec:
+                model(rec.inputs(torch.randn(2, 4))).sum().backward()
+            said.append(_attrs(tmp_path / f"r{k}.h5")["blocks"][""]["eager"])
+    assert said[:2] == ["", ""]
+    assert "recompile_limit (2)" in said[2] and "ran eagerly" in said[2], said
+
+
 def _line_of(text: str) -> int:
     from pathlib import Path
 

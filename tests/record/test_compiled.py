@@ -11,6 +11,8 @@ backend, runs in the slow tests (tiny shapes, its cache in a temporary folder).
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import h5py
 import pytest
@@ -128,6 +130,18 @@ def test_replay_ops_names_the_op_a_wrong_backend_pass_changed(cnn_ref, tmp_path)
     assert right.exit_code == 0, right.output
 
 
+def test_replay_ops_of_a_block_the_model_file_compiles(tmp_path):
+    """A recording whose model file compiles `shared` itself with `wrong_gelu`: `replay --layer shared --ops`
+    (no --compile) runs the block with the backend the rebuilt model compiles it with, and names the gelu node."""
+    rec = tmp_path / "self_compiled.h5"
+    record_small(rec, COMPILED, model_args={"how": "blocks", "blocks": "shared", "backend": "wrong_gelu"})
+    res = run_cli("replay", rec, "--layer", "shared", "--ops", "-m", COMPILED, "--json", tmp_path / "ops.json")
+    assert res.exit_code == 1, res.output
+    doc = json.loads((tmp_path / "ops.json").read_text())
+    assert doc["culprit"]["op"] == "fx::gelu"
+    assert any("compiled with wrong_gelu" in note for note in doc["notes"]), doc["notes"]
+
+
 def test_graph_breaks_are_reported_with_block_line_and_reason(tmp_path):
     """A data-dependent branch (`.item()`) breaks the compiled block's graph: the file lists the break with its
     block, the model's line and Dynamo's reason, and the record's note says so."""
@@ -185,8 +199,6 @@ def test_a_block_dynamo_gave_up_on_is_said_to_run_eagerly(tmp_path):
 
 
 def _line_of(text: str) -> int:
-    from pathlib import Path
-
     lines = Path(__file__).read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
 
@@ -284,7 +296,10 @@ def test_model_file_returning_torch_compile_matches_its_eager_reference(cnn_ref,
     out = tmp_path / "inductor.h5"
     res = run_cli("record", "--replay", cnn_ref, "-m", COMPILED, "--model-arg", "how=wrapper", "-o", out, "-q")
     assert res.exit_code == 0, res.output
-    assert _attrs(out)["blocks"][""]["backend"] == "inductor"
+    info = _attrs(out)
+    assert info["blocks"][""]["backend"] == "inductor"
+    assert info["cache_dir"] == os.environ["TORCHINDUCTOR_CACHE_DIR"]  # the user's cache folder, used and said
+    assert any(Path(info["cache_dir"]).iterdir())
     code, verdict = compare_verdict(cnn_ref, out, tmp_path)
     assert (code, verdict["status"]) == (0, "match"), verdict["headline"]
     assert verdict["num_local"] >= 30 and verdict["num_flagged"] == 0
@@ -316,3 +331,20 @@ def test_llama_eager_reference_matches_inductor(tmp_path):
     code, verdict = compare_verdict(ref, out, tmp_path)
     assert (code, verdict["status"]) == (0, "match"), verdict["headline"]
     assert verdict["num_flagged"] == 0
+
+
+@pytest.mark.slow
+def test_wrong_backend_names_the_llama_decoder_layer_holding_silu(tmp_path):
+    """A tiny Hugging Face Llama, each decoder layer compiled on its own by `wrong_silu` (its pass scales the result
+    of every silu, the MLP's activation, by 1 + 1e-3): the first decoder layer is the culprit, in its forward."""
+    ref = tmp_path / "ref.h5"
+    record_small(ref, COMPILED, model_args={"model": "hf_llama", "how": "eager"})
+    out = tmp_path / "wrong.h5"
+    replay(ref, out, model=COMPILED, compile="wrong_silu", compile_modules=[r"^model\.layers\.\d+$"])
+    info = _attrs(out)
+    assert sorted(info["blocks"]) == ["model.layers.0", "model.layers.1"]
+    assert {b["eager"] for b in info["blocks"].values()} == {""}
+    code, verdict = compare_verdict(ref, out, tmp_path)
+    assert code == 1, verdict["headline"]
+    culprit = verdict["culprit"]
+    assert (culprit["module"], culprit["call"], culprit["phase"]) == ("model.layers.0", 0, "forward")

@@ -4,8 +4,9 @@ For each model — the CNN of tests/model_files/functional_cnn.py (through compi
 Llama of tests/model_files/hf_llama.py, batch 2 — an eager reference is recorded, then each of these in a fresh
 process, replaying it with local blame (every call rerun, calibrated):
 - `eager`: the eager replay (`record --replay`);
-- `inductor cold`: `record --replay --compile` (inductor), its cache (`TORCHINDUCTOR_CACHE_DIR`) a new folder;
-- `inductor warm`: the same again on that cache (inductor's FX-graph cache hits; Dynamo traces anew).
+- `inductor cold`: `record --replay --compile` (inductor), its cache (`TORCHINDUCTOR_CACHE_DIR`) a new folder
+  (each repeat its own);
+- `inductor warm`: the same again on the last cold run's cache (inductor's FX-graph cache hits; Dynamo traces anew).
 Per run: `record` s (the whole `record()` call, what `oneiter record` prints; compiling excluded), `block` s (the
 Recorder block: the iteration, its reruns and writes; compiling excluded), `compile` s (torch compiling, the
 iteration's own calls and the reruns'), and the process's wall seconds.
@@ -69,13 +70,15 @@ def main() -> None:
             ref = str(Path(folder) / "ref.h5")
             base = {"model": spec, "batch_size": 2}
             _run({**base, "out": ref, "model_args": model_args}, env)
-            cache = Path(folder) / "inductor-cache"
-            runs = [("eager", {}, env)]
-            runs += [("inductor cold", {"compile": "inductor"}, {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})]
-            runs += [("inductor warm", {"compile": "inductor"}, {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache)})]
-            for label, extra, run_env in runs:
+            # the inductor cache of a run: a new folder for each cold repeat; the warm runs reuse the last one
+            runs = [("eager", {}, lambda k: None), ("inductor cold", {"compile": "inductor"}, lambda k: k)]
+            runs += [("inductor warm", {"compile": "inductor"}, lambda k: opts.repeat - 1)]
+            for label, extra, cache in runs:
                 for k in range(opts.repeat):
                     out = str(Path(folder) / f"{label.replace(' ', '_')}{k}.h5")
+                    which = cache(k)
+                    run_env = env if which is None else {
+                        **env, "TORCHINDUCTOR_CACHE_DIR": str(Path(folder) / f"inductor-cache{which}")}
                     got = _run({"model": spec, "out": out, "replay": ref, **extra}, run_env)
                     print(f"{name:6s} {label:14s} record {got['record']:7.2f} s  block {got['block']:7.2f} s  "
                           f"compile {got['compile']:7.2f} s  wall {got['wall']:7.2f} s", flush=True)

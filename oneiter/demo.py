@@ -30,7 +30,7 @@ class DemoResult:
     reference: Path
     target: Path
     fault: str
-    result: object  # oneiter.judge.iteration.engine.CompareResult
+    result: object  # oneiter.judge.iteration.results.CompareResult
 
     @property
     def named_layer(self) -> str | None:

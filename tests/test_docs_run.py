@@ -18,12 +18,15 @@ tiny shapes. A block is classified by the HTML comment on the line before its fe
 - no comment: `python` blocks run, `toml` blocks must load as a tolerance file; any other block must carry a
   comment, so a new shell example cannot slip in unchecked.
 
-Blocks marked `slow` (`<!-- doc: run, slow -->`) belong to the slow tests.
+Blocks marked `slow` (`<!-- doc: run, slow -->`) belong to the slow tests. A block marked `needs MODULE`
+(`<!-- doc: run, needs torchtitan -->`) needs an optional package CI does not install: its document is skipped,
+with that reason, where the module cannot be imported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -61,6 +64,11 @@ class Block:
         if self.marker:
             return self.marker.split(":")[0].split(",")[0].split()[0]
         return {"python": "run", "toml": "toml"}.get(self.lang, "unmarked")
+
+    @property
+    def needs(self) -> list[str]:
+        found = re.search(r"\bneeds ([\w. ]+)", self.marker)
+        return found[1].split() if found else []
 
     @property
     def given(self) -> list[str]:
@@ -198,7 +206,13 @@ def _run_doc(doc: Path, folder: Path, given: Path, monkeypatch) -> None:
 
 def _param(doc: Path):
     slow = any(b.action == "run" and "slow" in b.marker for b in blocks_of(doc))
-    return pytest.param(doc, id=str(doc.relative_to(ROOT)), marks=[pytest.mark.slow] if slow else [])
+    marks = [pytest.mark.slow] if slow else []
+    missing = sorted({m for b in blocks_of(doc) if b.action == "run" for m in b.needs
+                      if importlib.util.find_spec(m) is None})
+    if missing:
+        marks.append(pytest.mark.skip(reason=f"{doc.name} runs {', '.join(missing)}, which is not installed "
+                                             f"(optional: pip install {' '.join(missing)})"))
+    return pytest.param(doc, id=str(doc.relative_to(ROOT)), marks=marks)
 
 
 @pytest.mark.parametrize("doc", [_param(d) for d in DOCS if any(b.action != "skip" for b in blocks_of(d))])

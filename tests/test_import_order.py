@@ -1,8 +1,8 @@
 """oneiter's own imports go one way, down this table, like huggingface_hub's `check_static_imports`.
 
     rank  layer         what it is
-    0     errors        typed errors, the version and where outputs go (errors.py, version.py, outputs.py): leaves,
-                        torch-free
+    0     errors        typed errors, the version, where outputs go and how numbers are written (errors.py,
+                        version.py, outputs.py, formatting.py): leaves, torch-free
     1     models        the built-in models (pure torch modules)
     2     runtime       what an iteration runs on: model specs, training step, devices, precision, ranks
     3     format        the recording on disk: schema, file, validation, statistics
@@ -15,6 +15,14 @@
 A module may import its own layer and any layer of a lower rank (profile: only those it lists). Layers that share
 a rank do not import each other (record and profile), except at the top, where the entry points call one another
 (`python -m oneiter` runs the CLI, the CLI calls the API).
+
+Inside `record/` and `judge/` the same rule holds between their parts (`SUBLAYERS`: a subpackage, or a module at the
+package's top); a package's `__init__.py` (its map, and what it re-exports) sits above all of its parts:
+
+    record   0 capture  1 modes  2 options  3 start  4 local  5 session, replay  6 recorder  7 steps  8 run
+    judge    0 measure  1 iteration  2 steps, replay
+
+And no file imports itself through others: the graph of file-level imports (every import, as above) has no cycle.
 
 Every import counts, wherever it is: at module top, inside a function, and under `if TYPE_CHECKING:` too, since
 an annotation that names an upper layer's type is the same dependency, only hidden.
@@ -41,7 +49,7 @@ RANKS = {"errors": 0, "models": 1, "runtime": 2, "format": 3, "record": 4, "prof
 TOP_RANK = 7
 ONLY = {"profile": {"errors", "runtime", "format"}}  # the lower layers a layer may import, where not all of them
 # top-level modules in the errors layer; the other top-level modules are `top`
-LEAVES = {"errors", "version", "outputs"}
+LEAVES = {"errors", "version", "outputs", "formatting"}
 
 # (file pattern, imported module) -> why it stays inside a function; the module matches itself and its submodules
 LAZY = {
@@ -53,16 +61,21 @@ LAZY = {
                                                                 "is there at install)",
     ("oneiter/runtime/modelspec.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
                                                         "paid only when a built-in model is named",
-    ("oneiter/judge/steps/step_compare.py", "oneiter.models"): "the built-in models' registry imports mmengine "
-                                                               "(~0.6 s): paid only when a verdict names a step to "
-                                                               "record",
+    ("oneiter/runtime/commands.py", "oneiter.models"): "the built-in models' registry imports mmengine (~0.6 s): "
+                                                       "paid only when a verdict names a step to record",
     # `oneiter.Recorder` (and the options it takes) load without torch: what needs torch loads when a block runs
     ("oneiter/record/recorder.py", "oneiter.record.local.probe"): "imports torch; loaded when a replay's block starts",
     ("oneiter/record/recorder.py", "oneiter.record.modes.fallback"): "imports torch; loaded only with fallback=",
     ("oneiter/record/recorder.py", "oneiter.record.modes.randomness"): "imports torch; loaded when a block starts",
-    ("oneiter/record/recorder.py", "oneiter.record.steps.step_recorder"): "imports torch (the twin); loaded only "
-                                                                        "with steps=",
     ("oneiter/record/options.py", "oneiter.record.modes.fallback"): "imports torch; only fallback= patterns need it",
+}
+
+
+# parts of a package -> rank, inside the package (see the module docstring); a part not listed fails the test
+SUBLAYERS = {
+    "record": {"capture": 0, "modes": 1, "options": 2, "start": 3, "local": 4, "session": 5, "replay": 5,
+               "recorder": 6, "steps": 7, "run": 8},
+    "judge": {"measure": 0, "iteration": 1, "steps": 2, "replay": 2},
 }
 
 
@@ -91,15 +104,67 @@ def _modules():
         yield rel.as_posix(), ".".join(rel.with_suffix("").parts), path.read_text(encoding="utf-8")
 
 
+def sublayer_of(module: str) -> tuple[str, str] | None:
+    """(package, part) of a module inside a package of `SUBLAYERS` (`oneiter.record.local.probe` -> (record, local);
+    its `__init__` -> (record, "__init__")); None elsewhere."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in SUBLAYERS:
+        return None
+    return parts[1], parts[2]
+
+
+def sub_allowed(source: tuple[str, str], target: tuple[str, str]) -> bool:
+    """Whether part `source` of a package may import part `target` of the same package."""
+    (package, here), (_, there) = source, target
+    if here == there or here == "__init__":
+        return True
+    ranks = SUBLAYERS[package]
+    return there != "__init__" and ranks[there] < ranks[here]
+
+
 def order_violations(rel: str, module: str, source: str) -> list[str]:
-    """One line per import of `source` that goes against the table."""
+    """One line per import of `source` that goes against the table, or against its package's `SUBLAYERS`."""
     here = layer_of(module)
     out = []
     for line, target, _ in imports(source, module):
         there = layer_of(target)
         if not allowed(here, there):
             out.append(f"{rel}:{line}: {here} (rank {RANKS[here]}) imports {target} ({there}, rank {RANKS[there]})")
+            continue
+        mine, theirs = sublayer_of(module), sublayer_of(target)
+        if mine and theirs and mine[0] == theirs[0] and not sub_allowed(mine, theirs):
+            ranks = SUBLAYERS[mine[0]]
+            out.append(f"{rel}:{line}: {'/'.join(mine)} (rank {ranks.get(mine[1])}) imports {target} "
+                       f"({'/'.join(theirs)}, rank {ranks.get(theirs[1])})")
     return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every oneiter module -> the oneiter modules its code imports (at top, in functions, under TYPE_CHECKING);
+    a package as its `__init__`."""
+    graph = {}
+    for _, module, source in _modules():
+        node = module.removesuffix(".__init__")
+        graph[node] = {target for _, target, _ in imports(source, module)} - {node}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another, directly or through others (each sorted; one per cycle)."""
+    reach = {node: reachable(graph, node) for node in graph}
+    return sorted({tuple(sorted(m for m in reach[node] if node in reach.get(m, ()))) for node in graph
+                   if node in reach[node]})
 
 
 def _lazy_reason(rel: str, target: str) -> tuple | None:
@@ -111,6 +176,17 @@ def _lazy_reason(rel: str, target: str) -> tuple | None:
 
 def test_every_module_has_a_layer():
     assert {layer_of(m) for _, m, _ in _modules()} <= set(RANKS)
+    parts = {sublayer_of(m) for _, m, _ in _modules()} - {None}
+    unranked = sorted(f"{package}/{part}" for package, part in parts
+                      if part != "__init__" and part not in SUBLAYERS[package])
+    assert not unranked, f"parts of record/ or judge/ with no rank in SUBLAYERS (this file): {unranked}"
+
+
+def test_no_import_cycle():
+    """No file imports itself through others, type-only and function-level imports included."""
+    found = cycles(import_graph())
+    assert not found, "import cycles between files (break each: move the shared piece below both):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
 
 
 def test_imports_follow_the_layer_order():
@@ -152,3 +228,19 @@ def test_the_checker_flags_what_it_should():
     assert order_violations("oneiter/cli/x.py", "oneiter.cli.x", "from oneiter import api, __version__\n") == []
     lazy = imports("def f():\n    from oneiter.format.layout import IterationFile\n", "oneiter.judge.x")
     assert lazy == [(2, "oneiter.format.layout", True)] and _lazy_reason("oneiter/judge/x.py", lazy[0][1]) is None
+    # inside record/ and judge/: a lower part may not import a higher one, nor a part its sibling of the same rank
+    down = "from oneiter.record.recorder import Recorder\n"
+    assert order_violations("oneiter/record/local/x.py", "oneiter.record.local.x", down) == [
+        "oneiter/record/local/x.py:1: record/local (rank 4) imports oneiter.record.recorder (record/recorder, rank 6)"]
+    assert order_violations("oneiter/record/steps/x.py", "oneiter.record.steps.x", down) == []
+    assert order_violations("oneiter/judge/steps/x.py", "oneiter.judge.steps.x",
+                            "from oneiter.judge.replay import op_verdict\n")
+    assert order_violations("oneiter/judge/measure/x.py", "oneiter.judge.measure.x",
+                            "if TYPE_CHECKING:\n    from oneiter.judge.iteration.blame import NoisePolicy\n")
+    assert order_violations("oneiter/judge/x.py", "oneiter.judge.__init__", "from oneiter.judge.steps import y\n") == []
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": {"a"}, "g": set()}
+    assert cycles(graph) == [("a", "b", "c"), ("d", "e")]
+    assert cycles({"a": {"b"}, "b": set()}) == []

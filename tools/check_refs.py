@@ -39,7 +39,8 @@ SUFFIXES = ("py", "md", "c", "toml", "txt", "cfg", "yaml", "yml", "sh")
 # Files a user writes, named in examples and help texts, and other projects' files: never files of this repository.
 EXAMPLES = {"my_model.py", "my_llm.py", "file.py", "npu.toml", "npu.py", "t.toml", "rec.txt", "device_configs.py",
             "trainer_example.py", "repro.py", "my_plugin.py", "activations.py", "diopi_configs.py", "gen_input.py",
-            "check_result.py", "acc_check.py", "pytorch_data_dump_instruct.md", "pytorch_accuracy_checker_instruct.md"}
+            "check_result.py", "acc_check.py", "pytorch_data_dump_instruct.md", "pytorch_accuracy_checker_instruct.md",
+            "lit_example.py", "accelerate_example.py", "titan_model.py", "run_train.sh"}
 PATH = re.compile(r"(?<![\w/.:-])((?:\.{0,2}/)?(?:[\w.-]+/)*[\w-]+\.(?:%s))(?![\w/])" % "|".join(SUFFIXES))
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 TICKED = re.compile(r"`([A-Za-z_][\w.]*)`")

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from oneiter.errors import OneIterError, one_line_warnings
+from oneiter.runtime.commands import PARAMS
 
 __all__ = ["out", "err", "handle_errors", "set_outcome", "terminal_text", "EXIT_MATCH", "EXIT_DIVERGED",
            "EXIT_BAD_INPUT", "EXIT_INTERNAL", "ISSUES"]
@@ -75,8 +76,6 @@ def _quiet_stdout() -> None:
         pass
 
 
-# API parameter -> the CLI flag that sets it, where the names differ (otherwise `--` + the name, dashed)
-FLAGS = {"faults": "--inject-fault", "replay": "--replay", "out": "--out"}
 
 
 def cli_message(exc: BaseException) -> str:
@@ -84,7 +83,7 @@ def cli_message(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     param = getattr(exc, "param", None)
     if param and text.startswith(param) and text[len(param):len(param) + 1] in (" ", ":"):
-        text = FLAGS.get(param, "--" + param.replace("_", "-")) + text[len(param):]
+        text = PARAMS.get(param, "--" + param.replace("_", "-")) + text[len(param):]
     return re.sub(r"\b([a-z][a-z_]*)=True\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out, set_outcome, terminal_text
 from oneiter.errors import OneIterError
 
@@ -119,8 +120,7 @@ def compare(
     drill: Annotated[bool, typer.Option("--drill", help=
             "Judge the culprit call op by op on this machine when the target's stack is here (else print the "
             "command).")] = False,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
-            "With --drill: the model file (path/to/file.py:function) the recordings were made from.")] = None,
+    model: opt.Model = None,
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.iteration.ranks import is_ranked

@@ -24,7 +24,7 @@ HELP = """Run the whole loop on the CPU: record a reference, record a bf16 targe
 def demo_command(
     directory: Annotated[Path, typer.Option("--dir", help=
             "Where the two recordings go (created; overwritten).")] = Path("oneiter-demo"),
-    model: Annotated[str, typer.Option("--model", "-m", help="resnet18, mobilenet_v2 or llama_tiny.")] = "resnet18",
+    model: opt.Model = "resnet18",
     batch_size: opt.BatchSize = 8,
     fault: Annotated[Optional[str], typer.Option("--fault", help=
             "Module path to break (default: a deep layer).")] = None,

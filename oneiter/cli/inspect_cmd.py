@@ -6,7 +6,7 @@ the command so `oneiter --help` stays fast.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -29,10 +29,6 @@ File = options.RecordingFile
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of the table.")]
 
 
-def _num(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:10.3e}"
-
-
 def _header(summary) -> list[str]:
     meta = {k: v for k, v in summary.meta.items() if k not in ("schema", "complete") and v not in (None, "")}
     pad = max([9, *(len(k) + 1 for k in meta)])
@@ -42,12 +38,11 @@ def _header(summary) -> list[str]:
     return lines
 
 
-def _table(summary):
-    from rich.table import Table
+def _tensors_table(summary):
+    from oneiter.formatting import sci
+    from oneiter.report.terminal import cell, plain_table
 
-    from oneiter.report.terminal import cell
-
-    table = Table(header_style="bold", box=None, pad_edge=False)
+    table = plain_table()
     for name in ("#", "module@call", "phase", "tensor", "shape", "dtype"):
         table.add_column(name, no_wrap=name != "module@call", overflow="fold")
     for name in ("min", "max", "mean", "std"):
@@ -57,7 +52,7 @@ def _table(summary):
         shape = "x".join(str(s) for s in t.shape) or "scalar"
         bad = f"{t.num_nan}/{t.num_inf}" if (t.num_nan or t.num_inf) else ""
         cells = (str(i), f"{t.module}@{t.call}", t.phase, t.tensor, shape, t.dtype,
-                 _num(t.min), _num(t.max), _num(t.mean), _num(t.std), bad)
+                 *(sci(v, 10, digits=3) for v in (t.min, t.max, t.mean, t.std)), bad)
         table.add_row(*(cell(c) for c in cells), style="yellow" if bad else "")  # file text: never markup
     return table
 
@@ -83,7 +78,7 @@ def inspect(file: File, as_json: AsJson = False) -> None:
         return
     for line in _header(summary):
         out.print(Text(safe_text(line)))
-    print_wide(out, _table(summary))
+    print_wide(out, _tensors_table(summary))
 
 
 def register(app: typer.Typer) -> None:

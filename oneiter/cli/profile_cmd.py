@@ -11,6 +11,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out
+from oneiter.runtime import commands as flags
 
 DEFAULT_MODEL = "resnet18"  # profiled without --model, so the product card's `oneiter profile --schedule ...` runs
 
@@ -56,9 +57,7 @@ def _opt(*names: str, help: str):
 @handle_errors
 def profile_command(
     ctx: typer.Context,
-    model: Annotated[Optional[str], _opt("--model", "-m", help=
-            "Built-in model name (see `oneiter models`) or path/to/file.py:function (default: the built-in "
-            f"{DEFAULT_MODEL}).")] = None,
+    model: opt.Model = None,
     device: opt.Device = "cpu",
     batch_size: opt.BatchSize = 8,
     seed: opt.Seed = 0,
@@ -66,11 +65,11 @@ def profile_command(
     amp: opt.Amp = None,
     threads: opt.Threads = None,
     model_arg: opt.ModelArg = None,
-    optimizer: Annotated[str, _opt("--optimizer", help="sgd or adamw (single-tensor kernels).")] = "sgd",
+    optimizer: Annotated[str, _opt(*flags.OPTIMIZER.decls, help="sgd or adamw (single-tensor kernels).")] = "sgd",
     schedule: Annotated[str, _opt("--schedule", "-s", help=
             "wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, "
             "skip_first=0.")] = "wait=1,warmup=1,active=2",
-    out_dir: Annotated[Path, _opt("--out", "-o", help=
+    out_dir: Annotated[Path, _opt(*flags.OUT.decls, help=
             "Output directory (a previous profile there needs --force).")] = Path("prof"),
     record_shapes: Annotated[bool, _opt("--record-shapes", help=
             "Record input shapes (op table grouped by shape).")] = False,
@@ -96,8 +95,9 @@ def profile_command(
         return
     if model is None:
         model = DEFAULT_MODEL
-        err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for another)",
-                  markup=False)
+        if not quiet:
+            err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for "
+                      f"another)", markup=False)
     from oneiter.profile.runner import ProfileOptions, profile
     from oneiter.runtime.modelspec import parse_model_args
 
@@ -110,7 +110,7 @@ def profile_command(
     )  # fmt: skip
     with _progress(f"profiling {model} on {device}", quiet) as on_step:
         result = profile(options, on_step=on_step)
-    for note in result.notes:
+    for note in [] if quiet else result.notes:
         err.print(f"note: {note}", markup=False)
     for warning in result.warnings:
         err.print(f"[yellow]warning:[/] {warning}", markup=True)

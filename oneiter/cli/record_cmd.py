@@ -10,6 +10,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors
+from oneiter.runtime import commands as flags
 
 HELP = r"""Record one training iteration (forward, loss, backward, optimizer step) of every module call, several
 consecutive iterations (--steps N: statistics per step, to find the first one that goes wrong), or iteration S of
@@ -46,17 +47,15 @@ a run in full (--step S).
 
 
 def record_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Output .h5 file (never overwritten without --force).")],
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
-            "Built-in model name (see `oneiter models`) or path/to/file.py:function; with --replay defaults to the "
-            "reference's.")] = None,
+    out: Annotated[Path, typer.Option(*flags.OUT.decls, help="Output .h5 file (never overwritten without --force).")],
+    model: opt.Model = None,
     device: opt.Device = "cpu",
-    replay: Annotated[Optional[Path], typer.Option("--replay", help=
+    replay: Annotated[Optional[Path], typer.Option(*flags.REPLAY.decls, help=
             "Reference recording: start from its weights, buffers and batch.")] = None,
     seed: opt.Seed = 0,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", "-b", min=1, help=
+    batch_size: Annotated[Optional[int], typer.Option(*flags.BATCH_SIZE.decls, min=1, help=
             "Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
-    optimizer: Annotated[Optional[str], typer.Option("--optimizer", help=
+    optimizer: Annotated[Optional[str], typer.Option(*flags.OPTIMIZER.decls, help=
             "sgd or adamw (single-tensor kernels); default sgd, with --replay the reference's.")] = None,
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
@@ -64,7 +63,7 @@ def record_command(
             "Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help=
             "Regex on module paths to skip (repeatable).")] = None,
-    inject_fault: Annotated[Optional[List[str]], typer.Option("--inject-fault", help=
+    inject_fault: Annotated[Optional[List[str]], typer.Option(*flags.INJECT_FAULT.decls, help=
             "PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that "
             "torchrun rank only.")] = None,
     isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help=
@@ -78,22 +77,22 @@ def record_command(
             "inputs.")] = None,
     random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help=
             "With --replay: random ops (dropout masks) take the reference's values.")] = True,
-    fallback: Annotated[Optional[str], typer.Option("--fallback", help=
+    fallback: Annotated[Optional[str], typer.Option(*flags.FALLBACK.decls, help=
             "REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
     level: Annotated[str, typer.Option("--level", help=
             "full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, "
             "sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a "
             "reference, so it can be replayed).")] = "full",
-    steps: Annotated[Optional[int], typer.Option("--steps", help=
+    steps: Annotated[Optional[int], typer.Option(*flags.STEPS.decls, help=
             "Record N consecutive iterations (0..N-1) into one file: per step the statistics of every tensor, its "
             "batch and random values, the loss, gradient and update norms (the first step's weights and optimizer "
             "state in full). With --replay of such a file: at most its number of steps (default: all), each also "
             "run by the perturbed twin that measures the band.")] = None,
-    step: Annotated[Optional[int], typer.Option("--step", help=
+    step: Annotated[Optional[int], typer.Option(*flags.STEP.decls, help=
             "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
             "in the file, so a --replay of it starts from the reference's state at S.")] = None,
     compile: opt.Compile = None,
-    compile_modules: Annotated[Optional[List[str]], typer.Option("--compile-modules", help=
+    compile_modules: Annotated[Optional[List[str]], typer.Option(*flags.COMPILE_MODULES.decls, help=
             "With --compile: regex on module paths; each outermost matching module is compiled on its own, so "
             "module boundaries stay visible (repeatable).")] = None,
     model_arg: opt.ModelArg = None,
@@ -119,9 +118,10 @@ def record_command(
     prefix = f"[rank {info.rank}] " if info.distributed else ""
     status = live_status(f"recording {model or replay}", quiet=quiet) if info.rank == 0 else \
         nullcontext(lambda *_: None)
+    notes = info.rank == 0 and not quiet
     with status as update:
         summary = record(options, progress=update,
-                         notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if info.rank == 0 else None)
+                         notify=(lambda text: err.print(f"{prefix}{text}", markup=False)) if notes else None)
     what = f"{summary.num_calls} module calls, {summary.num_entries} tensors"
     if summary.num_steps:
         what = f"{summary.num_steps} steps ({what} each)"

@@ -20,6 +20,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, fail, handle_errors, out, terminal_text
+from oneiter.runtime import commands as flags
 
 __all__ = ["replay", "print_report", "register"]
 
@@ -57,11 +58,12 @@ HELP = "\n\n".join([
 File = opt.RecordingFile
 Layer = Annotated[
     str,
-    typer.Option("--layer", "-l", show_default=False,
+    typer.Option(*flags.LAYER.decls, show_default=False,
                  help="Module path as in named_modules(), e.g. layer1.0.conv1; '(root)' for the whole model."),
 ]
 Call = Annotated[
-    int, typer.Option("--call", min=0, help="Which call of the module (a module called twice has calls 0 and 1).")
+    int, typer.Option(*flags.CALL.decls, min=0, help=
+                      "Which call of the module (a module called twice has calls 0 and 1).")
 ]
 Repeat = Annotated[
     int, typer.Option("--repeat", "-r", min=1, help="Timed runs, after one untimed run whose values are checked.")
@@ -69,10 +71,11 @@ Repeat = Annotated[
 JsonOut = Annotated[
     Optional[Path], typer.Option("--json", metavar="FILE", help="Write the result as JSON ('-': stdout).")
 ]
-Ops = Annotated[bool, typer.Option("--ops", help="Judge every aten op the layer runs by its own error (see above).")]
-Amp = Annotated[Optional[str], typer.Option("--amp", help=
+Ops = Annotated[bool, typer.Option(*flags.OPS.decls, help=
+        "Judge every aten op the layer runs by its own error (see above).")]
+Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help=
         "Autocast to run under: bf16, fp16 or none (default: the recording's own).")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help=
+Dtype = Annotated[Optional[str], typer.Option(*flags.DTYPE.decls, help=
         "Cast the layer and its inputs: float32, bfloat16, float16, float64 (default: the recording's).")]
 ReferenceOps = Annotated[Optional[Path], typer.Option("--reference-ops", metavar="FILE", help=
         "With --ops: the --json of the same command run on the reference's stack, to show where the op sequences "
@@ -81,16 +84,11 @@ Repro = Annotated[Optional[Path], typer.Option("--repro", metavar="DIR", help=
         "With --ops: write the first flagged op as DIR/repro.py and DIR/case.h5 (runs without oneiter).")]
 
 
-def _sci(value: float) -> str:
-    return f"{value:9.2e}"
+def _checks_table(result):
+    from oneiter.formatting import sci
+    from oneiter.report.terminal import cell, plain_table
 
-
-def _table(result):
-    from rich.table import Table
-
-    from oneiter.report.terminal import cell
-
-    table = Table(header_style="bold", box=None, pad_edge=False)
+    table = plain_table()
     table.add_column("tensor", overflow="fold", min_width=8)
     for name in ("shape", "dtype", "bitwise"):
         table.add_column(name, no_wrap=True)
@@ -98,7 +96,7 @@ def _table(result):
         table.add_column(name, justify="right", no_wrap=True)
     for c in result.checks:
         shape = "x".join(str(s) for s in c.shape) or "scalar"
-        cells = (c.name, shape, c.dtype, "yes" if c.bitwise else "no", _sci(c.max_abs), _sci(c.rel_l2))
+        cells = (c.name, shape, c.dtype, "yes" if c.bitwise else "no", sci(c.max_abs, 9), sci(c.rel_l2, 9))
         table.add_row(*(cell(x) for x in cells), style="" if c.matched else "bold red")  # file text: never markup
     return table
 
@@ -132,7 +130,7 @@ def print_report(console, result) -> None:
     """Verdict first, then one row per checked tensor, then notes and the timing line."""
     console.print(_verdict(result), markup=True)
     if result.checks:
-        console.print(_table(result))
+        console.print(_checks_table(result))
     from oneiter.report.terminal import safe_text
 
     for note in result.notes:
@@ -148,9 +146,7 @@ def replay(
     device: opt.Device = "cpu",
     repeat: Repeat = 1,
     json_path: JsonOut = None,
-    model: Annotated[Optional[str], typer.Option("--model", "-m", help=
-            "The model file (path/to/file.py:function) the recording was made from: a recording never picks the code "
-            "that runs. Built-in models default to the recorded name.")] = None,
+    model: opt.Model = None,
     ops: Ops = False,
     amp: Amp = None,
     dtype: Dtype = None,

@@ -2,12 +2,13 @@
 
     python repro.py [--device D] [--plugin MODULE] [--case FILE]
 
-runs the op once on the device D (default: the one oneiter traced it on; its vendor plugin is imported for npu, mlu
-and dipu, or name one with --plugin), and once on the CPU in float64 (floating inputs and dtype arguments widened),
-both on the inputs stored in the case, with their strides and storage offsets. It prints both errors (rel_l2 against the
-float64 run): the device's and the CPU's own in the op's dtypes, then the op's expected noise (what its precision
-does to a correct kernel, measured by oneiter), and exits 1 when the device's error exceeds `factor` times that noise
-(or NaN/Inf sit elsewhere, or integer outputs differ), 0 when it does not, 2 when the case cannot run here.
+runs the op once on the device D (default: the one oneiter traced it on; its vendor plugin, which the case names from
+oneiter's device table, is imported, or name one with --plugin), and once on the CPU in float64 (floating inputs and
+dtype arguments widened), both on the inputs stored in the case, with their strides and storage offsets. It prints
+both errors (rel_l2 against the float64 run): the device's and the CPU's own in the op's dtypes, then the op's
+expected noise (what its precision does to a correct kernel, measured by oneiter), and exits 1 when the device's
+error exceeds `factor` times that noise (or NaN/Inf sit elsewhere, or integer outputs differ), 0 when it does not, 2
+when the case cannot run here.
 
 It imports nothing of oneiter: torch, h5py, numpy and the standard library only, so a vendor runs it as it is. The
 case is data (HDF5, no pickle); the op's arguments are JSON, never code. Layout of case.h5, in the spirit of DIOPI's
@@ -15,7 +16,8 @@ test cases (inputs by argument name, expected outputs, atol/rtol, at most 0.1 % 
 
     /                    attrs format, version, op ("aten::silu"), namespace, name, overload, phase, line, node,
                          device, layer, recording, args (JSON), expected_noise, factor, error (oneiter's),
-                         reference, rtol, atol, mismatch_ratio_threshold
+                         reference, rtol, atol, mismatch_ratio_threshold, plugins (JSON: device type -> the
+                         vendor plugin that registers it)
     /inputs/<arg>        each tensor argument's storage: elements 0..the end of its layout, attrs dtype, shape,
                          stride, storage_offset (a list argument's tensors: <arg>.<i>)
     /outputs/<i>         the expected outputs: the op rerun on the CPU in float64 (`reference` says how), attrs dtype
@@ -41,7 +43,6 @@ import torch
 FORMAT, VERSION = "oneiter.op_case", 1
 CASE, SCRIPT = "case.h5", "repro.py"
 INPUTS, OUTPUTS, TARGET_OUTPUTS = "inputs", "outputs", "target_outputs"
-PLUGINS = {"npu": "torch_npu", "mlu": "torch_mlu", "dipu": "torch_dipu"}  # device type -> vendor plugin to import
 RAW_BITS = {"bfloat16": (np.uint16, torch.int16), "float8_e4m3fn": (np.uint8, torch.uint8),
             "float8_e5m2": (np.uint8, torch.uint8), "float8_e4m3fnuz": (np.uint8, torch.uint8),
             "float8_e5m2fnuz": (np.uint8, torch.uint8)}
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         case, tensors, stored, _ = read_case(options.case)
         device = torch.device(options.device or case["device"])
-        for module in [*options.plugin, *([PLUGINS[device.type]] if device.type in PLUGINS else [])]:
+        plugins = json.loads(case.get("plugins") or "{}")  # device type -> vendor plugin (oneiter's device table)
+        for module in [*options.plugin, *([plugins[device.type]] if device.type in plugins else [])]:
             importlib.import_module(module)
         op = the_op(case)
         got = run(op, case, tensors, device)

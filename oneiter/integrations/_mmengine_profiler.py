@@ -1,8 +1,9 @@
 """`OneIterProfilerHook`: profile a Runner's training iterations with the exports of `oneiter profile`.
 
 Where it sits: the mmengine counterpart of `profile/runner.py`, imported (and so registered) by
-`oneiter.integrations.mmengine`. Both drive one `profile.session.ProfileSession` (profiler, clock, overhead), so it
-reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`steps.CycleExporter`:
+`oneiter.integrations.mmengine`. Like the Trainer and Lightning `ProfileCallback`s it forwards the runner's events
+to a `profile.stepped.StepProfiler`, which drives one `profile.session.ProfileSession` (profiler, clock, overhead),
+so it reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`steps.CycleExporter`:
 per active cycle one `export_chrome_trace`, the op/memory/module tables and `summary.json`), the per-module
 ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice when both a TensorBoard
 trace and `json_trace_path` are configured, and torch refuses the second export ("RuntimeError: Trace is already
@@ -28,30 +29,10 @@ from typing import Any, Mapping, Optional, Union
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from oneiter.errors import OneIterError
-from oneiter.profile.runner import ProfileOptions
-from oneiter.profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
-from oneiter.profile.session import ProfileSession
-from oneiter.profile.summary import prepare_out_dir, write_summary
-from oneiter.profile.tables import MEMORY_SORTS
+from oneiter.profile.schedule import DEFAULT_SCHEDULE
+from oneiter.profile.stepped import ProfileSettings, StepProfiler
 
 __all__ = ["OneIterProfilerHook"]
-
-_FLAGS = ("record_shapes", "profile_memory", "with_stack", "with_flops", "module_ranges", "force")
-
-
-def _parse(schedule: Union[str, Mapping[str, int], ProfileSchedule]) -> ProfileSchedule:
-    try:
-        if isinstance(schedule, ProfileSchedule):
-            return schedule
-        if isinstance(schedule, str):
-            return parse_schedule(schedule)
-        if isinstance(schedule, Mapping):
-            return ProfileSchedule(**schedule)
-    except (OneIterError, TypeError) as err:
-        raise ValueError(f"schedule should be like '{DEFAULT_SCHEDULE}' or dict(wait=1, warmup=1, active=2), "
-                         f"but got {schedule!r}: {err}") from None
-    raise TypeError(f"schedule should be a str or a dict, but got {schedule!r}")
 
 
 @HOOKS.register_module()
@@ -86,111 +67,51 @@ class OneIterProfilerHook(Hook):
         model_name: Optional[str] = None,
         force: bool = False,
     ):
-        self.schedule = _parse(schedule)
-        flags = dict(record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack,
-                     with_flops=with_flops, module_ranges=module_ranges, force=force)  # fmt: skip
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} should be a bool, but got {value!r}")
-        if memory_sort not in MEMORY_SORTS:
-            raise ValueError(f"memory_sort should be one of {', '.join(MEMORY_SORTS)}, but got {memory_sort!r}")
-        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
-            raise TypeError(f"out_dir should be a directory path or None, but got {out_dir!r}")
-        if model_name is not None and not isinstance(model_name, str):
-            raise TypeError(f"model_name should be a str or None, but got {model_name!r}")
-        self.flags = flags
-        self.memory_sort = memory_sort
-        self.out_dir = None if out_dir is None else Path(out_dir)
-        self.model_name = model_name
-        self.summary: Optional[dict[str, Any]] = None  # summary.json's content once profiling started
-        self.session = None  # the ProfileSession, from before_train on
-        self._device = None
-        self._timing_unprofiled = False  # after the profiler stopped: timing plain steps for the overhead
+        self.settings = ProfileSettings.checked(
+            schedule=schedule, out_dir=out_dir, memory_sort=memory_sort, model_name=model_name,
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
+            module_ranges=module_ranges, force=force,
+        )  # fmt: skip
+        self.schedule, self.out_dir = self.settings.schedule, self.settings.out_dir
+        self.profiler: Optional[StepProfiler] = None  # from before_train on
+
+    @property
+    def summary(self) -> Optional[dict[str, Any]]:
+        """summary.json's content once profiling started."""
+        return self.profiler.summary if self.profiler is not None else None
 
     # -- runner callbacks -------------------------------------------------------------------------------------------
     def before_train(self, runner) -> None:
-
-        remaining = runner.max_iters - runner.iter
-        if self.schedule.num_steps > remaining:
-            raise ValueError(
-                f"schedule should fit in the training run, but {self.schedule} needs {self.schedule.num_steps} "
-                f"iterations and only {remaining} remain: its active window would never be reached"
-            )
+        self.settings.check_fits(runner.max_iters - runner.iter)
         model = _unwrap(runner.model)
-        options = self._options(runner, model)
-        out_dir = prepare_out_dir(Path(options.out_dir), options.force)
-        self.session = ProfileSession(model, options, self.schedule, self._device, out_dir,
-                                      extra={"first_iter": runner.iter, "framework": "mmengine"})
-        self.summary = self.session.summary
-        self.session.start()
-
-    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        if self.session is not None and (self.session.profiling or self._timing_unprofiled):
-            self.session.begin_step()
-
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        session = self.session
-        if session is None:
-            return
-        if session.profiling:
-            session.end_step()
-            if session.done:
-                self._stop(runner)
-        elif self._timing_unprofiled:
-            session.end_unprofiled_step()
-            if len(session.unprofiled) >= session.unprofiled_wanted:
-                self._timing_unprofiled = False
-                session.finish()
-
-    def after_train(self, runner) -> None:
-        session = self.session
-        if session is not None and session.profiling:
-            session.summary["warnings"].append(
-                f"training ended after {session.step} of the schedule's {self.schedule.num_steps} steps: "
-                "cycles not finished have no trace"
-            )
-            self._stop(runner)
-        if session is not None and self._timing_unprofiled:
-            session.summary["notes"].append(
-                f"training ended after {len(session.unprofiled)} of {session.unprofiled_wanted} unprofiled steps: "
-                "the overhead rests on those")
-            self._timing_unprofiled = False
-            session.finish()
-
-    def after_run(self, runner) -> None:
-        if self.session is not None and self.session.profiling:
-            self._stop(runner)
-
-    # -- profiler lifetime ------------------------------------------------------------------------------------------
-    def _options(self, runner, model) -> ProfileOptions:
-        """What `oneiter profile` would have been given, read off the runner (names the trace and the summary)."""
-        param = next(model.parameters(), None)
-        import torch
-
-        self._device = param.device if param is not None else torch.device("cpu")
         self.out_dir = self.out_dir or Path(runner.work_dir) / "oneiter_profile"
         optim = getattr(runner.optim_wrapper, "optimizer", None)
         amp = getattr(runner.optim_wrapper, "cast_dtype", None)
         loader = getattr(runner, "train_dataloader", None)
-        return ProfileOptions(
-            model=self.model_name or type(model).__name__, device=str(self._device),
-            batch_size=int(getattr(loader, "batch_size", 0) or 0), seed=int(runner.seed),
-            dtype=str(param.dtype).removeprefix("torch.") if param is not None else "float32",
+        options = self.settings.options(
+            model, out_dir=self.out_dir, batch_size=int(getattr(loader, "batch_size", 0) or 0), seed=runner.seed,
             amp=str(amp).removeprefix("torch.") if amp is not None else None,
-            optimizer=type(optim).__name__.lower() if optim is not None else "",
-            schedule=str(self.schedule), out_dir=self.out_dir, memory_sort=self.memory_sort,
-            measure_overhead=True, **self.flags,
-        )  # fmt: skip
+            optimizer=type(optim).__name__.lower() if optim is not None else "")
+        self.profiler = StepProfiler(model, options, self.schedule,
+                                     extra={"first_iter": runner.iter, "framework": "mmengine"},
+                                     log=lambda level, text: getattr(runner.logger, level)(text))
+        self.profiler.start()
 
-    def _stop(self, runner) -> None:
-        session = self.session
-        session.stop()
-        self._timing_unprofiled = session.unprofiled_wanted > 0
-        write_summary(session.out_dir, session.summary)  # the traces are complete; the overhead comes later
-        traces = [c["trace"] for c in session.summary["cycles"]]
-        runner.logger.info(f"oneiter: profiled {len(traces)} cycle(s) into {session.out_dir}: {', '.join(traces)}")
-        for warning in session.summary["warnings"]:
-            runner.logger.warning(f"oneiter profile: {warning}")
+    def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        if self.profiler is not None:
+            self.profiler.begin_step()
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        if self.profiler is not None:
+            self.profiler.end_step()
+
+    def after_train(self, runner) -> None:
+        if self.profiler is not None:
+            self.profiler.end_run()
+
+    def after_run(self, runner) -> None:
+        if self.profiler is not None and self.profiler.session is not None and self.profiler.session.profiling:
+            self.profiler.end_run()
 
 
 def _unwrap(model):

@@ -6,7 +6,8 @@ Importing this module registers `OneIterRecordHook` and `OneIterProfilerHook` in
     custom_hooks = [dict(type='OneIterRecordHook', iteration=10, out='work_dirs/iter10.h5')]
 
 Where it sits: the hooks are adapters. Recording is an `oneiter.Recorder` around one `train_step` call (the
-same class `oneiter record` and a user's own loop record with), profiling a `profile.session.ProfileSession`, so
+same class `oneiter record` and a user's own loop record with; its settings one `RecordOptions`, on the pattern of
+`integrations/recording.py`), profiling a `profile.session.ProfileSession`, so
 a file written here reads, compares and replays like one written by `oneiter record`.
 
 How the record hook drives one iteration: mmengine has no hook around `train_step` and none on an exception, so
@@ -31,9 +32,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 try:
     from mmengine.hooks import Hook
@@ -45,6 +45,7 @@ except ImportError as _err:  # mmengine is optional for oneiter, required here
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.integrations.recording import for_step, open_steps, settings
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder
 from oneiter.record.session import check_output
@@ -102,20 +103,22 @@ class OneIterRecordHook(Hook):
         iteration: the iteration to record; `runner.iter` when it starts.
         every: instead of `iteration`, record the statistics of every `every`-th iteration (0, K, 2K, ...) into one
             multi-step file (a replay: the reference's iterations).
+        options: the recording's settings, a `oneiter.record.options.RecordOptions`; or, as keywords (what an
+            mmengine config gives), those `oneiter.Recorder` takes (`integrations/recording.py`), among them:
         out: the `.h5` file to write (relative to the current directory). In a run with several ranks, rank R
             writes `<stem>.rank<R>.h5`.
-        replay: a recording (from this hook or `oneiter record`) whose weights, buffers and batch this run starts
-            iteration N from, bit for bit. The optimizer's state (momentum, Adam moments) is not in a recording:
-            replay at iteration 0 or with a stateless optimizer to compare the updated weights too.
+        replay: a recording (from this hook or `oneiter record`) whose weights, buffers, batch and optimizer state
+            this run starts iteration N from, bit for bit.
         include / exclude: regexes on module paths (`named_modules()` names), as `--include`/`--exclude`.
             The data preprocessor is never captured: `batch/` holds what it delivered.
         seed: `torch.manual_seed(seed)` right before the iteration, so dropout draws the same numbers in the
             reference and the replay (None: leave the RNG alone).
         model_name: the `model` attribute of the file (default: the model's class name). Compare refuses two
             files with different model names.
-        isolate: with `replay`, also store each leaf layer's local error, teacher-forced on the reference's
+        isolate: with `replay`, also store each module call's local error, teacher-forced on the reference's
             inputs (as `oneiter record --replay`); False skips that rerun.
         force: overwrite `out` if it exists.
+        Not `amp`: the runner's `AmpOptimWrapper` decides it.
     """
 
     priority = "NORMAL"
@@ -124,15 +127,9 @@ class OneIterRecordHook(Hook):
         self,
         *,
         iteration: Optional[int] = None,
-        out: PathLike,
         every: Optional[int] = None,
-        replay: Optional[PathLike] = None,
-        include: Union[str, Sequence[str], None] = None,
-        exclude: Union[str, Sequence[str], None] = None,
-        seed: Optional[int] = 0,
-        model_name: Optional[str] = None,
-        isolate: bool = True,
-        force: bool = False,
+        options: Optional[RecordOptions] = None,
+        **record: Any,
     ):
         if (iteration is None) == (every is None):
             raise ValueError(f"one of iteration and every should be given, but got "
@@ -141,21 +138,16 @@ class OneIterRecordHook(Hook):
             raise ValueError(f"iteration should be a non-negative int, but got {iteration!r}")
         if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
             raise ValueError(f"every should be an int >= 1, but got {every!r}")
-        if not isinstance(out, (str, os.PathLike)):
-            raise TypeError(f"out should be a file path (str or PathLike), but got {out!r}")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise TypeError(f"seed should be an int or None, but got {seed!r}")
-        if model_name is not None and not isinstance(model_name, str):
-            raise TypeError(f"model_name should be a str or None, but got {model_name!r}")
+        _check_types(record)
         self.iteration, self.every = iteration, every
         self._steps: Optional[StepRecorder] = None  # `every`: the multi-step recording of the run
         try:  # mmengine's convention: ValueError/TypeError in its own wording
             # autocast is mmengine's own (AmpOptimWrapper); the data preprocessor's output is the batch
-            self.options = RecordOptions(out=out, replay=None if replay is None else Path(replay), include=include,
-                                         exclude=exclude, seed=seed, isolate=isolate, force=force, name=model_name,
-                                         manage_autocast=False, skip=(_PREPROCESSOR,))
+            self.options = settings(type(self).__name__, options, record, skip=(_PREPROCESSOR,))
         except OneIterError as err:
-            raise ValueError(f"include/exclude should be valid regular expressions, but {err}") from None
+            if err.param in ("include", "exclude"):
+                raise ValueError(f"include/exclude should be valid regular expressions, but {err}") from None
+            raise ValueError(str(err)) from None
         self.out, self.replay = self.options.out, self.options.replay
         if self.replay is not None and not self.replay.is_file():
             raise FileNotFoundError(f"replay should be an existing recording (.h5), but got '{self.replay}'")
@@ -185,10 +177,9 @@ class OneIterRecordHook(Hook):
     def _open_steps(self, runner, max_iters) -> None:
         """`every`: the multi-step recording of iterations 0, K, 2K, ... (a replay: the reference's)."""
         model = _unwrap(runner.model)
-        wanted = None if self.replay is not None else list(range(0, max(int(max_iters or 1), 1), self.every))
-        options = replace(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
-        self._steps = StepRecorder(model, options, wanted, optimizer=_optimizers(runner.optim_wrapper), twin=False)
-        self._steps.__enter__()
+        options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        self._steps = open_steps(model, options, every=self.every, max_steps=max_iters,
+                                 optimizer=_optimizers(runner.optim_wrapper))
 
     def _amp(self, runner, model) -> Optional[str]:
         param = next(model.parameters(), None)
@@ -261,7 +252,7 @@ class OneIterRecordHook(Hook):
                 rec.note(loss_dict=json.dumps(loss_dict))
             return outputs
         model = _unwrap(runner.model)
-        options = replace(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
         recorder = Recorder.from_options(model, options, optimizer=_optimizers(runner.optim_wrapper))
         with recorder as rec:
             outputs = train_step(*args, **kwargs)
@@ -288,6 +279,17 @@ class OneIterRecordHook(Hook):
             **({"iteration": self.iteration} if self.iteration is not None else {}),
             "framework": "mmengine", "mmengine_version": _mmengine_version(),
         }
+
+
+def _check_types(record: dict[str, Any]) -> None:
+    """The recording keywords a config gives, checked in mmengine's words ("should be X, but got Y")."""
+    out, seed, name = record.get("out"), record.get("seed"), record.get("model_name")
+    if "out" in record and not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out should be a file path (str or PathLike), but got {out!r}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed should be an int or None, but got {seed!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"model_name should be a str or None, but got {name!r}")
 
 
 def _mmengine_version() -> str:

@@ -8,11 +8,15 @@ Imports go one way: `measure` -> `iteration` -> `steps`, `replay`.
 - `replay/`    one replayed layer judged (`oneiter replay`), and its aten ops (`--ops`, `compare --drill`)
 
 How a result is shown (terminal, JSON, CSV, HTML, TensorBoard) is `oneiter.report`; what one file holds
-(`oneiter inspect`) is `oneiter.format.summary`. Nothing here imports typer; only `replay/` imports torch (it runs
-the layer); bfloat16 is decoded with numpy elsewhere, and only float8 needs torch.
+(`oneiter inspect`) is `oneiter.format.summary`. Nothing here imports typer. torch is imported by `replay/` (it runs
+the layer, through `oneiter.record.replay`) and, in a function, by `iteration/pairing.py` (a replay made in another
+dtype: the reference's start cast to it); everything else judges numpy arrays (bfloat16 decoded with numpy; float8
+needs torch, in `oneiter.format`).
 """
 
-from oneiter.judge.iteration.engine import CompareResult, Row, compare_files
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.entries import Row
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, default_tolerance
 

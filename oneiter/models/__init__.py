@@ -6,6 +6,10 @@ contract (`builder(batch_size=..., **model_args) -> (model, inputs, loss_fn)`, s
 
 Importing this package does not import torch: the registered builders are small wrappers that import
 their model file on first call, so `oneiter models` lists quickly.
+
+- `resnet.py`    ResNet-18 (torchvision-compatible state_dict)
+- `mobilenet.py` MobileNetV2 (torchvision-compatible state_dict)
+- `llama.py`     a small LLaMA-style decoder (RMSNorm, rotary, SwiGLU)
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Time on each side is device time when that side recorded any (a kernel's duratio
 CPU time; the header says which. Module time is forward plus backward; module memory is the forward's net
 allocation (the activations a module keeps for backward), present only for profiles taken with --profile-memory.
 Ops are aligned by name alone (input shapes differ between runs by design, and are summed).
+
+Each side carries its own noise verdict (the overhead measurement of `oneiter profile` and the framework callbacks:
+how much its steps varied): the step-time ratio is marked "within noise" when a side's steps were not steady.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from oneiter.profile.module_ranges import display_path
+from oneiter.profile.session import NOISY_SPREAD
 from oneiter.profile.summary import read_summary
 
 __all__ = ["ProfileDiff", "diff_profiles", "format_diff", "DIFF_SORTS", "is_leaf"]
@@ -72,7 +76,20 @@ def _side(directory: Path, summary: dict) -> dict[str, Any]:
         "amp": summary["amp"], "batch_size": summary["batch_size"],
         "time": "device" if _uses_device(summary) else "cpu",
         "step_us": sum(c["step_us"] for c in cycles) / len(cycles),
+        **_noise(summary),
     }  # fmt: skip
+
+
+def _noise(summary: dict) -> dict[str, Any]:
+    """How steady that side's steps were, from its own overhead measurement: `noise` (its verdict, as `oneiter
+    profile` printed it), `spread` ((max - min) / median of its steps, the larger of profiled and unprofiled) and
+    `steady` (at least 2 recorded steps, spread at most NOISY_SPREAD: a step time that means something)."""
+    o = summary.get("overhead") or {}
+    spreads = [v for v in (o.get("profiled_spread"), o.get("unprofiled_spread")) if v is not None]
+    spread = max(spreads) if spreads else None
+    steady = spread is not None and spread <= NOISY_SPREAD and int(o.get("num_profiled") or 0) >= 2
+    return {"noise": o.get("verdict") or "not measured (no unprofiled steps were timed)", "spread": spread,
+            "steady": steady}
 
 
 def _mean_modules(summary: dict, device_time: bool) -> dict[str, dict[str, Any]]:
@@ -210,10 +227,13 @@ def _more(rows: list, limit: int | None) -> list[str]:
 
 
 def _header_lines(diff: ProfileDiff) -> list[str]:
-    """The verdict line (step time ratio, alignment of modules and ops) and what each side profiled."""
+    """The verdict line (step time ratio, alignment of modules and ops), what each side profiled and how steady its
+    steps were (each profile's own noise verdict: a ratio of two noisy step times says nothing)."""
     a, b = diff.a, diff.b
+    noisy = [side for side, info in (("A", a), ("B", b)) if not info.get("steady", True)]
+    caveat = f", within noise: {' and '.join(noisy)} not steady (below)" if noisy else ""
     return [
-        f"step time B/A {_x(_ratio(a['step_us'], b['step_us'])).strip()} "
+        f"step time B/A {_x(_ratio(a['step_us'], b['step_us'])).strip()}{caveat} "
         f"(A {a['step_us'] / 1000:.3f} ms, B {b['step_us'] / 1000:.3f} ms per step); "
         f"modules aligned {len(diff.modules)}/"
         f"{len(diff.modules) + len(diff.modules_only_a) + len(diff.modules_only_b)} "
@@ -221,6 +241,8 @@ def _header_lines(diff: ProfileDiff) -> list[str]:
         f"{len(diff.ops) + len(diff.ops_only_a) + len(diff.ops_only_b)} ({diff.op_alignment:.1%})",
         f"A: {_describe(a)}",
         f"B: {_describe(b)}",
+        f"A steps: {a.get('noise', 'not measured')}",
+        f"B steps: {b.get('noise', 'not measured')}",
     ]
 
 

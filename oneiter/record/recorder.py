@@ -34,25 +34,27 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import shutil
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
-from oneiter.format.optimizer_state import NOT_RECORDED, OPTIMIZER_STATE, updates_not_judged
+from oneiter.format.optimizer_state import LOADED, NOT_RECORDED, OPTIMIZER_STATE, RECORDED, updates_not_judged
 from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
-from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_batch, store_batch
 from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
-from oneiter.record.capture.hooks import next_node_number
-from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, module_selector, regex_list
+from oneiter.record.capture.hooks import next_node_number, unscaled
+from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
@@ -60,12 +62,13 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
-from oneiter.runtime.precision import autocast_for
+from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
 from oneiter.runtime.sharding import class_name, local, reduction
+from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
-           "LEVELS", "optimizer_list"]
+           "LEVELS", "optimizer_list", "model_of"]
 
 
 @dataclass
@@ -136,10 +139,6 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
-        steps: record that many consecutive iterations into one file instead of one
-        (`record.steps.step_recorder.StepRecorder`:
-            `rec.run(fn)` calls `fn(step)` for each); with `replay=` of such a file, its steps. See `__new__`.
-        twin: with `steps` and `replay`, also run each step by the perturbed twin (the band: docs/steps.md).
         compile: a torch.compile backend name ("inductor"; True: inductor): the model is compiled in place for the
             block (or each module `compile_modules` matches, one block each) and left as it was after it. A model
             that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this.
@@ -147,7 +146,8 @@ class Recorder:
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
-    (`self.phase`).
+    (`self.phase`). Several consecutive iterations into one file: `oneiter.StepRecorder`, which takes the same
+    keywords and `steps=N` (`record/steps/step_recorder.py`).
     """
 
     def __init__(
@@ -175,12 +175,10 @@ class Recorder:
         skip: Iterable[str] = (),
         queue_bytes: int | None = None,
         level: str = "full",
-        steps=None,
-        twin: bool = True,
         compile: str | bool | None = None,
         compile_modules: str | Sequence[str] | None = None,
     ):
-        _check_model(model)
+        model = model_of(model)
         options = RecordOptions(
             out=out, replay=replay, amp=amp, include=include, exclude=exclude, seed=seed, isolate=isolate,
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
@@ -189,20 +187,6 @@ class Recorder:
             compile_modules=compile_modules,
         )
         self._setup(model, options, optimizer, progress, notify)
-
-    def __new__(cls, model=None, out=None, *, steps=None, twin: bool = True, **keywords):
-        """`steps=` (a number of iterations): a `record.steps.step_recorder.StepRecorder`, which records that many
-        consecutive
-        iterations into one file (`with Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec: rec.run(fn)`);
-        `twin`: with `replay=`, run the perturbed twin that measures the band (docs/steps.md)."""
-        recorder = super().__new__(cls)
-        if steps is None or cls is not Recorder:
-            return recorder
-        from oneiter.record.steps.step_recorder import StepRecorder  # imports torch (its twin): loaded only with steps=
-
-        Recorder.__init__(recorder, model, out, **keywords)  # the keywords, checked as for one iteration
-        return StepRecorder(model, recorder.options, steps, optimizer=keywords.get("optimizer"),
-                            progress=keywords.get("progress"), notify=keywords.get("notify"), twin=twin)
 
     @classmethod
     def from_options(cls, model, options: RecordOptions, *, optimizer=None,
@@ -218,7 +202,7 @@ class Recorder:
         its `state_before` and optimizer state as statistics at the stats level (only the first step's are kept
         in full: where a replay starts). `step_of`: the iteration is a step of a multi-step recording, whose notes
         of one iteration's file (its size, its lack of per-call local error) do not apply."""
-        _check_model(model)
+        model = model_of(model)
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
         recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
@@ -233,7 +217,11 @@ class Recorder:
             first = next((p for p in paths if p), "(root)")
             raise OneIterError(f"include {options.include} / exclude {options.exclude} leave no module of the model "
                                f"to record (module paths look like '{first}')", param="include")
+        self._forward_cast = model_forward_cast(model)  # accelerate's mixed precision: the recording's autocast
+        if self._forward_cast is not None:
+            self.options = options = _forward_autocast(options, self._forward_cast)
         self.optimizers = optimizer_list(optimizer)
+        self._scalers = grad_scalers(optimizer)  # accelerate's AcceleratedOptimizer steps through its GradScaler
         self.progress, self.notify = progress, notify
         self.estimated_bytes: int | None = None  # the whole file, estimated once forward is done
         self.rank = current_rank()
@@ -252,6 +240,7 @@ class Recorder:
         self._given_ref, self._start = None, True  # `from_options`: a step of a multi-step recording
         self._step_of = False
         self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
+        self._meta_batch_size = 0  # the batch size the file's attributes state (0: its batch's rows, once taken)
 
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
@@ -314,28 +303,37 @@ class Recorder:
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
                 torch.manual_seed(opts.seed)
-            self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
-            self.session.attach_random(self._modes.random)
-            capture = stack.enter_context(self.session.capture())
-            refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
-            self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
-            stack.enter_context(self._modes)
-            stack.callback(self._remove_hooks)
-            self._hooks = outside_call(self.model, self._first_forward, prepend=True)
-            self._hooks += [opt.register_step_pre_hook(self._before_step) for opt in self.optimizers]
-            self._patch_backward(stack)
-            self._autocast = None
-            if opts.amp and opts.manage_autocast:
-                self._autocast = autocast_for(self.device, opts.amp)
-                self._autocast.__enter__()
-                stack.callback(self._end_autocast)
+            self._attach(stack)
         except BaseException:
             stack.__exit__(*sys.exc_info())  # with the exception: atomic_output deletes, never renames
             raise
         self._stack = stack
         self._advance(Phase.OPEN)
+        for scaler in self._scalers:
+            self.loss_scale(scaler)
         self.session.enter_phase("forward")
         return self
+
+    def _attach(self, stack: ExitStack) -> None:
+        """The modes, hooks and patches of the block, each undone by `stack`."""
+        opts = self.options
+        self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
+        self.session.attach_random(self._modes.random)
+        if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
+            stack.callback(self._forward_cast.uncast())
+        capture = stack.enter_context(self.session.capture())
+        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
+        self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
+        stack.enter_context(self._modes)
+        stack.callback(self._remove_hooks)
+        self._hooks = outside_call(self.model, self._first_forward, prepend=True)
+        self._hooks += [before_update(opt, self._before_step) for opt in self.optimizers]
+        self._patch_backward(stack)
+        self._autocast = None
+        if opts.amp and opts.manage_autocast:
+            self._autocast = autocast_for(self.device, opts.amp)
+            self._autocast.__enter__()
+            stack.callback(self._end_autocast)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         stack, self._stack = self._stack, None
@@ -358,13 +356,16 @@ class Recorder:
         with stack:
             self._remove_hooks()
             if self._loss is None:
-                raise OneIterError("the Recorder block ran no backward and named no loss (rec.loss(tensor)): "
-                                   "nothing to record as one training iteration", param="model")
+                raise OneIterError("the Recorder block ended before any backward ran, so it holds no training "
+                                   "iteration: run the loss's backward (and the optimizer's step) inside the `with` "
+                                   "block, or name the loss with rec.loss(tensor)", param="model")
             if self.phase is Phase.OPEN:
                 raise _never_called()
             self._read_grads()
             self.session.enter_phase("writing")
             self.session.state_after()
+            if not self._explicit_loss:  # the tensor backward ran on: the loss times the GradScaler's scale
+                self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
             compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
             counts = self.session.finish(self._loss, {**self._modes.summary(), **compiled})
@@ -404,6 +405,22 @@ class Recorder:
         self._loss, self._explicit_loss = tensor.detach(), True
         return tensor
 
+    def loss_scale(self, scale) -> None:
+        """The loss backward runs on is the loss times `scale` (a float, or a `torch.amp.GradScaler`: its current
+        scale, the factor its `scale(loss)` applies). The file then holds the loss and every gradient divided by it,
+        exactly (a GradScaler's scale is a power of two), as an unscaled run of the same precision has them; its
+        root attribute `loss_scale` says by what. Call it before the backward (the Lightning callback does, for
+        `16-mixed`). A Recorder given accelerate's `AcceleratedOptimizer` reads its scaler by itself."""
+        self._active("loss_scale")
+        value = float(scale.get_scale() if hasattr(scale, "get_scale") else scale)
+        if not (value > 0 and math.isfinite(value)):
+            raise OneIterError(f"loss_scale must be a positive finite number, got {value}", param="loss_scale")
+        if self.phase >= Phase.BACKWARD:
+            raise OneIterError("rec.loss_scale() comes before the backward (the gradients are stored as it runs)",
+                               param="loss_scale")
+        self.session.module_capture.grad_scale = value
+        self.session.extra_attrs["loss_scale"] = value
+
     def note(self, **attrs) -> None:
         """Extra root attributes for the file (JSON-able values), written when the block ends."""
         self._active("note")
@@ -419,9 +436,15 @@ class Recorder:
             args, kwargs = map_call(args, kwargs, self._swap)
             self._swap.check_complete()
         store_batch(self.session.sink, args, kwargs)
+        if not self._meta_batch_size:  # nothing said how large the batch is: its first tensor's rows
+            rows = batch_rows(args, kwargs)
+            if rows:
+                self.session.extra_attrs.setdefault("batch_size", rows)
         return args, kwargs
 
     def _first_forward(self, module, args, kwargs):
+        if self._first_call is None:
+            self._check_autocast()
         if not self._advance(Phase.FORWARD):
             if self._first_call is None:  # after rec.inputs(): the arguments are the batch already
                 self._first_call = (args, kwargs, next_node_number())
@@ -500,14 +523,24 @@ class Recorder:
         if autocast is not None:
             autocast.__exit__(None, None, None)
 
-    def _before_step(self, optimizer, args, kwargs):
+    def _before_step(self) -> None:
+        """Right before the optimizer updates the weights (after the closure of a closure step: `before_update`)."""
         self._read_grads()
         if self._advance(Phase.STEPPED):
             self.session.enter_phase("step")
             changed = any(p.grad is not None and p.grad._version != self._grad_versions.get(n)
                           for n, p in self.model.named_parameters())
             self.session.before_step(changed)
-        return None
+
+    def _check_autocast(self) -> None:
+        """The autocast around the model's first call is the one `amp` says: each call's expected noise is measured
+        in that precision, and a bf16 run judged as a float32 one would be all divergence."""
+        on = active_autocast(self.device.type)
+        if on is None or on == self.options.amp:
+            return
+        raise OneIterError(f"autocast ({AMP_DTYPES[on]}) is on around the model's forward, but this recording was "
+                           f"given amp={self.options.amp!r}: give amp={on!r} (with manage_autocast=False when your "
+                           f"code enters autocast itself)", param="amp")
 
     def _read_grads(self) -> None:
         """Backward is done: end the random/fallback modes, run the probes, store parameter gradients (once).
@@ -539,9 +572,11 @@ class Recorder:
         _check_world_size(self.ref, self.rank)
         if self.ref.steps():
             raise OneIterError(f"replay '{self.ref.path.name}' records {len(self.ref.steps())} steps: replay them with "
-                               f"steps={len(self.ref.steps())} (record --steps), or record one of them with --step",
+                               f"steps={len(self.ref.steps())} in an oneiter.StepRecorder (record --steps), or record "
+                               f"one of them with --step",
                                param="replay")
         if self._start:
+            _check_optimizer_given(self.ref, self.optimizers)
             load_state(self.model, self.ref)
             self.optimizer_start = load_start(self.optimizers, self.model, self.ref)
             why = updates_not_judged(str(self.ref.meta.get(OPTIMIZER_STATE) or ""), self.optimizer_start,
@@ -605,6 +640,7 @@ class Recorder:
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind
+        self._meta_batch_size = int(meta.get("batch_size") or 0)
         return meta
 
 
@@ -642,30 +678,61 @@ class _Modes:
         }
 
 
-def _check_model(model) -> None:
+def model_of(model):
+    """The module a recording names: `model` itself, or the one inside a DDP / DataParallel wrapper
+    (`runtime/wrappers.py`; the wrapper is still what the loop calls). A `torch.compile` wrapper is kept: it is the
+    compiled block, hooked from outside its compiled code, its modules named by their eager names."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise OneIterError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
+    return unwrap_model(model, compiled=False)
 
 
 def _never_called() -> OneIterError:
-    return OneIterError("the model was never called inside the Recorder block: no batch to record", param="model")
+    return OneIterError("the model was never called inside the Recorder block, so there is no batch to record: "
+                        "give the Recorder the module your training code calls, or hand the batch to "
+                        "rec.inputs(...)", param="model")
 
 
 def optimizer_list(optimizer) -> list:
+    """The torch optimizers of `optimizer`: one, a list, or what frameworks wrap them in (accelerate's
+    `AcceleratedOptimizer`, Lightning's `LightningOptimizer`, mmengine's `OptimWrapper`) or step them with (an LR
+    scheduler: its optimizer), each unwrapped (`runtime/wrappers.py`)."""
     if optimizer is None:
         return []
-    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    items = unwrap_optimizers(optimizer)
     for item in items:
         if not hasattr(item, "register_step_pre_hook"):
-            raise OneIterError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got "
+            raise OneIterError(f"optimizer must be a torch.optim.Optimizer, a wrapper of one (accelerate's "
+                               f"AcceleratedOptimizer, ...) or its LR scheduler, or a list of them; got "
                                f"{type(item).__name__}", param="optimizer")
     return items
 
 
 def _optimizer_names(optimizers) -> str:
     return ",".join(type(o).__name__.lower() for o in optimizers)
+
+
+def _check_optimizer_given(ref, optimizers) -> None:
+    """A reference whose optimizer held state (Adam's moments, momentum) is replayed by an optimizer that loads it:
+    without one, the target's optimizer steps from its own state and every updated weight differs."""
+    if optimizers or str(ref.meta.get(OPTIMIZER_STATE) or "") not in (RECORDED, LOADED):
+        return
+    name = str(ref.meta.get("optimizer") or "optimizer")
+    raise OneIterError(f"replay '{ref.path.name}' holds the state its {name} had at this step, and this replay was "
+                       f"given no optimizer to load it into: pass optimizer= (the one that steps this iteration)",
+                       param="optimizer")
+
+
+def _forward_autocast(options: RecordOptions, cast) -> RecordOptions:
+    """accelerate's mixed-precision forward enters its own autocast: the recording's `amp` is its dtype, and the
+    Recorder does not enter another."""
+    amp = amp_name(str(cast.dtype)) if cast.dtype is not None else None
+    if options.amp is not None and amp is not None and options.amp != amp:
+        raise OneIterError(f"amp is {options.amp!r}, but the model's forward (accelerate's mixed precision) autocasts "
+                           f"to {AMP_DTYPES[amp]}: give amp={amp!r}, or leave amp out", param="amp")
+    return replace(options, amp=options.amp or amp, manage_autocast=False)
 
 
 def _check_world_size(ref, info) -> None:

@@ -100,17 +100,28 @@ def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
         built = {"model": canonical_spec(opts.model), "batch_size": batch_size, "seed": seed,
                  "model_args": opts.model_args}
         return load_model(opts.model, batch_size, seed, opts.model_args), built
-    theirs = int(ref.meta["batch_size"])
-    if opts.batch_size is not None and opts.batch_size != theirs:
+    theirs = _reference_batch_size(ref)
+    if theirs is None:  # a reference written by the API or a framework that did not say: the builder's own
+        theirs = opts.batch_size or 8  # batch is replaced by the reference's anyway
+    elif opts.batch_size is not None and opts.batch_size != theirs:
         raise OneIterError(f"batch_size {opts.batch_size} differs from the reference's {theirs}: a replay runs the "
                            f"reference's batch; drop it", param="batch_size")
     model_args = {**json.loads(ref.meta.get("model_args") or "{}"), **opts.model_args}
     built = {
         "model": canonical_spec(spec_for_replay(ref.meta.get("model"), opts.model, ref.path.name)),
         "model_args": model_args,
-        "batch_size": int(ref.meta["batch_size"]), "seed": int(ref.meta["seed"]),
+        "batch_size": theirs, "seed": int(ref.meta["seed"]),
     }
     return load_model(built["model"], built["batch_size"], built["seed"], model_args), built
+
+
+def _reference_batch_size(ref: IterationFile) -> int | None:
+    """The reference's batch size: its attribute, else the rows of its first batch tensor (None: it cannot say)."""
+    stated = int(ref.meta.get("batch_size") or 0)
+    if stated > 0:
+        return stated
+    shapes = [ref.shape_of(path) for path in ref.batch_paths()]
+    return next((shape[0] for shape in shapes if shape and shape[0] > 0), None)
 
 
 def _meta(opts: SpecOptions, built: dict[str, Any]) -> dict[str, Any]:
@@ -249,8 +260,8 @@ def _one_step(setup, rec) -> None:
 def _record_steps(opts: SpecOptions, setup, progress, notify) -> RecordSummary:
     """`--steps N` (or a replay of a multi-step reference): every iteration through a StepRecorder, each run by
     the twin too when replaying."""
-    recorder = StepRecorder(setup.bundle.model, opts, opts.steps, optimizer=setup.optimizer, progress=progress,
-                            notify=notify)
+    recorder = StepRecorder.from_options(setup.bundle.model, opts, opts.steps, optimizer=setup.optimizer,
+                                         progress=progress, notify=notify)
 
     def one_step(step: int) -> None:
         with user_code(f"the model's batch({step})"):

@@ -27,7 +27,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture.hooks import ModuleCapture, TensorSink
+from oneiter.record.capture.hooks import ModuleCapture, TensorSink, unscaled
 from oneiter.runtime.compiled import eager_name
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
@@ -215,7 +215,8 @@ class RecordingSession:
 
     def param_grads(self) -> None:
         self.enter_phase("parameters")
-        grads = [(n, p.grad) for n, p in _eager(self.model.named_parameters()) if p.grad is not None]
+        scale = self.module_capture.grad_scale
+        grads = [(n, unscaled(p.grad, scale)) for n, p in _eager(self.model.named_parameters()) if p.grad is not None]
         self._named(PARAM_GRADS, grads)
 
     def state_after(self) -> None:

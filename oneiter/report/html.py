@@ -32,8 +32,10 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from oneiter.judge.iteration.engine import NOT_DIVERGED, PHASES, CompareResult
-from oneiter.judge.iteration.verdict import Verdict, entry_name, json_ready, num
+from oneiter.formatting import json_ready, num, sci
+from oneiter.judge.iteration.entries import NOT_DIVERGED, PHASES
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.verdict import Verdict, entry_name
 from oneiter.outputs import Destination, destination, write_text
 from oneiter.report.op_table import ops_section
 
@@ -102,11 +104,6 @@ def first_divergence(doc: Document) -> Optional[int]:
 def culprit_row(doc: Document, verdict: Verdict) -> Optional[int]:
     """The culprit's row (None: no culprit, or no row of this document is it)."""
     return find_row(doc, verdict.culprit.as_dict()) if verdict.culprit else None
-
-
-def _sci(value: Any) -> str:
-    v = num(value)
-    return "-" if v is None else f"{v:.2e}"
 
 
 def verdict_lines(doc: Document) -> list[str]:
@@ -286,7 +283,7 @@ def _flagged_marks(ax: _Axes, rows: list[dict], local: list[tuple[int, dict]]) -
             value = num(loc.get("rel_l2"))
             out.append(f'<circle class="flagged-mark" cx="{ax.x(i):.1f}" cy="{ax.y(value):.1f}" r="5" fill="none" '
                        f'stroke="{MARK_COLOR}" stroke-width="1.6"><title>#{i} {_esc(entry_name(rows[i]))}: flagged, '
-                       f'local rel_l2 {_sci(value)} is {num(loc.get("ratio")) or 0:.1f}x its expected noise'
+                       f'local rel_l2 {sci(value)} is {num(loc.get("ratio")) or 0:.1f}x its expected noise'
                        f'</title></circle>')
     return out
 
@@ -303,11 +300,11 @@ def render_svg(doc: Document) -> str:
     if local:
         parts.append(_noise_band(ax, local))
         parts += _series(ax, [(i, num(loc.get("rel_l2")), f"#{i} {entry_name(rows[i])}: local rel_l2 "
-                               f"{_sci(loc.get('rel_l2'))} ({num(loc.get('ratio')) or 0:.1f}x expected)")
+                               f"{sci(loc.get('rel_l2'))} ({num(loc.get('ratio')) or 0:.1f}x expected)")
                               for i, loc in local], LOCAL_COLOR, shape="diamond")
     for phase in PHASES:  # rows whose NaN/Inf differ sit on the NaN/Inf band, whatever their finite elements say
         points = [(i, None if _nonfinite_differs(r) else num(r.get("rel_l2")),
-                   f"#{i} {entry_name(r)}: {r['status']}, {r.get('nan_inf') or 'rel_l2 ' + _sci(r.get('rel_l2'))}")
+                   f"#{i} {entry_name(r)}: {r['status']}, {r.get('nan_inf') or 'rel_l2 ' + sci(r.get('rel_l2'))}")
                   for i, r in enumerate(rows) if r["phase"] == phase and r.get("rel_l2") is not None]
         parts += _series(ax, points, PHASE_COLORS.get(phase, "#000"))
     parts += _flagged_marks(ax, rows, local)
@@ -335,6 +332,17 @@ def _markers(ax: _Axes, doc: Document) -> list[str]:
 
 # -- the page -------------------------------------------------------------------------------------------------------
 _BANNERS = ("match", "diverged", "inconclusive")
+KEY_LINES = ("Culprit", "NaN/Inf origin", "  oneiter")  # the details that say where to look, or what to run next
+
+
+def banner(verdict) -> str:
+    """The verdict banner of every page (one iteration's `Verdict`, or two multi-step recordings'
+    `StepVerdict`): green match, red divergence, amber inconclusive; its title, reason and details."""
+    status = verdict.status if verdict.status in _BANNERS else "diverged"
+    reason = f"<p class='reason'>{_esc(verdict.reason)}</p>" if verdict.reason else ""
+    details = "".join(f"<p class='{'key' if line.startswith(KEY_LINES) else ''}'>{_esc(line)}</p>"
+                      for line in verdict.details)
+    return f"<header class='banner {status}' id='verdict'><h1>{_esc(verdict.title)}</h1>{reason}{details}</header>"
 
 
 def _nonfinite_differs(row: dict) -> bool:
@@ -375,7 +383,7 @@ def _cell(row: dict, key: str, kind: str) -> str:
     return f"<td class='{css}' data-v='{sort}'>{shown}</td>"
 
 
-def _table(doc: Document, columns: list[tuple[str, str, str]]) -> str:
+def _rows_table(doc: Document, columns: list[tuple[str, str, str]]) -> str:
     indices, note = table_indices(doc)
     first, culprit = first_divergence(doc), culprit_row(doc, verdict_of(doc))
     head = "".join(f"<th title='sort'>{_esc(h)}</th>" for h, _, _ in columns)
@@ -441,22 +449,18 @@ def render_html(result: Union[CompareResult, Document]) -> str:
     """The whole page as a string."""
     doc = as_document(result)
     verdict = verdict_of(doc)
-    title, reason, details = verdict.title, verdict.reason, verdict.details
     status = verdict.status if verdict.status in _BANNERS else "diverged"
     has_local = any(isinstance(r.get("local"), dict) for r in doc["rows"])
     columns = COLUMNS + (LOCAL_COLUMNS if has_local else []) + TAIL_COLUMNS
-    key = ("Culprit", "NaN/Inf origin")  # the lines that say where to look
-    banner = f"<h1>{_esc(title)}</h1>" + (f"<p class='reason'>{_esc(reason)}</p>" if reason else "") + "".join(
-        f"<p class='{'key' if line.startswith(key) else ''}'>{_esc(line)}</p>" for line in details)
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare: {status}</title>"
-            f"<style>{_CSS}</style></head><body><header class='banner {status}' id='verdict'>{banner}</header>"
+            f"<style>{_CSS}</style></head><body>{banner(verdict)}"
             f"{ops_section(doc.get('drill'))}"
             f"<section><h2>Runs</h2>{_runs(doc)}</section>"
             f"<section><h2>Error along the iteration</h2>{render_svg(doc)}{_legend(doc)}</section>"
             f"<section><h2>Entries</h2><p class='controls'><input id='filter' placeholder='filter by name'> "
             f"<label><input type='checkbox' id='divergent-only'> divergent only (<span id='divergent-count'>"
             f"{sum(divergent(r) for r in doc['rows'])}</span> of {len(doc['rows'])} rows flagged)</label></p>"
-            f"{_table(doc, columns)}"
+            f"{_rows_table(doc, columns)}"
             f"</section>{_embedded(doc)}<script>var NOT_DIVERGENT={json.dumps(list(NOT_DIVERGENT))};{_JS}</script>"
             f"</body></html>\n")
 

@@ -1,50 +1,36 @@
 """Presentation of a comparison of two multi-step recordings (`judge.steps.step_compare.StepsResult`): the terminal
 table, the CSV and the HTML page with the curves and the band.
 
-Sits after `judge/steps/step_compare.py` (which decides; nothing here does) and before the CLI (`cli/compare_cmd.py`).
-The terminal report prints the verdict's headline and details (the step it names, and the two commands that record
-that step in full), then one line per step: the loss, gradient norm and update norm of both runs with their
-relative difference, the step's error, the band and their ratio (steps outside the band marked `!`, the named
-one `>`). The HTML page (the style of `report/html.py`) draws the three curves of both runs with the band shaded
-around the reference's, and the error against the band per step on a log scale.
+Sits after `judge/steps/` (which decides; nothing here does) and before the CLI (`cli/compare_cmd.py`). The verdict
+is laid out by the one-iteration report's writers: its block (`terminal.print_verdict`: the headline and details, the
+step it names and the two commands that record that step in full), the HTML banner (`html.banner`), the CSV's `role`
+column and the JSON's `verdict.findings`. Then the terminal report prints one line per step: the loss, gradient
+norm and update norm of both runs with their relative difference, the step's error, the band and their ratio
+(steps outside the band marked `!`, the named one `>`). The HTML page (the style of `report/html.py`) draws the
+three curves of both runs with the band shaded around the reference's, and the error against the band per step on a
+log scale.
 """
 
 from __future__ import annotations
 
 import csv
-import html
-import json
 import math
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
 
-from oneiter.judge.iteration.verdict import json_ready
+from oneiter.formatting import rel_diff
 from oneiter.judge.steps.step_compare import StepRow, StepsResult
 from oneiter.outputs import Destination, destination, open_text, write_text
-from oneiter.report.html import _CSS, MARK_COLOR, NOISE_COLOR, PHASE_COLORS
-from oneiter.report.terminal import print_wide, safe_text
+from oneiter.report.html import _CSS, MARK_COLOR, NOISE_COLOR, PHASE_COLORS, _embedded, _esc, banner
+from oneiter.report.terminal import metric_text, plain_table, print_verdict, print_wide, safe_text
 
 __all__ = ["print_steps", "write_steps_csv", "render_steps_html", "write_steps_html", "MAX_ROWS"]
 
 MAX_ROWS = 40  # steps printed without --all: those around the named step (or the largest errors' on a match)
-_STYLES = {"match": "bold green", "diverged": "bold red", "inconclusive": "bold yellow"}
 METRICS = (("loss", "loss"), ("grad_norm", "grad norm"), ("update_norm", "update norm"))
-
-
-def _sci(value: Optional[float]) -> str:
-    return "-" if value is None or value != value else f"{value:9.2e}"
-
-
-def _rel(row: StepRow, name: str) -> float:
-    ref, tgt = getattr(row, name)
-    if ref == tgt:
-        return 0.0
-    scale = max(abs(ref), abs(tgt))
-    return abs(ref - tgt) / scale if scale and math.isfinite(scale) else math.nan
 
 
 def _shown(result: StepsResult, show_all: bool) -> tuple[list[StepRow], str]:
@@ -62,18 +48,15 @@ def _shown(result: StepsResult, show_all: bool) -> tuple[list[StepRow], str]:
 
 
 def print_steps(console: Console, result: StepsResult, *, show_all: bool = False) -> None:
-    """Verdict, the two runs, then the per-step table."""
-    verdict = result.verdict_obj
-    console.print(Text(safe_text(verdict.headline), style=_STYLES[verdict.status]))
-    for line in verdict.details:
-        console.print(Text(safe_text(line), style="yellow" if line.startswith("warning:") else ""))
+    """Verdict (the one-iteration report's block), the two runs, then the per-step table."""
+    print_verdict(console, result.verdict_obj)
     for label, path, meta in (("reference", result.reference, result.meta_reference),
                               ("target", result.target, result.meta_target)):
         said = ", ".join(f"{k} {meta[k]}" for k in ("model", "device", "dtype", "amp", "num_threads")
                          if meta.get(k) not in (None, ""))
         console.print(Text(safe_text(f"{label:<9} {path} ({said})")))
     rows, caption = _shown(result, show_all)
-    table = Table(caption=caption or None, caption_justify="left", header_style="bold", box=None, pad_edge=False)
+    table = plain_table(caption)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("status", no_wrap=True)
     for _, title in METRICS:
@@ -86,9 +69,9 @@ def print_steps(console: Console, result: StepsResult, *, show_all: bool = False
         cells = [f">{row.step}" if row.step == result.step else str(row.step), row.status]
         for name, _ in METRICS:
             ref, tgt = getattr(row, name)
-            cells += [_sci(ref), _sci(tgt), _sci(_rel(row, name))]
+            cells += [metric_text(ref), metric_text(tgt), metric_text(rel_diff(ref, tgt))]
         ratio = row.ratio
-        cells += [_sci(row.error), _sci(row.band),
+        cells += [metric_text(row.error), metric_text(row.band),
                   "-" if ratio is None else f"{ratio:6.2f}x" + ("!" if row.outside else " "), row.by]
         style = "bold red" if row.step == result.step else ("red" if row.outside else "")
         table.add_row(*(Text(safe_text(c)) for c in cells), style=style)
@@ -96,30 +79,27 @@ def print_steps(console: Console, result: StepsResult, *, show_all: bool = False
 
 
 def write_steps_csv(result: StepsResult, path: Union[str, Path, Destination]) -> None:
-    """One line per step: status, the three metrics of both runs and their difference, error, band, ratio."""
+    """One line per step: status, the three metrics of both runs and their difference, error, band, ratio, and its
+    role (as one iteration's CSV: `verdict` for the step the verdict names, `first_difference`)."""
     dest = destination(path, "--csv", stdout_ok=True)
     fields = ["step", "status", "bitwise"] + [f"{n}_{s}" for n, _ in METRICS for s in ("reference", "target",
                                                                                          "difference")]
-    fields += ["error", "band", "ratio", "of", "nonfinite"]
+    fields += ["error", "band", "ratio", "of", "nonfinite", "role"]
     with open_text(dest, errors="backslashreplace", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
-        for row in result.rows:
+        for i, row in enumerate(result.rows):
             data: dict[str, Any] = {"step": row.step, "status": row.status, "bitwise": int(row.bitwise),
                                     "error": row.error, "band": row.band, "ratio": row.ratio, "of": row.by,
-                                    "nonfinite": int(row.nonfinite)}
+                                    "nonfinite": int(row.nonfinite), "role": " ".join(result.verdict_obj.roles(i))}
             for name, _ in METRICS:
                 ref, tgt = getattr(row, name)
-                data |= {f"{name}_reference": ref, f"{name}_target": tgt, f"{name}_difference": _rel(row, name)}
+                data |= {f"{name}_reference": ref, f"{name}_target": tgt, f"{name}_difference": rel_diff(ref, tgt)}
             writer.writerow(data)
 
 
 # -- the page -------------------------------------------------------------------------------------------------------
 REF_COLOR, TGT_COLOR, TWIN_COLOR = PHASE_COLORS["forward"], PHASE_COLORS["backward"], PHASE_COLORS["param_grad"]
-
-
-def _esc(text: Any) -> str:
-    return html.escape(str(text).encode("utf-8", "backslashreplace").decode("utf-8"), quote=True)
 
 
 class _Plot:
@@ -233,9 +213,7 @@ def _errors(result: StepsResult, index: Optional[int]) -> str:
 
 def render_steps_html(result: StepsResult) -> str:
     verdict = result.verdict_obj
-    index = next((i for i, r in enumerate(result.rows) if r.step == result.step), None)
-    banner = f"<h1>{_esc(verdict.headline)}</h1>" + "".join(
-        f"<p class='{'key' if line.startswith('  oneiter') else ''}'>{_esc(line)}</p>" for line in verdict.details)
+    index = verdict.index
     runs = "".join(f"<tr><td>{label}</td><td>{_esc(path)}</td>" + "".join(
         f"<td>{_esc(meta.get(k, '-'))}</td>" for k in ("model", "device", "dtype", "amp")) + "</tr>"
         for label, path, meta in (("reference", result.reference, result.meta_reference),
@@ -252,21 +230,18 @@ def render_steps_html(result: StepsResult) -> str:
                                              "band", "ratio"))
     body = "".join(
         f"<tr class='{'first' if r.step == result.step else ''}'><td>{r.step}</td><td>{_esc(r.status)}</td>"
-        + "".join(f"<td class='num'>{_sci(v)}</td>" for n, _ in METRICS for v in getattr(r, n))
-        + f"<td class='num'>{_sci(r.error)}</td><td class='num'>{_sci(r.band)}</td>"
+        + "".join(f"<td class='num'>{metric_text(v)}</td>" for n, _ in METRICS for v in getattr(r, n))
+        + f"<td class='num'>{metric_text(r.error)}</td><td class='num'>{metric_text(r.band)}</td>"
         f"<td class='num'>{'-' if r.ratio is None else f'{r.ratio:.2f}x'}</td></tr>" for r in result.rows)
-    data = json.dumps(json_ready(result.as_dict()), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
-    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    status = verdict.status
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare (steps): {status}"
-            f"</title><style>{_CSS}</style></head><body><header class='banner {status}' id='verdict'>{banner}"
-            f"</header><section><h2>Runs</h2><div class='scroll'><table class='runs'><tr><th>run</th><th>file</th>"
-            f"<th>model</th><th>device</th><th>dtype</th><th>amp</th></tr>{runs}</table></div></section>"
+    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare (steps): "
+            f"{verdict.status}</title><style>{_CSS}</style></head><body>{banner(verdict)}<section><h2>Runs</h2>"
+            f"<div class='scroll'><table class='runs'><tr><th>run</th><th>file</th><th>model</th><th>device</th>"
+            f"<th>dtype</th><th>amp</th></tr>{runs}</table></div></section>"
             f"<section><h2>Curves</h2>{legend}{curves}</section>"
             f"<section><h2>Error per step</h2>{_errors(result, index)}</section>"
             f"<section><h2>Steps</h2><div class='scroll'><table id='rows'><thead><tr>{head}</tr></thead><tbody>"
             f"{body}</tbody></table></div></section>"
-            f'<script type="application/json" id="oneiter-data">{data}</script></body></html>\n')
+            f"{_embedded(result.as_dict())}</body></html>\n")
 
 
 def write_steps_html(result: StepsResult, path: Union[str, Path, Destination]) -> Path:

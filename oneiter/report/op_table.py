@@ -14,9 +14,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from rich.table import Table
-
-from oneiter.report.terminal import cell, safe_text
+from oneiter.formatting import sci
+from oneiter.report.terminal import cell, plain_table, safe_text
 
 __all__ = ["print_ops", "rows_shown", "ops_section", "print_drill", "ALL_ROWS", "AROUND", "TOP"]
 
@@ -43,19 +42,15 @@ def rows_shown(doc: dict[str, Any]) -> tuple[list[dict], str]:
     return [rows[i] for i in sorted(chosen)], f"showing {what} of {len(rows)} that compute; --json has every op"
 
 
-def _sci(value) -> str:
-    return "-" if value is None else f"{value:.2e}"
-
-
 def _cells(row: dict) -> tuple:
     """A row's cells: inputs as `shape dtype` (bf16 for bfloat16, f32 for float32, ...), strides per input."""
     ratio = "-" if row["ratio"] is None else f"{row['ratio']:.1f}x" + ("!" if row["flagged"] else "")
-    error = _sci(row["rel_l2"]) if not row["mismatch"] else f"{row['mismatch']} NaN/Inf"
+    error = sci(row["rel_l2"]) if not row["mismatch"] else f"{row['mismatch']} NaN/Inf"
     inputs = " ".join(f"{'x'.join(map(str, s)) or '()'} {_short_dtype(d)}" for s, d in zip(row["shapes"], row["dtypes"],
                                                                                          strict=True))
     strides = " ".join(f"({','.join(map(str, s))})" for s in row["strides"])
     note = f" [{row['note']}]" if row["note"] and row["rel_l2"] is None else ""
-    return str(row["index"]), row["op"] + note, row["phase"], inputs, strides, error, _sci(row["noise"]), ratio
+    return str(row["index"]), row["op"] + note, row["phase"], inputs, strides, error, sci(row["noise"]), ratio
 
 
 def _short_dtype(name: str) -> str:
@@ -69,7 +64,7 @@ def print_ops(console, doc: dict[str, Any]) -> None:
         console.print(cell(line), style=style)
     rows, note = rows_shown(doc)
     if rows:
-        table = Table(header_style="bold", box=None, pad_edge=False)
+        table = plain_table()
         for name in COLUMNS:
             table.add_column(name, justify="right" if name in _NUMERIC else "left",
                              overflow="fold", no_wrap=name not in ("inputs", "strides"))

@@ -38,8 +38,10 @@ import numpy as np
 from oneiter.errors import warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.numbers import flat_numbers
-from oneiter.judge.iteration.engine import PHASES, CompareResult
-from oneiter.judge.iteration.verdict import entry_name, num
+from oneiter.formatting import num
+from oneiter.judge.iteration.entries import PHASES
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.verdict import entry_name
 from oneiter.outputs import resolve_folder
 from oneiter.report.html import Document, as_document, culprit_row, find_row, verdict_of
 

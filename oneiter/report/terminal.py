@@ -19,12 +19,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from oneiter.judge.iteration.engine import CompareResult, Row, nan_inf_text
-from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED
+from oneiter.formatting import sci
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Row, nan_inf_text
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.outputs import Destination, destination, open_text
 
-__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "rows_to_show", "print_wide",
-           "safe_text", "BEFORE", "AFTER"]
+__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "rows_to_show",
+           "print_wide", "plain_table", "metric_text", "safe_text", "cell", "BEFORE", "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
 
@@ -51,11 +52,6 @@ def safe_text(text: object) -> str:
 def cell(text: object) -> Text:
     """A table cell holding file text: a `Text` (a plain `str` cell would be parsed as rich markup)."""
     return Text(safe_text(text))
-
-
-def _sci(value: Optional[float]) -> str:
-    """A metric; "-" where it was not measured (None, or NaN: a stats-level entry has no elementwise numbers)."""
-    return "-" if value is None or value != value else f"{value:9.2e}"
 
 
 # -- JSON / CSV -----------------------------------------------------------------------------------------------------
@@ -145,10 +141,21 @@ def _pair(ref: str, tgt: str) -> str:
     return ref if ref == tgt else f"{ref}|{tgt}"
 
 
-def _table(result: CompareResult, indices: list[int], caption: str) -> Table:
+def plain_table(caption: str = "") -> Table:
+    """The table every terminal report prints: no box, bold headers, the caption (what was left out) below."""
+    return Table(caption=caption or None, caption_justify="left", header_style="bold", box=None, pad_edge=False)
+
+
+def metric_text(value: Optional[float]) -> str:
+    """A metric, fixed width; "-" where it was not measured (None, or NaN: a stats-level entry has no elementwise
+    numbers)."""
+    return sci(value, 9, nan="-")
+
+
+def _rows_table(result: CompareResult, indices: list[int], caption: str) -> Table:
     """Columns by importance, left to right: a narrow terminal crops the least useful ones. NaN/Inf counts come
     first: the value metrics only see the finite elements."""
-    table = Table(caption=caption or None, caption_justify="left", header_style="bold", box=None, pad_edge=False)
+    table = plain_table(caption)
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("entry", overflow="fold", min_width=16)
     table.add_column("status", no_wrap=True)
@@ -165,8 +172,8 @@ def _table(result: CompareResult, indices: list[int], caption: str) -> Table:
         cells = _cells(result.rows[i], i)
         if result.local:
             local = result.local_for(result.rows[i])
-            cells[9:9] = ["-"] * 3 if local is None else [
-                _sci(local.rel_l2), _sci(local.expected), f"{local.ratio:5.1f}x" + ("!" if local.flagged else " ")]
+            cells[9:9] = ["-"] * 3 if local is None else [metric_text(local.rel_l2), metric_text(local.expected),
+                                                          f"{local.ratio:5.1f}x" + ("!" if local.flagged else " ")]
         if i == focus:
             cells[0] = f">{i}"  # visible without colour too (pipes, CI logs)
         table.add_row(*(cell(c) for c in cells), style=_style(result, i, focus))
@@ -181,8 +188,8 @@ def _cells(row: Row, index: int) -> list[str]:
         shape = _dims(row.shape or row.shape_target)
     dtype = _pair(row.dtype or "-", row.dtype_target or "-")
     numbers = ["-"] * 5 if m is None else [
-        _sci(m.max_abs), _sci(m.max_rel), _sci(m.rel_l2), "-" if m.cosine != m.cosine else f"{m.cosine:9.6f}",
-        f"{m.frac_out:7.2%}"]
+        *(metric_text(v) for v in (m.max_abs, m.max_rel, m.rel_l2)),
+        "-" if m.cosine != m.cosine else f"{m.cosine:9.6f}", f"{m.frac_out:7.2%}"]
     return [str(index), row.name, row.status, nan_inf_text(m), *numbers, shape, dtype]
 
 
@@ -203,12 +210,20 @@ def _describe(meta: dict) -> str:
     return ", ".join(f"{k} {meta[k]}" for k in _SHOWN_META if meta.get(k) not in (None, ""))
 
 
-def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
-    """Verdict, inputs, counts, then the table of the rows that matter."""
-    verdict = result.verdict_obj
+_NOTICE = ("hint:", "NaN/Inf", "warning:")  # details printed in yellow
+
+
+def print_verdict(console: Console, verdict) -> None:
+    """The verdict block every terminal report leads with (one iteration's `Verdict`, two multi-step recordings'
+    `StepVerdict`): the headline in its status's colour, then the details, hints and warnings in yellow."""
     console.print(Text(safe_text(verdict.headline), style=_STYLES[verdict.status]))
     for line in verdict.details:
-        console.print(Text(safe_text(line), style="yellow" if line.startswith(("hint:", "NaN/Inf")) else ""))
+        console.print(Text(safe_text(line), style="yellow" if line.startswith(_NOTICE) else ""))
+
+
+def print_report(console: Console, result: CompareResult, *, show_all: bool = False) -> None:
+    """Verdict, inputs, counts, then the table of the rows that matter."""
+    print_verdict(console, result.verdict_obj)
     for label, path, meta in (("reference", result.reference, result.meta_reference),
                               ("target", result.target, result.meta_target)):
         loss = result.loss.get(label)
@@ -218,7 +233,7 @@ def print_report(console: Console, result: CompareResult, *, show_all: bool = Fa
     console.print(Text(f"entries   {len(result.rows)}: {counts}"))
     indices, caption = rows_to_show(result, show_all=show_all)
     if indices:
-        print_wide(console, _table(result, indices, caption))
+        print_wide(console, _rows_table(result, indices, caption))
 
 
 def print_wide(console: Console, table: Table) -> None:

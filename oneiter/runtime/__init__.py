@@ -2,8 +2,12 @@
 
 - `modelspec.py`   `--model` specs: built-in names and `file.py:function` builders
 - `training.py`    one training iteration (forward, loss, backward, step) and the optimizers
-- `devices.py`     device names, vendor plugins imported lazily (torch_npu, torch_mlu, torch_dipu)
+- `devices.py`     the device table: device names, vendor plugins imported lazily, what differs per device type
 - `precision.py`   dtypes, autocast, unit roundoff
+- `precision_modes.py` reduced-precision float32 modes (TF32, HF32): what torch's flags say, and their rounding
 - `distributed.py` torchrun ranks, DDP, per-rank file names
+- `sharding.py`    sharded parameters (FSDP2): a rank's own shard, and how gradients are reduced
+- `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
+- `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
 - `compiled.py`    torch.compile'd blocks: found, hooked from outside their compiled code, compiled on request
 """

@@ -1,9 +1,12 @@
 """The device table, and resolving a user's device string to a `torch.device`.
 
 Everything oneiter does differently per device type reads `DEVICE_TYPES` (through `device_type`): the vendor
-plugin to import and the pip package to name when it is missing (here), the torch.distributed backend
-(`distributed.py`), the profiler activity and the allocator's memory history (`profile/runner.py`), the default
-autocast dtype (`integrations/mmengine.py`). A new device is one row here.
+plugin to import and the pip package to name when it is missing (here, and in every op reproducer
+`record/replay/op_repro.py` writes, which `format/op_case.py` reads without importing oneiter), the
+torch.distributed backend (`distributed.py`), the profiler activity and the allocator's memory history
+(`profile/run_parts.py`), the default autocast dtype (`integrations/mmengine.py`), and which torch flags make its
+float32 matmuls and convolutions run in a reduced precision (`precision_modes.py`). A new device is one row here
+(and, for a vendor whose reduced-precision flags oneiter does not know yet, their reading in `precision_modes.py`).
 
 `npu` needs torch_npu (Ascend), `mlu` torch_mlu (Cambricon), `dipu` torch_dipu (DIPU/DIOPI chips); `cuda` and
 `xpu` are built into torch builds that have them. Plugins are imported here and nowhere else, lazily, so a CPU
@@ -20,7 +23,7 @@ from oneiter.errors import DeviceError
 
 __all__ = [
     "DeviceType", "DEVICE_TYPES", "PRIVATEUSE1", "PRIVATEUSE1_SINCE", "device_type", "profiler_activity",
-    "memory_history_api", "resolve_device", "device_name",
+    "memory_history_api", "resolve_device", "device_name", "plugins",
 ]
 
 
@@ -42,13 +45,17 @@ class DeviceType:
     mirror it): the allocator history behind `--profile-memory`'s snapshot."""
     autocast_dtype: str = "float16"
     """The dtype autocast uses when a run asks for mixed precision without naming one (torch's own defaults)."""
+    precision_flags: str | None = None
+    """Which torch flags say its float32 matmuls and convolutions run reduced (`precision_modes.py` reads them):
+    `cuda` (TF32: torch.backends.cuda and cudnn), `mkldnn` (oneDNN on the CPU), `npu` (torch_npu's HF32 switches);
+    None: none known, float32 stays float32."""
 
 
 DEVICE_TYPES: dict[str, DeviceType] = {t.name: t for t in (
-    DeviceType("cpu", backend="gloo", autocast_dtype="bfloat16"),
-    DeviceType("cuda", backend="nccl", activity="CUDA", memory_history=True),
+    DeviceType("cpu", backend="gloo", autocast_dtype="bfloat16", precision_flags="mkldnn"),
+    DeviceType("cuda", backend="nccl", activity="CUDA", memory_history=True, precision_flags="cuda"),
     DeviceType("npu", plugin="torch_npu", package="torch-npu", backend="hccl", activity="PrivateUse1",
-               memory_history=True),
+               memory_history=True, precision_flags="npu"),
     DeviceType("mlu", plugin="torch_mlu", package="torch_mlu (Cambricon's PyTorch plugin)", backend="cncl",
                activity="PrivateUse1", memory_history=True),
     DeviceType("dipu", plugin="torch_dipu", package="torch_dipu (DeepLink's DIPU)", activity="PrivateUse1"),
@@ -100,6 +107,11 @@ def memory_history_api(name: str):
     memory = getattr(getattr(torch, name, None), "memory", None)
     wanted = ("_record_memory_history", "_dump_snapshot")
     return memory if all(callable(getattr(memory, f, None)) for f in wanted) else None
+
+
+def plugins() -> dict[str, str]:
+    """Device type -> the vendor plugin module that registers it, for the types that need one."""
+    return {t.name: t.plugin for t in DEVICE_TYPES.values() if t.plugin}
 
 
 def _import_plugin(dev_type: DeviceType) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from oneiter.errors import OneIterError
 
 __all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype",
-           "autocast_for"]
+           "autocast_for", "active_autocast"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -54,3 +54,20 @@ def autocast_for(device, amp: str | None):
     if amp not in AMP_DTYPES:
         raise OneIterError(f"--amp must be one of {', '.join(AMP_DTYPES)}, got '{amp}'")
     return torch.autocast(device_type=device.type, dtype=getattr(torch, AMP_DTYPES[amp]))
+
+
+def active_autocast(device_type: str) -> str | None:
+    """The autocast in force for `device_type` right now, as `amp` names it ("bf16", "fp16"; None: off, or a dtype
+    `amp` has no name for)."""
+    import torch
+
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        dtype = torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError, RuntimeError):  # torch < 2.4: no per-device-type query
+        if device_type != "cpu" or not torch.is_autocast_cpu_enabled():
+            return None
+        dtype = torch.get_autocast_cpu_dtype()
+    names = {name: short for short, name in AMP_DTYPES.items()}
+    return names.get(str(dtype).removeprefix("torch."))

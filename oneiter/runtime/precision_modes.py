@@ -14,7 +14,10 @@ are what torch was asked, not what the hardware did: a CPU without AMX or a GPU 
 whatever they say (for CUDA the compute capability is checked; for the CPU it cannot be, so the recorded mode is
 the flag's). The local probes' calibration (`oneiter/record/local/reduced.py`) reruns the governed ops with their
 float32 operands rounded by `round_mantissa`, so the expected noise holds the precision the run really had.
-torch_npu is never imported here: its flags are read only when the program imported it.
+
+Which flags a device type reads is its row's `precision_flags` (`runtime/devices.py`: `cuda`, `mkldnn`, `npu`);
+this module knows how to read each family of flags. A vendor plugin is never imported here: its flags are read
+only when the program imported it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import json
 import sys
 from typing import Any
+
+from oneiter.runtime.devices import DEVICE_TYPES, device_type
 
 __all__ = ["FAMILIES", "MANTISSA_BITS", "FAMILY_OPS", "current", "read_settings", "modes_for", "reduced",
            "to_attr", "from_attr", "describe", "round_mantissa", "roundoff"]
@@ -43,19 +48,19 @@ _NEW_API = (
     "torch.backends.mkldnn.conv.fp32_precision",
 )
 _LEGACY = ("torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32")
-_NPU = ("torch.npu.matmul.allow_hf32", "torch.npu.conv.allow_hf32")
-# where each family's flag of a device type inherits from when it says "none": the leaf first, the generic last
+# flags a vendor plugin adds to torch, by the `precision_flags` of the device types it registers
+_PLUGIN_FLAGS = {"npu": ("torch.npu.matmul.allow_hf32", "torch.npu.conv.allow_hf32")}
+# where each family's flag inherits from when it says "none", by `precision_flags`: the leaf first, the generic last
 _CHAINS = {
     "cuda": {"matmul": ("torch.backends.cuda.matmul.fp32_precision", "torch.backends.cudnn.fp32_precision",
                         "torch.backends.fp32_precision"),
              "conv": ("torch.backends.cudnn.conv.fp32_precision", "torch.backends.cudnn.fp32_precision",
                       "torch.backends.fp32_precision")},
-    "cpu": {"matmul": ("torch.backends.mkldnn.matmul.fp32_precision", "torch.backends.mkldnn.fp32_precision",
+    "mkldnn": {"matmul": ("torch.backends.mkldnn.matmul.fp32_precision", "torch.backends.mkldnn.fp32_precision",
                        "torch.backends.fp32_precision"),
-            "conv": ("torch.backends.mkldnn.conv.fp32_precision", "torch.backends.mkldnn.fp32_precision",
-                     "torch.backends.fp32_precision")},
+               "conv": ("torch.backends.mkldnn.conv.fp32_precision", "torch.backends.mkldnn.fp32_precision",
+                        "torch.backends.fp32_precision")},
 }
-_FLAGS_NAME = {"cuda": "cuda flags", "cpu": "mkldnn flags", "npu": "npu flags"}
 
 
 def _read(name: str) -> Any:
@@ -78,7 +83,8 @@ def read_settings() -> dict[str, Any]:
     """Every reduced-precision flag this torch has, as it reads now (name -> value)."""
     import torch
 
-    names = [*_NEW_API, *_LEGACY, *(_NPU if "torch_npu" in sys.modules else ())]
+    imported = {t.precision_flags for t in DEVICE_TYPES.values() if t.plugin in sys.modules}
+    names = [*_NEW_API, *_LEGACY, *(f for flags, names in _PLUGIN_FLAGS.items() if flags in imported for f in names)]
     found = {name: _read(name) for name in names}
     try:
         found["torch.get_float32_matmul_precision()"] = torch.get_float32_matmul_precision()
@@ -104,39 +110,42 @@ def _legacy_cuda(settings: dict[str, Any], family: str) -> str:
     return "tf32" if flag is True else IEEE
 
 
-def modes_for(device_type: str, settings: dict[str, Any]) -> dict[str, str]:
-    """family -> mode (`ieee`, `tf32`, `hf32`, `bf16`) that the flags of `device_type` give float32 ops."""
-    if device_type == "npu":
+def modes_for(type_name: str, settings: dict[str, Any]) -> dict[str, str]:
+    """family -> mode (`ieee`, `tf32`, `hf32`, `bf16`) that the flags of device type `type_name` (its row's
+    `precision_flags`) give float32 ops."""
+    flags = device_type(type_name).precision_flags
+    if flags == "npu":
         return {f: "hf32" if settings.get(f"torch.npu.{f}.allow_hf32") is True else IEEE for f in FAMILIES}
-    chains = _CHAINS.get(device_type)
+    chains = _CHAINS.get(flags)
     if chains is None:
         return dict.fromkeys(FAMILIES, IEEE)
     modes = {}
     for family, chain in chains.items():
         mode = _resolve(settings, chain)
         if mode is None:  # a torch without the fp32_precision API
-            mode = _legacy_cuda(settings, family) if device_type == "cuda" else IEEE
+            mode = _legacy_cuda(settings, family) if flags == "cuda" else IEEE
         modes[family] = mode
     return modes
 
 
-def _cuda_without_tf32(device_type: str) -> bool:
+def _cuda_without_tf32(flags: str | None) -> bool:
     """Whether the run's GPU has no TF32 (compute capability below 8.0): its float32 stays float32."""
     import torch
 
-    if device_type != "cuda" or not torch.cuda.is_available():
+    if flags != "cuda" or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability()[0] < 8
 
 
-def current(device_type: str) -> dict[str, Any]:
-    """The modes in force for a run on `device_type`: {device_type, flags, matmul, conv, settings}."""
+def current(type_name: str) -> dict[str, Any]:
+    """The modes in force for a run on device type `type_name`: {device_type, flags, matmul, conv, settings}."""
     settings = read_settings()
-    modes = modes_for(device_type, settings)
+    modes = modes_for(type_name, settings)
+    flags = device_type(type_name).precision_flags
     note = ""
-    if _cuda_without_tf32(device_type) and any(m == "tf32" for m in modes.values()):
+    if _cuda_without_tf32(flags) and any(m == "tf32" for m in modes.values()):
         modes, note = dict.fromkeys(FAMILIES, IEEE), "the GPU has no TF32 (compute capability below 8.0)"
-    out = {"device_type": device_type, "flags": _FLAGS_NAME.get(device_type, ""), **modes, "settings": settings}
+    out = {"device_type": type_name, "flags": f"{flags} flags" if flags else "", **modes, "settings": settings}
     if note:
         out["note"] = note
     return out

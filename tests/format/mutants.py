@@ -131,7 +131,7 @@ def _record_steps(out: Path) -> None:
         model(rec.inputs(x)).square().mean().backward()
         opt.step()
 
-    with oneiter.Recorder(model, out, optimizer=opt, name="mlp", steps=3, meta={"batch_size": 3}) as rec:
+    with oneiter.StepRecorder(model, out, optimizer=opt, name="mlp", steps=3, meta={"batch_size": 3}) as rec:
         rec.run(one_step)
 
 

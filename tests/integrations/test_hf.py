@@ -15,6 +15,7 @@ from conftest import FAULT_ENV, MODEL_FILES, compare_verdict  # noqa: E402
 import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
 from oneiter.integrations.hf import OneIterCallback  # noqa: E402
+from oneiter.record.options import RecordOptions  # noqa: E402
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -113,6 +114,23 @@ def test_callback_arguments_are_checked(tmp_path, trainer_ref):
         OneIterCallback(step=0, out=ref)
     with pytest.raises(OneIterError, match="step must be below the run's 4 steps, got 9"):
         _train(tmp_path, OneIterCallback(step=9, out=tmp_path / "late.h5"), model_seed=0, data_seed=0)
+
+
+def test_callback_takes_its_settings_as_record_options(tmp_path, trainer_ref):
+    """`options=RecordOptions(...)`: the settings of `oneiter.Recorder`, here a statistics-level replay with the
+    file's own model name; the Trainer's autocast is no setting of the callback."""
+    ref, _ = trainer_ref
+    options = RecordOptions(out=tmp_path / "stats.h5", replay=ref, level="stats", name="llama")
+    _train(tmp_path, OneIterCallback(step=2, options=options), model_seed=3, data_seed=7)
+    with h5py.File(tmp_path / "stats.h5", "r") as f:
+        assert (f.attrs["level"], f.attrs["model"], f.attrs["framework"]) == ("stats", "llama", "transformers")
+    assert oneiter.compare(ref, tmp_path / "stats.h5").status == "match"
+    with pytest.raises(OneIterError, match="takes options= or the recording's keywords"):
+        OneIterCallback(step=2, options=options, force=True)
+    with pytest.raises(OneIterError, match="amp is the training framework's own"):
+        OneIterCallback(step=2, options=RecordOptions(out=tmp_path / "x.h5", amp="bf16"))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seeds'"):
+        OneIterCallback(step=2, out=tmp_path / "x.h5", seeds=3)
 
 
 # -- the Trainer with its defaults (AdamW, gradient clipping), as the README's example runs it ------------------------

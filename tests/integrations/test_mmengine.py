@@ -19,6 +19,7 @@ import oneiter.integrations.mmengine as integration  # noqa: E402  (registers th
 from oneiter.errors import OneIterError  # noqa: E402
 from oneiter.format.layout import IterationFile  # noqa: E402
 from oneiter.judge.iteration.engine import compare_files  # noqa: E402
+from oneiter.record.options import RecordOptions  # noqa: E402
 
 
 class ToyNet(BaseModel):
@@ -129,6 +130,27 @@ def test_record_hook_arguments_are_checked(tmp_path, reference):
         integration.OneIterRecordHook(iteration=0, out=tmp_path / "x.h5", include="(")
     with pytest.raises(ValueError, match=r"less than the number of training iterations \(3\)"):
         train(tmp_path / "late", [dict(type="OneIterRecordHook", iteration=3, out=str(tmp_path / "late.h5"))])
+
+
+def test_record_hook_takes_its_settings_as_record_options(reference, tmp_path):
+    """`options=RecordOptions(...)`, as a Python caller gives them: the same recording as the keywords make (here a
+    statistics-level replay of the reference), the preprocessor still skipped; the framework's autocast is not a
+    setting."""
+    options = RecordOptions(out=tmp_path / "stats.h5", replay=reference, level="stats", meta={"run": "nightly"})
+    hook = integration.OneIterRecordHook(iteration=1, options=options)
+    assert hook.options.skip == ("data_preprocessor",) and hook.options.manage_autocast is False
+    train(tmp_path / "stats", [hook], model_seed=1, data_seed=1)
+    with IterationFile(tmp_path / "stats.h5") as f:
+        assert (f.meta["level"], f.meta["replay_of"], f.meta["run"], f.meta["framework"]) == (
+            "stats", str(reference), "nightly", "mmengine")
+        assert [attrs["module"] for _, attrs in f.calls()] == ["", "conv", "bn", "relu", "drop", "fc"]
+    assert compare_files(reference, tmp_path / "stats.h5").status == "match"
+    with pytest.raises(ValueError, match="takes options= or the recording's keywords"):
+        integration.OneIterRecordHook(iteration=1, options=options, seed=3)
+    with pytest.raises(ValueError, match="amp is the training framework's own"):
+        integration.OneIterRecordHook(iteration=1, out=tmp_path / "x.h5", amp="bf16")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seeds'"):
+        integration.OneIterRecordHook(iteration=1, out=tmp_path / "x.h5", seeds=3)
 
 
 def test_failed_iteration_leaves_no_file_and_no_hooks(tmp_path):

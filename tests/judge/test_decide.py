@@ -8,9 +8,9 @@ from typing import Optional
 
 import pytest
 
-from oneiter.judge.iteration.blame import LocalMetrics, LocalResult
-from oneiter.judge.iteration.engine import CompareResult, Row
+from oneiter.judge.iteration.entries import LocalMetrics, LocalResult, Row
 from oneiter.judge.iteration.findings import PRIORITY, Finding, row_findings, strongest
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.verdict import FOCUS, Verdict, culprit_reason, decide, settle_rows
 from oneiter.judge.measure.metrics import Metrics
 from oneiter.judge.measure.tolerance import Tolerance

@@ -22,6 +22,7 @@ from conftest import FAULT_ENV, MODEL_FILES, replay, run_cli
 
 from oneiter.format import op_case
 from oneiter.judge.replay.op_verdict import flagged, replay_ops
+from oneiter.runtime.devices import DEVICE_TYPES
 
 pytest.importorskip("transformers")
 
@@ -120,6 +121,8 @@ def test_the_reproducer_exits_1_on_the_faulty_stack_and_0_on_the_clean_one(llama
     with h5py.File(case / "case.h5", "r") as f:  # DIOPI-style: inputs by argument name, expected outputs, tolerances
         assert (f.attrs["op"], f.attrs["phase"], list(f[op_case.INPUTS])) == ("aten::silu", "forward", ["self"])
         assert f[op_case.OUTPUTS]["0"].attrs["dtype"] == "float64" and 0 < f.attrs["rtol"] < 1e-5
+        # repro.py cannot import oneiter's device table: the case names its plugins (device type -> module)
+        assert json.loads(f.attrs["plugins"]) == {t.name: t.plugin for t in DEVICE_TYPES.values() if t.plugin}
 
     def repro(*extra: str, **env: str) -> subprocess.CompletedProcess:
         # oneiter made unimportable: the reproducer must run without it
@@ -135,6 +138,10 @@ def test_the_reproducer_exits_1_on_the_faulty_stack_and_0_on_the_clean_one(llama
     clean = repro()
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "OK: the op's error on cpu is" in clean.stdout and ": pass" in clean.stdout
+    with h5py.File(case / "case.h5", "r+") as f:  # the plugin of the device it runs on comes from the case
+        f.attrs["plugins"] = json.dumps({"cpu": "faulty_kernels"})
+    named = repro(FAULTY_KERNEL="silu")
+    assert named.returncode == 1 and "WRONG: the op's error on cpu is" in named.stdout, named.stdout + named.stderr
 
 
 def test_compare_drill_traces_the_culprit_call_and_shows_its_ops(llama, plugin, tmp_path):
@@ -158,13 +165,6 @@ def test_compare_drill_traces_the_culprit_call_and_shows_its_ops(llama, plugin, 
     assert "drill: not run here (the target's device is not on this machine" in res.stdout
     assert (f"oneiter replay {llama} --layer model.layers.0.mlp.act_fn --call 0 --ops --device npu:0 --dtype float32 "
             f"--amp none --model {LLAMA}") in res.stdout.replace("\n", " ").replace("  ", " ")
-
-
-def test_the_reproducer_imports_the_plugins_of_oneiters_device_table():
-    """repro.py cannot import oneiter's device table, so it holds a copy: the same plugins."""
-    from oneiter.runtime.devices import DEVICE_TYPES
-
-    assert op_case.PLUGINS == {t.name: t.plugin for t in DEVICE_TYPES.values() if t.plugin}
 
 
 def test_bad_op_options_are_one_line_exit_2(llama, tmp_path):

@@ -15,6 +15,7 @@ from conftest import FAULT_ENV, MODEL_FILES, run_cli  # noqa: E402
 
 from oneiter.format.layout import IterationFile  # noqa: E402
 from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE, RECORDED  # noqa: E402
+from oneiter.judge.iteration.findings import STEP_PRIORITY  # noqa: E402
 
 SPEC = f"{MODEL_FILES / 'hf_llama.py'}:build_steps"
 RARE_FAULT = "ids:90:0.01"  # the embedding's rows of the ids first seen at step 6, 1 % off
@@ -74,10 +75,21 @@ def test_a_kernel_wrong_for_tokens_first_seen_at_step_6_is_named_at_step_6(refer
     exact float32 run drifts by roundings), and the verdict prints the two commands that record step 6 in full;
     run as printed, they name the embedding."""
     target = _replay(reference, tmp_path / "tgt.h5", monkeypatch, fault=RARE_FAULT)
-    res, report = _compare(reference, target, tmp_path)
+    res, report = _compare(reference, target, tmp_path, "--csv", tmp_path / "steps.csv", "--html",
+                           tmp_path / "steps.html")
     verdict = report["verdict"]
     assert (res.exit_code, verdict["status"], verdict["basis"], verdict["step"]) == (1, "diverged", "band", 6)
     assert verdict["headline"].startswith("DIVERGED at step 6: the error of its gradients")
+    # one verdict system: each step outside is a finding in one iteration's JSON shape, and the writers are the
+    # one-iteration report's (the HTML banner's title and reason, the CSV's role)
+    title, reason = verdict["headline"].split(": ", 1)
+    assert verdict["focus"] == "step" and verdict["findings"][0] == {
+        "kind": "step", "priority": STEP_PRIORITY["step"], "entry": 6, "reason": reason}
+    assert [f["entry"] for f in verdict["findings"]] == [i for i, s in enumerate(report["steps"])
+                                                          if s["status"] == "outside band"]
+    assert f"<h1>{title}</h1><p class='reason'>" in (tmp_path / "steps.html").read_text()
+    roles = [line.rsplit(",", 1)[1] for line in (tmp_path / "steps.csv").read_text().splitlines()[1:]]
+    assert roles[6] == "verdict first_difference" and roles[:6] == [""] * 6  # steps 0-5 were bitwise
     steps = report["steps"]
     assert [s["status"] for s in steps[:7]] == ["bitwise"] * 6 + ["outside band"]
     assert steps[6]["ratio"] > 20 and all(s["error"] == 0 for s in steps[:6])

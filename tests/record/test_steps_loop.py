@@ -1,4 +1,4 @@
-"""Several steps recorded through `oneiter.Recorder` in a hand-written loop (`steps=`, `rec.run(fn)`), and one step
+"""Several steps recorded through `oneiter.StepRecorder` in a hand-written loop (`steps=`, `rec.run(fn)`), and one step
 recorded at step 6 of such a loop: the same findings as `oneiter record --steps` / `--step` (tests/judge/
 test_steps.py), on the tiny Hugging Face Llama whose step 6 first holds token ids >= 90."""
 
@@ -52,7 +52,7 @@ def loop_ref(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         model, opt, batch = _llama(0, mp)
     out = tmp_path_factory.mktemp("loop") / "ref.h5"
-    with oneiter.Recorder(model, out, optimizer=opt, steps=STEPS) as rec:
+    with oneiter.StepRecorder(model, out, optimizer=opt, steps=STEPS) as rec:
         rec.run(_body(model, opt, batch, rec))
     assert rec.summary.num_steps == STEPS
     return out
@@ -61,7 +61,7 @@ def loop_ref(tmp_path_factory):
 def _replay(ref, out, monkeypatch, **kwargs):
     model, opt, batch = _llama(5, monkeypatch, kwargs.pop("fault", ""))  # other weights: the replay loads them
     try:
-        with oneiter.Recorder(model, out, optimizer=opt, replay=ref, steps=STEPS, **kwargs) as rec:
+        with oneiter.StepRecorder(model, out, optimizer=opt, replay=ref, steps=STEPS, **kwargs) as rec:
             rec.run(_body(model, opt, batch, rec))
     finally:
         sys.modules["faultkit"].undo_faults()
@@ -139,12 +139,12 @@ def test_steps_arguments_are_checked(loop_ref, tmp_path, monkeypatch):
     for steps, said in ((0, "steps must be at least 1, got 0"), (True, "steps must be a number of steps"),
                         ([2, 1], "steps must be increasing step numbers")):
         with pytest.raises(OneIterError, match=said):
-            oneiter.Recorder(model, tmp_path / "x.h5", optimizer=opt, steps=steps).__enter__()
+            oneiter.StepRecorder(model, tmp_path / "x.h5", optimizer=opt, steps=steps).__enter__()
     with pytest.raises(OneIterError, match="records 8 steps: replay them with steps=8"):
         with oneiter.Recorder(model, tmp_path / "x.h5", optimizer=opt, replay=loop_ref) as rec:
             _body(model, opt, batch, rec)(0)
     with pytest.raises(OneIterError, match="rec.inputs.. works inside a step"):
-        with oneiter.Recorder(model, tmp_path / "x.h5", optimizer=opt, steps=2) as rec:
+        with oneiter.StepRecorder(model, tmp_path / "x.h5", optimizer=opt, steps=2) as rec:
             rec.inputs(torch.zeros(2, 8, dtype=torch.long))
     assert not (tmp_path / "x.h5").exists()
     with IterationFile(loop_ref) as f:  # the Recorder's file: the same layout as `oneiter record --steps`

@@ -20,7 +20,8 @@ from conftest import run_cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from oneiter.judge.iteration.engine import compare_files
-from oneiter.judge.iteration.verdict import decide
+from oneiter.judge.iteration.findings import PRIORITY
+from oneiter.judge.iteration.verdict import FOCUS, decide
 from oneiter.report.html import render_html
 
 FAULT, INF = "layer3.1.conv2", "layer2.1.conv1"
@@ -145,6 +146,23 @@ def test_five_writers_state_one_verdict(case, outputs):
     if culprit:  # the terminal's `>` row, the JSON's verdict index and the culprit are one row
         focus = next(line for line in out["terminal"].splitlines() if line.lstrip().startswith(">"))
         assert focus.split()[0] == f">{expected['culprit'][2]}" == f">{doc['verdict']['index']}"
+
+
+@pytest.mark.parametrize("case", list(REPLAYS))
+def test_the_json_verdict_lists_its_findings(case, outputs):
+    """`verdict.findings`: every finding the verdict chose among, in the shape two multi-step recordings' verdict
+    has too (tests/judge/test_steps.py); the strongest is the one it names."""
+    verdict = outputs[case]["json"]["verdict"]
+    found = verdict["findings"]
+    assert all(set(f) == {"kind", "priority", "entry", "reason"} and f["priority"] == PRIORITY[f["kind"]]
+               for f in found)
+    if case == "bf16":  # a match rests on no finding
+        assert found == [] and verdict["focus"] is None
+        return
+    top = max(found, key=lambda f: f["priority"])
+    assert top == found[0] and (top["kind"], top["entry"]) == ("culprit", verdict["index"]) and verdict["focus"] == \
+        FOCUS["culprit"]
+    assert top["reason"] == verdict["culprit"]["reason"]
 
 
 def test_a_match_on_local_data_says_what_it_rests_on(outputs):

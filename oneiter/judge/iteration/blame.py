@@ -27,135 +27,20 @@ dtype's tolerance. One that is not explained makes the run diverge with basis `u
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input, split_call_key, split_child_tensor
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
+from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
-from oneiter.judge.measure.metrics import Metrics
+from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
-__all__ = ["UNIT_ROUNDOFF", "NoisePolicy", "LocalResult", "local_results", "find_culprit", "culprit_chain",
+__all__ = ["UNIT_ROUNDOFF", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
-
-
-@dataclass
-class NoisePolicy:
-    """How far above its expected noise a layer's local error may go (per-module overrides from a tolerance file)."""
-
-    factor: float = 4.0
-    """A layer is flagged when local rel-L2 > factor x expected noise."""
-    floor_ulps: float = 1.0
-    """The expected noise is at least this many unit roundoffs of the tensor's dtype."""
-    overrides: list[tuple[str, float]] = field(default_factory=list)
-    """(module glob, factor) pairs; the last matching one wins."""
-    skip: list[str] = field(default_factory=list)
-    """Module globs never flagged (their local error is still shown)."""
-
-    def factor_for(self, module: str) -> float:
-        factor = self.factor
-        for pattern, value in self.overrides:
-            if fnmatch.fnmatchcase(module, pattern):
-                factor = value
-        return factor
-
-    def skipped(self, module: str) -> bool:
-        return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.skip)
-
-    def floor(self, dtype: str) -> float:
-        return self.floor_ulps * unit_roundoff(dtype)
-
-
-@dataclass(frozen=True)
-class LocalMetrics:
-    """The numbers of one local row (what `/local` stores)."""
-
-    num_elements: int
-    rel_l2: float
-    max_abs: float
-    cosine: float
-    num_nan_ref: int
-    num_inf_ref: int
-    num_nan_target: int
-    num_inf_target: int
-    num_mismatch: int
-
-    @property
-    def nonfinite_differs(self) -> bool:
-        """NaN/Inf at other positions or with another sign than in the reference."""
-        return self.num_mismatch > 0
-
-    def as_metrics(self) -> Metrics:
-        """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
-        nan = math.nan
-        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
-                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
-                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
-
-
-@dataclass
-class LocalResult:
-    """The local error of one tensor a module call's own code produced.
-
-    `tensor` is the call's own (`output`, `grad_input.0`) or one it handed a child (`layer1.0.conv2@0:input.0`,
-    `layer1.0.conv2@0:grad_output`); `row_key` is the accumulated entry the same tensor has in the report.
-    """
-
-    module: str
-    call: int
-    phase: str
-    tensor: str
-    dtype: str
-    seq: int
-    metrics: LocalMetrics
-    calibrated: Optional[float]
-    calibration: str
-    expected: float
-    factor: float
-    flagged: bool
-
-    @property
-    def key(self) -> tuple[str, int, str, str]:
-        return (self.module, self.call, self.phase, self.tensor)
-
-    @property
-    def row_key(self) -> tuple[str, int, str, str]:
-        child = split_child_tensor(self.tensor)
-        if child is None:
-            return self.key
-        module, call = split_call_key(child[0])
-        return (module or ROOT_MODULE, call, self.phase, child[1])
-
-    @property
-    def rel_l2(self) -> float:
-        return self.metrics.rel_l2
-
-    @property
-    def ratio(self) -> float:
-        """rel_l2 / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
-        if self.metrics.nonfinite_differs:
-            return math.inf
-        if self.expected:
-            return self.metrics.rel_l2 / self.expected
-        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "module": self.module, "call": self.call, "tensor": self.tensor,
-            "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
-            "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
-            "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
-        }
-
-    def verdict(self) -> dict[str, Any]:
-        return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
-                "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}
 
 
 def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
@@ -485,8 +370,7 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
     err = _scalar_error(loss)
     if err is None:
         return []
-    outs = [r.metrics.rel_l2 for r in rows if r.metrics is not None and r.module == ROOT_MODULE
-            and r.phase == FORWARD and not is_input(r.tensor)]
+    outs = [r.metrics.rel_l2 for r in _model_outputs(rows)]
     bound = noise.factor * max(max(outs, default=0.0), noise.floor(dtype))
     tolerance = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]) * 16
     if err > bound and (not same_precision or err > tolerance):
@@ -494,6 +378,17 @@ def loss_unexplained(loss: dict[str, Optional[float]], rows: list, noise: NoiseP
                                          f"explain ({bound:.2e}); code outside the model's forward (the loss "
                                          f"function) is not probed")]
     return []
+
+
+def _model_outputs(rows: list) -> list:
+    """The rows of the model's outputs: its own call's (`(root)`), or, when the model itself was never called (a
+    Lightning `training_step` calls its submodules, `self.encoder(x)`), those of the outermost calls it made."""
+    outputs = [r for r in rows if r.metrics is not None and r.phase == FORWARD and not is_input(r.tensor)]
+    root = [r for r in outputs if r.module == ROOT_MODULE]
+    if root:
+        return root
+    modules = {r.module for r in outputs}
+    return [r for r in outputs if not any(r.module.startswith(m + ".") for m in modules)]
 
 
 def _scalar_error(loss: dict[str, Optional[float]]) -> Optional[float]:

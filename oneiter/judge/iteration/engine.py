@@ -3,25 +3,20 @@
 Sits between the file reader (`oneiter.format.layout.IterationFile`, the only code that knows the HDF5 layout) and the
 presentation (`oneiter.report`, the CLI). Steps:
 
-1. open both files and refuse pairs that cannot be compared (another model, other parameter names);
+1. open both files and refuse pairs that cannot be compared (another model, other parameter names; `pairing.py`);
 2. pair entries by (module path, call index, phase, tensor name) — never by position, so one extra call on one
    side shows up as a missing entry instead of shifting every later pair;
 3. put the pairs in causal order: forward in capture order, backward in the order gradients were computed, then
-   parameter gradients, then updated parameters (`causal_pairs`);
+   parameter gradients, then updated parameters (`pairing.causal_pairs`);
 4. read each pair once, streaming (one pair of tensors in memory at a time; a dataset hard-linked under two names
    is judged once), and compute `metrics.Metrics` with the tolerance the policy gives (`tolerance.py`);
 5. blame (`blame.py`) judges each call's own error where the target recorded local data, and the verdict
    (`verdict.py`) is decided once from all of it: the culprit, or the first row, in that order, that is not a
    match.
 
-Row statuses: match, diverged, missing_in_target, missing_in_reference, shape_mismatch, dtype_mismatch, and, with
-local data, drift (outside tolerance, but the call's own code is within noise: accumulated error) and rounding
-(outside tolerance, but computed from values bitwise the reference's: the call's own error, within its noise;
-`verdict.py` settles both); not_judged for a parameter's update when the target's optimizer did not start from
-the reference's state (`format/optimizer_state.py`: measured and shown, never judged); every other one is a
-divergence. Stored dtypes may differ without a dtype_mismatch only when the two runs were made in different
-precisions on purpose (meta `dtype`/`amp` differ): the values are then compared in float64 with the tolerance of
-the lower-precision dtype.
+Row statuses (`entries.py`) are set here, drift and rounding settled by `verdict.py`. Stored dtypes may differ
+without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta `dtype`/`amp`
+differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.
 """
 
 from __future__ import annotations
@@ -30,18 +25,16 @@ import contextlib
 import functools
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
-from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE, updates_not_judged
+from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     LOCAL,
     LOSS,
-    OPTIMIZER,
     PRECISION_MODES,
     REDUCED_CALLS,
     REDUCED_CALLS_REFERENCE,
@@ -50,13 +43,9 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
-    natural_key,
-    seq_kind,
     split_call_key,
 )
 from oneiter.judge.iteration.blame import (
-    LocalResult,
-    NoisePolicy,
     Sources,
     culprit_chain,
     find_culprit,
@@ -66,344 +55,22 @@ from oneiter.judge.iteration.blame import (
     own_values,
     unexplained_rows,
 )
-from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED, Finding, row_findings
-from oneiter.judge.iteration.verdict import (
-    STATS_REASON,
-    Culprit,
-    Verdict,
-    culprit_reason,
-    decide,
-    json_ready,
-    settle_rows,
-)
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
+from oneiter.judge.iteration.findings import Finding, row_findings
+from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.verdict import STATS_REASON, culprit_reason, settle_rows
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.stat_metrics import compare_stats
-from oneiter.judge.measure.tolerance import DtypeTolerance, Tolerance, TolerancePolicy, looser
+from oneiter.judge.measure.tolerance import DtypeTolerance, NoisePolicy, Tolerance, TolerancePolicy, looser
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.precision_modes import from_attr, reduced
 
-__all__ = [
-    "PHASES", "STATUSES", "NOT_DIVERGED", "Row", "CompareResult", "compare_files", "causal_pairs", "check_compatible",
-    "reading", "dataset_id", "nan_inf_text",
-]
+__all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
-PHASES = ("forward", "backward", "param_grad", "optimizer")
-STATUSES = ("match", "rounding", "drift", "diverged", NOT_JUDGED, "missing_in_target", "missing_in_reference",
-            "shape_mismatch",
-            "dtype_mismatch")
-NOT_DIVERGED = ("match", "rounding", "drift", NOT_JUDGED)
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
              "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction")
-
-
-@dataclass
-class Row:
-    """One entry of the comparison. `shape`/`dtype` are the reference's, `*_target` the target's (None if absent)."""
-
-    module: str
-    call: int
-    phase: str
-    tensor: str
-    status: str
-    shape: Optional[tuple] = None
-    dtype: Optional[str] = None
-    shape_target: Optional[tuple] = None
-    dtype_target: Optional[str] = None
-    tolerance: Optional[Tolerance] = None
-    metrics: Optional[Metrics] = None
-    reason: str = ""
-
-    @property
-    def diverged(self) -> bool:
-        """A divergence (drift, accumulated error whose calls are each within noise, is not; nor is rounding, a
-        call's own error within its noise on values bitwise the reference's; nor an entry not judged)."""
-        return self.status not in NOT_DIVERGED
-
-    @property
-    def name(self) -> str:
-        """`layer1.0.conv1@0 forward output`: how reports name the entry."""
-        return f"{self.module}@{self.call} {self.phase} {self.tensor}"
-
-    def as_dict(self) -> dict[str, Any]:
-        """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see `CompareResult.to_json`)."""
-        data = {
-            "module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-            "status": self.status, "nan_inf": nan_inf_text(self.metrics),
-        }
-        names = Metrics.__dataclass_fields__
-        data.update(self.metrics.as_dict() if self.metrics else {k: None for k in names})
-        data.update({
-            "atol": self.tolerance.atol if self.tolerance else None,
-            "rtol": self.tolerance.rtol if self.tolerance else None,
-            "shape": None if self.shape is None else list(self.shape), "dtype": self.dtype,
-            "shape_target": None if self.shape_target is None else list(self.shape_target),
-            "dtype_target": self.dtype_target, "reason": self.reason,
-        })
-        return data
-
-
-def nan_inf_text(m: Optional[Metrics]) -> str:
-    """`Inf 0|1`, `NaN 2|2 Inf 0|1`: the NaN and Inf counts, reference|target, of the kinds either side holds;
-    "" when neither holds any. Reports show it before the metrics, which only see the finite elements."""
-    if m is None:
-        return ""
-    kinds = (("NaN", m.num_nan_ref, m.num_nan_target), ("Inf", m.num_inf_ref, m.num_inf_target))
-    return " ".join(f"{name} {ref}|{tgt}" for name, ref, tgt in kinds if ref or tgt)
-
-
-@dataclass
-class CompareResult:
-    """Rows in causal order, the index of the first entry outside tolerance (None: none is), what blame found, and
-    the verdict decided from them once (`verdict_obj`, see `judge/iteration/verdict.py`)."""
-
-    reference: str
-    target: str
-    meta_reference: dict[str, Any]
-    meta_target: dict[str, Any]
-    rows: list[Row]
-    first_divergence: Optional[int]
-    loss: dict[str, Optional[float]] = field(default_factory=dict)
-    local_kind: str = ""
-    """`teacher_forced`, `against_cpu`, or "" (no local data: the verdict falls back to first divergence)."""
-    local: list[LocalResult] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
-    """Every piece of evidence that the runs diverge (`judge/iteration/findings.py`); the verdict names the
-    strongest."""
-    chain: list[dict] = field(default_factory=list)
-    """The culprit's call and every call containing it, innermost first."""
-    culprit_includes: list[dict] = field(default_factory=list)
-    """Calls that could not be probed alone and ran inside the culprit's rerun: part of what it is blamed for."""
-    nan_origin: Optional[dict] = None
-    unprobed: list[dict] = field(default_factory=list)
-    """Calls the local probe could not rerun: {module, call, reason}."""
-    notes: list[str] = field(default_factory=list)
-    """Warnings about the comparison itself (e.g. a tolerance file written for another device)."""
-    precision: Optional[dict] = None
-    """The reduced-precision float32 modes (TF32...) each side ran, and those the calibration reproduced
-    (`_precision`); None when neither side ran any."""
-    compiled: Optional[dict] = None
-    """The compiled blocks (torch.compile) each side ran, what compiling cost, its graph breaks, and the entries
-    the other side recorded inside a block, which are not compared (`_hidden`); None when neither compiled."""
-    rounding: set[int] = field(default_factory=set)
-    """Rows outside tolerance computed from values all bitwise the reference's, whose error is their own code's
-    and within its noise (`blame.own_values`), and every row stored as the same pair of datasets (a layer's output
-    is the next one's input): `rounding`, never drift."""
-    stored: list = field(default_factory=list, repr=False)
-    """Per row, the identity of the pair of datasets it compares (hard links share one); None when unmeasured."""
-
-    @property
-    def has_local(self) -> bool:
-        return bool(self.local_kind)
-
-    @functools.cached_property
-    def verdict_obj(self) -> Verdict:
-        """The verdict, decided once from the settled rows; every report renders this one object."""
-        return decide(self)
-
-    def verdict(self) -> dict[str, Any]:
-        """The verdict as the JSON report holds it (`Verdict.as_dict()`)."""
-        return self.verdict_obj.as_dict()
-
-    @property
-    def status(self) -> str:
-        return self.verdict_obj.status
-
-    @property
-    def basis(self) -> str:
-        return self.verdict_obj.basis
-
-    @property
-    def culprit(self) -> Optional[Culprit]:
-        """The call whose own computation is to blame (module, call, phase, tensor, its row, ratio, reason)."""
-        return self.verdict_obj.culprit
-
-    @property
-    def exit_code(self) -> int:
-        """What `oneiter compare` exits with: 0 match, 1 diverged, 2 inconclusive (cannot be judged)."""
-        return self.verdict_obj.exit_code
-
-    @property
-    def divergence(self) -> Optional[Row]:
-        """The accumulated row the verdict names (None on a match, or when the culprit or the loss is named)."""
-        index = self.verdict_obj.index
-        return None if index is None or self.verdict_obj.focus == "culprit" else self.rows[index]
-
-    def row_dict(self, index: int) -> dict[str, Any]:
-        """One row as JSON and CSV hold it: index, key, status, role (what the row is to the verdict), NaN/Inf,
-        metrics."""
-        data = self.rows[index].as_dict()
-        role = " ".join(self.verdict_obj.roles(index))
-        head = {k: data.pop(k) for k in ("module", "call", "phase", "tensor", "status")}
-        return {"index": index, **head, "role": role, **data}
-
-    def as_dict(self) -> dict[str, Any]:
-        """The machine-readable report's data: verdict, inputs, per-status counts and every row in causal order
-        with its local result (non-finite numbers still floats: `to_json` is what JSON can hold)."""
-        rows = [{**self.row_dict(i), "local": _local_dict(self.local_for(row))} for i, row in enumerate(self.rows)]
-        return {
-            "verdict": self.verdict(),
-            "reference": self.reference,
-            "target": self.target,
-            "meta": {"reference": self.meta_reference, "target": self.meta_target},
-            "loss": self.loss,
-            "counts": self.counts(),
-            "rows": rows,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        """The machine-readable report (`as_dict`, with inf/nan as the strings JSON needs)."""
-        return json_ready(self.as_dict())
-
-    def counts(self) -> dict[str, int]:
-        """Number of rows per status, every status listed."""
-        counts = dict.fromkeys(STATUSES, 0)
-        for row in self.rows:
-            counts[row.status] += 1
-        return counts
-
-    @functools.cached_property
-    def _local_index(self) -> dict[tuple, LocalResult]:
-        return {r.row_key: r for r in self.local}
-
-    def local_for(self, row: Row) -> Optional[LocalResult]:
-        """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
-        return self._local_index.get((row.module, row.call, row.phase, row.tensor))
-
-
-def _local_dict(local: Optional[LocalResult]) -> Optional[dict[str, Any]]:
-    return None if local is None else local.as_dict()
-
-
-# -- pairing and causal order ---------------------------------------------------------------------------------------
-_KIND_RANK = {"input": 0, "output": 1, "grad_output": 0, "grad_input": 1}
-_NO_ANCHOR = (-1, 0, 0, ())
-
-
-def _positions(f: IterationFile) -> dict[tuple[str, int], int]:
-    """(module, call) -> execution position."""
-    return {(attrs.get("module"), int(attrs.get("call", 0))): i for i, (_, attrs) in enumerate(f.calls())}
-
-
-def _sort_key(entry: Entry, positions: dict) -> tuple:
-    """Causal position of an entry inside its file; ties (tensors captured at one moment) broken by call order."""
-    rank = PHASES.index(entry.phase)
-    if entry.phase in ("forward", "backward"):
-        pos = positions.get((entry.module, entry.call), 0)
-        tie = pos if entry.phase == "forward" else -pos  # without seq attrs: backward runs calls in reverse
-        kind = _KIND_RANK.get(seq_kind(entry.tensor), 2)
-        return (rank, entry.seq, tie, kind, natural_key(entry.tensor))
-    return (rank, entry.seq, 0, 0, natural_key(entry.tensor))
-
-
-def causal_pairs(
-    ref_entries: list[Entry], tgt_entries: list[Entry], ref_positions: dict, tgt_positions: dict
-) -> list[tuple[Optional[Entry], Optional[Entry]]]:
-    """(reference, target) pairs by key, in the reference's causal order.
-
-    An entry only the target has goes right after the target entry that precedes it and the reference also has,
-    so it lands where it happened instead of at the end.
-    """
-    tgt_by_key = {e.key: e for e in tgt_entries}
-    ref_keys = {e.key: _sort_key(e, ref_positions) for e in ref_entries}
-    ordered = [(ref_keys[e.key] + (0, 0), e, tgt_by_key.get(e.key)) for e in ref_entries]
-    anchor, phase = None, None
-    for j, entry in enumerate(sorted(tgt_entries, key=lambda e: _sort_key(e, tgt_positions))):
-        if entry.phase != phase:
-            anchor, phase = (PHASES.index(entry.phase),) + _NO_ANCHOR, entry.phase
-        if entry.key in ref_keys:
-            anchor = ref_keys[entry.key]
-        else:
-            ordered.append((anchor + (1, j), None, entry))
-    ordered.sort(key=lambda item: item[0])
-    return [(r, t) for _, r, t in ordered]
-
-
-# -- compatibility --------------------------------------------------------------------------------------------------
-def check_compatible(ref: IterationFile, tgt: IterationFile) -> None:
-    """Raise FormatError when the files record different models or different parameters."""
-    model_ref, model_tgt = ref.meta.get("model"), tgt.meta.get("model")
-    if _model_id(model_ref) != _model_id(model_tgt):
-        raise FormatError(
-            f"'{ref.path}' records model '{model_ref}' but '{tgt.path}' records '{model_tgt}': "
-            "compare two recordings of the same model"
-        )
-    for which in (STATE_BEFORE, STATE_AFTER):
-        names_ref, names_tgt = set(ref.state(which)), set(tgt.state(which))
-        if names_ref and names_tgt and names_ref != names_tgt:
-            only_ref, only_tgt = sorted(names_ref - names_tgt), sorted(names_tgt - names_ref)
-            example = (only_ref or only_tgt)[0]
-            raise FormatError(
-                f"'{ref.path}' and '{tgt.path}' hold different parameters ({len(only_ref)} only in the reference, "
-                f"{len(only_tgt)} only in the target, e.g. '{example}'): not recordings of the same model"
-            )
-
-
-def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
-    """A replay must start where the reference started: same optimizer, batch, state_before and (when it loaded
-    one) optimizer state (bitwise, after the cast to the target's dtype when it ran in another one). Raise
-    FormatError ("bad replay") when it did not — its
-    rows would compare two different iterations; return a note when the target is no replay at all."""
-    if not tgt.meta.get("replay_of"):
-        return (f"'{tgt.path}' is not a replay (recorded without --replay): its weights, batch and random values are "
-                f"its own, so entries may differ from the batch on; record the target with --replay {ref.path}")
-    opt_ref, opt_tgt = str(ref.meta.get("optimizer") or ""), str(tgt.meta.get("optimizer") or "")
-    if opt_ref and opt_tgt and opt_ref != opt_tgt:
-        raise FormatError(f"bad replay: the reference ran optimizer '{opt_ref}', the target '{opt_tgt}': a replay "
-                          f"must run the reference's optimizer (record --optimizer {opt_ref})")
-    ref_batch, tgt_batch = ref.batch_paths(), tgt.batch_paths()
-    if len(ref_batch) != len(tgt_batch):
-        raise FormatError(f"bad replay: the reference's batch has {len(ref_batch)} tensors, the target's "
-                          f"{len(tgt_batch)}: the target did not run on the reference's batch")
-    pairs = list(zip(ref_batch, tgt_batch, strict=True))  # lengths checked equal above
-    state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
-    pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
-    if tgt.meta.get(OPTIMIZER_STATE) == LOADED:  # the optimizer's state it loaded is the reference's too
-        opt_ref, opt_tgt = ref.state(OPTIMIZER), tgt.state(OPTIMIZER)
-        missing = sorted(set(opt_ref) - set(opt_tgt))
-        if missing:
-            raise FormatError(f"bad replay: the target's optimizer holds no '{missing[0]}' after loading the "
-                              f"reference's state ({len(missing)} of {len(opt_ref)} values missing): its update "
-                              f"cannot start where the reference's did")
-        pairs += [(opt_ref.get(name, ""), path) for name, path in opt_tgt.items()]
-    for ref_path, tgt_path in pairs:
-        if not ref_path or not _same_start(ref, tgt, ref_path, tgt_path):
-            raise FormatError(
-                f"bad replay: the target's {tgt_path} differs from the reference's, so it did not start from this "
-                f"reference's weights and batch (was it replayed from another file? its replay_of is "
-                f"'{tgt.meta.get('replay_of')}'); record the target again with --replay {ref.path}")
-    return None
-
-
-def _same_start(ref: IterationFile, tgt: IterationFile, ref_path: str, tgt_path: str) -> bool:
-    """Whether the target's copy of a reference tensor is the reference's, bit for bit (cast to the target's dtype
-    when it differs; statistics files by checksum)."""
-    if ref.shape_of(ref_path) != tgt.shape_of(tgt_path):
-        return False
-    dtype_ref, dtype_tgt = ref.dtype_of(ref_path), tgt.dtype_of(tgt_path)
-    if tgt.is_stats(tgt_path) or ref.is_stats(ref_path):
-        if dtype_ref != dtype_tgt:
-            return True  # a checksum of another dtype proves nothing either way
-        mine, theirs = ref.stats_of(ref_path), tgt.stats_of(tgt_path)
-        return mine.kind == theirs.kind and mine.checksum == theirs.checksum
-    if dtype_ref == dtype_tgt:
-        a, b = ref.raw(ref_path), tgt.raw(tgt_path)
-        return a.dtype == b.dtype and np.array_equal(np.ascontiguousarray(a).view(np.uint8),
-                                                     np.ascontiguousarray(b).view(np.uint8))
-    import torch
-
-    cast = ref.tensor(ref_path).to(getattr(torch, dtype_tgt))
-    mine = tgt.tensor(tgt_path)
-    if cast.dtype != mine.dtype:
-        return False
-    return bool(cast.view(torch.uint8).equal(mine.contiguous().view(torch.uint8)))
-
-
-def _model_id(spec) -> str:
-    """A model's identity across machines: a built-in name, or `file.py:function` without the file's folder."""
-    text = str(spec or "")
-    path, sep, func = text.rpartition(":")
-    return f"{os.path.basename(path)}:{func}" if sep and path.endswith(".py") else text
 
 
 def _run_precision(meta: dict) -> tuple:
@@ -705,7 +372,7 @@ def _loss_dtype(f: IterationFile) -> str:
 def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolicy) -> CompareResult:
     check_compatible(ref, tgt)
     note = check_replay(ref, tgt)
-    pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), _positions(ref), _positions(tgt))
+    pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), positions(ref), positions(tgt))
     pairs, compiled = _hidden(pairs, ref, tgt)
     if not pairs:
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")

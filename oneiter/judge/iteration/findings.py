@@ -1,21 +1,22 @@
-"""What blame found, as findings; the verdict names the one of highest priority.
+"""What a comparison found, as findings; the verdict names the one of highest priority.
 
-Sits between the engine, which records every finding of a comparison (`CompareResult.findings`), and the verdict
-(`verdict.decide`), which picks among them by `PRIORITY` alone: a new kind of evidence is one entry in that table
-and one place that records it, not another branch in the order of `if`s. Within one kind the first recorded wins,
-and each kind is recorded in causal order.
+Sits between what records the evidence and the verdict that picks among it by priority alone (`PRIORITY`;
+`STEP_PRIORITY` for steps): one iteration's engine and blame record theirs in `CompareResult.findings`
+(`verdict.decide` picks), two multi-step recordings' steps theirs in the steps verdict (`judge/steps/
+step_verdict.py`). A new kind of evidence is one entry in a table and one place that records it, not another
+branch in the order of `if`s. Within one kind the first recorded wins, and each kind is recorded in causal order
+(the order of the entries, or of the steps). Both verdicts take their status from the same rule (`status_of`)
+and give their findings to JSON in the same shape (`Finding.as_dict`: the report's `verdict.findings`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:  # only for annotations: the engine's rows, blame's local results
-    from oneiter.judge.iteration.blame import LocalResult
-    from oneiter.judge.iteration.engine import Row
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 
-__all__ = ["PRIORITY", "UNATTRIBUTED", "MEASURED", "NOT_JUDGED", "Finding", "row_findings", "strongest", "of_kind"]
+__all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "Finding", "row_findings", "strongest", "of_kind", "status_of"]
 
 PRIORITY = {
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -31,11 +32,14 @@ PRIORITY = {
     # the loss differs more than the model's outputs explain (or, without local data, outside its tolerance)
     "loss": 10,
 }
+# two multi-step recordings compared step by step (`judge/steps/step_verdict.py`), chosen among by the same rule
+STEP_PRIORITY = {
+    # a step whose signature leaves the band, or holds NaN/Inf on one side only: recorded for every such step, in
+    # step order, so the verdict names the first
+    "step": 10,
+}
+_PRIORITIES = {**PRIORITY, **STEP_PRIORITY}
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
-# row statuses of entries both sides hold with one shape and dtype
-MEASURED = ("match", "diverged", "drift", "rounding")
-# measured and shown, never evidence: a parameter's update when the optimizers did not start from the same state
-NOT_JUDGED = "not_judged"
 
 
 @dataclass(frozen=True)
@@ -54,8 +58,14 @@ class Finding:
 
     @classmethod
     def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None) -> Finding:
-        """A finding with its kind's priority from `PRIORITY` (the only place priorities are written)."""
-        return cls(kind, PRIORITY[kind], entry, reason, local)
+        """A finding with its kind's priority from `PRIORITY` or `STEP_PRIORITY` (the only place priorities are
+        written)."""
+        return cls(kind, _PRIORITIES[kind], entry, reason, local)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the JSON report's `verdict.findings` holds of it: kind, priority, entry (the index of the row, or
+        of the step, it names; None: the loss) and reason."""
+        return {"kind": self.kind, "priority": self.priority, "entry": self.entry, "reason": self.reason}
 
 
 def row_findings(rows: list[Row], first_divergence: Optional[int], has_local: bool) -> list[Finding]:
@@ -78,3 +88,11 @@ def strongest(findings: list[Finding]) -> Optional[Finding]:
 
 def of_kind(findings: list[Finding], kind: str) -> list[Finding]:
     return [f for f in findings if f.kind == kind]
+
+
+def status_of(findings: list[Finding], *, judged: bool) -> str:
+    """A verdict's status: `diverged` when anything was found, else `inconclusive` when what had to be judged was
+    not (local data, but no call's own error measured; steps whose band is too wide to judge), else `match`."""
+    if strongest(findings) is not None:
+        return "diverged"
+    return "match" if judged else "inconclusive"

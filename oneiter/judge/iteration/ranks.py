@@ -30,8 +30,10 @@ from typing import Any, Optional
 
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.judge.iteration.engine import CompareResult, compare_files
-from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked, json_ready
+from oneiter.formatting import json_ready
+from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked
 from oneiter.runtime.distributed import LOOKS_RANKED, RANK_FILE
 
 __all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks"]

@@ -28,20 +28,17 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Protocol
 
 from oneiter.format.schema import ROOT_MODULE
-from oneiter.judge.iteration.findings import MEASURED, NOT_JUDGED, UNATTRIBUTED, Finding, of_kind, strongest
+from oneiter.formatting import json_ready, num, sci
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
+from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
 from oneiter.runtime.precision_modes import describe, reduced
 
-if TYPE_CHECKING:  # only for annotations: the engine imports this module
-    from oneiter.judge.iteration.blame import LocalResult
-    from oneiter.judge.iteration.engine import CompareResult, Row
-
-__all__ = ["Verdict", "Culprit", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows", "render",
-           "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+__all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
+           "render", "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
@@ -51,33 +48,35 @@ FOCUS = {"first_divergence": "first divergence", "structural": "structural diffe
          "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss"}
 
 
-def num(value: Any) -> Optional[float]:
-    """A number of the verdict or a JSON document as float: "inf"/"nan" strings (JSON has none) back to floats."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def json_ready(value: Any) -> Any:
-    """JSON has no inf/nan: they become the strings "inf", "-inf", "nan" (`num` reads them back)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_ready(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(v) for v in value]
-    return value
-
-
 def entry_name(item: dict) -> str:
     """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin)."""
     return f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
 
 
 # -- the decision ---------------------------------------------------------------------------------------------------
+class Evidence(Protocol):
+    """What a verdict is decided from: a `results.CompareResult` as the engine leaves it (its rows settled, blame's
+    findings recorded). Named here, not imported, because the result decides its verdict from this module."""
+
+    rows: list[Row]
+    first_divergence: Optional[int]
+    findings: list[Finding]
+    local_kind: str
+    local: list[LocalResult]
+    chain: list[dict]
+    culprit_includes: list[dict]
+    nan_origin: Optional[dict]
+    unprobed: list[dict]
+    notes: list[str]
+    precision: Optional[dict]
+    compiled: Optional[dict]
+    rounding: set[int]
+    meta_reference: dict[str, Any]
+    meta_target: dict[str, Any]
+
+    def local_for(self, row: Row) -> Optional[LocalResult]: ...
+
+
 @dataclass(frozen=True)
 class Culprit:
     """The first call whose own code's error exceeds its expected noise, and its row in the report."""
@@ -158,6 +157,9 @@ class Verdict:
     warnings: tuple[str, ...] = ()
     """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
     for another device); every report states them among the details."""
+    findings: tuple[dict, ...] = ()
+    """Every finding it chose among (`Finding.as_dict`: kind, priority, entry, reason), in the order recorded: the
+    JSON report's `verdict.findings`, in the same shape as a multi-step comparison's."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -207,6 +209,7 @@ class Verdict:
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
             "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
+            "findings": list(self.findings),
         }
 
     @classmethod
@@ -220,7 +223,7 @@ class Verdict:
             **own, "entry": None if unnamed else where,
             "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
-                                                           "warnings")},
+                                                           "warnings", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
         })
         title, reason, details = render(verdict)
@@ -232,13 +235,13 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "compiled")
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "findings", "compiled")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision", "compiled")
 
 
-def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
+def settle_rows(result: Evidence, findings: list[Finding]) -> None:
     """Give every measured row the status its flag implies (see the module docstring), the `unexplained`
     `findings` theirs; the engine calls it once, before it records the findings."""
     if not result.local_kind:
@@ -259,7 +262,7 @@ def settle_rows(result: CompareResult, findings: list[Finding]) -> None:
             row.status = "rounding" if i in result.rounding else "drift"
 
 
-def decide(result: CompareResult) -> Verdict:
+def decide(result: Evidence) -> Verdict:
     """The verdict of a settled comparison: the strongest of its findings (`findings.PRIORITY`) decides the status,
     the basis and the entry named; without local data the basis is the first divergence, and with local data but
     no local result and no finding nothing was judged (inconclusive)."""
@@ -270,7 +273,7 @@ def decide(result: CompareResult) -> Verdict:
         basis = "first_divergence"
     else:
         basis = "unattributed" if top is not None and top.kind in UNATTRIBUTED else "local_error"
-    status = "diverged" if top is not None else "inconclusive" if result.local_kind and not result.local else "match"
+    status = status_of(findings, judged=not (result.local_kind and not result.local))
     entry = None if top is None else _named(result, top)
     counts = {s: sum(r.status == s for r in rows) for s in ("match", "drift", "rounding", NOT_JUDGED)}
     worst = max(result.local, key=lambda r: r.ratio, default=None)
@@ -290,7 +293,7 @@ def decide(result: CompareResult) -> Verdict:
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
-        compiled=result.compiled,
+        compiled=result.compiled, findings=tuple(f.as_dict() for f in findings),
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -299,7 +302,7 @@ def decide(result: CompareResult) -> Verdict:
 _KEY = ("module", "call", "phase", "tensor")
 
 
-def _named(result: CompareResult, finding: Finding) -> dict[str, Any]:
+def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     """The entry the verdict names for its strongest finding: a row (with the finding's reason when no probe
     explains it), the culprit's own error, or the loss."""
     if finding.kind == "culprit":
@@ -346,7 +349,7 @@ def _entry(rows: list[Row], index: int) -> dict[str, Any]:
 STATS_REASON = "from statistics"  # how the engine starts the reason of an entry judged from `--level stats` data
 
 
-def _hint(result: CompareResult, basis: str, entry: Optional[dict]) -> Optional[str]:
+def _hint(result: Evidence, basis: str, entry: Optional[dict]) -> Optional[str]:
     """A divergence no larger than rounding noise (10x rtol) may be no bug at all: say why it may happen."""
     if (basis == "local_error" or entry is None or entry.get("rtol") is None or _nonfinite_differs(entry)
             or str(entry.get("reason") or "").startswith(STATS_REASON)):  # a statistics bound is no rounding size
@@ -437,13 +440,8 @@ def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], exp
                 f"given the same inputs")
     tensor = str(tensor)
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
-    return (f"{own} error rel_l2 {_sci(rel_l2)}, on the reference's inputs, is "
-            f"{num(ratio) or 0:.1f}x its expected noise {_sci(expected)}")
-
-
-def _sci(value: Any) -> str:
-    v = num(value)
-    return "-" if v is None else f"{v:.2e}"
+    return (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
+            f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
 
 
 def _nonfinite_differs(e: dict) -> bool:
@@ -461,7 +459,7 @@ def _numbers(e: dict) -> str:
         return f"{str(e.get('entry_status', '')).replace('_', ' ')} ({e.get('reason', '')})"
     if str(e.get("reason") or "").startswith(STATS_REASON):  # `--level stats`: no elementwise numbers exist
         return str(e["reason"])
-    numbers = (f"max_abs {_sci(e.get('max_abs'))} max_rel {_sci(e.get('max_rel'))} rel_l2 {_sci(e.get('rel_l2'))} "
+    numbers = (f"max_abs {sci(e.get('max_abs'))} max_rel {sci(e.get('max_rel'))} rel_l2 {sci(e.get('rel_l2'))} "
                f"cosine {num(e.get('cosine')):.6f}")
     if num(e.get("frac_out")) is not None and num(e.get("atol")) is not None:
         numbers += (f", {num(e['frac_out']):.2%} of elements outside atol {num(e['atol']):.1e} "
@@ -492,7 +490,7 @@ def _details(v: Verdict) -> list[str]:
 
 def _first_divergence_line(first: dict) -> str:
     """The first entry outside tolerance, labelled as such: with local data it is seldom the culprit."""
-    size = f" (rel_l2 {_sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
+    size = f" (rel_l2 {sci(first.get('rel_l2'))})" if num(first.get("rel_l2")) is not None else ""
     if _nonfinite_differs(first) and first.get("num_nan_ref") is not None:
         size = f" ({_nan_inf(first)})"
     drift = {"drift": ": accumulated drift, which the verdict does not rest on",

@@ -25,14 +25,14 @@ def compare_stats(ref: Stats, tgt: Stats, *, rtol: float, atol: float) -> Metric
     if ref.kind == tgt.kind and ref.checksum == tgt.checksum:  # the caller checked shape and dtype
         return Metrics(num_elements=numel, max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, num_out=0,
                        frac_out=0.0, need_atol=0.0, need_rtol=0.0, **counts)
-    rel = max(_rel(ref["l2"], tgt["l2"], atol * math.sqrt(max(numel, 1))),
-              _rel(ref["abs_sum"], tgt["abs_sum"], atol * max(numel, 1)))
+    rel = max(_relative_to_reference(ref["l2"], tgt["l2"], atol * math.sqrt(max(numel, 1))),
+              _relative_to_reference(ref["abs_sum"], tgt["abs_sum"], atol * max(numel, 1)))
     out = 1 if rel > rtol else 0
     return Metrics(num_elements=numel, max_abs=math.nan, max_rel=math.nan, rel_l2=rel, cosine=math.nan,
                    num_out=out, frac_out=out / max(numel, 1), need_atol=math.nan, need_rtol=rel, **counts)
 
 
-def _rel(ref: float, tgt: float, floor: float) -> float:
+def _relative_to_reference(ref: float, tgt: float, floor: float) -> float:
     if not (math.isfinite(ref) and math.isfinite(tgt)):
         return 0.0 if ref == tgt or (math.isnan(ref) and math.isnan(tgt)) else math.inf
     return abs(tgt - ref) / max(abs(ref), floor, 1e-300)

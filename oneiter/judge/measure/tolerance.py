@@ -13,19 +13,25 @@ take two numbers). The defaults are torch.testing.assert_close's, the convention
 An element passes when ``|a - b| <= atol + rtol * |a|`` (a = reference), as in assert_close.
 
 A policy is any callable ``policy(entry, dtype) -> Tolerance`` (a `Tolerance` unpacks as ``atol, rtol``). Today's
-policy is `DtypeTolerance` (dtype defaults, `--atol`/`--rtol` overrides); a later per-module, noise-aware policy
-read from a TOML file plugs in at the same place without touching the engine.
+policy is `DtypeTolerance` (dtype defaults, `--atol`/`--rtol` overrides); a tolerance file's per-module policy
+(`tolerance_file.FileTolerance`) plugs in at the same place.
+
+What blame tolerates of a call's *own* error is `NoisePolicy`: how many times its expected noise it may reach
+(`judge/iteration/blame.py` measures it against this).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import fnmatch
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Protocol
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import Entry
+from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["Tolerance", "TolerancePolicy", "DtypeTolerance", "DTYPE_DEFAULTS", "default_tolerance", "looser"]
+__all__ = ["Tolerance", "TolerancePolicy", "DtypeTolerance", "DTYPE_DEFAULTS", "default_tolerance", "looser",
+           "NoisePolicy"]
 
 # dtype name -> (atol, rtol); torch.testing.assert_close's defaults. float8 gets one ulp of its mantissa.
 DTYPE_DEFAULTS: dict[str, tuple[float, float]] = {
@@ -106,3 +112,30 @@ class DtypeTolerance:
         rtol = base.rtol if self.rtol is None else self.rtol
         given = " ".join(n for n, v in (("--atol", self.atol), ("--rtol", self.rtol)) if v is not None)
         return Tolerance(atol, rtol, given)
+
+
+@dataclass
+class NoisePolicy:
+    """How far above its expected noise a layer's local error may go (per-module overrides from a tolerance file)."""
+
+    factor: float = 4.0
+    """A layer is flagged when local rel-L2 > factor x expected noise."""
+    floor_ulps: float = 1.0
+    """The expected noise is at least this many unit roundoffs of the tensor's dtype."""
+    overrides: list[tuple[str, float]] = field(default_factory=list)
+    """(module glob, factor) pairs; the last matching one wins."""
+    skip: list[str] = field(default_factory=list)
+    """Module globs never flagged (their local error is still shown)."""
+
+    def factor_for(self, module: str) -> float:
+        factor = self.factor
+        for pattern, value in self.overrides:
+            if fnmatch.fnmatchcase(module, pattern):
+                factor = value
+        return factor
+
+    def skipped(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, pattern) for pattern in self.skip)
+
+    def floor(self, dtype: str) -> float:
+        return self.floor_ulps * unit_roundoff(dtype)

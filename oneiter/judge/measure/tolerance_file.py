@@ -1,6 +1,6 @@
 """Tolerance files: per-device precision settings in TOML or an mmengine config (`--tolerances FILE`).
 
-Sits beside `tolerance.py` (dtype defaults) and `blame.py` (noise factor): one file per device, in the spirit
+Sits beside `tolerance.py` (dtype defaults, and the noise factor blame flags by): one file per device, in the spirit
 of DIOPI's `device_configs.py` and ditorch's per-op tolerance variables, read once and turned into the two
 policies the engine takes. Example `npu.toml`::
 
@@ -37,8 +37,7 @@ from typing import Any, Optional
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import Entry
-from oneiter.judge.iteration.blame import NoisePolicy
-from oneiter.judge.measure.tolerance import Tolerance, default_tolerance
+from oneiter.judge.measure.tolerance import NoisePolicy, Tolerance, default_tolerance
 from oneiter.runtime.precision import UNIT_ROUNDOFF
 
 __all__ = ["ToleranceFile", "load_tolerance_file", "FileTolerance"]
@@ -118,7 +117,7 @@ def _number(where: str, value: Any) -> float:
     return float(value)
 
 
-def _table(where: str, value: Any, keys: tuple[str, ...] | None = None) -> dict:
+def _toml_table(where: str, value: Any, keys: tuple[str, ...] | None = None) -> dict:
     """`value` as a table (dict), with only `keys` in it (when given): a misspelled key is an error, not ignored."""
     if not isinstance(value, dict):
         raise OneIterError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
@@ -142,26 +141,26 @@ def load_tolerance_file(path: str | Path) -> ToleranceFile:
     if device is not None and not isinstance(device, str):
         raise OneIterError(f"{name} device: expected a device type such as \"npu\", got {device!r}")
     spec = ToleranceFile(path, device=device)
-    for dtype, values in _table(f"{name} dtype", data.get("dtype") or {}).items():
+    for dtype, values in _toml_table(f"{name} dtype", data.get("dtype") or {}).items():
         if dtype not in UNIT_ROUNDOFF:
             raise OneIterError(f"{name}: unknown dtype '{dtype}'; expected one of {', '.join(UNIT_ROUNDOFF)}")
-        values = _table(f"{name} dtype.{dtype}", values, ("atol", "rtol"))
+        values = _toml_table(f"{name} dtype.{dtype}", values, ("atol", "rtol"))
         spec.dtypes[dtype] = {k: _number(f"{name} dtype.{dtype}.{k}", v) for k, v in values.items()}
     modules = data.get("module") or []
     if not isinstance(modules, list):
         raise OneIterError(f"{name} module: expected a list of tables ([[module]]), got {type(modules).__name__}")
     for i, override in enumerate(modules):
-        override = _table(f"{name} module entry {i}", override, ("pattern", "atol", "rtol", "factor"))
+        override = _toml_table(f"{name} module entry {i}", override, ("pattern", "atol", "rtol", "factor"))
         if not isinstance(override.get("pattern"), str):
             raise OneIterError(f"{name}: module entry {i} should have a 'pattern' string, but got {override}")
         clean = {"pattern": override["pattern"]}
         clean.update({k: _number(f"{name} module {i} {k}", v) for k, v in override.items() if k != "pattern"})
         spec.modules.append(clean)
-    skip = _table(f"{name} skip", data.get("skip") or {}, ("modules",)).get("modules", [])
+    skip = _toml_table(f"{name} skip", data.get("skip") or {}, ("modules",)).get("modules", [])
     if not isinstance(skip, list) or not all(isinstance(p, str) for p in skip):
         raise OneIterError(f"{name} skip.modules: expected a list of module globs, got {skip!r}")
     spec.skip = list(skip)
-    noise = _table(f"{name} noise", data.get("noise") or {}, ("factor", "floor_ulps"))
+    noise = _toml_table(f"{name} noise", data.get("noise") or {}, ("factor", "floor_ulps"))
     spec.noise = NoisePolicy(
         factor=_number(f"{path.name} noise.factor", noise.get("factor", 4.0)),
         floor_ulps=_number(f"{path.name} noise.floor_ulps", noise.get("floor_ulps", 1.0)),

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +39,13 @@ import numpy as np
 from oneiter.errors import DeviceError, FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import ROOT_MODULE, call_key, decode
-from oneiter.judge.iteration.blame import NoisePolicy
-from oneiter.judge.iteration.engine import CompareResult
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.measure.metrics import compare_arrays
+from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.record.replay.layer_replay import RECORDED, LayerTrace, trace_layer
 from oneiter.record.replay.op_repro import repro_folder, write_repro
 from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpRow, OpTracer
+from oneiter.runtime.commands import replay_ops_command
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import is_file_spec
 from oneiter.runtime.precision import unit_roundoff
@@ -269,11 +269,10 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     blocks = ((result.compiled or {}).get("target") or {}).get("blocks") or {}
     block = blocks.get("" if culprit.module == ROOT_MODULE else culprit.module)
     backend = str(block.get("backend") or "") if isinstance(block, dict) else ""
-    words = ["oneiter", "replay", result.reference, "--layer", culprit.module, "--call", str(culprit.call), "--ops",
-             "--device", device, *(["--dtype", dtype] if dtype else []), "--amp", amp or "none",
-             *(["--model", spec] if spec and (model or is_file_spec(spec)) else []),
-             *(["--compile", backend] if backend else [])]
-    found = Drill(culprit.module, culprit.call, shlex.join(words))
+    named = spec if spec and (model or is_file_spec(spec)) else None  # a built-in one is the recording's default
+    command = replay_ops_command(result.reference, culprit.module, culprit.call, device=device, dtype=dtype, amp=amp,
+                                 model=named, compile=backend or None)
+    found = Drill(culprit.module, culprit.call, command)
     if is_file_spec(spec) and model is None:
         found.why_not = "the target's model is a file: name it with --model (a recording never chooses the code)"
         return found
@@ -304,9 +303,9 @@ def _program(path, trace: LayerTrace, factor: float) -> list[ProgramTensor]:
                 continue
             recorded_dtype = ref.dtype_of(dataset)
             recorded = ref.read(dataset)
-            program = _rel(exact[name], recorded)
-            explained = max(_rel(exact[name], _values(target[name])),
-                            _rel(exact[name], _values(coarse[name])) if coarse.get(name) is not None else 0.0)
+            program = _rel_l2_to_exact(exact[name], recorded)
+            coarse_error = _rel_l2_to_exact(exact[name], _values(coarse[name])) if coarse.get(name) is not None else 0.0
+            explained = max(_rel_l2_to_exact(exact[name], _values(target[name])), coarse_error)
             floor = max(unit_roundoff(recorded_dtype), unit_roundoff(target[name][1]))
             ratio = program / max(explained, floor)
             out.append(ProgramTensor(name, program, explained, floor, ratio, ratio > factor))
@@ -318,7 +317,7 @@ def _values(produced: tuple[np.ndarray, str]) -> np.ndarray:
     return decode(array, dtype)
 
 
-def _rel(exact: tuple[np.ndarray, str], other: np.ndarray) -> float:
+def _rel_l2_to_exact(exact: tuple[np.ndarray, str], other: np.ndarray) -> float:
     """rel_l2 of `other` against the exact (float64) values, over the positions finite on both sides."""
     reference = _values(exact)
     if reference.shape != other.shape:

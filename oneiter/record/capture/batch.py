@@ -19,7 +19,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BATCH, arg_name, kwarg_name
 
-__all__ = ["map_tensors", "map_call", "store_batch", "read_batch", "BatchSwap"]
+__all__ = ["map_tensors", "map_call", "store_batch", "batch_rows", "read_batch", "BatchSwap"]
 
 _MAX_DEPTH = 8
 
@@ -97,12 +97,28 @@ def store_batch(sink, args: tuple, kwargs: dict) -> int:
 
     def put(name: str, tensor):
         nonlocal count
-        sink.put(BATCH, arg_name(count), tensor, {"arg": name})
+        # never a link: the same tensor passed twice (`model(input_ids=ids, labels=ids)`) is two batch entries,
+        # each with its own name (a link would share the first one's `arg`)
+        sink.put(BATCH, arg_name(count), tensor, {"arg": name}, dedup=False)
         count += 1
         return tensor
 
     map_call(args, kwargs, put)
     return count
+
+
+def batch_rows(args: tuple, kwargs: dict) -> int:
+    """The leading dimension of the call's first tensor of at least one dimension (0 when there is none): the
+    batch size, as far as the arguments tell."""
+    found = []
+
+    def first(_name: str, tensor):
+        if not found and tensor.dim() > 0:
+            found.append(int(tensor.shape[0]))
+        return tensor
+
+    map_call(args, kwargs, first)
+    return found[0] if found else 0
 
 
 def read_batch(ref: IterationFile) -> dict[str, Any]:

@@ -49,7 +49,8 @@ from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, la
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
 from oneiter.runtime.sharding import local, placement_of
 
-__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number"]
+__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
+           "unscaled"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 PROBED = "probed"  # a CallRecord's status once its local probe succeeded
@@ -187,6 +188,16 @@ class CallRecord:
         return found
 
 
+def unscaled(grad, scale: float):
+    """A gradient of a loss multiplied by `scale` (a GradScaler's power of two), as the unscaled loss gives it: divided
+    by `scale`, exactly (float16 in float32, whose exponent range holds it; bfloat16 and float32 have the range)."""
+    if scale == 1.0:
+        return grad
+    import torch
+
+    return (grad.float() if grad.dtype == torch.float16 else grad.detach()) / scale
+
+
 class ModuleCapture:
     """Forward pre/post hooks on every selected module, and tensor hooks for the gradients around each call."""
 
@@ -196,6 +207,7 @@ class ModuleCapture:
         self.select = select
         self.probe = probe  # a local-error probe (probe.py) given each call when it returns, or None
         self.random_count: Callable[[], int] = lambda: 0  # the running random-op count (set by the session)
+        self.grad_scale = 1.0  # a GradScaler's factor on the loss: gradients are stored divided by it (`unscaled`)
         self.num_calls = 0
         self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
         self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
@@ -407,6 +419,7 @@ class ModuleCapture:
 
         def hook(grad):
             if grad is not None:
+                grad = unscaled(grad, self.grad_scale)
                 self.sink.put(group, name, grad)
                 if checks is not None:
                     checks.live_grad(key, name, grad)

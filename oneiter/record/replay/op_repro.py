@@ -22,6 +22,7 @@ from oneiter.format import op_case
 from oneiter.outputs import OutputError, atomic_path, atomic_text, file_in, resolve_folder
 from oneiter.record.local.rerun import with_layout
 from oneiter.record.replay.op_rerun import OpCase
+from oneiter.runtime.devices import plugins
 
 __all__ = ["repro_folder", "write_repro", "case_tolerances"]
 
@@ -69,7 +70,8 @@ def write_repro(folder: Path, case: OpCase, *, noise: float, factor: float, meta
         "name": func.overloadpacket.__name__, "overload": func._overloadname, "phase": row.phase, "line": row.line,
         "node": row.node, "args": json.dumps(encoded), "expected_noise": noise, "factor": factor,
         "error": row.rel_l2, "reference": row.reference, "atol": atol, "rtol": rtol,
-        "mismatch_ratio_threshold": op_case.MISMATCH_RATIO, **{k: str(v) for k, v in meta.items()},
+        "mismatch_ratio_threshold": op_case.MISMATCH_RATIO, "plugins": json.dumps(plugins()),
+        **{k: str(v) for k, v in meta.items()},
     }
     data, script = file_in(folder, op_case.CASE, "--repro"), file_in(folder, op_case.SCRIPT, "--repro")
     with atomic_path(data) as tmp:

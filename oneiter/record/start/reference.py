@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.format.schema import PARAM_GRADS
 from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.sharding import is_dtensor, local
 
@@ -33,6 +34,37 @@ def check_structure(model, ref: IterationFile) -> None:
         if name not in theirs:
             raise OneIterError(f"model structure does not match {where}: this model has '{name}', the reference "
                                "does not")
+    _check_modules(model, ref, where)
+    _check_parameters(model, ref, where)
+
+
+# the end of each structure message: what built a model other than the reference's, and what to do
+_BUILT_OTHERWISE = "built with other arguments than the reference's? build it as the reference was (its model_args)"
+
+
+def _check_modules(model, ref: IterationFile, where: str) -> None:
+    """Every module the reference called exists here. A model built with other arguments can keep its state_dict
+    and still differ here (torchtitan's fused QKV keeps `wqkv` as a module and a parameter, while its state_dict
+    hooks name it `wq/wk/wv`). Classes are not compared: a vendor's stack may swap a module for its own fused one."""
+    mine = {eager_name(path) for path, _ in model.named_modules()}  # a compiled model's by its eager names
+    for _key, attrs in ref.calls():
+        path = str(attrs.get("module", ""))
+        if path not in mine:
+            raise OneIterError(f"model structure does not match {where}: it called module '{path}' "
+                               f"({attrs.get('class_name', '?')}), which this model does not have ({_BUILT_OTHERWISE})")
+
+
+def _check_parameters(model, ref: IterationFile, where: str) -> None:
+    """Every parameter the reference has a gradient of (by its `named_parameters` name) exists here with its
+    shape (a sharded one: this rank's shard)."""
+    mine = {eager_name(name): tuple(local(p).shape) for name, p in model.named_parameters()}
+    for name, path in ref.state(PARAM_GRADS).items():
+        if name not in mine:
+            raise OneIterError(f"model structure does not match {where}: it has parameter '{name}', this model "
+                               f"does not ({_BUILT_OTHERWISE})")
+        if mine[name] != ref.shape_of(path):
+            raise OneIterError(f"model structure does not match {where}: parameter '{name}' has shape "
+                               f"{list(ref.shape_of(path))} there, {list(mine[name])} here ({_BUILT_OTHERWISE})")
 
 
 def load_state(model, ref: IterationFile) -> None:

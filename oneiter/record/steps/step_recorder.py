@@ -1,4 +1,4 @@
-"""Several consecutive iterations of one run in one file: `oneiter record --steps N`, `Recorder(..., steps=N)`.
+"""Several consecutive iterations of one run in one file: `oneiter record --steps N`, `oneiter.StepRecorder`.
 
 Where this sits: each iteration is recorded by an `oneiter.Recorder` of its own at the statistics level (`level=
 "stats"`: every tensor's statistics and checksum, the batch and random values in full, and for the first step the
@@ -13,7 +13,7 @@ with `run(fn)` each step is also run by the perturbed twin (`record/steps/twin.p
 it drifts from the target is the band a precision change explains.
 `judge/steps/step_compare.py` compares two such files step by step.
 
-    with oneiter.Recorder(model, "ref.h5", optimizer=opt, steps=12) as rec:      # record/recorder.py dispatches here
+    with oneiter.StepRecorder(model, "ref.h5", optimizer=opt, steps=12) as rec:
         rec.run(one_step)                   # one_step(step): the loop's body, calling rec.inputs(...) for its batch
 
 `step(s)` records one iteration with a block instead (what the Hugging Face callback and the mmengine hook do for
@@ -35,6 +35,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.signature import signature_columns
+from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
@@ -78,7 +79,7 @@ class StepMetrics:
         self._handles: list = []
 
     def __enter__(self) -> "StepMetrics":
-        self._handles = [opt.register_step_pre_hook(self._pre) for opt in self.optimizers]
+        self._handles = [before_update(opt, self._pre) for opt in self.optimizers]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -86,7 +87,7 @@ class StepMetrics:
             handle.remove()
         self._handles = []
 
-    def _pre(self, *_args) -> None:
+    def _pre(self) -> None:
         if self.grads is None:
             self.grads = _norms([p.grad for p in self.params])
             self._before = [p.detach().clone() for p in self.params]
@@ -114,15 +115,38 @@ def _norms(tensors) -> list[float]:
 
 
 class StepRecorder:
-    """Records iterations `steps` of `model` into the multi-step file `options.out` (module docstring).
+    """Record iterations `steps` of `model`, run inside the `with` block, into the multi-step file `out`.
 
-    `options` are a recording's (`RecordOptions`; the level is always "stats"); `twin`: run the perturbed twin in
-    `run()` when replaying (the band of docs/steps.md). `inputs`, `loss` and `note` act on the step being recorded.
+    Args:
+        model, out, optimizer, progress, notify: as for `oneiter.Recorder`.
+        steps: the iterations to record: N (0..N-1) or increasing step numbers; with `replay=` of a multi-step
+            recording, the first of its steps (default: all of them).
+        twin: when replaying, run each step of `run()` again by the perturbed twin (the band: docs/steps.md).
+        **options: `oneiter.Recorder`'s keywords (`replay`, `amp`, `seed`, `include`, ...), checked as for one
+            iteration; the level is always "stats".
+
+    `rec.run(fn)` calls `fn(step)` for each step (the module docstring); `with rec.step(s):` records one step
+    with a block instead. `inputs`, `loss` and `note` act on the step being recorded. `StepRecorder.from_options`
+    takes a `RecordOptions` built beforehand (what `record()` and the integrations use).
     """
 
-    def __init__(self, model, options: RecordOptions, steps: Any = None, *, optimizer=None,
+    def __init__(self, model, out: str | os.PathLike, *, steps: Any = None, optimizer=None,
                  progress: Callable[[str, int], None] | None = None, notify: Callable[[str], None] | None = None,
-                 twin: bool = True):
+                 twin: bool = True, **options: Any):
+        opts = RecordOptions(out=out, **options)
+        Recorder.from_options(model, opts, optimizer=optimizer)  # the model and options checked as for one iteration
+        self._setup(model, opts, steps, optimizer, progress, notify, twin)
+
+    @classmethod
+    def from_options(cls, model, options: RecordOptions, steps: Any = None, *, optimizer=None,
+                     progress: Callable[[str, int], None] | None = None, notify: Callable[[str], None] | None = None,
+                     twin: bool = True) -> "StepRecorder":
+        """A StepRecorder of `options` (`RecordOptions`, built and so checked beforehand)."""
+        recorder = cls.__new__(cls)
+        recorder._setup(model, options, steps, optimizer, progress, notify, twin)
+        return recorder
+
+    def _setup(self, model, options: RecordOptions, steps: Any, optimizer, progress, notify, twin: bool) -> None:
         if options.against:
             raise OneIterError("against='cpu' judges one iteration: record several steps against a reference "
                                "(replay=) instead", param="against")
@@ -232,7 +256,7 @@ class StepRecorder:
     def step(self, step: int) -> Iterator[Recorder]:
         """Record iteration `step` (the next one of `steps`) with the block: yields its `Recorder`."""
         if self._stack is None:
-            raise OneIterError("rec.step() works only inside `with Recorder(..., steps=...) as rec:`", param="steps")
+            raise OneIterError("rec.step() works only inside `with StepRecorder(...) as rec:`", param="steps")
         index = len(self._done)
         if index >= len(self.steps) or self.steps[index] != step:
             expected = self.steps[index] if index < len(self.steps) else "none (all were recorded)"

@@ -36,6 +36,7 @@ import torch
 
 from oneiter.errors import OneIterError
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.local.rerun import scaled_by_signs
 from oneiter.record.modes.fallback import OpFallback
 from oneiter.record.modes.randomness import RandomReplayer
@@ -91,8 +92,9 @@ class Twin:
                        for opt in self.optimizers]
         clean = list(self.weights)
         with ExitStack() as stack:
-            kind, indices = _devices(self.params)
-            stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
+            stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU's generator
+            for kind, indices in _devices(self.params).items():  # and each accelerator's the parameters are on
+                stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
             with torch.no_grad():
                 for index, (p, w, g) in enumerate(zip(self.params, clean, self.grads, strict=True)):
                     p.data = self._perturbed(w, step, index) if perturb and w.is_floating_point() else w
@@ -101,7 +103,7 @@ class Twin:
                 m._buffers[name] = b
             for opt, state in zip(self.optimizers, self.states, strict=True):
                 opt.state = state
-            handles = [opt.register_step_pre_hook(lambda *_: self._unperturb(clean)) for opt in self.optimizers]
+            handles = [before_update(opt, lambda: self._unperturb(clean)) for opt in self.optimizers]
             try:
                 yield
             finally:
@@ -135,12 +137,14 @@ class Twin:
                                2.0 * self.roundoff)
 
 
-def _devices(params) -> tuple[str, list[int]]:
-    """The accelerator type and devices whose RNG a pass must leave as it found it (the CPU's is always forked)."""
-    found = {(p.device.type, p.device.index or 0) for p in params if p.device.type != "cpu"}
-    kinds = {kind for kind, _ in found}
-    kind = kinds.pop() if len(kinds) == 1 else "cuda"
-    return kind, sorted(i for k, i in found if k == kind)
+def _devices(params) -> dict[str, list[int]]:
+    """Accelerator type -> the devices of it whose RNG a pass must leave as it found it (the CPU's is forked
+    apart)."""
+    found: dict[str, set[int]] = {}
+    for p in params:
+        if p.device.type != "cpu":
+            found.setdefault(p.device.type, set()).add(p.device.index or 0)
+    return {kind: sorted(indices) for kind, indices in found.items()}
 
 
 class TwinPass:

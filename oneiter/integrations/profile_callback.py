@@ -1,0 +1,104 @@
+"""`ProfileEvents`: what the Trainer's and Lightning's `ProfileCallback` share (the mmengine hook is the third
+user of `profile.stepped`).
+
+A callback subclasses its framework's callback class and this one, calls `_start` when training starts (with what
+only the framework knows: its default folder, batch size, seed, autocast, optimizer, how many steps are left) and
+forwards each step's begin and end. What is written is what `oneiter profile` writes (`profile/stepped.py`); in a
+run with several ranks each rank writes into `<out_dir>/rank<R>/`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+from oneiter.profile.schedule import DEFAULT_SCHEDULE
+from oneiter.profile.stepped import ProfileSettings, StepProfiler
+from oneiter.runtime.distributed import current_rank
+from oneiter.runtime.wrappers import unwrap_model, unwrap_optimizers
+
+__all__ = ["ProfileEvents"]
+
+
+class ProfileEvents:
+    """Profile the training steps a schedule selects (0 = the first step after training starts) and write what
+    `oneiter profile` writes into `out_dir`: one gzipped Chrome trace per cycle
+    (`<model>_<device>_rank<R>_steps<a>-<b>.pt.trace.json.gz`), its op, memory and per-module tables
+    (`<trace>.tables.txt`), and `summary.json` (with the overhead and its noise verdict), which `oneiter profile
+    diff` reads.
+
+    Args:
+        schedule: torch.profiler's words, `'wait=1,warmup=1,active=2'` or a dict; one trace per cycle.
+        out_dir: the profile folder (default: `oneiter_profile` in the framework's output folder).
+        record_shapes / profile_memory / with_stack / with_flops: torch.profiler's options.
+        memory_sort: the memory table's sort column (`profile.tables.MEMORY_SORTS`).
+        module_ranges: forward/backward ranges per module path (the module table needs them).
+        model_name: the name in file names and summary.json (default: the model's class name).
+        force: replace a previous oneiter profile in `out_dir`.
+    """
+
+    FRAMEWORK = ""
+
+    def __init__(
+        self,
+        *,
+        schedule: Union[str, Mapping[str, int]] = DEFAULT_SCHEDULE,
+        out_dir: Optional[Union[str, os.PathLike]] = None,
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        with_flops: bool = False,
+        memory_sort: str = "self_cpu_memory",
+        module_ranges: bool = True,
+        model_name: Optional[str] = None,
+        force: bool = False,
+    ):
+        self.settings = ProfileSettings.checked(
+            schedule=schedule, out_dir=out_dir, memory_sort=memory_sort, model_name=model_name,
+            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
+            module_ranges=module_ranges, force=force,
+        )  # fmt: skip
+        self.profiler: Optional[StepProfiler] = None
+
+    @property
+    def summary(self) -> Optional[dict[str, Any]]:
+        """summary.json's content once profiling started."""
+        return self.profiler.summary if self.profiler is not None else None
+
+    @property
+    def out_dir(self) -> Optional[Path]:
+        return self.profiler.out_dir if self.profiler is not None else self.settings.out_dir
+
+    def _start(self, model, optimizer, *, default_dir: Union[str, os.PathLike], batch_size: int, seed: int,
+               amp: Optional[str], remaining: Optional[int], first_step: int, version: str) -> None:
+        """Training starts: check the schedule fits, and turn the profiler on."""
+        self.settings.check_fits(remaining, "steps")
+        model = unwrap_model(model)
+        out_dir = self.settings.out_dir or Path(default_dir) / "oneiter_profile"
+        info = current_rank()
+        if info.distributed:  # each rank its own folder: one summary.json each
+            out_dir = out_dir / f"rank{info.rank}"
+        optimizers = unwrap_optimizers(optimizer) if optimizer is not None else []
+        options = self.settings.options(model, out_dir=out_dir, batch_size=batch_size, seed=seed, amp=amp,
+                                        optimizer=",".join(type(o).__name__.lower() for o in optimizers))
+        self.profiler = StepProfiler(model, options, self.settings.schedule,
+                                     extra={"first_step": first_step, "framework": self.FRAMEWORK,
+                                            f"{self.FRAMEWORK}_version": version})
+        self.profiler.start()
+
+    def _begin_step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.begin_step()
+
+    def _end_step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.end_step()
+
+    def _end_run(self) -> None:
+        if self.profiler is not None:
+            self.profiler.end_run()
+
+    def _close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()

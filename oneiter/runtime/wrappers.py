@@ -4,7 +4,8 @@ Where this sits: `oneiter.Recorder` takes whatever a framework handed the user a
 loop passes `accelerator.prepare`'s results (or Lightning's, or mmengine's) straight in:
 
 - a model wrapped for data parallelism (`DistributedDataParallel`, `DataParallel`: `.module`) or compiled
-  (`torch.compile`'s `OptimizedModule`: `._orig_mod`) -> the module whose `named_modules()` names the recording;
+  (`torch.compile`'s `OptimizedModule`: `._orig_mod`) -> the module whose `named_modules()` names the recording
+  (the Recorder keeps a compiled one: its compiled block, hooked from outside, `runtime/compiled.py`);
 - an optimizer wrapper (accelerate's `AcceleratedOptimizer`, mmengine's `OptimWrapper`: `.optimizer`; Lightning's
   `LightningOptimizer`: `._optimizer`) or a learning-rate scheduler (torch's: `.optimizer`; accelerate's
   `AcceleratedScheduler`: `.optimizers`) -> the torch optimizer(s) that step;

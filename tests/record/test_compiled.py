@@ -86,6 +86,9 @@ def test_compiled_model_replays_its_eager_reference_bitwise(how, cnn_ref, tmp_pa
     hidden = verdict["compiled"]["hidden"]
     assert hidden and all(h["side"] == "target" for h in hidden)
     assert any(line.startswith("compiled: ") and "are not compared" in line for line in verdict["details"])
+    ran = next(line for line in verdict["details"] if line.startswith("compiled: the target ran"))
+    rerun = f" (+{info['rerun_compile_seconds']:.1f} s for its reruns)" if info["rerun_compile_seconds"] else ""
+    assert f"{info['compile_seconds']:.1f} s compiling{rerun}, not in its record time" in ran, ran
 
 
 def test_wrong_backend_names_the_block_holding_the_op(cnn_ref, tmp_path):

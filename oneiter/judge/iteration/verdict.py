@@ -525,9 +525,11 @@ def _compiled_lines(c: Optional[dict]) -> list[str]:
                          for path, b in list(blocks.items())[:6])
         more = f"; {len(blocks) - 6} more" if len(blocks) > 6 else ""
         breaks = info.get("graph_breaks") or []
+        rerun = num(info.get("rerun_compile_seconds")) or 0.0  # what `record` printed is the sum of both
+        reruns = f" (+{rerun:.1f} s for its reruns)" if rerun else ""
         lines.append(f"compiled: the {side} ran {_count(len(blocks), 'compiled block')}: {each}{more}; "
                      f"{_count(len(breaks), 'graph break')}, {num(info.get('compile_seconds')) or 0.0:.1f} s "
-                     f"compiling (not in its record time)")
+                     f"compiling{reruns}, not in its record time")
         for gb in breaks[:5]:
             block = "the iteration" if gb.get("block") is None else gb["block"] or ROOT_MODULE
             lines.append(f"compiled: graph break in {block} at {gb.get('where')}: {gb.get('reason')}")

@@ -36,7 +36,8 @@ def compare(
     mmengine .py config — a Python file, which is executed). Returns the `CompareResult`::
 
         result = oneiter.compare("ref.h5", "npu.h5")
-        result.status          # "match", "diverged" or "inconclusive" (local data, but nothing could be judged)
+        result.status          # "match", "diverged" or "inconclusive" (nothing could be judged, or a calibration
+                               # not trusted and nothing else found)
         result.culprit         # the call whose own computation is to blame: .module .call .phase .tensor .index
                                # (its row) .ratio .reason; None when no call is
         result.exit_code       # what `oneiter compare` exits with: 0 match, 1 diverged, 2 inconclusive

@@ -121,28 +121,60 @@ def _frame_owner(filename: str) -> str:
     return "user"
 
 
-def user_frame(tb) -> tuple[str, int, str] | None:
+def user_frame(tb, *, calls_user: bool = False) -> tuple[str, int, str] | None:
     """(file, line, function) of the innermost frame of the user's code in a traceback, or None when the error
-    was raised in oneiter's own code (a bug) or nowhere in the user's."""
+    was raised in oneiter's own code (a bug) or nowhere in the user's.
+
+    The user's code is their files and the libraries they call (Hugging Face's), and also torch's own module code
+    running their model: a library frame of a module's `forward` (nn.Sequential feeding an nn.Linear the wrong
+    width raises in torch's `Linear.forward`, under no line of the user's). `calls_user`: the traceback starts at
+    oneiter code that called the user's function directly (a model builder, `make_optimizer`); an exception with no
+    frame of oneiter's below that first one is the user's even where no frame is theirs (a `functools.partial` of
+    a torch optimizer given a bad option raises in torch): its innermost frame is named then."""
     frames = []
     while tb is not None:
-        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name))
+        frame = tb.tb_frame
+        code = frame.f_code
+        owner = _frame_owner(code.co_filename)
+        if owner == "library" and _runs_a_module(frame):
+            owner = "module"
+        frames.append((code.co_filename, tb.tb_lineno, code.co_name, owner))
         tb = tb.tb_next
-    return innermost_user(frames)
+    found = _innermost(frames)
+    if found is None and calls_user and frames and not any(
+            owner == "oneiter" and func not in _TRANSPARENT for _, _, func, owner in frames[1:]):
+        return frames[-1][:3]
+    return found
+
+
+def _runs_a_module(frame) -> bool:
+    """Whether `frame` is the `forward` of a torch.nn.Module (its `self`): torch's code running the user's model."""
+    if frame.f_code.co_name != "forward":
+        return False
+    kind = type(frame.f_locals.get("self"))
+    return any(c.__name__ == "Module" and c.__module__ == "torch.nn.modules.module" for c in kind.__mro__)
 
 
 def innermost_user(frames: list[tuple[str, int, str]]) -> tuple[str, int, str] | None:
     """The innermost of `frames` (outermost first: (file, line, function)) that is the user's own code; None when
     oneiter's own code comes first (a bug of oneiter) or no frame is the user's."""
-    for filename, line, func in reversed(frames):
-        owner = _frame_owner(filename)
+    return _innermost([(*f, _frame_owner(f[0])) for f in frames])
+
+
+def _innermost(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str] | None:
+    """`innermost_user` of frames whose owner is known: (file, line, function, owner); owner `module` (torch's
+    module code running the model) counts where no frame of the user's own lies between it and oneiter's."""
+    module = None
+    for filename, line, func, owner in reversed(frames):
         if owner == "oneiter" and func in _TRANSPARENT:
             continue  # oneiter's torch modes pass each op through: an op's error is the caller's
         if owner == "oneiter":
-            return None
+            return module
         if owner == "user":
             return filename, line, func
-    return None
+        if owner == "module" and module is None:
+            module = (filename, line, func)
+    return module
 
 
 _TRANSPARENT = {"__torch_dispatch__", "__torch_function__"}
@@ -159,9 +191,10 @@ class user_code:
     """
 
     def __init__(self, what: str, locate: Callable[[BaseException, tuple | None], tuple[str, str] | None]
-                 | None = None):
+                 | None = None, *, calls_user: bool = False):
         self.what = what
         self.locate = locate
+        self.calls_user = calls_user  # the block calls the user's function directly (see `user_frame`)
 
     def __enter__(self) -> "user_code":
         return self
@@ -169,7 +202,7 @@ class user_code:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None or isinstance(exc, OneIterError) or not isinstance(exc, Exception):
             return False
-        frame = user_frame(tb)
+        frame = user_frame(tb, calls_user=self.calls_user)
         place = self._place(exc, frame)
         if place is None and frame is None:
             return False

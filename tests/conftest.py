@@ -177,11 +177,12 @@ NEEDS_STATS_KERNEL = pytest.mark.skipif(why_no_stats_kernel() is not None, reaso
 """For tests of the optional C kernel itself: skipped, with the reason, only where the install cannot build it."""
 
 
-def load_tool(name: str):
-    """A script of tools/ as a module (tools/ is no package: its scripts run as `python tools/check_refs.py`)."""
+def load_tool(name: str, folder: str = "tools"):
+    """A script of tools/ (or bench/) as a module (neither is a package: their scripts run as
+    `python tools/check_refs.py`)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -27,6 +27,7 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   and the judge holds their outputs to their inputs as it does an unprobed call's;
 - **`/optimizer_state`** (`check_optimizer_state`): present exactly when the root attribute `optimizer_state` says
   `recorded` or `loaded`, each value named `<parameter>.<key>` of a parameter the file records;
+- **`/step_start`** (`check_step_start`): each tensor a parameter the file records;
 - **a multi-step recording** (`check_steps`): as many `/steps/<step>` groups as its `steps` attribute says, each
   holding iteration `<step>` (its `iteration` attribute), and signature tables of one row per step whose columns
   (`format/signature.py`) name the loss and parameters of the recording, norms >= 0 (or NaN/Inf, a run that overflowed),
@@ -53,6 +54,7 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     SIGNATURE,
     STATS_VALUES,
+    STEP_START,
     STEPS,
     LocalRow,
     call_key,
@@ -60,8 +62,8 @@ from oneiter.format.schema import (
 )
 from oneiter.format.signature import check_columns
 
-__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "OPTIMIZER_CALL",
-           "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
+__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "check_step_start",
+           "OPTIMIZER_CALL", "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
 
 _RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
 OPTIMIZER_CALL = ("(optimizer)", 0)  # how /unprobed names the optimizer's shadow step
@@ -266,7 +268,7 @@ def _check_local_numbers(row: LocalRow, where: str, path) -> None:
     for name, value in counts.items():
         if not _whole(value):
             raise _fail(path, f"{where}: {name} {value!r}, expected a whole number >= 0")
-    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference"):
+    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference", "noise_bound"):
         value = getattr(row, name)
         if not (math.isnan(value) or value >= 0):
             raise _fail(path, f"{where}: {name} {value!r}, expected >= 0 (or NaN)")
@@ -313,6 +315,13 @@ def check_optimizer_state(meta: dict[str, Any], names: list[str], params: set[st
         param, _, _ = name.rpartition(".")
         if param not in params:
             raise _fail(path, f"/optimizer_state/{name}: '{param}' is no parameter of the file")
+
+
+def check_step_start(names: list[str], params: set[str], path) -> None:
+    """Each parameter in `/step_start` (what the model wrote itself before the step) is a recorded parameter."""
+    for name in names:
+        if name not in params:
+            raise _fail(path, f"/{STEP_START}/{name}: no parameter of the file")
 
 
 # -- a multi-step recording -----------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from oneiter.format.schema import (
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     LOSS,
     OPTIMIZER,
     PARAM_GRADS,
@@ -39,6 +40,7 @@ from oneiter.format.schema import (
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
+    STEP_START,
     STEPS,
     TWIN_SIGNATURE,
     UNPROBED,
@@ -263,6 +265,7 @@ class IterationFile:
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
+        consistency.check_step_start(self._names_in(STEP_START), params, self.path)
         self._pass_through: set[tuple[str, int]] = set()
         if self.local_kind() and LOCAL in datasets:
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,
@@ -435,8 +438,10 @@ class IterationFile:
         """The rows of `/local` (empty without local data), read once."""
         if getattr(self, "_local_rows", None) is None:
             table = self.file.get(LOCAL)
+            names = set(table.dtype.names or ()) if table is not None else set()
             self._local_rows = [] if table is None else [
-                LocalRow(**{n: plain(rec[n]) for n, _ in LOCAL_FIELDS}) for rec in table[()]]
+                LocalRow(**{n: plain(rec[n]) if n in names else LOCAL_OPTIONAL[n] for n, _ in LOCAL_FIELDS})
+                for rec in table[()]]
         return list(self._local_rows)
 
     def pass_through_calls(self) -> set[tuple[str, int]]:

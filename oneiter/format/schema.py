@@ -45,9 +45,11 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
+    "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
-    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "RAW_BITS", "check_name", "call_key",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
+    "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
@@ -73,6 +75,10 @@ STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/s
 # multi-step tables, one row per step (`format/signature.py`): the run's, and its perturbed twin's
 SIGNATURE, TWIN_SIGNATURE = "signature", "twin_signature"
 STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_after"
+# group: the parameters the model itself wrote during the iteration (in place, outside the optimizer:
+# nn.Embedding(max_norm) renormalises the rows it looks up, in forward), as the optimizer step found them; every
+# other parameter starts its step as `state_before` holds it
+STEP_START = "step_start"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
@@ -84,6 +90,9 @@ COMPILED = "compiled"
 # many calls they rounded operands
 REDUCED_TARGET, REDUCED_CALLS = "reduced_target", "reduced_calls"
 REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls_reference"
+# /local attribute (JSON): the ops whose kernels were not torch's own where the calibration ran (`record/modes/
+# trusted.py`): {"cpu": [{op, key, registered, route}], "device": {"type", "plugin", "ops": [...]}}
+FOREIGN_KERNELS = "foreign_kernels"
 
 # overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
 # than one tensor: native_dropout keeps its output and its mask
@@ -250,14 +259,18 @@ LOCAL_FIELDS = (
     ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("seq", "i8"), ("dtype", "str"),
     ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
     ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
-    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"),
+    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"), ("noise_bound", "f8"),
 )
 """Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
 rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
 side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
 calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
 the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`,
-with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md)."""
+with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md), `noise_bound` what the precision
+can produce for the call as measured on the trusted path, the check of that noise (NaN: not needed, the noise was
+within `precision.NOISE_BOUND_FACTOR` unit roundoffs; docs/blame.md "A noise estimate is itself checked")."""
+LOCAL_OPTIONAL = {"noise_bound": float("nan")}
+"""Columns of `/local` a file written before them lacks, and the value they read as there."""
 
 
 @dataclass(frozen=True)
@@ -280,6 +293,7 @@ class LocalRow:
     noise_target: float
     noise_reference: float
     calibration: str
+    noise_bound: float = float("nan")
 
     @property
     def key(self) -> tuple[str, int, str, str]:

@@ -40,6 +40,7 @@ from oneiter.format.schema import (
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     OPTIMIZER,
     PLACEMENTS,
     RAW_BITS,
@@ -47,6 +48,7 @@ from oneiter.format.schema import (
     SCHEMA_VERSION,
     SIGNATURE,
     STATS_FIELDS,
+    STEP_START,
     STEPS,
     STORAGE_OFFSET,
     STRIDE,
@@ -72,7 +74,7 @@ _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": l
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")
-_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER)
+_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START)
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`signature.py`)
 _STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
@@ -436,7 +438,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
     attrs = read_attrs(group, f"'/{full}'", path)
     if top == "calls":
         _check_calls_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after", OPTIMIZER) and len(parts) == 1:
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START) and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
             raise _expect(path, f"group '/{full}' ", "order", "a list of strings", order)
@@ -627,6 +629,8 @@ def _check_table(shape, dtype, table: str, full: str, path) -> None:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}
     for name, kind in fields:
+        if table == "local" and name in LOCAL_OPTIONAL and name not in dtype.names:
+            continue  # a file from before the column
         if name not in dtype.names or dtype[name].kind not in kinds[kind]:
             got = dtype[name] if name in dtype.names else "no such column"
             raise _fail(path, f"'/{full}': column '{name}': expected {kind}, got {got}")

@@ -50,7 +50,8 @@ class RecordOptions:
     exclude: list[str] = field(default_factory=list)
     """Regexes on module paths not to record."""
     seed: int | None = 0
-    """`torch.manual_seed(seed)` when the block starts, so dropout draws the same numbers (None: RNG left alone)."""
+    """torch's, Python's and numpy's generators seeded with `seed` when the block starts, so dropout (and numpy's
+    draws: SpecAugment masks) draw the same numbers (None: RNG left alone; `runtime/host_random.py`)."""
     isolate: bool = True
     """With `replay`: rerun every call teacher-forced on the reference's values (its local error)."""
     calibrate: Calibration = "cpu"

@@ -12,9 +12,10 @@ from its spec and drives `runtime.training.train_step` inside a `Recorder`), the
 What it does inside the block, in order:
 
 - on enter: (with `replay=`) checks the model's structure against the reference and loads its weights and
-  buffers bit for bit; opens the output as a temporary file beside `out`; writes `state_before`; seeds torch
-  (`seed`, so dropout draws the same numbers on both sides); starts random-op recording (reference) or replay
-  (target) and the module hooks; enters autocast when `amp=` is given and `manage_autocast` is True;
+  buffers bit for bit; opens the output as a temporary file beside `out`; writes `state_before`; seeds torch's,
+  Python's and numpy's generators (`seed`, so dropout draws the same numbers on both sides); starts random-op
+  recording (reference) or replay (target) and the module hooks; enters autocast when `amp=` is given and
+  `manage_autocast` is True;
 - the batch: `rec.inputs(...)` stores its arguments as `batch/` and, on replay, returns the reference's tensors
   in their place. Without `rec.inputs`, the arguments of the model's first forward call are the batch (and are
   swapped the same way) — what the framework integrations use;
@@ -62,6 +63,8 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
+from oneiter.runtime.host_random import seed_all
+from oneiter.runtime.names import state_tensors
 from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
 from oneiter.runtime.sharding import class_name, local, reduction
 from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
@@ -124,7 +127,7 @@ class Recorder:
             and every module call is judged locally against it (`isolate`).
         amp: "bf16" / "fp16": the run's autocast dtype (entered around forward when `manage_autocast`).
         include / exclude: regexes on module paths to record / skip.
-        seed: `torch.manual_seed(seed)` when the block starts (None: leave the RNG alone).
+        seed: torch's, Python's and numpy's generators seeded when the block starts (None: leave them alone).
         isolate: with `replay`, rerun every call teacher-forced on the reference's values (local error).
         calibrate: where expected noise is measured: "cpu" (float64 vs the run's precision) or "device".
         against: "cpu": no reference; judge each call against a float32 CPU recomputation of this run's values.
@@ -254,14 +257,13 @@ class Recorder:
 
     # -- the block ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> "Recorder":
-        import torch
 
         if self.phase is not Phase.IDLE:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
         check_output(self.out, opts.force)
         # a sharded (FSDP2) tensor is stored as this rank's shard
-        state = sum(local(t).numel() * t.element_size() for t in self.model.state_dict().values())
+        state = sum(local(t).numel() * t.element_size() for _, t, _ in state_tensors(self.model))
         params = sum(local(p).numel() * p.element_size() for p in self.model.parameters())
         # state_before (full unless a stats-level replay), state_after and parameter gradients (full level only)
         before = state if opts.level == "full" or self.replay is None else 0
@@ -293,16 +295,13 @@ class Recorder:
                 probe_factory=probe_factory, keep_values=self.local_kind == "against_cpu",
                 stats_groups=self._stats_groups() if opts.level == "stats" else None, queue_bytes=opts.queue_bytes,
             ))
-            if len(self.optimizers) == 1:
-                self.session.bind_optimizer(self.optimizers[0])
-            if self.session.probe is not None:
-                self.session.probe.optimizer_start = self.optimizer_start
+            self._bind_session()
             self.session.state_before()
             self.session.optimizer_state(opt_entries)
             del opt_entries
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
-                torch.manual_seed(opts.seed)
+                seed_all(opts.seed)  # torch's, Python's and numpy's generators
             self._attach(stack)
         except BaseException:
             stack.__exit__(*sys.exc_info())  # with the exception: atomic_output deletes, never renames
@@ -313,6 +312,16 @@ class Recorder:
             self.loss_scale(scaler)
         self.session.enter_phase("forward")
         return self
+
+    def _bind_session(self) -> None:
+        """What the session needs of this block: the reference's call numbering (a replay numbers each module's
+        calls as its reference did: `hooks.pair_with`), the optimizer and where it starts."""
+        if self.ref is not None:
+            self.session.module_capture.pair_with(self.ref.calls())
+        if len(self.optimizers) == 1:
+            self.session.bind_optimizer(self.optimizers[0])
+        if self.session.probe is not None:
+            self.session.probe.optimizer_start = self.optimizer_start
 
     def _attach(self, stack: ExitStack) -> None:
         """The modes, hooks and patches of the block, each undone by `stack`."""
@@ -550,6 +559,7 @@ class Recorder:
         self._modes.close()
         if self.session.probe is not None:
             self.session.enter_phase("probes")
+        self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
         self.session.param_grads()
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}

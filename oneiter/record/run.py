@@ -33,6 +33,7 @@ from oneiter.record.steps.step_recorder import StepRecorder
 from oneiter.runtime.compiled import compile_modules
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
+from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
 from oneiter.runtime.precision import DTYPES, apply_dtype, torch_dtype
 from oneiter.runtime.sharding import is_sharded
@@ -130,7 +131,7 @@ def _meta(opts: SpecOptions, built: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": built["model"], "model_args": json.dumps(built["model_args"], sort_keys=True),
         "batch_size": built["batch_size"], "seed": built["seed"], "rng_seed": opts.seed,
-        "optimizer": opts.optimizer, "dtype": opts.dtype, "faults": json.dumps(opts.faults),
+        "dtype": opts.dtype, "faults": json.dumps(opts.faults),
         **({"iteration": built["iteration"]} if built.get("iteration") is not None else {}),
     }
 
@@ -238,10 +239,8 @@ def _iteration(opts: SpecOptions, ref: IterationFile | None) -> int | None:
 
 def _plain_steps(opts: SpecOptions, setup, step: int) -> None:
     """Iterations 0..step-1, not recorded, with the RNG seeded as a recording's first iteration seeds it."""
-    import torch
-
     if opts.seed is not None:
-        torch.manual_seed(opts.seed)
+        seed_all(opts.seed)
     for s in range(step):
         with user_code(f"the model's batch({s})"):
             use_step(setup, s)

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, arg_name
+from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, STEP_START, arg_name
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture.hooks import ModuleCapture, TensorSink, unscaled
-from oneiter.runtime.compiled import eager_name
+from oneiter.runtime.names import parameters, state_tensors
+from oneiter.runtime.sharding import is_dtensor
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -194,7 +195,18 @@ class RecordingSession:
                 self.probe.before_step(grads_changed=grads_changed)
 
     def state_before(self) -> None:
-        self._named(STATE_BEFORE, _eager(self.model.state_dict(keep_vars=True).items()))
+        state = state_tensors(self.model)
+        self._named(STATE_BEFORE, [(name, t) for name, t, _ in state])
+        self._versions = {name: t._version for name, t, is_param in state if is_param}
+
+    def step_start(self) -> None:
+        """The parameters the model itself wrote in place since `state_before` (nn.Embedding(max_norm) renormalises
+        rows in forward), as the optimizer step will find them: where its update starts (`STEP_START`)."""
+        versions = getattr(self, "_versions", {})
+        written = [(name, t) for name, t, is_param in state_tensors(self.model)
+                   if is_param and name in versions and t._version != versions[name] and not is_dtensor(t)]
+        if written:
+            self._named(STEP_START, written)
 
     def optimizer_state(self, entries) -> None:
         """The optimizer's state as the step begins: (`<parameter>.<key>`, tensor) pairs
@@ -216,11 +228,11 @@ class RecordingSession:
     def param_grads(self) -> None:
         self.enter_phase("parameters")
         scale = self.module_capture.grad_scale
-        grads = [(n, unscaled(p.grad, scale)) for n, p in _eager(self.model.named_parameters()) if p.grad is not None]
+        grads = [(n, unscaled(p.grad, scale)) for n, p in parameters(self.model) if p.grad is not None]
         self._named(PARAM_GRADS, grads)
 
     def state_after(self) -> None:
-        self._named(STATE_AFTER, _eager(self.model.state_dict(keep_vars=True).items()))
+        self._named(STATE_AFTER, [(name, t) for name, t, _ in state_tensors(self.model)])
         if self.probe is not None:
             self.probe.after_step()
 
@@ -243,8 +255,3 @@ class RecordingSession:
             self.sink.put(group, name, tensor, dedup=False)
             names.append(name)
         self.writer.attrs(group, {"order": names})
-
-
-def _eager(named):
-    """(name, value) pairs with the eager model's names (`runtime.compiled.eager_name`: `_orig_mod` dropped)."""
-    return ((eager_name(name), value) for name, value in named)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from oneiter.errors import OneIterError
+from oneiter.errors import OneIterError, user_code
 from oneiter.runtime.modelspec import ModelBundle
 
 __all__ = ["OPTIMIZERS", "build_optimizer", "TrainSetup", "prepare", "train_step", "set_threads", "use_step"]
@@ -22,7 +22,9 @@ def build_optimizer(name: str, params, bundle: ModelBundle | None = None):
     import torch
 
     if bundle is not None and bundle.make_optimizer is not None:
-        return bundle.make_optimizer(params)
+        # the user's function (or a torch optimizer it names) raising is their error: exit 2, one line
+        with user_code("the model's make_optimizer (building the optimizer)", calls_user=True):
+            return bundle.make_optimizer(params)
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4, foreach=False)
     if name == "adamw":

@@ -104,3 +104,46 @@ def test_a_oneiter_bug_in_backward_is_still_exit_3(tmp_path, monkeypatch, mode):
     monkeypatch.setattr("oneiter.record.capture.hooks.seq_kind", None)  # the capture's gradient hook, in backward
     res = run_cli("record", "--model", SPEC, "--model-arg", f"mode={mode}", "-b", "2", "-o", tmp_path / "out.h5")
     assert res.exit_code == 3 and res.stderr.strip().splitlines()[-1].startswith(BUG), res.output
+
+
+TORCH_LINEAR = "torch/nn/modules/linear.py"
+
+
+def test_a_shape_error_inside_torchs_own_module_code_is_the_users(tmp_path):
+    """nn.Sequential(nn.Linear(8, 16), nn.Linear(15, 4)): the error is raised in torch's Linear.forward, under no
+    line of the user's file; it is still the user's model: exit 2, one line naming the call."""
+    res = run_cli("record", "--model", f"{MODEL}:build_sequential", "-b", "2", "-o", tmp_path / "out.h5")
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "internal error" not in res.output and "Traceback" not in res.output
+    assert errors[0].startswith("error: the forward of 1@0 raised RuntimeError: mat1 and mat2 shapes cannot be "
+                                "multiplied (2x16 and 15x4) (at "), errors[0]
+    assert f"{TORCH_LINEAR}:" in errors[0] and ", in forward;" in errors[0]
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_make_optimizer_that_raises_is_the_users(tmp_path, partial):
+    res = run_cli("record", "--model", f"{MODEL}:build_bad_optimizer", "--model-arg", f"partial={partial}", "-b", "2",
+                  "-o", tmp_path / "out.h5")
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "internal error" not in res.output, res.output
+    assert errors[0].startswith("error: the model's make_optimizer (building the optimizer) raised TypeError: "), errors
+    where = "torch/optim/" if partial else f"{MODEL}:"
+    assert where in errors[0], errors[0]
+
+
+def test_the_file_names_the_optimizer_that_ran(tmp_path):
+    """The model's fourth item builds AdamW: the file says adamw, whatever --optimizer said (and a replay, which
+    builds it the same way, loads its state)."""
+    import h5py
+
+    out, tgt = tmp_path / "out.h5", tmp_path / "tgt.h5"
+    res = run_cli("record", "--model", f"{MODEL}:build_adamw", "--optimizer", "sgd", "-b", "2", "-o", out)
+    assert res.exit_code == 0, res.output
+    with h5py.File(out) as f:
+        assert f.attrs["optimizer"] == "adamw"
+    res = run_cli("record", "--model", f"{MODEL}:build_adamw", "--replay", out, "-o", tgt)
+    assert res.exit_code == 0, res.output
+    with h5py.File(tgt) as f:
+        assert f.attrs["optimizer"] == "adamw"

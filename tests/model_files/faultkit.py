@@ -10,10 +10,14 @@ the way a vendor's stack would, never through oneiter:
 - `instance:<module path>`  wrap that module instance's `forward` (what accelerate-style hooks and vendor wrappers
   do): its floating outputs are scaled by (1 + REL). `@N` only for calls whose input's last dimension is N (a
   kernel wrong for one shape: a shared block's second call on a smaller feature map).
+- `instance_bwd:<module path>` the same wrapper, exact forward, the gradients flowing back into that call scaled
+  (a wrong backward kernel of one module: its output gradient is right, what it hands back is not).
 - `class:<ClassName>`       replace `ClassName.forward` for every instance (a vendor plugin's fused-kernel patch).
 - `function:<name>`         replace `torch.nn.functional.<name>` everywhere (a wrong kernel): outputs scaled.
 - `function_bwd:<name>`     the same function, exact forward, gradients w.r.t. its inputs scaled (a wrong backward
   kernel only).
+- `function_f32:<name>`     the same function, outputs scaled only where they are float32 (a plugin's Python-level fast
+  path for float32 tensors: the same code run in float64 is exact, so its error looks like float32's noise).
 - `stride:<name>`           the same, but wrong only when its first tensor argument is not contiguous from the start
   of its storage (a transposed view, a slice with a storage offset): an NPU stride/format bug.
 - `stride_bwd:<name>`       exact forward; the gradients scaled only for such an input (a wrong strided backward).
@@ -70,19 +74,33 @@ def fault_scale(family: str = "root") -> float:
     return 1.0 + spec[2] if spec is not None and spec[0] == family else 1.0
 
 
-def _scaled(out: Any, scale: float) -> Any:
+def _mapped(out: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`out` with `fn` applied to every floating tensor in it (tuples, named tuples, lists, dicts, ModelOutputs)."""
     if isinstance(out, torch.Tensor):
-        return out * scale if out.is_floating_point() else out
+        return fn(out) if out.is_floating_point() else out
     if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*(_scaled(o, scale) for o in out))
+        return type(out)(*(_mapped(o, fn) for o in out))
     if isinstance(out, (tuple, list)):
-        return type(out)(_scaled(o, scale) for o in out)
+        return type(out)(_mapped(o, fn) for o in out)
     if isinstance(out, dict):
         new = out.copy() if hasattr(out, "copy") else dict(out)
         for key, value in out.items():
-            new[key] = _scaled(value, scale)
+            new[key] = _mapped(value, fn)
         return new
     return out
+
+
+def _scaled(out: Any, scale: float) -> Any:
+    """Every floating tensor of `out` multiplied by `scale` (a wrong forward). The product is taken here, in
+    `_scaled` itself: `replay --ops` names the line of an op a fault adds (tests/judge/test_ops.py)."""
+    if isinstance(out, torch.Tensor):
+        return out * scale if out.is_floating_point() else out
+    return _mapped(out, lambda t: _scaled(t, scale))
+
+
+def _grad_scaled(out: Any, scale: float) -> Any:
+    """`out` bit for bit, the gradient of every floating tensor that requires one multiplied by `scale`."""
+    return _mapped(out, lambda t: _GradScale.apply(t, scale) if t.requires_grad else t)
 
 
 def _first_tensor(args: tuple, kwargs: dict):
@@ -96,9 +114,9 @@ def patch_functions() -> None:
     """Undo earlier faults; replace the torch function a `function`/`function_bwd` fault names."""
     undo_faults()
     spec = _parse()
-    if spec is not None and spec[0] in ("function", "function_bwd", "stride", "stride_bwd"):
+    if spec is not None and spec[0] in ("function", "function_bwd", "function_f32", "stride", "stride_bwd"):
         _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0].endswith("_bwd"),
-                        strided_only=spec[0].startswith("stride"))
+                        strided_only=spec[0].startswith("stride"), float32_only=spec[0] == "function_f32")
     if spec is not None and spec[0] in ("ids", "ids_lowp"):
         _patch_embedding(int(spec[1]), 1.0 + spec[2], lowp=spec[0] == "ids_lowp")
 
@@ -110,28 +128,29 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
         return model
     family, target, rel, shape = spec
     scale = 1.0 + rel
-    if family == "instance":
-        _wrap_instance(model.get_submodule(target), scale, shape)
+    if family in ("instance", "instance_bwd"):
+        _wrap_instance(model.get_submodule(target), scale, shape, backward_only=family == "instance_bwd")
     elif family == "class":
         classes = {type(m).__name__: type(m) for m in model.modules()}
         if target not in classes:
             raise ValueError(f"{ENV}: the model has no module class {target!r}")
         _patch_class(classes[target], scale)
-    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd", "optimizer", "ids",
-                        "ids_lowp"):
+    elif family not in ("root", "function", "function_bwd", "function_f32", "stride", "stride_bwd", "optimizer",
+                        "ids", "ids_lowp"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
     return model
 
 
-def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None) -> None:
+def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None, backward_only: bool = False) -> None:
     had = "forward" in module.__dict__
     original = module.forward
+    wrong = _grad_scaled if backward_only else _scaled
 
     def forward(*args, **kwargs):
         out = original(*args, **kwargs)
         first = _first_tensor(args, kwargs)
         if shape is None or (first is not None and first.shape[-1] == shape):
-            out = _scaled(out, scale)
+            out = wrong(out, scale)
         return out
 
     module.forward = forward
@@ -180,7 +199,8 @@ def _strided(tensor) -> bool:
     return tensor is not None and (not tensor.is_contiguous() or tensor.storage_offset() != 0)
 
 
-def _patch_function(name: str, scale: float, *, backward_only: bool, strided_only: bool = False) -> None:
+def _patch_function(name: str, scale: float, *, backward_only: bool, strided_only: bool = False,
+                    float32_only: bool = False) -> None:
     functional = torch.nn.functional
     original = getattr(functional, name)
 
@@ -188,9 +208,9 @@ def _patch_function(name: str, scale: float, *, backward_only: bool, strided_onl
         out = original(*args, **kwargs)
         if strided_only and not _strided(_first_tensor(args, kwargs)):
             return out
-        if backward_only:
-            return _GradScale.apply(out, scale) if out.requires_grad else out
-        return _scaled(out, scale)
+        if float32_only and not (isinstance(out, torch.Tensor) and out.dtype == torch.float32):
+            return out
+        return _grad_scaled(out, scale) if backward_only else _scaled(out, scale)
 
     setattr(functional, name, patched)
     _UNDO.append(lambda: setattr(functional, name, original))

@@ -65,3 +65,28 @@ def build(batch_size, mode: str = ""):
     x = torch.randn(batch_size, 8)
     y = torch.randint(0, 3, (batch_size,))
     return model, (x,), lambda out: nn.functional.cross_entropy(out, y.to(out.device))
+
+
+def build_sequential(batch_size):
+    """A stock nn.Sequential whose second Linear expects 15 features where the first gives 16: the user's bug,
+    raised inside torch's own `Linear.forward` (no line of this file is in the traceback below the model call)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(15, 4))
+    x = torch.randn(batch_size, 8)
+    return model, (x,), lambda out: out.square().mean()
+
+
+def build_bad_optimizer(batch_size, partial: bool = False):
+    """A model whose `make_optimizer` raises TypeError inside torch's AdamW (betas must be a pair): from a line of
+    this file, or (`partial`) from a `functools.partial` of the optimizer class, which has no line of its own."""
+    import functools
+
+    model, inputs, loss_fn = build(batch_size)
+    if partial:
+        return model, inputs, loss_fn, functools.partial(torch.optim.AdamW, lr=1e-3, betas=0.9)
+    return model, inputs, loss_fn, lambda params: torch.optim.AdamW(params, lr=1e-3, betas=0.9)
+
+
+def build_adamw(batch_size):
+    """A clean model whose fourth item builds AdamW (whatever --optimizer says)."""
+    model, inputs, loss_fn = build(batch_size)
+    return model, inputs, loss_fn, lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=False)

@@ -22,6 +22,9 @@ class _Source:
     def reference_state(self, name):
         return self.weights.get(name)
 
+    def step_start(self, name):  # where each step starts: state_before (no parameter written in forward)
+        return self.weights.get(name)
+
     @property
     def source(self):
         return self

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 from typing import Any, Optional
@@ -33,6 +34,7 @@ from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
+    FOREIGN_KERNELS,
     LOCAL,
     LOSS,
     PRECISION_MODES,
@@ -43,6 +45,7 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_START,
     split_call_key,
 )
 from oneiter.judge.iteration.blame import (
@@ -59,7 +62,7 @@ from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, R
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.verdict import STATS_REASON, culprit_reason, settle_rows
+from oneiter.judge.iteration.verdict import STATS_REASON, calibration_reason, culprit_reason, settle_rows
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.stat_metrics import compare_stats
 from oneiter.judge.measure.tolerance import DtypeTolerance, NoisePolicy, Tolerance, TolerancePolicy, looser
@@ -210,7 +213,8 @@ def compare_local(
                 counts[entry.key] = _nonfinite_count(tgt.read(entry.path))
         result.nan_origin = nan_origin(counts, list(counts))
         # its rows are the local results themselves: nothing to settle, nothing no probe covers
-        result.findings = [*_culprit(result, parents), *row_findings(result.rows, None, True)]
+        result.findings = [*_culprit(result, parents), *_calibration_findings(result),
+                           *row_findings(result.rows, None, True)]
         return result
 
 
@@ -259,6 +263,7 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     if not found:
         found = sorted([*own, *_unattributed(result, ref, tgt, policy, noise, sources)],
                        key=lambda f: (f.entry is None, f.entry or 0))
+    found += _calibration_findings(result)
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
@@ -278,6 +283,8 @@ def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -
                           f"/local table is missing: the file is damaged; record the target again")
     result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
     result.local = local_results(tgt, noise) if result.local_kind else []
+    if result.local_kind:
+        result.notes.extend(foreign_notes(tgt.local_attrs()))
     result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
     parents = {}
     for _key, attrs in tgt.calls():
@@ -336,14 +343,61 @@ def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> list[
 
 
 def _update_scale(ref: IterationFile, module: str, tensor: str) -> float:
-    """||after|| / ||after - before|| of the reference's parameter `module.tensor` (inf: it did not move)."""
+    """||after|| / ||after - before|| of the reference's parameter `module.tensor` (inf: it did not move); `before`
+    is where its step started (`/step_start` for a parameter the model wrote itself, else `state_before`)."""
     name = tensor if module == ROOT_MODULE else f"{module}.{tensor}"
-    before, after = ref.state(STATE_BEFORE).get(name), ref.state(STATE_AFTER).get(name)
+    before = ref.state(STEP_START).get(name) or ref.state(STATE_BEFORE).get(name)
+    after = ref.state(STATE_AFTER).get(name)
     if before is None or after is None or ref.is_stats(before) or ref.is_stats(after):
         return math.inf
     a, b = ref.read(after).astype(np.float64), ref.read(before).astype(np.float64)
     update = float(np.linalg.norm(a - b))
     return float(np.linalg.norm(a)) / update if update else math.inf
+
+
+def _calibration_findings(result: CompareResult) -> list[Finding]:
+    """A `calibration` finding for every local row whose calibrated noise was not trusted and that is not flagged
+    (a flagged one is judged against what its precision can produce, and may be the culprit), in causal order."""
+    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(result.rows)}
+    return [Finding.of("calibration", index.get(r.row_key), calibration_reason(r), r) for r in result.local
+            if r.untrusted and not r.flagged]
+
+
+def foreign_notes(attrs: dict) -> list[str]:
+    """What the recording says about the kernels its calibration ran that were not torch's own (`FOREIGN_KERNELS`,
+    written by `record/local/probe.py`), in words: every report states them."""
+    try:
+        found = json.loads(str(attrs.get(FOREIGN_KERNELS) or "{}"))
+    except ValueError:
+        return []
+    notes = []
+    for entry in found.get("cpu") or [] if isinstance(found, dict) else []:
+        if not isinstance(entry, dict):
+            continue
+        what = (f"the {entry.get('key')} kernel of {entry.get('op')} is not torch's own (registered at "
+                f"{_short(str(entry.get('registered')))})")
+        how = (str(entry.get("route")) if entry.get("kind") == "none" else
+               f"the calibration ran {entry.get('route')} instead")
+        notes.append(f"calibration: {what}: {how}")
+    device = found.get("device") if isinstance(found, dict) else None
+    if isinstance(device, dict) and str(attrs.get("calibrate")) == "device":
+        if device.get("plugin"):
+            notes.append(f"calibration on the device: {device.get('type')} is a PrivateUse1 backend, every kernel "
+                         f"is its plugin's: its noise is checked against the trusted CPU's")
+        elif device.get("num_ops"):
+            names = ", ".join(str(o.get("op")) for o in device.get("ops", [])[:3] if isinstance(o, dict))
+            notes.append(f"calibration on the device: {device.get('num_ops')} ops' {device.get('type')} kernels are "
+                         f"not torch's own ({names}): its noise is checked against the trusted CPU's")
+    return notes
+
+
+def _short(where: str) -> str:
+    """A registration's place relative to the working folder when under it, else as recorded."""
+    try:
+        relative = os.path.relpath(where)
+    except ValueError:
+        return where
+    return where if relative.startswith("..") else relative
 
 
 def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:

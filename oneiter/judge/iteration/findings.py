@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 
-__all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "Finding", "row_findings", "strongest", "of_kind", "status_of"]
+__all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "INCONCLUSIVE", "Finding", "row_findings", "strongest",
+           "of_kind", "status_of"]
 
 PRIORITY = {
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -31,6 +32,9 @@ PRIORITY = {
     "unexplained": 20,
     # the loss differs more than the model's outputs explain (or, without local data, outside its tolerance)
     "loss": 10,
+    # a call's calibrated noise is far above what its precision can produce (its own error within what can): the
+    # call is neither cleared nor blamed, so nothing else found, the verdict is no match (`INCONCLUSIVE`)
+    "calibration": 5,
 }
 # two multi-step recordings compared step by step (`judge/steps/step_verdict.py`), chosen among by the same rule
 STEP_PRIORITY = {
@@ -40,6 +44,7 @@ STEP_PRIORITY = {
 }
 _PRIORITIES = {**PRIORITY, **STEP_PRIORITY}
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
+INCONCLUSIVE = ("calibration",)  # a verdict resting on these is inconclusive: evidence neither way
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,10 @@ def of_kind(findings: list[Finding], kind: str) -> list[Finding]:
 
 
 def status_of(findings: list[Finding], *, judged: bool) -> str:
-    """A verdict's status: `diverged` when anything was found, else `inconclusive` when what had to be judged was
-    not (local data, but no call's own error measured; steps whose band is too wide to judge), else `match`."""
-    if strongest(findings) is not None:
-        return "diverged"
+    """A verdict's status: `diverged` when anything was found (`inconclusive` when the strongest finding is evidence
+    neither way, `INCONCLUSIVE`: a calibration not trusted), else `inconclusive` when what had to be judged was not
+    (local data, but no call's own error measured; steps whose band is too wide to judge), else `match`."""
+    top = strongest(findings)
+    if top is not None:
+        return "inconclusive" if top.kind in INCONCLUSIVE else "diverged"
     return "match" if judged else "inconclusive"

@@ -20,6 +20,7 @@ from oneiter.format.layout import Entry, IterationFile
 from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE
 from oneiter.format.schema import OPTIMIZER, STATE_AFTER, STATE_BEFORE, natural_key, seq_kind
 from oneiter.judge.iteration.entries import PHASES
+from oneiter.runtime.training import OPTIMIZERS
 
 __all__ = ["positions", "causal_pairs", "check_compatible", "check_replay", "same_start"]
 
@@ -94,8 +95,10 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     if not tgt.meta.get("replay_of"):
         return (f"'{tgt.path}' is not a replay (recorded without --replay): its weights, batch and random values are "
                 f"its own, so entries may differ from the batch on; record the target with --replay {ref.path}")
+    # the optimizers' class names: two that `record --optimizer` builds and that differ are a replay run with the
+    # other option; a class of the model's own (a vendor's AdamW against torch's) is what the optimizer rows judge
     opt_ref, opt_tgt = str(ref.meta.get("optimizer") or ""), str(tgt.meta.get("optimizer") or "")
-    if opt_ref and opt_tgt and opt_ref != opt_tgt:
+    if opt_ref in OPTIMIZERS and opt_tgt in OPTIMIZERS and opt_ref != opt_tgt:
         raise FormatError(f"bad replay: the reference ran optimizer '{opt_ref}', the target '{opt_tgt}': a replay "
                           f"must run the reference's optimizer (record --optimizer {opt_ref})")
     ref_batch, tgt_batch = ref.batch_paths(), tgt.batch_paths()

@@ -38,10 +38,12 @@ import numpy as np
 
 from oneiter.errors import DeviceError, FormatError, OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import ROOT_MODULE, call_key, decode
+from oneiter.format.schema import FOREIGN_KERNELS, ROOT_MODULE, call_key, decode
+from oneiter.judge.iteration.engine import foreign_notes
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.measure.metrics import compare_arrays
 from oneiter.judge.measure.tolerance import NoisePolicy
+from oneiter.record.modes import trusted
 from oneiter.record.replay.layer_replay import RECORDED, LayerTrace, trace_layer
 from oneiter.record.replay.op_repro import repro_folder, write_repro
 from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpRow, OpTracer
@@ -209,11 +211,13 @@ def replay_ops(
     if reference is not None and reference["key"] != key:
         raise OneIterError(f"--reference-ops traced {reference['key']}, not {key}")
     tracer = OpTracer(keep=lambda row: flagged(row, factor), reduced=reduced(current(device.strip().split(":")[0])))
+    since = trusted.mark()
     trace = trace_layer(path, layer, tracer, call=call, device=device, dtype=dtype, amp=amp, model=model,
                         compile=compile)
     run, tracer = trace.run, trace.tracer
+    kernels = foreign_notes({FOREIGN_KERNELS: json.dumps({"cpu": trusted.met_kernels(since)})})
     result = OpsResult(str(path), run.key, run.class_name, run.device, run.dtype, run.amp, factor, tracer.rows,
-                       [], notes=list(run.notes))
+                       [], notes=[*run.notes, *kernels])
     if trace.random_values:
         result.program = _program(path, trace, factor)
     else:

@@ -43,9 +43,10 @@ from oneiter.format.schema import (
     shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
-from oneiter.record.capture.input_grads import InputGradTracker
+from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
+from oneiter.runtime import host_random
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
 from oneiter.runtime.sharding import local, placement_of
 
@@ -160,6 +161,7 @@ class CallRecord:
     internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
     identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
     given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
+    host_random: tuple | None = None  # Python's and numpy's generator states as the call began (host_random.py)
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
@@ -214,11 +216,13 @@ class ModuleCapture:
         self._handles: list = []
         self._names: dict[int, str] = {}
         self._calls_per_module: dict[str, int] = {}
+        self._used_calls: dict[str, set[int]] = {}  # a replay paired with its reference (`pair_with`): indices given
         self._stack: list[tuple[str, CallRecord | None, int, str]] = []  # open calls: key, record, first node, path
         self.node_ranges: list[tuple[int, int, str]] = []  # per finished call: [first, end) node numbers, key
         self.node_gaps: list[tuple[int, int]] = []  # [first, end) numbers of nodes the hooks themselves created
         self._seq = itertools.count()
         self._input_grads = InputGradTracker()
+        self._views: list[list] = []  # the outputs `_output_hook` watches for an in-place change, until detach
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.recomputations = Recomputations()
@@ -246,6 +250,9 @@ class ModuleCapture:
             handle.remove()
         self._handles.clear()
         self._input_grads.remove()
+        for held in self._views:
+            held.clear()
+        self._views.clear()
         self._pending_grads.clear()
         self._stack.clear()
 
@@ -317,22 +324,47 @@ class ModuleCapture:
         hooks = sum(max(0, min(end, number) - max(begin, first)) for begin, end in self.node_gaps)
         return number - first - hooks
 
+    def pair_with(self, calls: list[tuple[str, dict]]) -> None:
+        """A replay: number each module's calls as the reference's (`calls`: its (key, attrs)) where the order
+        differs. A call is given the index of the reference's call of the module with the same non-tensor arguments
+        (`arg.*` attributes): its own index when that one has them, else the first unused one that does, else the
+        first unused index from its own. ModernBERT computes its rotary embeddings per layer type in the order of
+        `set(config.layer_types)`, which Python's per-process string hashing decides: the reference's call 0 may be
+        the target's call 1."""
+        found: dict[str, dict[int, dict]] = {}
+        for _key, attrs in calls:
+            found.setdefault(str(attrs["module"]), {})[int(attrs["call"])] = _simple_args(attrs)
+        self._reference_calls = {m: [d.get(i) for i in range(max(d) + 1)] for m, d in found.items()}
+
+    def _call_index(self, path: str, simple: dict) -> int:
+        count = self._calls_per_module.get(path, 0)
+        self._calls_per_module[path] = count + 1
+        theirs = getattr(self, "_reference_calls", {}).get(path)
+        if theirs is None:
+            return count
+        used = self._used_calls.setdefault(path, set())
+        order = [count, *(i for i in range(len(theirs)) if i != count)]
+        pick = next((i for i in order if i < len(theirs) and i not in used and theirs[i] == simple), None)
+        if pick is None:
+            pick = next(i for i in itertools.count(count) if i not in used)
+        used.add(pick)
+        return pick
+
     def _begin_call(self, module, args: tuple, kwargs: dict) -> None:
         path = self._names[id(module)]
-        call = self._calls_per_module.get(path, 0)
-        self._calls_per_module[path] = call + 1
+        named = list(flatten_call(args, kwargs))
+        simple = {f"arg.{name}": "None" if value is None else value for name, value in named
+                  if isinstance(value, _SIMPLE)}
+        call = self._call_index(path, _simple_args(simple))
         key = call_key(path, call)
         parent_key, parent = self._stack[-1][:2] if self._stack else ("", None)
         begin = self.random_count()
         attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
-                 "parent": parent_key, "random_begin": begin}
+                 "parent": parent_key, "random_begin": begin, **simple}
         self.num_calls += 1
         group = call_path(key, FORWARD)
-        named = list(flatten_call(args, kwargs))
         for name, value in named:
-            if isinstance(value, _SIMPLE):
-                attrs[f"arg.{name}"] = "None" if value is None else value
-            else:
+            if not isinstance(value, _SIMPLE):
                 self.sink.put(group, name, value, _layout(value))
         self._mark_seq(key, "input", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
@@ -344,7 +376,7 @@ class ModuleCapture:
             # recomputation, which differentiates it, will have it
             as_if_grad = not _grad_enabled() and in_reentrant_forward()
             pos, kw = skeleton_call(args, kwargs, as_if_grad=as_if_grad)
-            record = CallRecord(key, module, path, call, parent, pos, kw, begin)
+            record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state())
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
                 record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
@@ -383,7 +415,7 @@ class ModuleCapture:
         """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
         for name, value in named:
             if _wants_grad(value):
-                value.register_hook(self._grad_hook(key, grad_name(name)))
+                _output_hook(value, self._grad_hook(key, grad_name(name)), self._views)
         self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
 
     # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
@@ -449,6 +481,45 @@ class _Suspend:
 
     def __exit__(self, *exc) -> None:
         self.capture._suspended = self.before
+
+
+def _output_hook(value, hook: Callable, views: list) -> None:
+    """`hook(gradient)` once the gradient w.r.t. the output `value` is known. A tensor hook, except that torch never
+    fires a hook registered on a *view* that is then changed in place (nn.Linear with a bias returns a view of its
+    2-d matmul for a 3-d input, and the next module may be ReLU(inplace=True)): for a view, a pre-hook on its base's
+    node stands in when the tensor hook has not fired *and the view was changed in place since* (its version moved),
+    and takes the view's region of the base's gradient (the gradient w.r.t. the value before the in-place change,
+    what the tensor hook would have seen). A view that is merely unused (DINOv2 returns `pooler_output`,
+    `sequence_output[:, 0, :]`, which its classifier never reads) gets no gradient, as a tensor hook gives none.
+    The view is held (`views`, cleared by `ModuleCapture.detach`) to read its version in backward."""
+    region = view_region(value)
+    if region is None:
+        value.register_hook(hook)
+        return
+    held = [value, value._version]  # emptied once either hook has fired
+    views.append(held)
+
+    def on_view(grad):
+        held.clear()
+        return hook(grad)
+
+    base = value._base
+    slot = base.output_nr
+
+    def on_base(grad_outputs):
+        if held and held[0]._version != held[1] and grad_outputs[slot] is not None:
+            hook(region_of(grad_outputs[slot], region))
+        held.clear()
+        return None
+
+    value.register_hook(on_view)
+    base.grad_fn.register_prehook(on_base)
+
+
+def _simple_args(attrs: dict) -> dict[str, str]:
+    """A call's non-tensor arguments (`arg.*` attributes) as strings: what a live call and a recorded one compare by
+    (an HDF5 attribute reads back as a numpy scalar)."""
+    return {k: str(v.item() if hasattr(v, "item") else v) for k, v in attrs.items() if k.startswith("arg.")}
 
 
 def _layout(value) -> dict | None:

@@ -14,8 +14,12 @@ Instead:
    is the module's grad_input.
 
 The graph, the engine's schedule and its accumulation order are untouched. An in-place module (ReLU(inplace))
-needs no special case: its node consumes the input's old edge. Limits: nodes created on another thread during
-the forward are not seen; a consumer that never runs (an unused branch) leaves that grad_input unrecorded.
+needs no special case: its node consumes the input's old edge — unless the input is a *view* (nn.Linear with a
+bias returns a view of its 2-d matmul for a 3-d input): an in-place op on a view makes a `CopySlices` node that
+consumes the edge of the view's *base* instead. So the base's edge is a target too, for such an input: what a
+consumer sends it is the gradient w.r.t. the whole base, and the input's part is its region of it (`view_region`).
+Limits: nodes created on another thread during the forward are not seen; a consumer that never runs (an unused
+branch) leaves that grad_input unrecorded.
 """
 
 from __future__ import annotations
@@ -23,18 +27,35 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable
 
-__all__ = ["InputGradTracker"]
+__all__ = ["InputGradTracker", "view_region", "region_of"]
+
+
+def view_region(tensor) -> tuple | None:
+    """(shape, strides, offset into its base) of a view whose base is produced by an autograd node and contiguous:
+    how to take the view's part out of a gradient w.r.t. its base (`region_of`); None for any other tensor."""
+    base = getattr(tensor, "_base", None)
+    if base is None or base.grad_fn is None or not base.is_contiguous():
+        return None
+    return tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset() - base.storage_offset()
+
+
+def region_of(grad, region: tuple | None):
+    """`grad` itself, or (a region) the part of a gradient w.r.t. a base that falls on the view."""
+    if region is None:
+        return grad
+    return grad.contiguous().as_strided(*region)
 
 
 class _Pending:
     """What `start` learned about one call: the inputs' edges and the watermark."""
 
-    __slots__ = ("targets", "keep", "watermark")
+    __slots__ = ("targets", "keep", "watermark", "views")
 
-    def __init__(self, targets: dict, keep: list, watermark: int):
-        self.targets = targets  # (id(node), output_nr) -> [input names]
+    def __init__(self, targets: dict, keep: list, watermark: int, views: list | None = None):
+        self.targets = targets  # (id(node), output_nr) -> [(input name, its view's region of a base, or None)]
         self.keep = keep  # the target nodes, so their ids stay valid
         self.watermark = watermark
+        self.views = views or []  # (input name, the view, its version as the call began): changed in place in the call?
 
 
 class InputGradTracker:
@@ -51,22 +72,35 @@ class InputGradTracker:
         import torch
         from torch.autograd.graph import get_gradient_edge
 
-        targets: dict[tuple[int, int], list[str]] = defaultdict(list)
-        keep = []
+        targets: dict[tuple[int, int], list[tuple[str, tuple | None]]] = defaultdict(list)
+        keep, views = [], []
         for name, value in named_inputs:
             if isinstance(value, torch.Tensor) and value.requires_grad and torch.is_grad_enabled():
                 edge = get_gradient_edge(value)
-                targets[(id(edge.node), edge.output_nr)].append(name)
+                targets[(id(edge.node), edge.output_nr)].append((name, None))
                 keep.append(edge.node)
+                region = view_region(value)
+                if region is not None:  # if changed in place, the view hands its base's edge on (docstring)
+                    base = get_gradient_edge(value._base)
+                    targets[(id(base.node), base.output_nr)].append((name, region))
+                    keep.append(base.node)
+                    views.append((name, value, value._version))
         if not targets:
             return None
         watermark = self._anchor.view(()).grad_fn._sequence_nr()
-        return _Pending(dict(targets), keep, watermark)
+        return _Pending(dict(targets), keep, watermark, views)
 
     def finish(self, pending: _Pending | None, outputs: list, on_grad: Callable[[str, Any], None]) -> None:
         """Call in the forward hook: find the consumers of each input and hook them."""
         if pending is None:
             return
+        # a view the call did not change in place hands on its own edge: its base's edge is another tensor's
+        # (DINOv2's pooler_output is a view of its last_hidden_state), no target of this input
+        same = {name for name, view, version in pending.views if view._version == version}
+        pending.views = []
+        if same:
+            pending.targets = {key: kept for key, names in pending.targets.items()
+                               if (kept := [(n, r) for n, r in names if r is None or n not in same])}
         consumers = self._consumers(pending, outputs)
         for name, edges in consumers.items():
             self._hook(name, edges, on_grad)
@@ -77,7 +111,8 @@ class InputGradTracker:
         self._handles.clear()
 
     def _consumers(self, pending: _Pending, outputs: list) -> dict[str, list]:
-        """name -> [(node, slot)]: the module's nodes whose edge `slot` leads into that input."""
+        """name -> [(node, slot, region)]: the module's nodes whose edge `slot` leads into that input (or, `region`
+        not None, into the base of that input, a view)."""
         import torch
 
         stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -97,8 +132,8 @@ class InputGradTracker:
                     continue
                 names = pending.targets.get((id(nxt), nr))
                 if names:
-                    for name in names:
-                        found[name].append((node, slot))
+                    for name, region in names:
+                        found[name].append((node, slot, region))
                 elif _seq(nxt) > pending.watermark and id(nxt) not in seen:
                     stack.append(nxt)
         return found
@@ -106,10 +141,11 @@ class InputGradTracker:
     def _hook(self, name: str, edges: list, on_grad: Callable[[str, Any], None]) -> None:
         state = {"sum": None, "left": len(edges)}
 
-        def make(slot: int):
+        def make(slot: int, region: tuple | None):
             def hook(grad_inputs, _grad_outputs):
                 grad = grad_inputs[slot]
                 if grad is not None:
+                    grad = region_of(grad, region)
                     state["sum"] = grad if state["sum"] is None else state["sum"] + grad
                 state["left"] -= 1
                 if state["left"] == 0 and state["sum"] is not None:
@@ -117,8 +153,8 @@ class InputGradTracker:
 
             return hook
 
-        for node, slot in edges:
-            self._handles.append(node.register_hook(make(slot)))
+        for node, slot, region in edges:
+            self._handles.append(node.register_hook(make(slot, region)))
 
 
 def _seq(node) -> int:

@@ -8,6 +8,12 @@ non-tensor leaves as they were (None, ints, config objects), and a `Slot` (name,
 shape, and its strides and storage offset when it was a non-contiguous view) where each tensor was. `fill`
 builds the same structure again from a {name: tensor} mapping.
 
+One tensor in several places of one call (`attn(h, h, h)`: nn.TransformerEncoderLayer hands its self-attention
+query = key = value) is one tensor to the call: its code may test `query is key` (nn.MultiheadAttention then
+projects all three with one matmul), and autograd gives it one gradient, the sum over the places it fills (what
+the capture records for each of them). Every slot after the first of such a tensor names the first (`alias`),
+and a rerun hands the call the same tensor there again.
+
 A Hugging Face cache object passed to a call (anything with `update` and `get_seq_length` methods) is copied
 when the skeleton is made: the call appends to it, and a rerun must see it as it was *before* the call.
 """
@@ -53,6 +59,7 @@ class Slot:
     requires_grad: bool
     shape: tuple
     layout: tuple | None = None  # (strides, storage offset) when the live tensor was not contiguous from offset 0
+    alias: str | None = None  # the name of an earlier slot of the same call that held the very same tensor
 
 
 def layout_of(tensor) -> tuple | None:
@@ -80,19 +87,23 @@ class Skeleton:
         return [s.name for s in self.slots]
 
 
-def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad: bool = False) -> Skeleton:
+def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad: bool = False,
+             seen: dict[int, str] | None = None) -> Skeleton:
     """The skeleton of `obj` (a tuple of args: prefix `input`; an output: prefix `output`). `as_if_grad`: every
     floating tensor is taken to require a gradient (a reentrant checkpoint's region, run without gradients, whose
-    recomputation differentiates it: `recompute.py`)."""
+    recomputation differentiates it: `recompute.py`). `seen` (id of a tensor -> its first slot's name) is shared
+    by the skeletons of one call's arguments: a tensor met again becomes an `alias` of its first slot."""
     import torch
 
     slots: list[Slot] = []
+    seen = {} if seen is None else seen
 
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             grad = value.requires_grad or (as_if_grad and value.is_floating_point())
             slot = Slot(name, value.dtype, value.device, bool(grad), tuple(value.shape),
-                        None if value.layout != torch.strided else layout_of(value))
+                        None if value.layout != torch.strided else layout_of(value), seen.get(id(value)))
+            seen.setdefault(id(value), name)
             slots.append(slot)
             return slot
         if isinstance(value, (tuple, list)):
@@ -109,11 +120,12 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad
 
 def skeleton_call(args: tuple, kwargs: dict, *, as_if_grad: bool = False) -> tuple[Skeleton, Skeleton]:
     """Skeletons of a call's positional (`input...`) and keyword (`kwarg...`) arguments, caches snapshotted."""
-    pos = skeleton(list(args), "input", snapshot_caches=True, as_if_grad=as_if_grad)
+    seen: dict[int, str] = {}
+    pos = skeleton(list(args), "input", snapshot_caches=True, as_if_grad=as_if_grad, seen=seen)
     kw_slots: list[Slot] = []
     kw_tree = {}
     for key, value in kwargs.items():
-        sk = skeleton(value, kwarg_name(key), snapshot_caches=True, as_if_grad=as_if_grad)
+        sk = skeleton(value, kwarg_name(key), snapshot_caches=True, as_if_grad=as_if_grad, seen=seen)
         kw_tree[key] = sk.tree
         kw_slots.extend(sk.slots)
     return pos, Skeleton(kw_tree, kw_slots)

@@ -3,9 +3,11 @@
 A faithful copy of the target's optimizer (`faithful_copy`: its class, instance attributes, group options and
 state; never rebuilt from its param groups) is made over fresh tensors holding the reference's weights and
 gradients and stepped once (`shadow_step`); its update (after - before) is judged against the reference's
-(state_after - state_before). The state is the one the target's optimizer holds — a replay loaded the reference's
-(`record/start/optimizer_start.py`) — cast for each shadow parameter as `load_state_dict` would; the float64 and the
-reference-precision steps of the noise start from the reference's own recorded state.
+(state_after - state_before; for a parameter the model wrote itself before the step, such as the rows
+nn.Embedding(max_norm) renormalises in forward, `before` is where the step found it: `/step_start`). The state is
+the one the target's optimizer holds — a replay loaded the reference's (`record/start/optimizer_start.py`) — cast
+for each shadow parameter as `load_state_dict` would; the float64 and the reference-precision steps of the noise
+start from the reference's own recorded state.
 A copy of every weight, gradient and optimizer state at once would double a large model's memory, so torch's
 per-parameter optimizers (`PER_PARAMETER`: each parameter updated from its own gradient and state only) are
 stepped in chunks of about `STEP_BYTES` of parameters (`step_chunks`), each freed before the next; any other
@@ -30,7 +32,7 @@ from oneiter.record.local.fidelity import digest, exact_tensor
 from oneiter.record.local.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
-from oneiter.runtime.compiled import eager_name
+from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
@@ -111,9 +113,9 @@ def _reference_state(shadow, names: dict, rerunner: Rerunner) -> None:
 
 
 def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
-    """A fresh leaf standing for parameter `p`: the reference's weight and gradient (or `start`'s), in the site's
-    dtype, on the site's device."""
-    before = rerunner.reference_state(name) if name else None
+    """A fresh leaf standing for parameter `p`: the reference's weight as its step found it (`Rerunner.step_start`)
+    and its gradient (or `start`'s), in the site's dtype, on the site's device."""
+    before = rerunner.step_start(name) if name else None
     if before is None:
         raise ProbeSkip(f"the reference has no state_before for a parameter of the optimizer ({name})")
     dtype = site.dtype_for(p.dtype, before.dtype)
@@ -194,7 +196,7 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
     state_after: one row per parameter, or none and the reason the update cannot be judged. `expected` receives,
     per parameter, the digest of the update the live step must give (`check_updates`; `record/local/fidelity.py`).
     The caller has checked that the optimizer starts from the reference's state (`format/optimizer_state.py`)."""
-    names = {id(p): eager_name(n) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in parameters(model)}
     order = {n: i for i, n in enumerate(names.values())}
     rows = []
     for chunk in step_chunks(opt):
@@ -208,7 +210,7 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
             delta = _reference_delta(rerunner, name, wide)
             if delta is None:
                 continue
-            before = rerunner.reference_state(name).to(_CPU, wide)
+            before = rerunner.step_start(name).to(_CPU, wide)
             mine.append((name, JudgedRow(owner(name), 0, "optimizer", leaf(name), dtype_name(after.dtype),
                                          tensor_stats(delta, after.to(_CPU, wide) - before),
                                          at=order.get(name, LATE))))
@@ -234,7 +236,7 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
 
 
 def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
-    before = rerunner.reference_state(name)
+    before = rerunner.step_start(name)
     grad_path = group_path(PARAM_GRADS, name)
     if before is None or not exact_tensor(before, p.detach()):
         return False
@@ -245,8 +247,7 @@ def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
 
 def check_updates(model, expected: dict[str, tuple]) -> list[str]:
     """The parameters whose live value after the step differs from the checked shadow step's."""
-    named = ((eager_name(n), p) for n, p in model.named_parameters())
-    return [name for name, p in named if name in expected and digest(p) != expected[name]]
+    return [name for name, p in parameters(model) if name in expected and digest(p) != expected[name]]
 
 
 def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow]], chunk: set[int] | None) -> None:
@@ -258,7 +259,7 @@ def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow
             row.calibration = f"failed: {type(err).__name__}: {first_line(err)}"[:200]
         return
     for name, row in rows:
-        before = rerunner.reference_state(name).to(_CPU, torch.float64)
+        before = rerunner.step_start(name).to(_CPU, torch.float64)
         deltas = {s: steps[s][name].to(_CPU, torch.float64) - before for s in steps}
         row.noise_target = max(rel_l2(deltas["high"], deltas["low"]), _storage_floor(steps["low"][name], deltas))
         row.noise_reference = max(rel_l2(deltas["high"], deltas["reference"]),
@@ -280,7 +281,7 @@ def _storage_floor(after, deltas: dict) -> float:
 
 def _reference_delta(rerunner: Rerunner, name: str, wide):
     """The reference's update of a parameter, computed in `wide` or the reference's wider dtype."""
-    before = rerunner.reference_state(name)
+    before = rerunner.step_start(name)
     path = group_path(STATE_AFTER, name)
     if before is None or not rerunner.source.has(path):
         return None

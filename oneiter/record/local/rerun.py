@@ -31,7 +31,16 @@ import numpy as np
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BACKWARD, FORWARD, STATE_BEFORE, child_tensor, grad_name, group_path, tensor_path
+from oneiter.format.schema import (
+    BACKWARD,
+    FORWARD,
+    STATE_BEFORE,
+    STEP_START,
+    child_tensor,
+    grad_name,
+    group_path,
+    tensor_path,
+)
 from oneiter.format.stats import pair_sums
 from oneiter.record.capture.hooks import PROBED, CallRecord
 from oneiter.record.capture.recompute import checkpoint_disabled
@@ -39,6 +48,8 @@ from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
+from oneiter.record.modes.roundoff_mode import RoundoffInjection
+from oneiter.runtime import host_random
 from oneiter.runtime.compiled import eager, eager_name
 from oneiter.runtime.precision import unit_roundoff
 
@@ -63,11 +74,14 @@ class Site:
     `cast`: `live` (every tensor in the dtype it had in the live call), `source` (as the source stored it: the
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
-    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside, ops whose CPU kernels are
+    not torch's own run through torch's (see `trusted.py`).
     `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
     (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
     `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
     operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
+    `inject`: (seed, roundoff, accumulate, families) of a run with a lower precision's rounding injected into every
+    op's result (`modes/roundoff_mode.py`: the bound a noise estimate is checked against); None: none.
     """
 
     name: str
@@ -79,6 +93,7 @@ class Site:
     trusted: bool
     perturb: tuple[int, float] | None = None
     reduced: tuple = ()
+    inject: tuple | None = None
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -164,14 +179,14 @@ class Rerunner:
         self.perturb = Perturbation(None if site.live else site.perturb)  # a retry draws the same sample again
         leaves: dict[str, Any] = {}
         given: dict[int, int] = {}  # id -> version of every tensor handed in
+        made: dict[str, Any] = {}  # slot name -> what the call was handed there
 
         def make_input(slot: Slot):
-            value = self.value(tensor_path(rec.key, FORWARD, slot.name), slot, site, f"input {slot.name}")
-            if slot.requires_grad and value.is_floating_point():
-                leaf = value.requires_grad_()
-                leaves[slot.name] = leaf
-                value = leaf.clone()  # an in-place module may overwrite its input; a leaf cannot be
-            value = with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
+            if slot.alias in made:  # the live call got this very tensor in an earlier place too: so does the rerun
+                if slot.alias in leaves:  # its gradient is the one leaf's (the sum over its places, as recorded)
+                    leaves[slot.name] = leaves[slot.alias]
+                return made[slot.alias]
+            made[slot.name] = value = self._input(rec, slot, site, leaves)
             given[id(value)] = value._version
             return value
 
@@ -182,12 +197,14 @@ class Rerunner:
         forcing = _Forcing(forced, self, site, anchor)
         skip = {id(m) for c in forced for m in c.module.modules()} if own_only else set()
         with ExitStack() as stack:
-            stack.enter_context(_isolated(module, site.device, self.target_device))
+            stack.enter_context(_isolated(module, rec.host_random, site.device, self.target_device))
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
             if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
                 stack.enter_context(eager())
+            if site.inject is not None:
+                stack.enter_context(RoundoffInjection(*site.inject))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
@@ -207,7 +224,12 @@ class Rerunner:
             # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
             # saw the tensor's whole gradient, every consumer's (earlier blocks' too). Seeding it would flow
             # straight back through the input's clone and add that whole to grad_input: a false alarm.
-            seeded = {n: v for n, v in outputs.items() if given.get(id(v)) != v._version}
+            # One tensor returned in several places has one gradient, recorded whole at each: seeded once.
+            seeded, once = {}, set()
+            for n, v in outputs.items():
+                if given.get(id(v)) != v._version and id(v) not in once:
+                    once.add(id(v))
+                    seeded[n] = v
             backward, param_grads, internal = self._backward(rec, site, seeded, leaves, params, anchor)
             internal.update(_inherited(outputs, forcing))
         self.rounded = reduced.rounded if reduced is not None else 0
@@ -219,6 +241,16 @@ class Rerunner:
         passed |= {(BACKWARD, n) for n, v in backward.items() if given.get(id(v)) == v._version}
         return RunResult({n: v.detach() for n, v in forward.items()}, {n: v.detach() for n, v in backward.items()},
                          passed, param_grads, changed, internal)
+
+    def _input(self, rec: CallRecord, slot: Slot, site: Site, leaves: dict):
+        """The source's value of one input slot for the rerun: a leaf (kept in `leaves`) when it takes a gradient,
+        handed in as a clone (an in-place module may overwrite its input; a leaf cannot be), laid out as live."""
+        value = self.value(tensor_path(rec.key, FORWARD, slot.name), slot, site, f"input {slot.name}")
+        if slot.requires_grad and value.is_floating_point():
+            leaf = value.requires_grad_()
+            leaves[slot.name] = leaf
+            value = leaf.clone()
+        return with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
 
     def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict, anchor):
         pairs = []
@@ -299,6 +331,12 @@ class Rerunner:
             path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
+
+    def step_start(self, name: str):
+        """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it
+        during the iteration (nn.Embedding(max_norm)), else state_before/<name>; None when it has neither."""
+        path = group_path(STEP_START, name)
+        return self.source.tensor(path) if self.source.has(path) else self.reference_state(name)
 
     def _random(self, rec: CallRecord, forced: list[CallRecord], device):
         """Replay the random ops this call's own code ran (forced children's ops do not run in the rerun)."""
@@ -439,17 +477,22 @@ class _Forcing:
         outs, grad_slots = self._stand_in_outputs(child, given)
         if grad_slots:
             self._force(child, grad_inputs, grad_slots, outs)
+        for slot in child.output.slots:  # one tensor returned in several places: the same one again there
+            if slot.alias is not None and slot.name not in outs:
+                outs[slot.name] = outs[slot.alias]
         self._hand_out(child, given, outs)
         return fill(child.output, lambda slot: outs[slot.name])
 
     def _take_inputs(self, child: CallRecord, args: tuple, kwargs: dict) -> tuple[dict, list]:
-        """The tensors the caller handed the child (kept in `inputs`), and those a gradient flows back to."""
-        grad_inputs, given = [], {}
+        """The tensors the caller handed the child (kept in `inputs`), and those a gradient flows back to: a tensor
+        handed in several places once (the recorded gradient of each place is the tensor's whole, summed)."""
+        grad_inputs, given, once = [], {}, set()
         for name, value in flatten_call(args, kwargs):
             if isinstance(value, torch.Tensor):
                 given[name] = value
                 self.inputs[child_tensor(child.key, name)] = value
-                if value.requires_grad and value.is_floating_point():
+                if value.requires_grad and value.is_floating_point() and id(value) not in once:
+                    once.add(id(value))
                     grad_inputs.append((name, value))
         return given, grad_inputs
 
@@ -458,6 +501,8 @@ class _Forcing:
         go through the stand-in's autograd node."""
         outs, grad_slots = {}, []
         for slot in child.output.slots:
+            if slot.alias is not None:  # the same tensor as an earlier slot (`_forward` fills it in)
+                continue
             if child.identity.get(slot.name) in given:  # the child returned this input itself: so does its stand-in
                 outs[slot.name] = given[child.identity[slot.name]]
                 continue
@@ -471,8 +516,11 @@ class _Forcing:
 
     def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
         """Put the outputs that need a gradient in `outs` as outputs of a stand-in autograd node (`Forced`)."""
+        aliases: dict[str, list] = {}
+        for slot in child.output.slots:
+            aliases.setdefault(slot.alias or slot.name, []).append(slot.name)
         info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
-                           [v for _, v in grad_slots])
+                           [v for _, v in grad_slots], aliases)
         self._calls.append(info)
         results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
         for (name, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
@@ -504,6 +552,7 @@ class _ForcedCall:
     input_names: list
     output_names: list
     values: list
+    aliases: dict = field(default_factory=dict)  # output name -> every name it was returned under (itself first)
 
 
 @functools.lru_cache(maxsize=None)
@@ -526,7 +575,8 @@ def _forced_function():
                 # them): its recorded gradient holds the child's own part, which the reference file does not
                 # separate, so what the caller hands it cannot be judged
                 if grad is not None and grad_name(name) not in info.child.internal:
-                    info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(name))] = grad
+                    for each in info.aliases.get(name, [name]):  # every place the tensor was returned in
+                        info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(each))] = grad
             likes = zip(info.input_names, ctx.likes, strict=True)  # both one per input
             back = [info.forcing.grad_for(info.child, name, like) for name, like in likes]
             return (None, None, *back)
@@ -588,11 +638,16 @@ def _without_sharding_hooks(module) -> Iterator[None]:
 
 
 @contextmanager
-def _isolated(module, *devices) -> Iterator[None]:
-    """Outer dispatch modes off, gradients on; buffers (BatchNorm running stats) and RNG states restored after."""
+def _isolated(module, host: tuple | None, *devices) -> Iterator[None]:
+    """Outer dispatch modes off, gradients on; buffers (BatchNorm running stats) and RNG states restored after.
+    Python's and numpy's generators start where they were when the live call began (`host`; the model's own draws
+    from them, SpecAugment's masks, are the live call's again) and are left as they were found."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    found = host_random.state()
+    if host is not None:
+        host_random.set_state(host)
     cpu_rng = torch.get_rng_state()
     backends = []
     for device in {torch.device(d).type for d in devices} - {"cpu"}:
@@ -604,6 +659,7 @@ def _isolated(module, *devices) -> Iterator[None]:
             yield
     finally:
         torch.set_rng_state(cpu_rng)
+        host_random.set_state(found)
         for backend, state in backends:
             backend.set_rng_state(state)
         with torch.no_grad():

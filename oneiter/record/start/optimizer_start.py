@@ -24,7 +24,7 @@ from collections import defaultdict
 from oneiter.errors import OneIterError
 from oneiter.format.optimizer_state import EMPTY, LOADED, NOT_RECORDED, OPTIMIZER_STATE, RECORDED, state_of
 from oneiter.format.schema import OPTIMIZER, optimizer_entry, split_optimizer_entry
-from oneiter.runtime.compiled import eager_name
+from oneiter.runtime.names import canonical
 from oneiter.runtime.sharding import is_dtensor
 
 __all__ = ["start_entries", "load_start"]
@@ -37,7 +37,7 @@ def start_entries(optimizers, model) -> tuple[list[tuple[str, object]], str]:
 
     if not optimizers:
         return [], ""
-    names = {id(p): eager_name(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): canonical(n) for n, p in model.named_parameters(remove_duplicate=False)}
     entries = []
     for opt in optimizers:
         for group in opt.param_groups:
@@ -71,7 +71,7 @@ def load_start(optimizers, model, ref) -> str:
         return state_of(optimizers)
     recorded = _read(ref) if theirs != EMPTY else {}
     owners = {}
-    names = {id(p): eager_name(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): canonical(n) for n, p in model.named_parameters(remove_duplicate=False)}
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS
-from oneiter.runtime.compiled import eager_name
+from oneiter.runtime.names import module_paths, parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
@@ -19,7 +19,7 @@ __all__ = ["check_structure", "load_state", "load_reference"]
 def check_structure(model, ref: IterationFile) -> None:
     """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
     sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
-    mine = {eager_name(name): tuple(local(t).shape) for name, t in model.state_dict().items()}
+    mine = {name: tuple(local(t).shape) for name, t, _ in state_tensors(model)}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -46,7 +46,7 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
     """Every module the reference called exists here. A model built with other arguments can keep its state_dict
     and still differ here (torchtitan's fused QKV keeps `wqkv` as a module and a parameter, while its state_dict
     hooks name it `wq/wk/wv`). Classes are not compared: a vendor's stack may swap a module for its own fused one."""
-    mine = {eager_name(path) for path, _ in model.named_modules()}  # a compiled model's by its eager names
+    mine = {path for path, _ in module_paths(model)}  # a compiled model's by its eager names
     for _key, attrs in ref.calls():
         path = str(attrs.get("module", ""))
         if path not in mine:
@@ -55,9 +55,9 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
 
 
 def _check_parameters(model, ref: IterationFile, where: str) -> None:
-    """Every parameter the reference has a gradient of (by its `named_parameters` name) exists here with its
-    shape (a sharded one: this rank's shard)."""
-    mine = {eager_name(name): tuple(local(p).shape) for name, p in model.named_parameters()}
+    """Every parameter the reference has a gradient of (by its name as `runtime/names.py` names parameters) exists
+    here with its shape (a sharded one: this rank's shard)."""
+    mine = {name: tuple(local(p).shape) for name, p in parameters(model)}
     for name, path in ref.state(PARAM_GRADS).items():
         if name not in mine:
             raise OneIterError(f"model structure does not match {where}: it has parameter '{name}', this model "
@@ -74,19 +74,10 @@ def load_state(model, ref: IterationFile) -> None:
     import torch
 
     check_structure(model, ref)
-    live = model.state_dict(keep_vars=True)
-    paths = ref.state()
-    # by the model's own names (a compiled model's hold `_orig_mod`): the reference holds the eager model's
-    state = {name: ref.tensor(paths[eager_name(name)]) for name in live if eager_name(name) in paths}
-    sharded = [name for name, tensor in live.items() if is_dtensor(tensor)]
-    with torch.no_grad():
-        for name in sharded:
-            local(live[name]).copy_(state.pop(name))
-        if not sharded:
-            model.load_state_dict(state, strict=True)
-            return
-        for name, value in state.items():  # the unsharded rest (buffers), as load_state_dict would copy them
-            live[name].copy_(value)
+    state = {name: ref.tensor(path) for name, path in ref.state().items()}
+    with torch.no_grad():  # by the model's own names, as load_state_dict copies (its hooks do not run: see names.py)
+        for name, tensor, _ in state_tensors(model):
+            local(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])
 
 
 def load_reference(bundle, ref: IterationFile) -> None:

@@ -41,8 +41,8 @@ from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
 from oneiter.record.steps.twin import Twin, TwinPass
 from oneiter.runtime import precision_modes
-from oneiter.runtime.compiled import eager_name
 from oneiter.runtime.distributed import current_rank
+from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 
 __all__ = ["StepRecorder", "StepMetrics", "check_steps", "TWIN_ATTRS"]
@@ -229,7 +229,7 @@ class StepRecorder:
     def _finish(self) -> None:
         """The signature tables and the root attributes; the file is renamed into place when the block closes."""
         first = self._file[STEPS][str(self._done[0])]
-        columns = signature_columns([eager_name(n) for n, _ in self.model.named_parameters()])
+        columns = signature_columns([n for n, _ in parameters(self.model)])  # the names state_before holds
         tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows)]
         tables = [(name, rows) for name, rows in tables if rows]
         for name, rows in tables:

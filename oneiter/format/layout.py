@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from oneiter.format.schema import (
     BATCH,
     CALLS,
     COLLECTIVES,
+    COMPILED,
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
@@ -419,6 +421,16 @@ class IterationFile:
         if path in self._tree.datasets:
             return dict(self._tree.datasets[path].attrs)
         return dict(self._tree.groups[path][0]) if path in self._tree.groups else {}
+
+    def compiled(self) -> dict[str, Any]:
+        """The root attribute `compiled` (JSON, checked on open): the model's compiled blocks (`blocks`: eager path
+        -> kind, backend, graphs, hidden_modules), graph breaks and compile seconds; {} for an eager model."""
+        text = self.meta.get(COMPILED)
+        return json.loads(text) if isinstance(text, str) and text else {}
+
+    def compiled_blocks(self) -> dict[str, dict]:
+        """The compiled blocks of the recorded model, by eager module path ("" the model itself)."""
+        return dict(self.compiled().get("blocks") or {})
 
     def local_kind(self) -> str:
         """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""

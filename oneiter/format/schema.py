@@ -50,7 +50,7 @@ __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
     "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
-    "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
+    "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
     "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
     "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
@@ -88,6 +88,8 @@ FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
 # root attribute (JSON): the reduced-precision flags in force (TF32, HF32) and the float32 op families they reduce
 PRECISION_MODES = "precision_modes"
+# root attribute (JSON): the compiled blocks (torch.compile) of the recorded model and what compiling cost
+COMPILED = "compiled"
 # /local attributes: the families the calibration's reruns reproduced reduced for each side (JSON), and for how
 # many calls they rounded operands
 REDUCED_TARGET, REDUCED_CALLS = "reduced_target", "reduced_calls"

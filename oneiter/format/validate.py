@@ -38,6 +38,7 @@ from oneiter.format.optimizer_state import OPTIMIZER_STATE, VALUES
 from oneiter.format.schema import (
     COLLECTIVE_ATTRS,
     COLLECTIVES,
+    COMPILED,
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
@@ -72,7 +73,7 @@ _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops"
               "steps")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
               "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
-_JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
+_JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list, COMPILED: dict,
                "fallback_counts": dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
@@ -256,6 +257,10 @@ def _check_json_attrs(meta: dict[str, Any], path) -> None:
             parsed = None
         if not isinstance(parsed, kind):
             raise _expect(path, "root ", name, f"a JSON {'object' if kind is dict else 'list'} string", value)
+        blocks = parsed.get("blocks", {}) if name == COMPILED else {}
+        if not isinstance(blocks, dict) or not all(isinstance(v, dict) for v in blocks.values()):
+            raise _fail(path, f"root attribute '{COMPILED}': expected its 'blocks' to be an object of objects (a "
+                              f"compiled block's path -> what is known of it), got {shown(blocks)}")
 
 
 def _check_call_attrs(attrs: dict[str, Any], key: str, path) -> None:

@@ -32,6 +32,7 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
 from oneiter.record.steps.step_recorder import StepRecorder
+from oneiter.runtime.compiled import compile_modules
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.host_random import seed_all
@@ -86,6 +87,9 @@ class SpecOptions(RecordOptions):
         if self.steps is not None and self.step is not None:
             raise OneIterError("steps records several iterations, step one of them: give one of the two",
                                param="steps")
+        if self.steps is not None and self.compile:
+            raise OneIterError("--compile records one iteration: record one step of a compiled run with --step S",
+                               param="compile")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OneIterError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
         if self.dtype not in DTYPES:
@@ -201,6 +205,9 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         # bundle.model
         if info.distributed and _data_parallel(opts.data_parallel, bundle.model):
             setup = wrap_ddp(setup)
+        if opts.compile:  # before the faults, whose hooks stay outside the compiled code; once for every step
+            stack.callback(compile_modules(bundle.model, opts.compile, opts.compile_modules))
+            opts = replace(opts, compile=None, compile_modules=[])
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)
         opts = replace(opts, meta={**_meta(opts, built), **opts.meta})
@@ -217,7 +224,7 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         with recorder as rec:
             _one_step(setup, rec)
     summary = recorder.summary
-    summary.seconds = time.perf_counter() - started
+    summary.seconds = time.perf_counter() - started - summary.compile_seconds
     return summary
 
 

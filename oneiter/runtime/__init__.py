@@ -14,4 +14,5 @@
                    gradients are reduced
 - `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
 - `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
+- `compiled.py`    torch.compile'd blocks: found, hooked from outside their compiled code, compiled on request
 """

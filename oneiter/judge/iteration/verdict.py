@@ -33,6 +33,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
+from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
@@ -71,6 +72,7 @@ class Evidence(Protocol):
     unprobed: list[dict]
     notes: list[str]
     precision: Optional[dict]
+    compiled: Optional[dict]
     rounding: set[int]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
@@ -152,6 +154,9 @@ class Verdict:
     """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
     num_not_judged: int = 0
     """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
+    compiled: Optional[dict] = None
+    """What each side compiled (torch.compile blocks, graphs, graph breaks, compile seconds) and the entries left
+    out because they run inside the other side's compiled blocks (`engine._hidden`); None: neither compiled."""
     warnings: tuple[str, ...] = ()
     """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
     for another device, calibration kernels that were not torch's own); every report states them among the
@@ -210,7 +215,7 @@ class Verdict:
             "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
-            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings),
+            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
             "untrusted": list(self.untrusted), "findings": list(self.findings),
         }
 
@@ -237,10 +242,11 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings")
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings",
+        "compiled")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
-               "num_flagged", "worst_local", "precision")
+               "num_flagged", "worst_local", "precision", "compiled")
 
 
 def settle_rows(result: Evidence, findings: list[Finding]) -> None:
@@ -295,7 +301,7 @@ def decide(result: Evidence) -> Verdict:
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
-        untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
+        compiled=result.compiled, untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
         findings=tuple(f.as_dict() for f in findings),
     )
     title, reason, details = render(verdict)
@@ -527,6 +533,7 @@ def _details(v: Verdict) -> list[str]:
                      f"their group's recorded inputs (the first is named); each call that consumed one is judged on "
                      f"the reference's result")
     lines.append(_basis_line(v))
+    lines += _compiled_lines(v.compiled)
     if v.basis != "first_divergence":
         lines += _precision_lines(v.precision)
         lines += _local_lines(v)
@@ -556,6 +563,50 @@ def _basis_line(v: Verdict) -> str:
     kind = "teacher-forced replay" if v.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
     return (f"basis: each call's own error ({kind}): {v.num_local} tensors of {v.num_local_calls} calls "
             f"judged, {v.num_flagged} above their expected noise")
+
+
+def _compiled_lines(c: Optional[dict]) -> list[str]:
+    """Which side ran compiled blocks, what compiling cost, its graph breaks, and what the blocks hide."""
+    if not c:
+        return []
+    lines = []
+    for side in ("target", "reference"):
+        info = c.get(side) or {}
+        blocks = info.get("blocks") or {}
+        if not blocks:
+            continue
+        each = "; ".join(f"{path or ROOT_MODULE} ({b.get('backend', '?')}, "
+                         f"{_count(b.get('graphs'), 'graph') if b.get('graphs') else 'no new graph'})"
+                         for path, b in list(blocks.items())[:6])
+        more = f"; {len(blocks) - 6} more" if len(blocks) > 6 else ""
+        breaks = info.get("graph_breaks") or []
+        rerun = num(info.get("rerun_compile_seconds")) or 0.0  # what `record` printed is the sum of both
+        reruns = f" (+{rerun:.1f} s for its reruns)" if rerun else ""
+        lines.append(f"compiled: the {side} ran {_count(len(blocks), 'compiled block')}: {each}{more}; "
+                     f"{_count(len(breaks), 'graph break')}, {num(info.get('compile_seconds')) or 0.0:.1f} s "
+                     f"compiling{reruns}, not in its record time")
+        for gb in breaks[:5]:
+            block = "the iteration" if gb.get("block") is None else gb["block"] or ROOT_MODULE
+            lines.append(f"compiled: graph break in {block} at {gb.get('where')}: {gb.get('reason')}")
+        for path, b in list(blocks.items())[:6]:
+            if b.get("eager"):
+                lines.append(f"compiled: {path or ROOT_MODULE} in the {side}: {b['eager']}")
+    for side, other in (("target", "reference"), ("reference", "target")):
+        hidden = [h for h in c.get("hidden") or [] if h.get("side") == side]
+        if not hidden:
+            continue
+        entries, calls = sum(int(h.get("entries") or 0) for h in hidden), sum(int(h.get("calls") or 0) for h in hidden)
+        each = ", ".join(f"{h.get('block') or ROOT_MODULE} {h.get('entries')}" for h in hidden[:6])
+        lines.append(f"compiled: {_count(entries, 'entry', 'entries')} of {_count(calls, 'call')} the {other} "
+                     f"recorded inside the {side}'s compiled blocks ({each}) are not compared: of a compiled block "
+                     f"only its inputs, outputs and their gradients, and its parameters' gradients and updates are "
+                     f"observable, not the calls inside it")
+    return lines
+
+
+def _count(n, one: str, many: str = "") -> str:
+    n = int(n or 0)
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _precision_lines(p: Optional[dict]) -> list[str]:

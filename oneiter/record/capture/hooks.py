@@ -17,7 +17,9 @@ How the hooks avoid the known traps of module hooks:
 - a call made again during backward (activation checkpointing recomputes a region) is no new call: the recorded
   forward is the first execution (`recompute.py`), and a reentrant checkpoint's recomputed calls get the gradient
   hooks of the calls they repeat;
-- the hooks never change a value: recording does not change the loss, the gradients or the update bits.
+- the hooks never change a value: recording does not change the loss, the gradients or the update bits;
+- a compiled block (`runtime/compiled.py`) is hooked at its call, outside its compiled code, and named as the eager
+  model names it (`_orig_mod` dropped); the modules inside it run inside its graph and are not hooked.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from oneiter.record.capture.input_grads import InputGradTracker, region_of, view
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random
+from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
 from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
@@ -228,6 +231,7 @@ class ModuleCapture:
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.recomputations = Recomputations()
+        self.blocks = Blocks()  # the model's compiled blocks, found on attach
 
     def __enter__(self) -> "ModuleCapture":
         self.attach()
@@ -237,19 +241,20 @@ class ModuleCapture:
         self.detach()
 
     def attach(self) -> None:
-        for path, module in self.model.named_modules():
-            if not self.select(path):
+        self.blocks = find_blocks(self.model)
+        for raw, module in self.model.named_modules():
+            path = eager_name(raw)
+            if self.blocks.hides(raw) or not self.select(path):
                 continue
             check_name(path, "module")
             self._names[id(module)] = path
             # first of the module's own pre-hooks (a call is everything `module(...)` runs, as its rerun runs it:
             # torch's tensor-parallel styles convert inputs there), after FSDP2's (parameter management, which
-            # reruns leave out); the post-hook last
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
+            # reruns leave out); the post-hook last; both outside any compiled code of the module
+            self._handles.extend(outside_call(module, self._pre_hook, self._post_hook, prepend=True))
             hooks = module._forward_pre_hooks
             for key in reversed([k for k, h in hooks.items() if is_fsdp_hook(h)]):
                 hooks.move_to_end(key, last=False)
-            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -265,6 +270,10 @@ class ModuleCapture:
     def suspended(self):
         """A context in which calls are not captured (a probe's rerun)."""
         return _Suspend(self)
+
+    def is_suspended(self) -> bool:
+        """Whether a probe's rerun is running (its calls are not part of the iteration)."""
+        return self._suspended
 
     def open_calls(self) -> list[tuple[str, str]]:
         """(key, module path) of the calls whose forward has begun and not returned, outermost first: where an
@@ -290,6 +299,13 @@ class ModuleCapture:
         """The next number of the capture order (each call's `seq_*` attributes, a collective's `seq`)."""
         with self._lock:
             return next(self._seq)
+
+    def open_block(self) -> str | None:
+        """The eager path of the innermost compiled block whose call is open (None: none is)."""
+        for _key, _record, _first, path in reversed(self._stack):
+            if path in self.blocks.by_path:
+                return path
+        return None
 
     def path_of(self, module) -> str | None:
         """The recorded path of a module of the model (None: not recorded)."""

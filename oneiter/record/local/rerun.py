@@ -52,6 +52,7 @@ from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollectiv
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
 from oneiter.record.modes.roundoff_mode import RoundoffInjection
 from oneiter.runtime import host_random
+from oneiter.runtime.compiled import eager, eager_name
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
 
@@ -204,6 +205,8 @@ class Rerunner:
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
+            if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
+                stack.enter_context(eager())
             if site.inject is not None:
                 stack.enter_context(RoundoffInjection(*site.inject))
             stack.enter_context(_autocast(site, self.target_device))
@@ -298,7 +301,8 @@ class Rerunner:
                     found[name] = (canonical, tensor)
                 continue
             # buffers start where they were before the iteration (the live ones already hold this call's update)
-            stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
+            stored = self.reference_state(eager_name(prefix + name)) if site.params == "reference" or not is_param \
+                else None
             own = local(tensor)  # a tensor-parallel weight (a DTensor): this rank's shard, placed again below
             if stored is not None and tuple(stored.shape) != tuple(own.shape):
                 # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
@@ -474,21 +478,23 @@ class _Forcing:
 
     def __enter__(self):
         for module in self.modules.values():
-            hooks = {n: getattr(module, n) for n in _HOOK_DICTS if hasattr(module, n)}
-            self._saved.append((module, module.__dict__.get("forward", _ABSENT), hooks))
-            for n in hooks:
-                setattr(module, n, OrderedDict())
-            module.forward = functools.partial(self._forward, module)
+            # through the instance's own dict: a torch.compile wrapper forwards other attributes to its `_orig_mod`;
+            # a module compiled in place runs its compiled call (`_compiled_call_impl`) unless it is cleared
+            own = module.__dict__
+            saved = {n: own[n] for n in (*_HOOK_DICTS, "_compiled_call_impl") if n in own}
+            self._saved.append((module, own.get("forward", _ABSENT), saved))
+            for n in saved:
+                own[n] = None if n == "_compiled_call_impl" else OrderedDict()
+            own["forward"] = functools.partial(self._forward, module)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        for module, forward, hooks in self._saved:
+        for module, forward, saved in self._saved:
             if forward is _ABSENT:
                 del module.__dict__["forward"]
             else:
-                module.forward = forward
-            for n, value in hooks.items():
-                setattr(module, n, value)
+                module.__dict__["forward"] = forward
+            module.__dict__.update(saved)
         self._saved.clear()
         # each stand-in's autograd node holds its _ForcedCall, which held this object and so the stand-in's own
         # outputs (whose grad_fn is that node): a cycle through C++ that Python's collector cannot see, which kept

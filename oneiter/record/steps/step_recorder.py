@@ -150,6 +150,9 @@ class StepRecorder:
         if options.against:
             raise OneIterError("against='cpu' judges one iteration: record several steps against a reference "
                                "(replay=) instead", param="against")
+        if options.compile:
+            raise OneIterError("compile records one iteration: for several steps of a compiled model, compile it in "
+                               "the training code (torch.compile) or record one step (--step)", param="compile")
         info = current_rank()
         if info.distributed:  # under torchrun each rank writes (and replays) its own file, as for one iteration
             options = replace(options, out=rank_path(options.out, info.rank, info.world_size),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from oneiter.errors import OneIterError
 from oneiter.format.summary import summarize_file
@@ -16,6 +16,7 @@ from oneiter.judge.iteration import ranks
 from oneiter.judge.iteration.engine import compare_files, compare_local
 from oneiter.judge.measure.tolerance_file import FileTolerance, load_tolerance_file
 from oneiter.judge.steps.step_compare import compare_steps, is_steps
+from oneiter.runtime.distributed import RankInfo
 
 __all__ = ["compare", "compare_ranks", "inspect"]
 
@@ -36,7 +37,8 @@ def compare(
     mmengine .py config — a Python file, which is executed). Returns the `CompareResult`::
 
         result = oneiter.compare("ref.h5", "npu.h5")
-        result.status          # "match", "diverged" or "inconclusive" (local data, but nothing could be judged)
+        result.status          # "match", "diverged" or "inconclusive" (nothing could be judged, or a calibration
+                               # not trusted and nothing else found)
         result.culprit         # the call whose own computation is to blame: .module .call .phase .tensor .index
                                # (its row) .ratio .reason; None when no call is
         result.exit_code       # what `oneiter compare` exits with: 0 match, 1 diverged, 2 inconclusive
@@ -66,12 +68,40 @@ def compare_ranks(
     rtol: Optional[float] = None,
     atol: Optional[float] = None,
     tolerances: str | os.PathLike | None = None,
+    processes: RankInfo | None = None,
+    report: Optional[Callable[[Any], None]] = None,
 ):
-    """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank."""
+    """Compare two multi-rank runs (directories, or the `-o` name of `ref.rank<R>.h5` files) rank by rank, and
+    every rank's collectives against its group's recorded inputs; multi-step recordings step by step, per rank.
+    `processes`: this process's place in a torchrun job that shares the work (`torchrun -m oneiter compare`,
+    `ranks.compare_ranks_distributed`): process 0 gets the result, the others its exit code (an int). `report`,
+    when given, is called with the result where it is made (under torchrun: on process 0 while the others wait, so
+    that torchrun, which stops the whole job when one process exits non-zero, cannot stop it mid-report)."""
     spec, policies = _policies(rtol, atol, tolerances)
-    result = ranks.compare_ranks(reference, target, **policies)
-    result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
+
+    def finish(result):
+        result.notes = [*result.notes, *_device_notes(spec, [r.meta_target for r in result.results.values()])]
+        if report is not None:
+            report(result)
+
+    if processes is not None and processes.distributed:
+        return ranks.compare_ranks_distributed(reference, target, processes, pair=_compare_pair, report=finish,
+                                               **policies)
+    result = ranks.compare_ranks(reference, target, pair=_compare_pair, **policies)
+    finish(result)
     return result
+
+
+def _compare_pair(reference, target, **policies):
+    """One rank's pair: two recordings of one iteration, or two multi-step recordings step by step (what
+    `compare` does for one pair; a module-level function, so worker processes can run it)."""
+    if is_steps(reference) or is_steps(target):
+        if any(policies.get(k) is not None for k in ("rtol", "atol", "tolerance")):
+            raise OneIterError("rtol, atol and tolerances apply to one iteration's entries: two multi-step "
+                               "recordings are compared step by step against the band (docs/steps.md)",
+                               param="tolerances")
+        return compare_steps(reference, target)
+    return compare_files(reference, target, **policies)
 
 
 def inspect(path: str | os.PathLike):

@@ -67,6 +67,7 @@ LAZY = {
     ("oneiter/record/recorder.py", "oneiter.record.local.probe"): "imports torch; loaded when a replay's block starts",
     ("oneiter/record/recorder.py", "oneiter.record.modes.fallback"): "imports torch; loaded only with fallback=",
     ("oneiter/record/recorder.py", "oneiter.record.modes.randomness"): "imports torch; loaded when a block starts",
+    ("oneiter/record/recorder.py", "oneiter.record.modes.collectives"): "imports torch; loaded when a block starts",
     ("oneiter/record/options.py", "oneiter.record.modes.fallback"): "imports torch; only fallback= patterns need it",
 }
 

@@ -2,9 +2,10 @@
 
 Exit codes across oneiter: 0 success / match, 1 divergence found, 2 bad input (file, model, device, option,
 an error in the user's own model code) — including recordings `compare` cannot judge (`inconclusive`: local
-data, but no call's own error could be measured; `judge.iteration.verdict.EXIT_CODES`) — and 3 an internal error (a bug
-of oneiter: any other exception). Each error is one line on stderr; set ONEITER_TRACEBACK=1 to print the full
-traceback before it (the exit code stays the same). A closed output pipe (`oneiter compare a b | head`) is not
+data, but no call's own error could be measured, or a calibration not trusted;
+`judge.iteration.verdict.EXIT_CODES`) — and 3 an internal error (a bug of oneiter: any other exception). Each error
+is one line on stderr; set ONEITER_TRACEBACK=1 to print the full traceback before it (the exit code stays the
+same). A closed output pipe (`oneiter compare a b | head`) is not
 an error: the command exits quietly with the code of what it had decided (`set_outcome`), else 0.
 """
 

@@ -123,7 +123,6 @@ def compare(
     model: opt.Model = None,
 ) -> None:
     """The `compare` command; see HELP."""
-    from oneiter.judge.iteration.ranks import is_ranked
     from oneiter.judge.steps.step_compare import StepsResult
     from oneiter.report import terminal as report
 
@@ -136,11 +135,7 @@ def compare(
     # a report written to stdout (`--json -`, `--csv /dev/stdout`) is all stdout carries: the human report goes to
     # stderr
     to_stdout = any(d.to_stdout for d in dests.values())
-    if target is not None and (is_ranked(reference) or is_ranked(target)):
-        unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tb_dir else []) + (
-            ["--drill"] if drill else [])
-        if unsupported:
-            raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
+    if _ranked_inputs(reference, target, dests, tb_dir is not None, drill):
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
                                         to_stdout))
 
@@ -174,6 +169,23 @@ def compare(
     if suggest:
         _print_suggestion(result, err if to_stdout else out)
     raise typer.Exit(result.exit_code)
+
+
+def _ranked_inputs(reference, target, dests: dict, tensorboard: bool, drill: bool) -> bool:
+    """Whether the inputs are two multi-rank runs (compared rank by rank), with the options that take one pair
+    refused; under torchrun they must be (its processes share their files)."""
+    from oneiter.judge.iteration.ranks import is_ranked
+    from oneiter.runtime.distributed import rank_info
+
+    ranked = target is not None and (is_ranked(reference) or is_ranked(target))
+    if rank_info().distributed and not ranked:
+        raise OneIterError("compare under torchrun shares the files of multi-rank runs among its processes: give "
+                           "two multi-rank runs (directories, or the -o names of their rank files)")
+    unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tensorboard else []) + (
+        ["--drill"] if drill else [])
+    if ranked and unsupported:
+        raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
+    return ranked
 
 
 def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
@@ -261,14 +273,19 @@ def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_a
     rank, reports; returns the exit code."""
     from oneiter.api import compare_ranks
     from oneiter.report.ranks import print_ranked
+    from oneiter.runtime.distributed import rank_info
 
-    result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
-    set_outcome(result.exit_code)
-    for note in result.notes:
-        err.print(f"warning: {terminal_text(note)}", markup=False)
-    print_ranked(err if to_stdout else out, result, show_all=show_all)
-    _emit_json(json_dest, result.to_json)
-    return result.exit_code
+    def report(result) -> None:
+        set_outcome(result.exit_code)
+        for note in result.notes:
+            err.print(f"warning: {terminal_text(note)}", markup=False)
+        print_ranked(err if to_stdout else out, result, show_all=show_all)
+        _emit_json(json_dest, result.to_json)
+
+    # under torchrun the processes share the rank pairs: process 0 reports, every process exits with its verdict
+    result = compare_ranks(reference, target, rtol=rtol, atol=atol, tolerances=tolerances, processes=rank_info(),
+                           report=report)
+    return result if isinstance(result, int) else result.exit_code
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from oneiter.runtime import commands as flags
 
@@ -36,3 +37,19 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
 RecordingFile = Annotated[
     Path, typer.Argument(metavar="FILE", help="A recording written by `oneiter record` (.h5).", show_default=False)
 ]
+Compile = Annotated[Optional[str], typer.Option(*flags.COMPILE.decls, metavar="[BACKEND]", help=
+        "Compile with torch.compile: a backend name (alone: inductor; any registered name, a vendor's included). "
+        "Observable of a compiled module: its inputs, outputs and their gradients, its parameters' gradients and "
+        "updates; what runs inside its compiled code is not.")]
+
+
+class CompileCommand(TyperCommand):
+    """A command whose `--compile` alone means `--compile inductor` (typer has no option with an optional value)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        given = []
+        for i, arg in enumerate(args):
+            given.append(arg)
+            if arg == flags.COMPILE.name and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                given.append("inductor")
+        return super().parse_args(ctx, given)

@@ -12,7 +12,7 @@ from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors
 from oneiter.runtime import commands as flags
 
-HELP = """Record one training iteration (forward, loss, backward, optimizer step) of every module call, several
+HELP = r"""Record one training iteration (forward, loss, backward, optimizer step) of every module call, several
 consecutive iterations (--steps N: statistics per step, to find the first one that goes wrong), or iteration S of
 a run in full (--step S).
 
@@ -33,11 +33,19 @@ a run in full (--step S).
 
   torchrun --nproc-per-node 2 -m oneiter record --replay ref.h5 --inject-fault layer2.0.conv1,rank=1 -o tgt.h5
 
+  torchrun --nproc-per-node 4 -m oneiter record --model my_tp_model.py:build --data-parallel none -o tp.h5
+  [dim](a model that splits itself across ranks: no DDP around it; its collectives are recorded)[/dim]
+
   oneiter record --model my_model.py:build --steps 100 -o ref_steps.h5
 
   oneiter record --replay ref_steps.h5 --model my_model.py:build --amp bf16 -o bf16_steps.h5
 
   oneiter record --model my_model.py:build --step 37 -o ref_step37.h5
+
+  oneiter record --replay ref.h5 --model my_model.py:build --compile -o compiled.h5
+  [dim](the model compiled with inductor: each compiled block judged against the eager reference)[/dim]
+
+  oneiter record --replay ref.h5 -m my_llm.py:build --compile inductor --compile-modules 'layers\.\d+$' -o c.h5
 """
 
 
@@ -86,6 +94,14 @@ def record_command(
     step: Annotated[Optional[int], typer.Option(*flags.STEP.decls, help=
             "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
             "in the file, so a --replay of it starts from the reference's state at S.")] = None,
+    data_parallel: Annotated[str, typer.Option("--data-parallel", help=
+            "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
+            "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
+            "layers).")] = "auto",
+    compile: opt.Compile = None,
+    compile_modules: Annotated[Optional[List[str]], typer.Option(*flags.COMPILE_MODULES.decls, help=
+            "With --compile: regex on module paths; each outermost matching module is compiled on its own, so "
+            "module boundaries stay visible (repeatable).")] = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -102,6 +118,7 @@ def record_command(
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
+        data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [],
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
@@ -115,8 +132,9 @@ def record_command(
     what = f"{summary.num_calls} module calls, {summary.num_entries} tensors"
     if summary.num_steps:
         what = f"{summary.num_steps} steps ({what} each)"
+    compiling = f", plus {summary.compile_seconds:.2f} s compiling" if summary.compile_seconds else ""
     err.print(
-        f"{prefix}recorded {what}, {summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s (loss "
+        f"{prefix}recorded {what}, {summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s{compiling} (loss "
         f"{summary.loss:.6g}) -> {summary.path}",
         markup=False,
     )
@@ -127,4 +145,4 @@ def _split(text: str | None) -> list[str]:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("record", help=HELP, no_args_is_help=True)(handle_errors(record_command))
+    app.command("record", help=HELP, no_args_is_help=True, cls=opt.CompileCommand)(handle_errors(record_command))

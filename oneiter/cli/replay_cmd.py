@@ -40,6 +40,10 @@ HELP = "\n\n".join([
     "program differs (an extra scale, another formula); --reference-ops (this command's --json from the "
     "reference's machine) shows where the op sequences part. --repro DIR writes the culprit op as DIR/repro.py "
     "and DIR/case.h5, runnable without oneiter.",
+    "With --compile [BACKEND] (or a layer the model compiles itself) the layer runs its compiled code; --ops then "
+    "judges the nodes of the graphs torch.compile hands the backend: each node's value as the compiled code "
+    "computed it, against its own op rerun in float64 on those inputs (the kernels inside compiled code and its "
+    "backward graph are not observable op by op).",
     "Exit code: 0 every tensor within tolerance (--ops: no op and not the program flagged), 1 a tensor beyond it "
     "(an op or the program flagged), 2 bad input.",
     "[bold]Examples[/]",
@@ -48,6 +52,7 @@ HELP = "\n\n".join([
     "  oneiter replay ref.h5 -l layer1.0.conv1 --device cuda --repeat 20 --json conv1.json",
     "  oneiter replay ref.h5 -l model.layers.0 -m my_llm.py:build --ops --device npu --amp bf16 --repro case/",
     "  oneiter replay ref.h5 -l model.layers.0 -m my_llm.py:build --ops --json ref_ops.json   [dim](reference)[/dim]",
+    "  oneiter replay ref.h5 -l model.layers.0 -m my_llm.py:build --ops --compile inductor",
 ])
 
 File = opt.RecordingFile
@@ -147,6 +152,7 @@ def replay(
     dtype: Dtype = None,
     reference_ops: ReferenceOps = None,
     repro: Repro = None,
+    compile: opt.Compile = None,
 ) -> None:
     from oneiter.outputs import resolve
 
@@ -155,12 +161,13 @@ def replay(
     run_amp = _amp(amp)
     if ops:
         raise typer.Exit(_replay_ops(file, layer, call, device, repeat, model, run_amp, dtype, reference_ops, repro,
-                                     dest))
+                                     dest, compile))
     if reference_ops is not None or repro is not None:
         raise fail("--reference-ops and --repro go with --ops")
     from oneiter.judge.replay.layer_verdict import replay_layer
 
-    result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp)
+    result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp,
+                          compile=compile)
     _emit(dest, result.as_dict(), lambda console: print_report(console, result))
     raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
 
@@ -174,7 +181,7 @@ def _amp(amp: Optional[str]):
     return None if amp.lower() == "none" else amp
 
 
-def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_ops, repro, dest) -> int:
+def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_ops, repro, dest, compile) -> int:
     """`--ops`: the op report; returns the exit code."""
     if repeat != 1:
         raise fail("--repeat times a plain replay; with --ops the layer runs once")
@@ -182,7 +189,7 @@ def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_
     from oneiter.report.op_table import print_ops
 
     result = replay_ops(file, layer, call=call, device=device, dtype=dtype, amp=amp, model=model,
-                        reference_ops=reference_ops, repro=repro)
+                        reference_ops=reference_ops, repro=repro, compile=compile)
     doc = result.as_dict()
     _emit(dest, doc, lambda console: print_ops(console, doc))
     return result.exit_code
@@ -202,4 +209,4 @@ def _emit(dest, document: dict, show) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add `replay` to the `oneiter` app."""
-    app.command("replay", help=HELP, no_args_is_help=True)(replay)
+    app.command("replay", help=HELP, no_args_is_help=True, cls=opt.CompileCommand)(replay)

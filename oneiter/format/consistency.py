@@ -15,6 +15,10 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
 - **`/random`** (`check_random`): ops numbered 0..num_ops-1 with no gap (`num_ops` is the number found, checked
   before anything is sized by it), each op's outputs numbered 0..k-1 under one `op` name, an op name
   (`aten.<op>.<overload>`) of a random op with the outputs it records (native_dropout: output and mask);
+- **`/collectives`** (`check_collectives`): collectives numbered 0..num_ops-1 with no gap, each an op, reduction and
+  phase oneiter knows, a group of distinct ranks below the run's `world_size` that holds this file's `rank`, one
+  collective per (group, place on the group), a root inside the group (or -1), split sizes one per rank of the
+  group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap;
 - **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
   builder makes at least one per sample): a replay builds the model with it before it loads the recorded batch;
 - **`/local`, `/unprobed`** (`check_local`): rows name calls of the file (parameter rows: a recorded parameter or
@@ -46,11 +50,14 @@ from oneiter.format.schema import (
     BACKWARD,
     BATCH,
     CALLS,
+    COLLECTIVE_OPS,
+    COLLECTIVES,
     FORWARD,
     RANDOM,
     RANDOM_OPS,
     RANDOM_OUTPUTS,
     RAW_BITS,
+    REDUCE_OPS,
     ROOT_MODULE,
     SIGNATURE,
     STATS_VALUES,
@@ -58,6 +65,7 @@ from oneiter.format.schema import (
     STEPS,
     LocalRow,
     call_key,
+    collective_group,
     plain,
 )
 from oneiter.format.signature import check_columns
@@ -189,6 +197,59 @@ def _check_random_op(index: int, outputs: dict[int, str], path) -> None:
         raise _fail(path, f"{where}: {op} records {wanted} output(s), the file holds {len(found)} ({found})")
 
 
+# -- /collectives ---------------------------------------------------------------------------------------------------
+def check_collectives(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], datasets: dict,
+                      stats: dict[str, tuple], path) -> None:
+    """The collectives a rank recorded (module docstring); attribute types were checked by the walk."""
+    if COLLECTIVES not in groups:
+        return
+    attrs, names = groups[COLLECTIVES]
+    num_ops = attrs.get("num_ops", len(names))
+    indices = sorted(int(n) for n in names)
+    if num_ops != len(names) or indices != list(range(len(names))):
+        gap = next((k for k in range(len(names)) if k not in set(indices)), len(names))
+        raise _fail(path, f"group '/{COLLECTIVES}' says num_ops {num_ops} but holds {len(names)} collectives (first "
+                          f"missing: {gap}); the file is damaged")
+    world, rank = int(meta.get("world_size") or 1), meta.get("rank")
+    places: set[tuple[str, int]] = set()
+    for index in indices:
+        group = collective_group(index)
+        _check_collective(groups[group][0], index, world, rank, groups, path)
+        place = (groups[group][0]["group"], groups[group][0]["group_seq"])
+        if place in places:
+            raise _fail(path, f"collective {index}: a second collective at place {place[1]} of group '{place[0]}'")
+        places.add(place)
+        held = {p.rpartition("/")[2] for p in (*datasets, *stats) if p.startswith(group + "/")}
+        for kind in ("input", "output"):
+            numbers = sorted(int(n.partition(".")[2]) for n in held if n.startswith(kind + "."))
+            if numbers != list(range(len(numbers))):
+                raise _fail(path, f"collective {index}: its {kind} tensors are numbered {numbers}, expected 0..k-1")
+
+
+def _check_collective(attrs: dict[str, Any], index: int, world: int, rank, groups: dict, path) -> None:
+    where = f"collective {index}"
+    ranks = attrs["group_ranks"]
+    checks = (
+        (attrs["op"] in COLLECTIVE_OPS, f"op '{attrs['op']}' is not one of {', '.join(COLLECTIVE_OPS)}"),
+        (attrs["reduce_op"] in REDUCE_OPS, f"reduce_op '{attrs['reduce_op']}' is not a reduction torch knows"),
+        (attrs["phase"] in (FORWARD, BACKWARD, "optimizer"),
+         f"phase '{attrs['phase']}' is not forward, backward or optimizer"),
+        (0 < len(ranks) == len(set(ranks)) and all(0 <= r < world for r in ranks),
+         f"group_ranks {ranks} are not distinct ranks below the run's world_size {world}"),
+        (rank is None or rank in ranks, f"group_ranks {ranks} do not hold this file's rank {rank}"),
+        (attrs["group_seq"] >= 0 and attrs["seq"] >= 0 and attrs["bucket"] >= -1,
+         "group_seq and seq must be >= 0, bucket >= -1"),
+        (attrs["root"] == -1 or attrs["root"] in ranks, f"root {attrs['root']} is not a rank of its group {ranks}"),
+        (all(not s or (len(s) == len(ranks) and min(s) >= 0) for s in (attrs["in_splits"], attrs["out_splits"])),
+         f"split sizes {attrs['in_splits']} / {attrs['out_splits']}: expected one size >= 0 per rank of the group"),
+        (attrs["call"] == "" or f"{CALLS}/{attrs['call']}" in groups, f"call '{attrs['call']}' is not a call of the "
+                                                                      f"file"),
+    )
+    for ok, why in checks:
+        if not ok:
+            raise _fail(path, f"{where}: {why}")
+
+
 # -- batch_size -----------------------------------------------------------------------------------------------------
 def check_batch_size(meta: dict[str, Any], datasets: dict, stats: dict[str, tuple], path) -> None:
     """`batch_size` at most the recorded batch's elements (a replay builds the model with it, first)."""
@@ -268,7 +329,7 @@ def _check_local_numbers(row: LocalRow, where: str, path) -> None:
     for name, value in counts.items():
         if not _whole(value):
             raise _fail(path, f"{where}: {name} {value!r}, expected a whole number >= 0")
-    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference"):
+    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference", "noise_bound"):
         value = getattr(row, name)
         if not (math.isnan(value) or value >= 0):
             raise _fail(path, f"{where}: {name} {value!r}, expected >= 0 (or NaN)")

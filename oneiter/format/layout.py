@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,12 @@ from oneiter.format.schema import (
     BACKWARD,
     BATCH,
     CALLS,
+    COLLECTIVES,
+    COMPILED,
     FORWARD,
     LOCAL,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     LOSS,
     OPTIMIZER,
     PARAM_GRADS,
@@ -260,6 +264,7 @@ class IterationFile:
         consistency.check_calls(groups, self.path)
         self._stats_index = self._read_stats()
         consistency.check_random(groups, datasets, self.path)
+        consistency.check_collectives(self.meta, groups, datasets, self._stats_raw, self.path)
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
@@ -422,6 +427,16 @@ class IterationFile:
             return dict(self._tree.datasets[path].attrs)
         return dict(self._tree.groups[path][0]) if path in self._tree.groups else {}
 
+    def compiled(self) -> dict[str, Any]:
+        """The root attribute `compiled` (JSON, checked on open): the model's compiled blocks (`blocks`: eager path
+        -> kind, backend, graphs, hidden_modules), graph breaks and compile seconds; {} for an eager model."""
+        text = self.meta.get(COMPILED)
+        return json.loads(text) if isinstance(text, str) and text else {}
+
+    def compiled_blocks(self) -> dict[str, dict]:
+        """The compiled blocks of the recorded model, by eager module path ("" the model itself)."""
+        return dict(self.compiled().get("blocks") or {})
+
     def local_kind(self) -> str:
         """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""
         return str(self.meta.get("local", "") or "")
@@ -430,8 +445,10 @@ class IterationFile:
         """The rows of `/local` (empty without local data), read once."""
         if getattr(self, "_local_rows", None) is None:
             table = self.file.get(LOCAL)
+            names = set(table.dtype.names or ()) if table is not None else set()
             self._local_rows = [] if table is None else [
-                LocalRow(**{n: plain(rec[n]) for n, _ in LOCAL_FIELDS}) for rec in table[()]]
+                LocalRow(**{n: plain(rec[n]) if n in names else LOCAL_OPTIONAL[n] for n, _ in LOCAL_FIELDS})
+                for rec in table[()]]
         return list(self._local_rows)
 
     def pass_through_calls(self) -> set[tuple[str, int]]:
@@ -473,6 +490,17 @@ class IterationFile:
             names += [p[len(prefix):] for p in self.stats_index if p.startswith(prefix) and "/" not in p[len(prefix):]]
             names.sort()
         return names
+
+    def names_in(self, group_name: str) -> list[str]:
+        """The entries directly in a group (its datasets, and its rows of `/stats`)."""
+        return self._names_in(group_name)
+
+    def collectives(self) -> list[tuple[str, dict[str, Any]]]:
+        """(group name, attributes) of every collective this rank recorded (`/collectives/<index>`), in order."""
+        if COLLECTIVES not in self._tree.groups:
+            return []
+        names = sorted(self._tree.groups[COLLECTIVES][1], key=int)
+        return [(n, dict(self._tree.groups[f"{COLLECTIVES}/{n}"][0])) for n in names]
 
     def calls(self) -> list[tuple[str, dict[str, Any]]]:
         """(call key, attrs) in execution order."""

@@ -21,6 +21,9 @@ Layout, schema `oneiter.iteration` version 2::
     /state_after/<name>        every parameter and buffer after the optimizer step
     /random/<index>            values of each random op, in order (attrs op, index, output)
     /optimizer_state/<param>.<key>   the optimizer's state when the step began (AdamW's exp_avg, step, ...)
+    /collectives/<index>       each torch.distributed collective this rank ran, in order (attrs op, group, phase,
+        call, site, ...): input.<i> (this rank's contributions), output.<i> (what it received)
+    /param_grads_unreduced/<name>  every parameter gradient before a reduction over ranks (DDP), where one ran
 
 A recording of several iterations (`record --steps N`, schema version 4) holds one such tree per iteration
 under `/steps/<step>/` (each a statistics-level iteration with its own root attributes, batch and random values;
@@ -47,15 +50,17 @@ __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
     "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
-    "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "REDUCED_TARGET",
-    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "RAW_BITS", "check_name", "call_key",
+    "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
+    "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
     "layout_attrs", "layout_from_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
     "step_group",
-    "split_step",
+    "split_step", "COLLECTIVES", "UNREDUCED_GRADS", "COLLECTIVE_OPS", "REDUCE_OPS", "COLLECTIVE_ATTRS",
+    "collective_group", "collective_path", "collective_index",
 ]
 
 SCHEMA = "oneiter.iteration"
@@ -83,10 +88,15 @@ FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
 # root attribute (JSON): the reduced-precision flags in force (TF32, HF32) and the float32 op families they reduce
 PRECISION_MODES = "precision_modes"
+# root attribute (JSON): the compiled blocks (torch.compile) of the recorded model and what compiling cost
+COMPILED = "compiled"
 # /local attributes: the families the calibration's reruns reproduced reduced for each side (JSON), and for how
 # many calls they rounded operands
 REDUCED_TARGET, REDUCED_CALLS = "reduced_target", "reduced_calls"
 REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls_reference"
+# /local attribute (JSON): the ops whose kernels were not torch's own where the calibration ran (`record/modes/
+# trusted.py`): {"cpu": [{op, key, registered, route}], "device": {"type", "plugin", "ops": [...]}}
+FOREIGN_KERNELS = "foreign_kernels"
 
 # overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
 # than one tensor: native_dropout keeps its output and its mask
@@ -97,6 +107,43 @@ RANDOM_OPS = frozenset({
     "_sample_dirichlet", "rrelu_with_noise", "rrelu_with_noise_",
 })
 RANDOM_OUTPUTS = {"native_dropout": 2}
+
+# every torch.distributed collective of the iteration, per rank, in the order it ran (`record/modes/collectives.py`):
+# /collectives/<index:05d> with its attributes (`COLLECTIVE_ATTRS`), input.<i> and output.<i>
+COLLECTIVES = "collectives"
+# each parameter's gradient as this rank's own backward left it, before a reduction over ranks (DDP's all-reduce)
+UNREDUCED_GRADS = "param_grads_unreduced"
+# what a collective does (its `op` attribute); the judge knows the exact result of the first five
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce", "gather",
+                  "scatter", "send", "recv", "barrier")
+REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum", "")  # "": none
+# a collective's attributes and their types: `op` one of COLLECTIVE_OPS, `kernel` the dispatcher op that ran
+# (`c10d.allreduce_.default`), `reduce_op` one of REDUCE_OPS, `group` the process group's name, `group_ranks` its
+# global ranks, `group_seq` how many collectives this rank ran on that group before, `root` the global rank a
+# broadcast sends from (-1: none), `phase` forward, backward or optimizer (the step's), `call` the module call whose
+# code ran it ("" none:
+# DDP's gradient buckets, FSDP2's parameter management), `site` where (file:line in function, or `DDP bucket <n>`),
+# `via` the torch.distributed package that issued it ("": the model's own code), `bucket` DDP's bucket number (-1),
+# `recomputed` whether activation checkpointing ran it again in backward, `seq` its place in the capture order,
+# `in_splits`/`out_splits` an all-to-all's split sizes ([]: equal)
+COLLECTIVE_ATTRS = {"op": str, "kernel": str, "reduce_op": str, "group": str, "group_ranks": list, "group_seq": int,
+                    "root": int, "phase": str, "call": str, "site": str, "via": str, "bucket": int,
+                    "recomputed": bool, "seq": int, "in_splits": list, "out_splits": list}
+
+
+def collective_group(index: int) -> str:
+    """`collectives/00003`: the group of this rank's collective number 3."""
+    return f"{COLLECTIVES}/{index:05d}"
+
+
+def collective_path(index: int, name: str) -> str:
+    """`collectives/00003/output.0`: a tensor of collective 3 (`input.<i>`, `output.<i>`)."""
+    return f"{collective_group(index)}/{name}"
+
+
+def collective_index(name: str) -> int | None:
+    """3 for a collective's group name `00003`; None for any other name (five digits at least, no sign)."""
+    return int(name) if len(name) >= 5 and name.isdigit() else None
 
 # torch dtypes HDF5 has no type for: stored as raw bits of this numpy type, with the dtype name in attrs
 RAW_BITS = {
@@ -253,14 +300,18 @@ LOCAL_FIELDS = (
     ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("seq", "i8"), ("dtype", "str"),
     ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
     ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
-    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"),
+    ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"), ("noise_bound", "f8"),
 )
 """Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
 rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
 side), `mismatch` the positions where NaN/Inf differ (position and sign), `noise_target`/`noise_reference` the
 calibrated expected rel-L2 error of the target's and the reference's precision (NaN: not calibrated, because
 the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`,
-with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md)."""
+with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md), `noise_bound` what the precision
+can produce for the call as measured on the trusted path, the check of that noise (NaN: not needed, the noise was
+within `precision.NOISE_BOUND_FACTOR` unit roundoffs; docs/blame.md "A noise estimate is itself checked")."""
+LOCAL_OPTIONAL = {"noise_bound": float("nan")}
+"""Columns of `/local` a file written before them lacks, and the value they read as there."""
 
 
 @dataclass(frozen=True)
@@ -283,6 +334,7 @@ class LocalRow:
     noise_target: float
     noise_reference: float
     calibration: str
+    noise_bound: float = float("nan")
 
     @property
     def key(self) -> tuple[str, int, str, str]:

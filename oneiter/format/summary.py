@@ -17,7 +17,7 @@ import numpy as np
 
 from oneiter.format.layout import IterationFile, reading
 from oneiter.format.numbers import CHUNK, dot, flat_numbers
-from oneiter.format.schema import LOSS, ROOT_MODULE, STATE_BEFORE
+from oneiter.format.schema import LOSS, ROOT_MODULE, STATE_BEFORE, UNREDUCED_GRADS, collective_group
 
 __all__ = ["TensorSummary", "tensor_stats", "summarize_file", "FileSummary"]
 
@@ -120,6 +120,13 @@ def _locations(f: IterationFile) -> Iterator[tuple[str, int, str, str, str]]:
     for name, path in f.state(STATE_BEFORE).items():
         module, _, tensor = name.rpartition(".")
         yield module or ROOT_MODULE, 0, "state_before", tensor, path
+    for name, path in f.state(UNREDUCED_GRADS).items():
+        module, _, tensor = name.rpartition(".")
+        yield module or ROOT_MODULE, 0, "param_grad_unreduced", tensor, path
+    for name, attrs in f.collectives():  # `all_reduce@3 collective output.0`: this rank's collective number 3
+        group = collective_group(int(name))
+        for tensor in f.names_in(group):
+            yield str(attrs["op"]), int(name), "collective", tensor, f"{group}/{tensor}"
 
 
 def summarize_file(path: str | os.PathLike) -> FileSummary:

@@ -36,9 +36,13 @@ import numpy as np
 from oneiter.errors import FormatError
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, VALUES
 from oneiter.format.schema import (
+    COLLECTIVE_ATTRS,
+    COLLECTIVES,
+    COMPILED,
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
+    LOCAL_OPTIONAL,
     OPTIMIZER,
     PLACEMENTS,
     RAW_BITS,
@@ -52,6 +56,8 @@ from oneiter.format.schema import (
     STRIDE,
     TWIN_SIGNATURE,
     UNPROBED_FIELDS,
+    UNREDUCED_GRADS,
+    collective_index,
     plain,
     split_optimizer_entry,
 )
@@ -67,12 +73,14 @@ _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops"
               "steps")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
               "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
-_JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list,
+_JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list, COMPILED: dict,
                "fallback_counts": dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")
-_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START)
+_TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START,
+                  UNREDUCED_GRADS)
+_COLLECTIVE_TENSOR = re.compile(r"(input|output)\.(0|[1-9]\d{0,8})")
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`signature.py`)
 _STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
@@ -249,6 +257,10 @@ def _check_json_attrs(meta: dict[str, Any], path) -> None:
             parsed = None
         if not isinstance(parsed, kind):
             raise _expect(path, "root ", name, f"a JSON {'object' if kind is dict else 'list'} string", value)
+        blocks = parsed.get("blocks", {}) if name == COMPILED else {}
+        if not isinstance(blocks, dict) or not all(isinstance(v, dict) for v in blocks.values()):
+            raise _fail(path, f"root attribute '{COMPILED}': expected its 'blocks' to be an object of objects (a "
+                              f"compiled block's path -> what is known of it), got {shown(blocks)}")
 
 
 def _check_call_attrs(attrs: dict[str, Any], key: str, path) -> None:
@@ -432,15 +444,22 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
     attrs = read_attrs(group, f"'/{full}'", path)
     if top == "calls":
         _check_calls_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START) and len(parts) == 1:
+    if top == COLLECTIVES:
+        _check_collectives_group(parts, attrs, full, path)
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS) \
+            and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
             raise _expect(path, f"group '/{full}' ", "order", "a list of strings", order)
     if top == "random" and len(parts) == 1:
-        num_ops = attrs.get("num_ops", 0)
-        if not _is_int(num_ops) or num_ops < 0:
-            raise _expect(path, f"group '/{full}' ", "num_ops", "an integer >= 0", num_ops)
+        _check_num_ops(attrs, full, path)
     return attrs
+
+
+def _check_num_ops(attrs: dict[str, Any], full: str, path) -> None:
+    num_ops = attrs.get("num_ops", 0)
+    if not _is_int(num_ops) or num_ops < 0:
+        raise _expect(path, f"group '/{full}' ", "num_ops", "an integer >= 0", num_ops)
 
 
 def _check_step_group(group, full: str, path) -> dict[str, Any]:
@@ -467,6 +486,27 @@ def _check_calls_group(parts: list[str], attrs: dict[str, Any], full: str, path)
         raise _fail(path, f"'/{full}': expected 'forward' or 'backward' in a call group, got '{parts[2]}'")
     elif len(parts) > 3:
         raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
+
+
+def _check_collectives_group(parts: list[str], attrs: dict[str, Any], full: str, path) -> None:
+    """Under /collectives: one group per collective named by its index (five digits at least), its attributes of
+    the types `schema.COLLECTIVE_ATTRS` says, holding tensors only."""
+    if len(parts) == 1:
+        _check_num_ops(attrs, full, path)
+        return
+    if len(parts) > 2:
+        raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
+    if collective_index(parts[1]) is None:
+        raise _fail(path, f"'/{full}': expected a collective group named by its index (00000, 00001, ...)")
+    where = f"collective group '/{full}' "
+    for name, kind in COLLECTIVE_ATTRS.items():
+        value = attrs.get(name)
+        ok = _is_int(value) if kind is int else isinstance(value, kind)
+        if kind is list and ok:
+            ok = all(_is_int(v) for v in value)
+        if not ok:
+            wanted = {int: "an integer", str: "a string", bool: "a boolean", list: "a list of integers"}[kind]
+            raise _expect(path, where, name, wanted, value)
 
 
 def _check_storage(dset, full: str, path) -> tuple[tuple[int, ...], np.dtype, int | None]:
@@ -519,8 +559,9 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
         _check_matrix(shape, dtype, full, path)
         return Stored(addr, shape, dtype, None, offset, read_attrs(dset, f"'/{full}'", path))
     tensor = (top == "loss" and len(parts) == 1) or (top in _TENSOR_GROUPS and len(parts) == 2) or \
-        (top == "calls" and len(parts) == 4 and parts[2] in ("forward", "backward"))
-    if top == "calls" and len(parts) < 4:
+        (top == "calls" and len(parts) == 4 and parts[2] in ("forward", "backward")) or \
+        (top == COLLECTIVES and len(parts) == 3)
+    if (top == "calls" and len(parts) < 4) or (top == COLLECTIVES and len(parts) < 3):
         raise _fail(path, f"'/{full}' is a dataset, expected a group")
     if top in _TENSOR_GROUPS and len(parts) == 1:
         raise _fail(path, f"'/{full}' is a dataset, expected a group")
@@ -590,6 +631,8 @@ def _check_tensor_name(parts: list[str], attrs: dict[str, Any], full: str, path)
         raise _fail(path, f"'/{full}': expected a batch tensor named input.<i>")
     if top == "random" and not _RANDOM_NAME.fullmatch(parts[1]):
         raise _fail(path, f"'/{full}': expected a random op named <index> or <index>.<output>")
+    if top == COLLECTIVES and not _COLLECTIVE_TENSOR.fullmatch(parts[2]):
+        raise _fail(path, f"'/{full}': expected a collective's tensor named input.<i> or output.<i>")
     if top == "random" and not isinstance(attrs.get("op"), str):
         raise _expect(path, f"dataset '/{full}' ", "op", "a string", attrs.get("op"))
 
@@ -623,6 +666,8 @@ def _check_table(shape, dtype, table: str, full: str, path) -> None:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}
     for name, kind in fields:
+        if table == "local" and name in LOCAL_OPTIONAL and name not in dtype.names:
+            continue  # a file from before the column
         if name not in dtype.names or dtype[name].kind not in kinds[kind]:
             got = dtype[name] if name in dtype.names else "no such column"
             raise _fail(path, f"'/{full}': column '{name}': expected {kind}, got {got}")

@@ -76,6 +76,11 @@ class RecordOptions:
     """How many bytes of tensors may wait for the background writer before capture blocks."""
     level: Level = "full"
     """"full": every tensor's data; "stats": statistics and a checksum per tensor (`format.stats`)."""
+    compile: str | None = None
+    """A torch.compile backend name (`inductor`; True means `inductor`): the model, or each module `compile_modules`
+    matches, is compiled in place with it for the recording and left as it was after (`runtime/compiled.py`)."""
+    compile_modules: list[str] = field(default_factory=list)
+    """With `compile`: regexes on module paths; each outermost matching module is compiled on its own (a block)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, (str, os.PathLike)):
@@ -98,6 +103,28 @@ class RecordOptions:
         self.isolate, self.random_replay, self.force = bool(self.isolate), bool(self.random_replay), bool(self.force)
         self.manage_autocast = bool(self.manage_autocast)
         self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""
+        if self.compile is True:
+            self.compile = "inductor"
+        if self.compile is not None and (not isinstance(self.compile, str) or not self.compile.strip()):
+            raise OneIterError(f"compile takes a torch.compile backend name such as 'inductor' (or True), got "
+                               f"{self.compile!r}", param="compile")
+        self.compile_modules = regex_list(self.compile_modules, "compile_modules")
+        for pattern in self.compile_modules:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise OneIterError(f"compile_modules has a bad regular expression: {err}",
+                                   param="compile_modules") from None
+        if self.compile_modules and not self.compile:
+            raise OneIterError("compile_modules chooses what compile compiles: give compile too (e.g. 'inductor')",
+                               param="compile_modules")
+        if self.compile and self.fallback:
+            raise OneIterError("fallback moves single aten ops to the CPU, which compiled code does not run: drop "
+                               "fallback or compile", param="fallback")
 
     def _check_modes(self) -> None:
         """against / calibrate / level, alone and together."""

@@ -52,6 +52,7 @@ from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECIS
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
 from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_batch, store_batch
+from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
@@ -59,12 +60,13 @@ from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
+from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.names import state_tensors
 from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
-from oneiter.runtime.sharding import class_name, local, reduction
+from oneiter.runtime.sharding import class_name, is_sharded, local, reduction
 from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
 from oneiter.version import __version__
 
@@ -84,6 +86,7 @@ class RecordSummary:
     loss: float
     num_calls: int
     iteration_seconds: float = 0.0  # the Recorder block alone: the recorded iteration and its writes
+    compile_seconds: float = 0.0  # torch.compile's compiling inside the block (never part of the seconds above)
     # a multi-step recording (`record/steps/step_recorder.py`): its iterations (num_entries: its tensors)
     num_steps: int = 0
 
@@ -139,6 +142,10 @@ class Recorder:
         skip: module paths never recorded, whatever `include` says (e.g. a data preprocessor).
         level: "full" (every tensor's data) or "stats" (statistics and a checksum per tensor, `format.stats`;
             random values and — unless this is a replay — the batch and state_before stay full, so it can be replayed).
+        compile: a torch.compile backend name ("inductor"; True: inductor): the model is compiled in place for the
+            block (or each module `compile_modules` matches, one block each) and left as it was after it. A model
+            that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this.
+        compile_modules: regexes on module paths: with `compile`, each outermost matching module is compiled alone.
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -171,13 +178,16 @@ class Recorder:
         skip: Iterable[str] = (),
         queue_bytes: int | None = None,
         level: str = "full",
+        compile: str | bool | None = None,
+        compile_modules: str | Sequence[str] | None = None,
     ):
         model = model_of(model)
         options = RecordOptions(
             out=out, replay=replay, amp=amp, include=include, exclude=exclude, seed=seed, isolate=isolate,
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
             name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
-            queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level,
+            queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level, compile=compile,
+            compile_modules=compile_modules,
         )
         self._setup(model, options, optimizer, progress, notify)
 
@@ -199,14 +209,17 @@ class Recorder:
         recorder = cls.__new__(cls)
         recorder._setup(model, options, optimizer, progress, notify)
         recorder._given_ref, recorder._start, recorder._step_of = reference, start, step_of
+        if step_of:  # the multi-step recorder named this rank's files already
+            recorder.out, recorder.replay = options.out, options.replay
         return recorder
 
     def _setup(self, model, options: RecordOptions, optimizer, progress, notify) -> None:
         """The checks that need the model, and the state of a Recorder whose block has not started."""
         self.model, self.options = model, options
         self._select = options.selector()
-        if (options.include or options.exclude) and not any(self._select(p) for p, _ in model.named_modules()):
-            first = next((p for p, _ in model.named_modules() if p), "(root)")
+        paths = [eager_name(p) for p, _ in model.named_modules()]
+        if (options.include or options.exclude) and not any(self._select(p) for p in paths):
+            first = next((p for p in paths if p), "(root)")
             raise OneIterError(f"include {options.include} / exclude {options.exclude} leave no module of the model "
                                f"to record (module paths look like '{first}')", param="include")
         self._forward_cast = model_forward_cast(model)  # accelerate's mixed precision: the recording's autocast
@@ -264,6 +277,7 @@ class Recorder:
         self._started = time.perf_counter()
         stack = ExitStack()
         try:
+            stack.callback(self._compile())
             self.ref = self._given_ref if self._given_ref is not None else (
                 stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None)
             self.device = _device_of(self.model)
@@ -314,14 +328,15 @@ class Recorder:
     def _attach(self, stack: ExitStack) -> None:
         """The modes, hooks and patches of the block, each undone by `stack`."""
         opts = self.options
-        self._modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback)
-        self.session.attach_random(self._modes.random)
+        self._modes = self._make_modes()
         if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
             stack.callback(self._forward_cast.uncast())
-        stack.enter_context(self.session.capture())
+        capture = stack.enter_context(self.session.capture())
+        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
+        self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
         stack.enter_context(self._modes)
         stack.callback(self._remove_hooks)
-        self._hooks = [self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True, prepend=True)]
+        self._hooks = outside_call(self.model, self._first_forward, prepend=True)
         self._hooks += [before_update(opt, self._before_step) for opt in self.optimizers]
         self._patch_backward(stack)
         self._autocast = None
@@ -340,7 +355,7 @@ class Recorder:
             self._advance(Phase.CLOSED)
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
-            self.session = self._modes = self.ref = self._swap = None
+            self.session = self._modes = self.ref = self._swap = self._watch = None
             self._first_call = self._failed_backward = None
 
     def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
@@ -361,10 +376,16 @@ class Recorder:
             self.session.state_after()
             if not self._explicit_loss:  # the tensor backward ran on: the loss times the GradScaler's scale
                 self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
-            counts = self.session.finish(self._loss, self._modes.summary())
+            reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
+            self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
+            compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
+            counts = self.session.finish(self._loss, {**self._modes.summary(), GRAD_REDUCTION: reduced, **compiled})
+            for line in compiled_notes(compiled) if self.notify is not None and not self._step_of else ():
+                self.notify(line)
+        compiling = self._watch.total_seconds
         self.summary = RecordSummary(
-            self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started,
-            float(self._loss.float()), self.session.module_capture.num_calls,
+            self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started - compiling,
+            float(self._loss.float()), self.session.module_capture.num_calls, compile_seconds=compiling,
         )
         self.summary.iteration_seconds = self.summary.seconds
 
@@ -542,8 +563,15 @@ class Recorder:
             self.session.enter_phase("probes")
         self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
-        self.session.param_grads()
+        self.session.param_grads(unreduced=self._modes.reduced_grads())
         self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _compile(self) -> Callable[[], None]:
+        """`compile=`: compile the model (or the modules `compile_modules` names) in place; returns the undo."""
+        opts = self.options
+        if not opts.compile:
+            return lambda: None
+        return compile_modules(self.model, opts.compile, opts.compile_modules)
 
     def _remove_hooks(self) -> None:
         for handle in getattr(self, "_hooks", []):
@@ -568,6 +596,17 @@ class Recorder:
             if why:
                 warn(why, stacklevel=3)
         return BatchSwap(read_batch(self.ref), self.ref.path.name)
+
+    def _make_modes(self) -> "_Modes":
+        """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
+        opts = self.options
+        modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
+                       self.session.module_capture, self.session.live_collective)
+        self.session.attach_random(modes.random)
+        self.session.attach_collectives(modes.collectives)
+        if modes.collectives is not None and not is_sharded(self.model):
+            self.session.watch_unreduced()  # DDP's reducer may average them: each rank's own are kept
+        return modes
 
     def _stats_groups(self):
         """At the stats level: which groups hold statistics only. Random values and the loss stay full; so do the
@@ -620,7 +659,7 @@ class Recorder:
             "random_replay": bool(self.replay is not None and opts.random_replay),
             "rank": self.rank.rank, "world_size": self.rank.world_size, "level": opts.level,
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
-            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),
+            GRAD_REDUCTION: reduction(self.model, self.rank.world_size),  # until backward shows a reducer
         }
         meta.update(opts.meta)
         meta["local"] = self.local_kind
@@ -629,9 +668,11 @@ class Recorder:
 
 
 class _Modes:
-    """The torch modes active during forward and backward: random record/replay, op fallback."""
+    """The torch modes active during forward and backward: random record/replay, op fallback, and (with a process
+    group) the collectives' recorder (`record/modes/collectives.py`)."""
 
-    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str]):
+    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None):
+        from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
@@ -640,9 +681,12 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self._stack = ExitStack()
+        self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
+        self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "_Modes":
+        if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
             if mode is not None:
                 self._stack.enter_context(mode)
@@ -650,10 +694,18 @@ class _Modes:
 
     def __exit__(self, *exc) -> None:
         self.close()
+        self._until_end.close()
 
     def close(self) -> None:
-        """End the modes (before the optimizer step: its math is not part of what they judge)."""
+        """End the modes (before the optimizer step: its math is not part of what they judge); the collectives are
+        recorded until the block ends, the step's as its own phase (a tensor-parallel step reduces gradients)."""
         self._stack.close()
+        if self.collectives is not None:
+            self.collectives.stepping = True
+
+    def reduced_grads(self) -> bool:
+        """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""
+        return self.collectives is not None and self.collectives.reduced_grads
 
     def summary(self) -> dict:
         return {
@@ -663,13 +715,14 @@ class _Modes:
 
 
 def model_of(model):
-    """The module a recording names: `model` itself, or the one inside a DDP / DataParallel / `torch.compile`
-    wrapper (`runtime/wrappers.py`; the wrapper is still what the loop calls)."""
+    """The module a recording names: `model` itself, or the one inside a DDP / DataParallel wrapper
+    (`runtime/wrappers.py`; the wrapper is still what the loop calls). A `torch.compile` wrapper is kept: it is the
+    compiled block, hooked from outside its compiled code, its modules named by their eager names."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
         raise OneIterError(f"model must be a torch.nn.Module, got {type(model).__name__}", param="model")
-    return unwrap_model(model)
+    return unwrap_model(model, compiled=False)
 
 
 def _never_called() -> OneIterError:

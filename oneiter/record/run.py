@@ -11,8 +11,10 @@ and records S in full, the optimizer's state included; replaying such a file sta
 replaying such a file (`--replay`, `--steps` optional) runs the reference's iterations, each also by the perturbed twin.
 
 Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel, or, for
-a model whose builder shards itself with FSDP2 (`fully_shard`), as it is; see `oneiter.runtime.distributed` for what
-changes (seed + rank for the batch, averaged gradients, per-rank replay files).
+a model whose builder parallelises it itself (FSDP2's `fully_shard`, `torch.distributed.tensor.parallel`,
+Megatron-style layers: `runtime.sharding.parallelizes_itself`), as it is (`--data-parallel` decides otherwise); see
+`oneiter.runtime.distributed` for what changes (seed + rank for the batch, averaged gradients, per-rank replay
+files).
 """
 
 from __future__ import annotations
@@ -30,17 +32,19 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
 from oneiter.record.steps.step_recorder import StepRecorder
+from oneiter.runtime.compiled import compile_modules
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
 from oneiter.runtime.precision import DTYPES, apply_dtype, torch_dtype
-from oneiter.runtime.sharding import is_sharded
+from oneiter.runtime.sharding import is_sharded, parallelizes_itself
 from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step, use_step
 
 __all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+DATA_PARALLEL = ("auto", "ddp", "none")
 OptimizerName = Literal["sgd", "adamw"]
 
 
@@ -70,6 +74,9 @@ class SpecOptions(RecordOptions):
     (`record/steps/step_recorder.py`); with `replay` of such a file, at most its number (None: all of them)."""
     step: int | None = None
     """Record iteration `step` alone, in full, after running 0..step-1 plainly (with `replay`: the reference's)."""
+    data_parallel: str = "auto"
+    """Under torchrun: `ddp` wraps the model in DistributedDataParallel, `none` runs it as built, `auto` wraps it
+    unless it parallelises itself (`runtime.sharding.parallelizes_itself`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,10 +87,16 @@ class SpecOptions(RecordOptions):
         if self.steps is not None and self.step is not None:
             raise OneIterError("steps records several iterations, step one of them: give one of the two",
                                param="steps")
+        if self.steps is not None and self.compile:
+            raise OneIterError("--compile records one iteration: record one step of a compiled run with --step S",
+                               param="compile")
         if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
             raise OneIterError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
         if self.dtype not in DTYPES:
             raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
+        if self.data_parallel not in DATA_PARALLEL:
+            raise OneIterError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}, got '{self.data_parallel}'",
+                               param="data_parallel")
 
 
 def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
@@ -188,10 +201,13 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         apply_dtype(bundle, opts.dtype)
         setup = prepare(bundle, device, opts.optimizer)
         setup.dtype = torch_dtype(opts.dtype) if opts.dtype != "float32" else None
-        # the call goes through DDP, unless the model sharded itself with FSDP2 (which reduces its own gradients);
-        # hooks, faults and state stay on the inner bundle.model
-        if info.distributed and not is_sharded(bundle.model):
+        # the call goes through DDP unless the model parallelises itself; hooks, faults and state stay on the inner
+        # bundle.model
+        if info.distributed and _data_parallel(opts.data_parallel, bundle.model):
             setup = wrap_ddp(setup)
+        if opts.compile:  # before the faults, whose hooks stay outside the compiled code; once for every step
+            stack.callback(compile_modules(bundle.model, opts.compile, opts.compile_modules))
+            opts = replace(opts, compile=None, compile_modules=[])
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)
         opts = replace(opts, meta={**_meta(opts, built), **opts.meta})
@@ -208,8 +224,17 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         with recorder as rec:
             _one_step(setup, rec)
     summary = recorder.summary
-    summary.seconds = time.perf_counter() - started
+    summary.seconds = time.perf_counter() - started - summary.compile_seconds
     return summary
+
+
+def _data_parallel(choice: str, model) -> bool:
+    """Whether a multi-rank run wraps the model in DistributedDataParallel (`SpecOptions.data_parallel`)."""
+    if choice == "ddp" and is_sharded(model):
+        raise OneIterError("--data-parallel ddp: the model's parameters are DTensors (FSDP2 or tensor parallelism), "
+                           "which DistributedDataParallel does not take; leave --data-parallel at auto",
+                           param="data_parallel")
+    return choice == "ddp" or (choice == "auto" and not parallelizes_itself(model))
 
 
 def _reference_optimizer(ref: IterationFile | None) -> str:

@@ -24,10 +24,20 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
-from oneiter.format.schema import BATCH, LOSS, OPTIMIZER, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, STEP_START, arg_name
+from oneiter.format.schema import (
+    BATCH,
+    LOSS,
+    OPTIMIZER,
+    PARAM_GRADS,
+    STATE_AFTER,
+    STATE_BEFORE,
+    STEP_START,
+    UNREDUCED_GRADS,
+    arg_name,
+)
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture.hooks import ModuleCapture, TensorSink, unscaled
+from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
 from oneiter.runtime.names import parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor
 
@@ -155,12 +165,15 @@ class RecordingSession:
         self.module_capture = ModuleCapture(model, self.sink, select, self.probe)
         self.extra_attrs: dict[str, Any] = {}  # more root attributes, written by finish()
         self._finished = False
+        self._unreduced: dict[str, Any] | None = None  # parameter -> its unreduced gradient (`watch_unreduced`)
+        self._grad_hooks: list = []
 
     def __enter__(self) -> "RecordingSession":
         return self
 
     def __exit__(self, exc_type, *_exc) -> None:
         self.module_capture.detach()
+        self._unwatch()
         if not self._finished:
             self.writer.abort()
 
@@ -174,6 +187,38 @@ class RecordingSession:
         """The optimizer that steps this iteration: the probe judges its update (teacher forced)."""
         if self.probe is not None:
             self.probe.bind(self.model, optimizer)
+
+    def attach_collectives(self, mode) -> None:
+        """The collective recorder of the iteration (`record/modes/collectives.py`; None: no process group): reruns
+        force each call's collectives; `--against cpu` reruns from this run's own, filled as the run goes."""
+        if mode is not None and self.probe is not None and self.probe.SOURCE_IS_RUN:
+            self.probe.collectives = mode.recorded
+
+    def live_collective(self, record, phase: str, outputs: dict) -> None:
+        """A collective's live outputs by path (`CollectiveRecorder.on_output`), for the probe's fidelity check."""
+        if self.probe is not None:
+            self.probe.live_collective(record, phase, outputs)
+
+    def watch_unreduced(self) -> None:
+        """Keep each parameter's gradient as this rank's backward leaves it (a host copy, taken when autograd has
+        accumulated it and before DistributedDataParallel's reducer, whose hook runs after, averages it over ranks):
+        `param_grads(unreduced=True)` stores them. Costs one host copy of the gradients until then."""
+        self._unreduced = {}
+        for name, param in self.model.named_parameters():
+            if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
+                self._grad_hooks.append(param.register_post_accumulate_grad_hook(self._keeper(name)))
+
+    def _keeper(self, name: str):
+        def keep(param) -> None:
+            if self._unreduced is not None and param.grad is not None:
+                self._unreduced[name] = host_copy(param.grad)
+
+        return keep
+
+    def _unwatch(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks.clear()
 
     def attach_random(self, mode) -> None:
         """The random-op mode of the iteration (recorder or replayer): calls note which random ops they ran."""
@@ -225,11 +270,17 @@ class RecordingSession:
         if self.progress is not None:
             self.progress(phase, self.sink.num_tensors)
 
-    def param_grads(self) -> None:
+    def param_grads(self, unreduced: bool = False) -> None:
+        """Store the parameter gradients; `unreduced`: they were reduced over ranks, and the copies
+        `watch_unreduced` kept of each rank's own are stored too (`param_grads_unreduced`)."""
         self.enter_phase("parameters")
         scale = self.module_capture.grad_scale
         grads = [(n, unscaled(p.grad, scale)) for n, p in parameters(self.model) if p.grad is not None]
         self._named(PARAM_GRADS, grads)
+        kept, self._unreduced = self._unreduced, None
+        self._unwatch()
+        if unreduced and kept:
+            self._named(UNREDUCED_GRADS, [(n, kept[n]) for n, _ in grads if n in kept])
 
     def state_after(self) -> None:
         self._named(STATE_AFTER, [(name, t) for name, t, _ in state_tensors(self.model)])

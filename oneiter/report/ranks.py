@@ -7,6 +7,8 @@ from rich.console import Console
 from rich.text import Text
 
 from oneiter.judge.iteration.ranks import RankedResult
+from oneiter.judge.iteration.results import CompareResult
+from oneiter.report.multistep import print_steps
 from oneiter.report.terminal import print_report, safe_text
 
 __all__ = ["print_ranked"]
@@ -21,10 +23,18 @@ def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = Fal
     console.print(Text(safe_text(overall.headline), style="bold " + _STYLES[overall.status]))
     for rank, result in ranked.results.items():
         console.print(Text(safe_text(f"rank {rank:<3} {result.verdict_obj.headline}"), style=_STYLES[result.status]))
+    flagged = [j for j in ranked.collectives if j.flagged(ranked.factor)]
+    if ranked.collectives:
+        style = "red" if flagged else "green"
+        console.print(Text(safe_text(f"collectives: {len(ranked.collectives)} judged against the exact result of their "
+                                     f"group's recorded inputs, {len(flagged)} beyond their noise"), style=style))
     if overall.note:
         console.print(Text(safe_text(overall.note), style="yellow"))
     for rank, result in ranked.results.items():
         if show_all or result.status != "match":
             title = safe_text(f"-- rank {rank}: {result.reference} vs {result.target} --")
             console.print(Text("\n" + title, style="bold"))
-            print_report(console, result, show_all=show_all)
+            if isinstance(result, CompareResult):
+                print_report(console, result, show_all=show_all)
+            else:  # two multi-step recordings of this rank
+                print_steps(console, result, show_all=show_all)

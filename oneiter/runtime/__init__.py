@@ -5,8 +5,14 @@
 - `devices.py`     the device table: device names, vendor plugins imported lazily, what differs per device type
 - `precision.py`   dtypes, autocast, unit roundoff
 - `precision_modes.py` reduced-precision float32 modes (TF32, HF32): what torch's flags say, and their rounding
-- `distributed.py` torchrun ranks, DDP, per-rank file names
-- `sharding.py`    sharded parameters (FSDP2): a rank's own shard, and how gradients are reduced
+- `roundoff.py`    the rounding a precision adds to one op, for injecting into a float64 run (Monte Carlo arithmetic)
+- `kernels.py`     which kernels a device runs that are not torch's own, asked of the dispatcher
+- `names.py`       the names a model's parameters and buffers have in a recording (never state_dict's)
+- `host_random.py` the random generators outside torch (Python's, numpy's): seeded, and kept around reruns
+- `distributed.py` torchrun ranks, DDP, per-rank file names, the process group compare shares its work over
+- `sharding.py`    DTensor parameters (FSDP2, tensor parallelism), whether a model parallelises itself, how
+                   gradients are reduced
 - `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
 - `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
+- `compiled.py`    torch.compile'd blocks: found, hooked from outside their compiled code, compiled on request
 """

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple, Optional
 from oneiter.runtime.modelspec import is_file_spec
 
 __all__ = ["Flag", "MODEL", "DEVICE", "OUT", "BATCH_SIZE", "SEED", "DTYPE", "AMP", "THREADS", "MODEL_ARG",
-           "OPTIMIZER", "REPLAY", "STEP", "STEPS", "INJECT_FAULT", "FALLBACK", "LAYER", "CALL", "OPS", "PARAMS",
+           "OPTIMIZER", "REPLAY", "STEP", "STEPS", "INJECT_FAULT", "FALLBACK", "LAYER", "CALL", "OPS", "COMPILE",
+           "COMPILE_MODULES", "PARAMS",
            "record_step_commands", "replay_ops_command", "model_arg_flags"]
 
 
@@ -53,6 +54,8 @@ FALLBACK = Flag("--fallback")
 LAYER = Flag("--layer", "-l")
 CALL = Flag("--call")
 OPS = Flag("--ops")
+COMPILE = Flag("--compile")
+COMPILE_MODULES = Flag("--compile-modules")
 
 PARAMS = {"faults": INJECT_FAULT.name, "replay": REPLAY.name, "out": OUT.name}
 """The library's parameter names whose CLI flag is not `--` + the name with dashes (`cli/common.py` rewrites an
@@ -80,11 +83,13 @@ def record_step_commands(reference: dict[str, Any], target: dict[str, Any], ref_
 
 
 def replay_ops_command(reference: str, layer: str, call: int, *, device: str, dtype: Optional[str],
-                       amp: Optional[str], model: Optional[str]) -> str:
+                       amp: Optional[str], model: Optional[str], compile: Optional[str] = None) -> str:
     """`oneiter replay REF --layer L --call C --ops` on the target's device, dtype and autocast (`model`: the
-    model spec to name, None: the recording's built-in one)."""
+    model spec to name, None: the recording's built-in one; `compile`: the torch.compile backend the target's
+    block ran, None: not compiled)."""
     words = ["oneiter", "replay", reference, LAYER.name, layer, CALL.name, str(call), OPS.name, DEVICE.name, device,
-             *([DTYPE.name, dtype] if dtype else []), AMP.name, amp or "none", *([MODEL.name, model] if model else [])]
+             *([DTYPE.name, dtype] if dtype else []), AMP.name, amp or "none", *([MODEL.name, model] if model else []),
+             *([COMPILE.name, compile] if compile else [])]
     return shlex.join(words)
 
 

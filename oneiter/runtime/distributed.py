@@ -30,7 +30,8 @@ from oneiter.runtime.devices import DEVICE_TYPES, device_type
 
 __all__ = [
     "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
-    "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for",
+    "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for", "cpu_device",
+    "broadcast_object", "all_gather_objects", "gather_objects",
 ]
 
 # `run.rank3.h5` -> stem `run`, rank 3
@@ -176,3 +177,37 @@ def wrap_ddp(setup):
     device_ids = None if setup.device.type == "cpu" else [setup.device]
     ddp = DistributedDataParallel(setup.bundle.model, device_ids=device_ids)
     return replace(setup, bundle=replace(setup.bundle, model=ddp))
+
+
+def cpu_device():
+    """The CPU as a torch.device: what `process_group` joins with for work that runs on the CPU (compare)."""
+    import torch
+
+    return torch.device("cpu")
+
+
+def broadcast_object(obj):
+    """Process 0's `obj` on every process of the default group (pickled)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(obj) -> list:
+    """Every process's `obj`, in process order, on every process."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_objects(obj) -> list | None:
+    """Every process's `obj`, in process order, on process 0; None on the others."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from oneiter.errors import OneIterError
 
-__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "unit_roundoff", "amp_dtype_name", "torch_dtype", "apply_dtype",
-           "autocast_for", "active_autocast"]
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "NOISE_BOUND_FACTOR", "unit_roundoff", "amp_dtype_name",
+           "torch_dtype", "apply_dtype", "autocast_for", "active_autocast"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -13,6 +13,11 @@ UNIT_ROUNDOFF = {
     "float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8,
     "float8_e4m3fn": 2.0**-4, "float8_e4m3fnuz": 2.0**-4, "float8_e5m2": 2.0**-3, "float8_e5m2fnuz": 2.0**-3,
 }
+
+# a call's precision-only noise more than this many times what the precision can produce for it (its bound, at least
+# one unit roundoff) is no noise (docs/blame.md "A noise estimate is itself checked"): the probe measures the bound
+# of a call whose noise is above this many unit roundoffs, the judge holds the noise to it
+NOISE_BOUND_FACTOR = 16.0
 
 
 def amp_dtype_name(amp) -> str:

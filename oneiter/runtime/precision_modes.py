@@ -28,7 +28,7 @@ from typing import Any
 
 from oneiter.runtime.devices import DEVICE_TYPES, device_type
 
-__all__ = ["FAMILIES", "MANTISSA_BITS", "FAMILY_OPS", "current", "read_settings", "modes_for", "reduced",
+__all__ = ["FAMILIES", "MANTISSA_BITS", "FAMILY_OPS", "OPERANDS", "current", "read_settings", "modes_for", "reduced",
            "to_attr", "from_attr", "describe", "round_mantissa", "roundoff"]
 
 FAMILIES = ("matmul", "conv")
@@ -36,6 +36,12 @@ MANTISSA_BITS = {"tf32": 10, "hf32": 10, "bf16": 7}  # explicit mantissa bits a 
 FAMILY_OPS = {
     "matmul": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear"),
     "conv": ("convolution", "convolution_backward"),
+}
+# aten op name -> the positions of its operands (what TF32 hardware reads in reduced precision)
+OPERANDS = {
+    "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "linear": (0, 1),
+    "addmm": (1, 2), "baddbmm": (1, 2),
+    "convolution": (0, 1), "convolution_backward": (0, 1, 2),
 }
 IEEE = "ieee"
 

@@ -12,9 +12,12 @@ Only torch's `DTensor` is recognised (`torch.distributed.tensor`); without torch
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["dtensor_class", "is_dtensor", "local", "placement_of", "is_sharded", "reduction", "class_name"]
+__all__ = ["dtensor_class", "is_dtensor", "local", "placement_of", "is_sharded", "is_fsdp", "parallelizes_itself",
+           "reduction", "grads_reduced", "class_name", "as_placed", "is_fsdp_hook", "spec_of", "to_placed",
+           "parse_placements"]
 
 
 def dtensor_class() -> Any:
@@ -35,8 +38,14 @@ def is_dtensor(tensor) -> bool:
 
 
 def local(tensor):
-    """This rank's shard of a DTensor (its plain local tensor, no copy); any other tensor as it is."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    """This rank's shard of a DTensor (its plain local tensor, no copy), and the result of a collective still
+    under way (an `AsyncCollectiveTensor`: what a tensor-parallel style's output is) waited for; any other tensor
+    as it is."""
+    if is_dtensor(tensor):
+        tensor = tensor.to_local()
+    if type(tensor).__name__ == "AsyncCollectiveTensor" and callable(getattr(tensor, "trigger_wait", None)):
+        tensor = tensor.trigger_wait()
+    return tensor
 
 
 def placement_of(tensor) -> tuple[str, tuple[int, ...], tuple[int, ...] | None] | None:
@@ -58,17 +67,106 @@ def placement_of(tensor) -> tuple[str, tuple[int, ...], tuple[int, ...] | None] 
 
 
 def is_sharded(model) -> bool:
-    """Whether any parameter of the model is a DTensor (the model applied FSDP2's `fully_shard` to itself)."""
+    """Whether any parameter of the model is a DTensor (FSDP2's `fully_shard`, `torch.distributed.tensor.parallel`)."""
     return any(is_dtensor(p) for p in model.parameters())
 
 
-def reduction(model, world_size: int) -> str:
-    """How this run's parameter gradients were reduced over ranks (the file's `grad_reduction`): `none` (one rank),
-    `allreduce_mean` (DistributedDataParallel: every rank holds the mean), `reduce_scatter_mean` (FSDP2: each rank
-    holds its shard of the mean)."""
+def is_fsdp(model) -> bool:
+    """Whether FSDP2's `fully_shard` manages the model or a module of it (FSDP2 reduces their gradients)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+# Megatron-LM's marks on the parameters its tensor- and expert-parallel layers hold: a slice of the full weight
+# (`tensor_model_parallel`), or an expert's own weight that data parallelism must not average (`allreduce` False)
+_MEGATRON_MARKS = (("tensor_model_parallel", True), ("allreduce", False))
+
+
+def is_fsdp_hook(hook) -> bool:
+    """A module hook of FSDP2 (`fully_shard`): it all-gathers and reshards parameters (collectives every rank must
+    join) and registers the gradient reduction."""
+    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
+
+
+def parallelizes_itself(model) -> bool:
+    """Whether the model splits itself across ranks, so that wrapping it in DistributedDataParallel (which makes
+    every rank's parameters rank 0's) would be wrong: a DTensor parameter (FSDP2, `torch.distributed.tensor
+    .parallel`), or a parameter with Megatron-LM's marks of a tensor- or expert-parallel layer."""
+    if is_sharded(model):
+        return True
+    return any(getattr(p, mark, None) is value for p in model.parameters() for mark, value in _MEGATRON_MARKS)
+
+
+def reduction(model, world_size: int, reduced: bool = False) -> str:
+    """How this run's parameter gradients were reduced over ranks when they were recorded (the file's
+    `grad_reduction`): `reduce_scatter_mean` (FSDP2: each rank holds its shard of the mean), `allreduce_mean`
+    (`reduced`: DistributedDataParallel's reducer averaged them in backward, so every rank holds the mean), or
+    `none` (one rank; or a model that parallelises itself without data parallelism: each rank's own)."""
     if world_size <= 1:
         return "none"
-    return "reduce_scatter_mean" if is_sharded(model) else "allreduce_mean"
+    if is_fsdp(model):
+        return "reduce_scatter_mean"
+    return "allreduce_mean" if reduced else "none"
+
+
+def grads_reduced(meta: dict) -> bool:
+    """Whether a recording's parameter gradients were reduced over ranks (its root attribute `grad_reduction`, see
+    `reduction`; a file without it: whether it had several ranks, which were then always DDP's or FSDP2's)."""
+    how = meta.get("grad_reduction")
+    return how != "none" if isinstance(how, str) and how else int(meta.get("world_size") or 1) > 1
+
+
+def spec_of(tensor) -> tuple | None:
+    """(mesh, placements, global shape, global stride) of a DTensor, which `to_placed` puts a shard back into;
+    None for any other tensor."""
+    if not is_dtensor(tensor):
+        return None
+    return tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def to_placed(value, spec: tuple | None, placements=None):
+    """The plain tensor `value` (this rank's shard) as a DTensor of `spec` (`spec_of`), with `placements` instead of
+    the spec's when given; `value` itself without a spec."""
+    if spec is None:
+        return value
+    mesh, own, shape, stride = spec
+    return dtensor_class().from_local(value, mesh, placements or own, run_check=False, shape=shape, stride=stride)
+
+
+_PLACEMENT = re.compile(r"(Shard)\(dim=(-?\d+)\)|(Replicate)\(\)|(Partial)\((?:reduce_op=)?'?(\w+)'?\)")
+
+
+def parse_placements(text: str) -> tuple | None:
+    """The placements a recording wrote (`Shard(dim=1),Replicate()`: `placement_of`) as torch's objects; None for
+    text that is not a list of them."""
+    try:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+    except ImportError:
+        return None
+    found = []
+    for part in re.findall(r"\w+\([^()]*\)", str(text)):
+        match = _PLACEMENT.fullmatch(part)
+        if match is None:
+            return None
+        if match[1]:
+            found.append(Shard(int(match[2])))
+        elif match[3]:
+            found.append(Replicate())
+        else:
+            found.append(Partial(match[5]))
+    return tuple(found) or None
+
+
+def as_placed(value, like):
+    """`value` (a plain tensor holding this rank's shard) as a DTensor placed as `like` is, when `like` is a DTensor
+    (a tensor-parallel weight a rerun swaps in); otherwise `value` as it is."""
+    if not is_dtensor(like) or is_dtensor(value):
+        return value
+    return dtensor_class().from_local(value, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
 
 
 def class_name(model) -> str:

@@ -4,7 +4,8 @@ Where this sits: `oneiter.Recorder` takes whatever a framework handed the user a
 loop passes `accelerator.prepare`'s results (or Lightning's, or mmengine's) straight in:
 
 - a model wrapped for data parallelism (`DistributedDataParallel`, `DataParallel`: `.module`) or compiled
-  (`torch.compile`'s `OptimizedModule`: `._orig_mod`) -> the module whose `named_modules()` names the recording;
+  (`torch.compile`'s `OptimizedModule`: `._orig_mod`) -> the module whose `named_modules()` names the recording
+  (the Recorder keeps a compiled one: its compiled block, hooked from outside, `runtime/compiled.py`);
 - an optimizer wrapper (accelerate's `AcceleratedOptimizer`, mmengine's `OptimWrapper`: `.optimizer`; Lightning's
   `LightningOptimizer`: `._optimizer`) or a learning-rate scheduler (torch's: `.optimizer`; accelerate's
   `AcceleratedScheduler`: `.optimizers`) -> the torch optimizer(s) that step;
@@ -27,12 +28,14 @@ _MODEL_WRAPPERS = ("DistributedDataParallel", "DataParallel")
 _OPTIMIZER_SLOTS = ("optimizer", "_optimizer")  # AcceleratedOptimizer / OptimWrapper / LRScheduler, LightningOptimizer
 
 
-def unwrap_model(model):
-    """The module inside DDP / DataParallel / `torch.compile` wrappers (nested ones too), or `model` itself."""
+def unwrap_model(model, *, compiled: bool = True):
+    """The module inside DDP / DataParallel / `torch.compile` wrappers (nested ones too), or `model` itself.
+    `compiled=False` keeps a `torch.compile` wrapper: the Recorder hooks it from outside its compiled code and names
+    its modules by their eager names (`runtime/compiled.py`)."""
     for _ in range(8):
         if type(model).__name__ in _MODEL_WRAPPERS and hasattr(model, "module"):
             model = model.module
-        elif type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        elif compiled and type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
             model = model._orig_mod
         else:
             break

@@ -60,6 +60,14 @@ def test_the_drill_command_parses_into_what_it_was_built_from(model):
     assert (params["device"], params["dtype"], params["amp"], params["model"]) == ("npu:0", "bfloat16", "none", model)
 
 
+def test_the_drill_command_of_a_compiled_block_names_its_backend():
+    line = commands.replay_ops_command("ref.h5", "shared", 0, device="cpu", dtype=None, amp=None,
+                                       model="my_model.py:build", compile="wrong_gelu")
+    name, params = parse(line)
+    assert name == "replay" and (params["layer"], params["compile"], params["model"]) == (
+        "shared", "wrong_gelu", "my_model.py:build")
+
+
 def test_the_flags_are_the_cli_s():
     """Every flag of the table is declared by the CLI under that name (renaming one there renames it here)."""
     declared = set()

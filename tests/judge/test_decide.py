@@ -11,7 +11,15 @@ import pytest
 from oneiter.judge.iteration.entries import LocalMetrics, LocalResult, Row
 from oneiter.judge.iteration.findings import PRIORITY, Finding, row_findings, strongest
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.verdict import FOCUS, Verdict, culprit_reason, decide, settle_rows
+from oneiter.judge.iteration.verdict import (
+    FOCUS,
+    Verdict,
+    calibration_reason,
+    culprit_reason,
+    decide,
+    decide_ranked,
+    settle_rows,
+)
 from oneiter.judge.measure.metrics import Metrics
 from oneiter.judge.measure.tolerance import Tolerance
 
@@ -40,6 +48,14 @@ def local(module: str, rel_l2: float = 1e-7, flagged: bool = False, mismatch: in
     return LocalResult(module, 0, "forward", "output", "float32", 0, m, 1e-6, "", 1e-6, 4.0, flagged)
 
 
+def untrusted(module: str, rel_l2: float = 2e-7) -> LocalResult:
+    """A call whose calibration claimed 2e-3 where float32 can produce 1.2e-7 (the bound, its expected noise now);
+    flagged when its own error is above 4x that."""
+    m = LocalMetrics(8, rel_l2, rel_l2, 1.0, 0, 0, 0, 0, 0)
+    return LocalResult(module, 0, "forward", "output", "float32", 0, m, 2e-3, "cpu", 1.2e-7, 4.0,
+                       rel_l2 > 4 * 1.2e-7, 1.2e-7)
+
+
 def compare(rows: list[Row], *, local_kind: str = "", local_results: tuple = (), unexplained: tuple = (),
             loss: Optional[str] = None) -> CompareResult:
     """A result as the engine leaves it: blame's findings (the culprit: the first flagged local result; the
@@ -53,6 +69,8 @@ def compare(rows: list[Row], *, local_kind: str = "", local_results: tuple = (),
     else:
         found = [Finding.of("unexplained", i, why) for i, why in unexplained]
         found += [Finding.of("loss", None, loss)] if loss else []
+    found += [Finding.of("calibration", next(i for i, r in enumerate(rows) if r.module == u.module),
+                         calibration_reason(u), u) for u in result.local if u.untrusted and not u.flagged]
     settle_rows(result, found)
     result.findings = found + row_findings(rows, first, bool(local_kind))
     return result
@@ -116,6 +134,20 @@ CASES = [
                                                     local_results=CLEAN, loss="the loss differs by 1.00e-01"),
      "diverged", "unattributed", "loss", None,
      "DIVERGED (unattributed): no call's own code is to blame, but the loss differs by 1.00e-01"),
+    ("a calibration not trusted and nothing else: inconclusive, never a match", lambda: compare(
+        [row("a"), row("b"), row("c")], local_kind=TF, local_results=(local("a"), untrusted("b"), local("c"))),
+     "inconclusive", "local_error", "calibration not trusted", 1,
+     "INCONCLUSIVE: the calibration of b@0 forward output is not trusted: its calibrated noise 2.00e-03 is 16667x "
+     "what its precision can produce for it (1.20e-07, measured on the trusted path)"),
+    ("an untrusted calibration with an error above its bound is the culprit", lambda: compare(
+        [row("a"), row("b", "diverged", 1e-3)], local_kind=TF, local_results=(local("a"), untrusted("b", 1e-3))),
+     "diverged", "local_error", "culprit", 1, "DIVERGED: culprit b@0 forward output (#1): its own code's error rel_l2 "
+     "1.00e-03, on the reference's inputs, is 8333.3x its expected noise 1.20e-07 (what its precision can produce for "
+     "it; its calibrated noise 2.00e-03 is not trusted, far above that)"),
+    ("an unexplained entry beats an untrusted calibration", lambda: compare(
+        [row("a"), row("b"), row("c", "diverged", 0.5)], local_kind=TF,
+        local_results=(local("a"), untrusted("b"), local("c")), unexplained=((2, "rel_l2 5.00e-01 is more"),)),
+     "diverged", "unattributed", "unexplained entry", 2, "DIVERGED (unattributed) at c@0 forward output"),
     ("a structural difference with no local result is no inconclusive", lambda: compare(
         [row("a"), row("b", "missing_in_target")], local_kind=TF),
      "diverged", "local_error", "structural difference", 1, "DIVERGED at b@0 forward output"),
@@ -160,7 +192,7 @@ def test_unexplained_entries_and_the_loss_are_listed_whatever_is_named():
 def test_priorities_are_one_table_and_the_strongest_wins():
     assert set(PRIORITY) == set(FOCUS) and len(set(PRIORITY.values())) == len(PRIORITY)
     assert sorted(PRIORITY, key=PRIORITY.get, reverse=True) == [
-        "first_divergence", "structural", "culprit", "nan_inf", "unexplained", "loss"]
+        "collective", "first_divergence", "structural", "culprit", "nan_inf", "unexplained", "loss", "calibration"]
     found = [Finding.of("loss", None), Finding.of("unexplained", 3), Finding.of("unexplained", 1)]
     assert strongest(found) is found[1]  # of equals, the first recorded (causal order)
     assert strongest([]) is None
@@ -170,6 +202,28 @@ def test_priorities_are_one_table_and_the_strongest_wins():
 def test_from_dict_rebuilds_the_verdict(case):
     verdict = decide(case[1]())
     assert Verdict.from_dict(verdict.as_dict()) == verdict
+
+
+def test_every_untrusted_calibration_is_listed_with_both_figures():
+    verdict = decide(compare([row("a"), row("b", "diverged", 1e-3), row("c")], local_kind=TF,
+                             local_results=(local("a"), untrusted("b", 1e-3), untrusted("c"))))
+    assert verdict.focus == "culprit" and [(u["module"], u["flagged"]) for u in verdict.untrusted] == [
+        ("b", True), ("c", False)]
+    assert verdict.untrusted[0]["calibrated"] == 2e-3 and verdict.untrusted[0]["bound"] == 1.2e-7
+    line = next(d for d in verdict.details if d.startswith("calibration not trusted (2 tensors): "))
+    assert "b@0 forward output: its calibrated noise 2.00e-03 is 16667x what its precision can produce" in line
+    assert "c@0 forward output" in line and "(within that with its own error 2.00e-07)" in line
+
+
+def test_ranks_inconclusive_say_why_their_first_is():
+    clean = decide(compare([row("a"), row("b")], local_kind=TF, local_results=(local("a"), local("b"))))
+    untrusted_b = decide(compare([row("a"), row("b")], local_kind=TF, local_results=(local("a"), untrusted("b"))))
+    ranked = decide_ranked({0: clean, 1: untrusted_b})
+    assert (ranked.status, ranked.exit_code) == ("inconclusive", 2)
+    assert ranked.headline == "INCONCLUSIVE on rank 1 of 2: the calibration of b@0 forward output is not trusted"
+    nothing = decide(compare([row("a")], local_kind=TF))
+    assert decide_ranked({0: nothing, 1: clean}).headline == (
+        "INCONCLUSIVE on rank 0 of 2: no call's own error could be measured")
 
 
 def test_from_dict_reads_a_saved_json_verdict():

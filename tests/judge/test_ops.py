@@ -3,9 +3,9 @@
 A tiny Hugging Face Llama recorded clean on the CPU in float32 (the reference the blame tests share); its first
 decoder layer is traced op by op on this process's stack. The wrong kernels are a stand-in vendor plugin's
 (`model_files/faulty_kernels.py`): `torch.library` over aten::silu, or over aten::silu_backward only, CPU float32
-only, the autograd formula torch's own; in-process they step aside in oneiter's trusted CPU reruns, as a device's
-kernel never runs there (the reproducer's subprocess imports the plugin as it is). The Python-level change is
-faultkit's `function:silu` (an extra scale in a replaced `F.silu`): no kernel is wrong, the program is.
+only, the autograd formula torch's own, knowing nothing of oneiter: its kernel is the one oneiter's CPU reruns would
+run too, so they must find it and run torch's own instead. The Python-level change is faultkit's `function:silu` (an
+extra scale in a replaced `F.silu`): no kernel is wrong, the program is.
 """
 
 from __future__ import annotations
@@ -51,21 +51,24 @@ def only_flagged(result) -> list[tuple[str, str]]:
 
 
 def test_a_wrong_forward_kernel_is_named_with_its_inputs_strides_and_line(llama, plugin):
-    plugin.install("silu", device_only=True)
+    plugin.install("silu")
     result = replay_ops(llama, LAYER, model=LLAMA)
     culprit = result.culprit
     assert only_flagged(result) == [("aten::silu", "forward")] and result.exit_code == 1
     assert (culprit.shapes, culprit.dtypes, culprit.strides) == ([[2, 8, 64]], ["float32"], [[512, 64, 1]])
     assert culprit.line.startswith("transformers/activations.py:") and culprit.line.endswith("in forward")
     assert culprit.rel_l2 == pytest.approx(1e-3, rel=1e-3) and culprit.reference == "cpu float64"
-    # the noise is float32's on a correct kernel (the CPU's, a trusted rerun): 1e-7, not the wrong kernel's 1e-3
+    # the noise is float32's on torch's own kernel (the plugin's replaced by silu.out's): 1e-7, not the wrong 1e-3
     assert culprit.noise < 1e-6 and culprit.ratio > 1e3 and culprit.noise_from in ("cpu", "unit roundoff")
+    assert culprit.note == "its CPU kernel is not torch's own: rerun through torch's CPU kernel of aten::silu.out"
+    assert any(n.startswith("calibration: the CPU kernel of aten::silu is not torch's own (registered at ")
+               and "faulty_kernels.py:" in n for n in result.notes)
     assert not result.program_flagged  # the layer's code computed exactly gives the reference's tensors
     assert result.headline().startswith("DIVERGED: aten::silu (forward, op #")
 
 
 def test_a_kernel_wrong_only_in_backward_is_named_in_backward(llama, plugin):
-    plugin.install("silu_backward", device_only=True)
+    plugin.install("silu_backward")
     result = replay_ops(llama, LAYER, model=LLAMA)
     culprit = result.culprit
     assert only_flagged(result) == [("aten::silu_backward", "backward")] and result.exit_code == 1
@@ -108,7 +111,7 @@ def test_a_python_level_change_is_a_departure_of_the_op_sequence(llama, tmp_path
 
 def test_the_reproducer_exits_1_on_the_faulty_stack_and_0_on_the_clean_one(llama, plugin, tmp_path):
     case = tmp_path / "case"
-    plugin.install("silu", device_only=True)
+    plugin.install("silu")
     res = run_cli("replay", llama, "-l", LAYER, "-m", LLAMA, "--ops", "--repro", case)
     plugin.uninstall()
     assert res.exit_code == 1 and f"wrote {case / 'repro.py'}" in res.stdout, res.output
@@ -145,7 +148,7 @@ def test_the_reproducer_exits_1_on_the_faulty_stack_and_0_on_the_clean_one(llama
 
 
 def test_compare_drill_traces_the_culprit_call_and_shows_its_ops(llama, plugin, tmp_path):
-    plugin.install("silu", device_only=True)  # a device kernel: never run in oneiter's trusted CPU reruns
+    plugin.install("silu")
     target = tmp_path / "target.h5"
     replay(llama, target)
     report, page = tmp_path / "r.json", tmp_path / "r.html"

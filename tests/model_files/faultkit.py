@@ -16,6 +16,8 @@ the way a vendor's stack would, never through oneiter:
 - `function:<name>`         replace `torch.nn.functional.<name>` everywhere (a wrong kernel): outputs scaled.
 - `function_bwd:<name>`     the same function, exact forward, gradients w.r.t. its inputs scaled (a wrong backward
   kernel only).
+- `function_f32:<name>`     the same function, outputs scaled only where they are float32 (a plugin's Python-level fast
+  path for float32 tensors: the same code run in float64 is exact, so its error looks like float32's noise).
 - `stride:<name>`           the same, but wrong only when its first tensor argument is not contiguous from the start
   of its storage (a transposed view, a slice with a storage offset): an NPU stride/format bug.
 - `stride_bwd:<name>`       exact forward; the gradients scaled only for such an input (a wrong strided backward).
@@ -112,9 +114,9 @@ def patch_functions() -> None:
     """Undo earlier faults; replace the torch function a `function`/`function_bwd` fault names."""
     undo_faults()
     spec = _parse()
-    if spec is not None and spec[0] in ("function", "function_bwd", "stride", "stride_bwd"):
+    if spec is not None and spec[0] in ("function", "function_bwd", "function_f32", "stride", "stride_bwd"):
         _patch_function(spec[1], 1.0 + spec[2], backward_only=spec[0].endswith("_bwd"),
-                        strided_only=spec[0].startswith("stride"))
+                        strided_only=spec[0].startswith("stride"), float32_only=spec[0] == "function_f32")
     if spec is not None and spec[0] in ("ids", "ids_lowp"):
         _patch_embedding(int(spec[1]), 1.0 + spec[2], lowp=spec[0] == "ids_lowp")
 
@@ -133,8 +135,8 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
         if target not in classes:
             raise ValueError(f"{ENV}: the model has no module class {target!r}")
         _patch_class(classes[target], scale)
-    elif family not in ("root", "function", "function_bwd", "stride", "stride_bwd", "optimizer", "ids",
-                        "ids_lowp"):
+    elif family not in ("root", "function", "function_bwd", "function_f32", "stride", "stride_bwd", "optimizer",
+                        "ids", "ids_lowp"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
     return model
 
@@ -197,13 +199,16 @@ def _strided(tensor) -> bool:
     return tensor is not None and (not tensor.is_contiguous() or tensor.storage_offset() != 0)
 
 
-def _patch_function(name: str, scale: float, *, backward_only: bool, strided_only: bool = False) -> None:
+def _patch_function(name: str, scale: float, *, backward_only: bool, strided_only: bool = False,
+                    float32_only: bool = False) -> None:
     functional = torch.nn.functional
     original = getattr(functional, name)
 
     def patched(*args, **kwargs):
         out = original(*args, **kwargs)
         if strided_only and not _strided(_first_tensor(args, kwargs)):
+            return out
+        if float32_only and not (isinstance(out, torch.Tensor) and out.dtype == torch.float32):
             return out
         return _grad_scaled(out, scale) if backward_only else _scaled(out, scale)
 

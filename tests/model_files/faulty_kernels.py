@@ -1,14 +1,13 @@
 """A stand-in vendor plugin whose float32 CPU kernel of one aten op is wrong, registered the way a plugin registers its
-kernels: `torch.library` over the op, for one backend, at import time.
+kernels: `torch.library` over the op, for one backend, at import time. It knows nothing of oneiter.
 
 `import faulty_kernels` with the environment variable FAULTY_KERNEL set (`silu`: the forward kernel, `silu_backward`:
-only the backward one) registers that kernel over torch's CPU kernel; the autograd formula is torch's own, as with a
-real plugin. The kernel computes the right values with torch's `out=` kernel (its own registration, left alone)
-and, for float32 only, scales them by 1 + REL (FAULTY_KERNEL_REL, default 1e-3): other dtypes, float64 included,
-stay exact. Tests that run in-process call `install(name)` and `uninstall()` instead of importing it with the
-variable set. `install(name, device_only=True)` makes the kernel step aside in oneiter's trusted CPU recomputations
-(`oneiter.record.modes.trusted`), as a real device's kernel never runs in them: what a target *recording* needs for its
-per-call calibration (the CPU reruns that stand for a correct kernel); `oneiter replay --ops` needs no such help.
+only the backward one) registers that kernel over torch's CPU kernel (FAULTY_KERNEL_KEY=CUDA: over its CUDA kernel,
+a kernel wrong only on the GPU); the autograd formula is torch's own, as with a real plugin. The kernel computes the
+right values with torch's `out=` kernel (its own registration, left alone) and, for float32 only, scales them by
+1 + REL (FAULTY_KERNEL_REL, default 1e-3): other dtypes, float64 included, stay exact. Tests that run in-process call
+`install(name)` and `uninstall()` instead of importing it with the variable set. The kernel is simply wrong, wherever
+it runs: whatever oneiter reruns on the CPU meets it too.
 """
 
 from __future__ import annotations
@@ -18,32 +17,27 @@ import warnings
 
 import torch
 
-ENV, REL_ENV = "FAULTY_KERNEL", "FAULTY_KERNEL_REL"
+ENV, REL_ENV, KEY_ENV = "FAULTY_KERNEL", "FAULTY_KERNEL_REL", "FAULTY_KERNEL_KEY"
 _LIB: list = []
 
 
-def _scaled(out: torch.Tensor, rel: float, device_only: bool) -> torch.Tensor:
-    if out.dtype != torch.float32:
-        return out
-    if device_only:
-        from oneiter.record.modes import trusted
-
-        if trusted.active():
-            return out
-    return out * (1.0 + rel)
+def _scaled(out: torch.Tensor, rel: float) -> torch.Tensor:
+    return out * (1.0 + rel) if out.dtype == torch.float32 else out
 
 
-def install(name: str, rel: float | None = None, *, device_only: bool = False) -> None:
-    """Register the wrong kernel of `name` (`silu` or `silu_backward`) for the CPU (once; `uninstall` undoes it)."""
+def install(name: str, rel: float | None = None, key: str | None = None) -> None:
+    """Register the wrong kernel of `name` (`silu` or `silu_backward`) for `key` (the CPU unless FAULTY_KERNEL_KEY
+    says otherwise; once: `uninstall` undoes it)."""
     uninstall()
     rel = float(os.environ.get(REL_ENV, "1e-3")) if rel is None else rel
+    key = key or os.environ.get(KEY_ENV, "CPU")
 
     def silu(x):
-        return _scaled(torch.ops.aten.silu.out(x, out=torch.empty_like(x)), rel, device_only)
+        return _scaled(torch.ops.aten.silu.out(x, out=torch.empty_like(x)), rel)
 
     def silu_backward(grad, x):
         out = torch.empty_like(x)
-        return _scaled(torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out), rel, device_only)
+        return _scaled(torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out), rel)
 
     kernels = {"silu": silu, "silu_backward": silu_backward}
     if name not in kernels:
@@ -51,7 +45,7 @@ def install(name: str, rel: float | None = None, *, device_only: bool = False) -
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "overriding a previously registered kernel": that is what a plugin does
         warnings.simplefilter("ignore")
-        lib.impl(name, kernels[name], "CPU")
+        lib.impl(name, kernels[name], key)
     _LIB.append(lib)
 
 

@@ -4,10 +4,9 @@ They stand for a CUDA target with TF32 on, on a machine without a GPU. `install(
 calls it when the environment variable ONEITER_TEST_TF32 is set) overrides the CPU kernels of aten `convolution`,
 `convolution_backward`, `mm` and `addmm` (`torch.library`): each rounds its float32 operands to TF32 (10 explicit
 mantissa bits, to nearest even) and runs the real computation (the composite convolution kernels; mm and addmm
-through bmm and baddbmm, whose kernels stay torch's). Like a device kernel, they step aside in oneiter's trusted CPU
-recomputations (`oneiter.record.modes.trusted.active()`: the calibration's reruns run trusted CPU kernels).
-`uninstall()`
-puts torch's kernels back (tests record many models in one process). A module of its own, imported by name (a model
+through bmm and baddbmm, whose kernels stay torch's). They know nothing of oneiter: whatever runs these ops on the CPU
+meets them, oneiter's calibration reruns included (which must find them and run torch's own). `uninstall()` puts
+torch's kernels back (tests record many models in one process). A module of its own, imported by name (a model
 file is executed anew at each load: this one's state must outlive that).
 """
 
@@ -16,8 +15,6 @@ from __future__ import annotations
 import warnings
 
 import torch
-
-from oneiter.record.modes import trusted
 
 ENV = "ONEITER_TEST_TF32"
 _LIB: list = []
@@ -34,9 +31,8 @@ def tf32(t):
 
 def _operands(args: tuple, positions: tuple) -> list:
     args = list(args)
-    if not trusted.active():
-        for i in positions:
-            args[i] = tf32(args[i])
+    for i in positions:
+        args[i] = tf32(args[i])
     return args
 
 

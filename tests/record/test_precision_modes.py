@@ -193,3 +193,27 @@ def test_a_tf32_reference_is_calibrated_in_its_own_mode(flags_on, tmp_path, tf32
     assert calls >= 3
     assert (f"precision: the reference ran float32 matmul and conv in TF32 (mkldnn flags): the noise of {calls} "
             f"calls calibrated with TF32 operands") in verdict["details"]
+
+
+@pytest.mark.parametrize("flags_on", [False, True], ids=["flags-off", "flags-on"])
+def test_device_calibration_is_held_to_the_trusted_cpus_with_the_recorded_modes(flags_on, tmp_path, tf32_kernels,
+                                                                                 cpu_tf32_flags, monkeypatch):
+    """`--calibrate device` on a device whose convolutions and matmuls round their operands to TF32 (the CPU with
+    tf32kit's kernels stands for it): its own noise is TF32's. Where its flags say TF32, the trusted CPU's noise
+    with TF32 operands explains it: a match. Where they say float32, the device's noise is far beyond the trusted
+    CPU's float32 noise: a finding about the device, not a wider band."""
+    ref, tgt = tmp_path / "ref.h5", tmp_path / "tgt.h5"
+    record_small(ref, SPEC)
+    monkeypatch.setenv(ENV, "1")
+    if flags_on:
+        cpu_tf32_flags()
+    replay(ref, tgt, calibrate="device")
+    res, verdict = _compare(ref, tgt, tmp_path)
+    if flags_on:
+        assert res.exit_code == 0 and verdict["status"] == "match" and verdict["untrusted"] == [], res.output
+        return
+    culprit = verdict["culprit"]
+    assert res.exit_code == 1 and (culprit["module"], culprit["phase"]) == ("conv1", "forward"), res.output
+    assert culprit["calibrated"] > 100 * culprit["expected"]  # the device's noise, not used as the band
+    assert any(u["calibration"] == "device" and u["module"] == "conv1" for u in verdict["untrusted"])
+    assert "a finding about the device's kernels" in res.output

@@ -55,11 +55,18 @@ def test_each_rank_records_its_shards_with_their_placement(runs):
                 halves.append(f.read(path))
             assert not np.array_equal(*halves)  # each rank's own shard
         assert r0.meta["loss"] != r1.meta["loss"]  # each rank's own batch
+        # FSDP2's own collectives, recorded on every rank: the parameters' all-gathers, the gradients' reduce-scatters
+        for f in (r0, r1):
+            found = {(a["op"], a["phase"], a["via"], a["call"]) for _, a in f.collectives()}
+            assert {("all_gather", "forward", "torch.distributed.fsdp", ""),
+                    ("reduce_scatter", "backward", "torch.distributed.fsdp", "")} <= found
 
 
 def test_a_model_that_shards_itself_replays_and_a_fault_on_rank_1_is_named_there(runs):
     clean = compare_ranks(runs / "ref.h5", runs / "clean.h5")  # the replay checkpoints every block, too
     assert clean.status == "match"
+    assert clean.collectives and not any(j.flagged(clean.factor) for j in clean.collectives)
+    assert {j.op for j in clean.collectives} >= {"all_gather", "reduce_scatter"}
     for result in clean.results.values():
         assert all(row.metrics.max_abs == 0 for row in result.rows)
         assert result.verdict()["unprobed"] == [] and result.verdict()["num_local"] > 30

@@ -103,6 +103,17 @@ def test_each_rank_writes_its_own_batch_and_the_averaged_gradients(runs):
             assert set(s0) == set(s1) and len(s0) > 0
             for name in s0:
                 assert np.array_equal(r0.read(s0[name]), r1.read(s1[name])), f"{group} {name}"
+        # each rank's own gradients before the reduction, whose mean the reduced ones are; DDP's buckets recorded
+        assert r0.meta["grad_reduction"] == "allreduce_mean"
+        own0, own1, mean = r0.state("param_grads_unreduced"), r1.state("param_grads_unreduced"), r0.state("param_grads")
+        assert set(own0) == set(mean) and not np.array_equal(r0.read(own0["fc.weight"]), r1.read(own1["fc.weight"]))
+        for name in mean:
+            np.testing.assert_allclose(r0.read(mean[name]), (r0.read(own0[name]) + r1.read(own1[name])) / 2,
+                                       rtol=1e-5, atol=1e-7)
+        buckets = [a for _, a in r0.collectives() if a["bucket"] >= 0]
+        assert buckets and all((a["op"], a["phase"], a["call"], a["site"]) == ("all_reduce", "backward", "",
+                                                                            f"DDP bucket {a['bucket']}")
+                               for a in buckets)
     with IterationFile(runs / "tgt.rank0.h5") as t0, IterationFile(runs / "tgt.rank1.h5") as t1:
         assert json.loads(t0.meta["faults"]) == [] and json.loads(t1.meta["faults"]) == [f"{FAULT},rank=1"]
         assert t1.meta["replay_of"].endswith("ref.rank1.h5")
@@ -130,6 +141,10 @@ def test_clean_replay_matches_on_every_rank(runs):
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     assert lines[0] == "MATCH on all 2 ranks"
+    assert any(line.startswith("collectives: ") and line.endswith(", 0 beyond their noise") for line in lines)
+    with IterationFile(runs / "clean.rank1.h5") as f:  # each rank's own backward judged, parameter by parameter
+        rows = [r for r in f.local_rows() if r.phase == "param_grad"]
+        assert len(rows) == len(f.state("param_grads")) and all(r.rel_l2 == 0 for r in rows)
     assert lines[1].startswith("rank 0") and lines[2].startswith("rank 1") and "MATCH" in lines[2]
 
 

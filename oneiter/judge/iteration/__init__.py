@@ -11,6 +11,7 @@ verdict read them without reading one another (the verdict reads a result as its
 - `verdict.py`  the verdict, decided once (status, basis, culprit, first divergence, counts, its sentences)
 - `results.py`  `CompareResult`: rows, findings, notes and the verdict decided from them; its JSON form
 - `engine.py`   `compare_files` / `compare_local`: pair entries, measure rows, blame, decide
-- `ranks.py`    torchrun recordings compared rank by rank, in parallel processes
+- `ranks.py`    torchrun recordings compared rank by rank, in parallel processes (or a torchrun job's)
+- `collectives.py` every rank's collectives against the exact reduction of its group's recorded inputs
 - `suggest.py`  `compare --suggest`: from a `--level stats` screening to the region to record in full
 """

@@ -13,6 +13,12 @@ noise is the larger of
   reference's precision, each against float64 — so a difference in the code itself is never part of it), and
 - a floor of `floor_ulps` unit roundoffs of the tensor's dtype (2^-24 for float32, 2^-8 for bfloat16, ...);
 or when NaN/Inf sit at other positions (or with another sign) than in its reference.
+
+**A noise estimate is itself checked.** Where the probe measured what the precision can produce for the call on
+the trusted path (`noise_bound`: `record/local/probe.py`), a calibrated noise more than `NOISE_BOUND_FACTOR` (16)
+times that bound (and the floor) is no noise: the row's calibration is *not trusted* (`LocalResult.untrusted`), its
+expected noise is the bound's, and it is never cleared by the noise it claimed: flagged when its error exceeds
+`factor` times the bound, else a `calibration` finding of its own (`findings.py`: the verdict is then no match).
 The **culprit** is the first flagged row in causal order: forward as executed, then backward as computed. Its
 **chain** lists the calls that contain it, innermost first.
 
@@ -35,7 +41,7 @@ from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_i
 from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.measure.tolerance import NoisePolicy
-from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
+from oneiter.runtime.precision import NOISE_BOUND_FACTOR, UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
 __all__ = ["UNIT_ROUNDOFF", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
@@ -59,17 +65,21 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     # NaN means "not calibrated" (the error was within one unit roundoff); an infinite or negative noise is no
     # measurement at all and must not excuse any error: both fall back to the floor below, never to "anything goes"
     calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
+    bound = row.noise_bound if math.isfinite(row.noise_bound) and row.noise_bound >= 0 else None
     if calibrated is None:
         # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
         # precision (bf16 under --amp bf16), which is then what it is expected to differ by
         expected = max(noise.floor(row.dtype), noise.floor(run_dtype))
+    elif bound is not None and calibrated > NOISE_BOUND_FACTOR * max(bound, noise.floor(row.dtype)):
+        # far above what the precision can produce for this call: no noise; what the trusted path measured is
+        expected = max(bound, noise.floor(row.dtype))
     else:
         expected = max(calibrated, noise.floor(row.dtype))
     factor = noise.factor_for(row.module)
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
     return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged)
+                       row.calibration, expected, factor, flagged, bound)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
@@ -136,9 +146,12 @@ class Sources:
     and its children's outputs; backward, the same plus its output gradients and its children's input gradients.
     An entry is *exact* when it was measured and is bitwise equal (rel_l2 and max_abs 0, NaN/Inf where the
     reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
-    or a child with no recorded output, is not)."""
+    or a child with no recorded output, is not). A collective a call's own code ran is one more thing it computed
+    from (`consumed`: ((module, call, phase), key, error, bitwise) per collective output, from
+    `judge/iteration/collectives.consumed`)."""
 
-    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None):
+    def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None,
+                 consumed: tuple = ()):
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
         self.keys: dict[tuple[str, int, str], list[tuple]] = {}
@@ -148,6 +161,11 @@ class Sources:
             self.keys.setdefault((module, call, f"{phase}.{kind}"), []).append((module, call, phase, tensor))
         self.bitwise = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None
                       and r.status in ("match", "diverged") and _bitwise(r.metrics)}
+        for (module, call, phase), key, err, bitwise in consumed:
+            self.by_call.setdefault((module, call, f"{phase}.in"), []).append(err)
+            self.keys.setdefault((module, call, f"{phase}.in"), []).append(key)
+            if bitwise:
+                self.bitwise.add(key)
         self.children: dict[tuple[str, int], list[tuple[str, int]]] = {}
         for child, parent in (parents or {}).items():
             if parent is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import os
 from typing import Any, Optional
@@ -33,6 +34,7 @@ from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile, reading
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
+    FOREIGN_KERNELS,
     LOCAL,
     LOSS,
     PRECISION_MODES,
@@ -56,16 +58,18 @@ from oneiter.judge.iteration.blame import (
     own_values,
     unexplained_rows,
 )
+from oneiter.judge.iteration.collectives import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.verdict import STATS_REASON, culprit_reason, settle_rows
+from oneiter.judge.iteration.verdict import STATS_REASON, calibration_reason, culprit_reason, settle_rows
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.stat_metrics import compare_stats
 from oneiter.judge.measure.tolerance import DtypeTolerance, NoisePolicy, Tolerance, TolerancePolicy, looser
 from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.precision_modes import from_attr, reduced
+from oneiter.runtime.sharding import grads_reduced
 
 __all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
@@ -211,7 +215,8 @@ def compare_local(
                 counts[entry.key] = _nonfinite_count(tgt.read(entry.path))
         result.nan_origin = nan_origin(counts, list(counts))
         # its rows are the local results themselves: nothing to settle, nothing no probe covers
-        result.findings = [*_culprit(result, parents), *row_findings(result.rows, None, True)]
+        result.findings = [*_culprit(result, parents), *_calibration_findings(result),
+                           *row_findings(result.rows, None, True)]
         return result
 
 
@@ -246,13 +251,14 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
     result.precision = _precision(ref, tgt)
-    sources = Sources(result.rows, result.loss, parents)
+    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)))
     own: list[Finding] = []
     if result.local_kind == "teacher_forced":
         own, result.rounding = own_values(
             result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
             run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
-            world_size=int(tgt.meta.get("world_size") or 1), update_scale=functools.partial(_update_scale, ref))
+            world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
+            update_scale=functools.partial(_update_scale, ref))
     if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
         same = {result.stored[i] for i in result.rounding}
         result.rounding = {i for i, ident in enumerate(result.stored) if ident is not None and ident in same}
@@ -260,6 +266,7 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     if not found:
         found = sorted([*own, *_unattributed(result, ref, tgt, policy, noise, sources)],
                        key=lambda f: (f.entry is None, f.entry or 0))
+    found += _calibration_findings(result)
     counts = {}
     for row in result.rows:
         if row.metrics is not None:
@@ -279,6 +286,8 @@ def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -
                           f"/local table is missing: the file is damaged; record the target again")
     result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
     result.local = local_results(tgt, noise) if result.local_kind else []
+    if result.local_kind:
+        result.notes.extend(foreign_notes(tgt.local_attrs()))
     result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
     parents = {}
     for _key, attrs in tgt.calls():
@@ -314,10 +323,12 @@ def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile,
         unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
                      if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
     covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
-    if int(tgt.meta.get("world_size") or 1) > 1:  # averaged over ranks (grad_reduction): not this rank's own numbers
+    if grads_reduced(tgt.meta):  # averaged over ranks (grad_reduction): not this rank's own numbers
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
                     if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
+    if step_reduced(ref, tgt):  # the step's own collectives (tensor-parallel gradients) differ: judged across ranks
+        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "optimizer"}
     found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
                              amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources)
     return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
@@ -349,6 +360,51 @@ def _update_scale(ref: IterationFile, module: str, tensor: str) -> float:
     return float(np.linalg.norm(a)) / update if update else math.inf
 
 
+def _calibration_findings(result: CompareResult) -> list[Finding]:
+    """A `calibration` finding for every local row whose calibrated noise was not trusted and that is not flagged
+    (a flagged one is judged against what its precision can produce, and may be the culprit), in causal order."""
+    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(result.rows)}
+    return [Finding.of("calibration", index.get(r.row_key), calibration_reason(r), r) for r in result.local
+            if r.untrusted and not r.flagged]
+
+
+def foreign_notes(attrs: dict) -> list[str]:
+    """What the recording says about the kernels its calibration ran that were not torch's own (`FOREIGN_KERNELS`,
+    written by `record/local/probe.py`), in words: every report states them."""
+    try:
+        found = json.loads(str(attrs.get(FOREIGN_KERNELS) or "{}"))
+    except ValueError:
+        return []
+    notes = []
+    for entry in found.get("cpu") or [] if isinstance(found, dict) else []:
+        if not isinstance(entry, dict):
+            continue
+        what = (f"the {entry.get('key')} kernel of {entry.get('op')} is not torch's own (registered at "
+                f"{_short(str(entry.get('registered')))})")
+        how = (str(entry.get("route")) if entry.get("kind") == "none" else
+               f"the calibration ran {entry.get('route')} instead")
+        notes.append(f"calibration: {what}: {how}")
+    device = found.get("device") if isinstance(found, dict) else None
+    if isinstance(device, dict) and str(attrs.get("calibrate")) == "device":
+        if device.get("plugin"):
+            notes.append(f"calibration on the device: {device.get('type')} is a PrivateUse1 backend, every kernel "
+                         f"is its plugin's: its noise is checked against the trusted CPU's")
+        elif device.get("num_ops"):
+            names = ", ".join(str(o.get("op")) for o in device.get("ops", [])[:3] if isinstance(o, dict))
+            notes.append(f"calibration on the device: {device.get('num_ops')} ops' {device.get('type')} kernels are "
+                         f"not torch's own ({names}): its noise is checked against the trusted CPU's")
+    return notes
+
+
+def _short(where: str) -> str:
+    """A registration's place relative to the working folder when under it, else as recorded."""
+    try:
+        relative = os.path.relpath(where)
+    except ValueError:
+        return where
+    return where if relative.startswith("..") else relative
+
+
 def _included(culprit: LocalResult, parents: dict, unprobed: list[dict]) -> list[dict]:
     """Unprobed calls that ran live inside the culprit's rerun (their unprobed ancestors lead up to it)."""
     failed = {(u["module"], u["call"]): u for u in unprobed}
@@ -376,6 +432,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
     check_compatible(ref, tgt)
     note = check_replay(ref, tgt)
     pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), positions(ref), positions(tgt))
+    pairs, compiled = _hidden(pairs, ref, tgt)
     if not pairs:
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
     judge = _Judge(ref, tgt, policy)
@@ -390,8 +447,38 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
         notes=notes + ([unjudged] if unjudged else []),
-        stored=stored,
+        stored=stored, compiled=compiled,
     )
+
+
+def _hidden(pairs: list, ref: IterationFile, tgt: IterationFile) -> tuple[list, Optional[dict]]:
+    """The pairs to compare, and what each side compiled: an entry one side holds of a call that runs inside a
+    compiled block of the other side (whose modules there run inside its graph, unhooked) is left out and
+    counted per block; never a structural difference."""
+    sides = {"reference": ref.compiled(), "target": tgt.compiled()}
+    if not any(sides.values()):
+        return pairs, None
+    blocks = {side: dict(info.get("blocks") or {}) for side, info in sides.items()}
+    kept, hidden = [], {}
+    for pair in pairs:
+        lacking = "target" if pair[1] is None else "reference" if pair[0] is None else None
+        entry = pair[0] or pair[1]
+        block = None
+        if lacking is not None and entry.phase in ("forward", "backward"):
+            block = next((b for b in blocks[lacking] if _inside(entry.module, b)), None)
+        if block is None:
+            kept.append(pair)
+            continue
+        count = hidden.setdefault((lacking, block), {"side": lacking, "block": block, "entries": 0, "calls": set()})
+        count["entries"] += 1
+        count["calls"].add((entry.module, entry.call))
+    gone = [{**h, "calls": len(h["calls"])} for h in hidden.values()]
+    return kept, {**{side: info for side, info in sides.items() if info}, "hidden": gone}
+
+
+def _inside(module: str, block: str) -> bool:
+    """Whether the call of `module` (a file's module name, `(root)` the model) runs strictly inside `block`."""
+    return module != ROOT_MODULE and module != block and (block == "" or module.startswith(block + "."))
 
 
 def _updates_not_judged(ref: IterationFile, tgt: IterationFile, rows: list[Row]) -> Optional[str]:

@@ -137,6 +137,13 @@ class LocalResult:
     expected: float
     factor: float
     flagged: bool
+    bound: Optional[float] = None
+    """What the precision can produce for the call, measured on the trusted path (None: not needed, not measured)."""
+
+    @property
+    def untrusted(self) -> bool:
+        """Whether its calibrated noise was far above `bound` and so not used (`expected` is the bound's)."""
+        return self.calibrated is not None and self.bound is not None and self.calibrated > self.expected
 
     @property
     def key(self) -> tuple[str, int, str, str]:
@@ -169,6 +176,7 @@ class LocalResult:
             "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
             "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
             "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
+            "bound": self.bound, "calibration_trusted": not self.untrusted,
         }
 
     def verdict(self) -> dict[str, Any]:

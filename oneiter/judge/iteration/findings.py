@@ -16,9 +16,15 @@ from typing import Any, Optional
 
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 
-__all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "Finding", "row_findings", "strongest", "of_kind", "status_of"]
+__all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "INCONCLUSIVE", "Finding", "row_findings", "strongest",
+           "of_kind", "status_of"]
 
 PRIORITY = {
+    # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
+    # the reduction noise of its dtype and group size (`collectives.py`): judged on its own inputs, with or without
+    # local data, so certain evidence that the communication library is wrong; every value that consumed its
+    # result (a layer's rerun got the reference's, an accumulated entry did not) is downstream of it
+    "collective": 70,
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
     "first_divergence": 60,
     # an entry missing on one side, of another shape or dtype: the runs did not even compute the same things
@@ -31,6 +37,9 @@ PRIORITY = {
     "unexplained": 20,
     # the loss differs more than the model's outputs explain (or, without local data, outside its tolerance)
     "loss": 10,
+    # a call's calibrated noise is far above what its precision can produce (its own error within what can): the
+    # call is neither cleared nor blamed, so nothing else found, the verdict is no match (`INCONCLUSIVE`)
+    "calibration": 5,
 }
 # two multi-step recordings compared step by step (`judge/steps/step_verdict.py`), chosen among by the same rule
 STEP_PRIORITY = {
@@ -40,14 +49,16 @@ STEP_PRIORITY = {
 }
 _PRIORITIES = {**PRIORITY, **STEP_PRIORITY}
 UNATTRIBUTED = ("unexplained", "loss")  # with local data, a verdict resting on these blames no call
+INCONCLUSIVE = ("calibration",)  # a verdict resting on these is inconclusive: evidence neither way
 
 
 @dataclass(frozen=True)
 class Finding:
     """One piece of evidence that the runs diverge.
 
-    `entry` is the row it names (None: the loss, or a culprit tensor the report has no row for); `reason` says
-    why in words; `local` is the culprit's local result (None for every other kind).
+    `entry` is the row it names (None: the loss, a collective, or a culprit tensor the report has no row for);
+    `reason` says why in words; `local` is the culprit's local result, `collective` the judged collective
+    (`collectives.Judged.as_dict()` with its `order`), None for every other kind.
     """
 
     kind: str
@@ -55,12 +66,14 @@ class Finding:
     entry: Optional[int]
     reason: str = ""
     local: Optional[LocalResult] = None
+    collective: Optional[dict] = None
 
     @classmethod
-    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None) -> Finding:
+    def of(cls, kind: str, entry: Optional[int], reason: str = "", local: Optional[LocalResult] = None,
+           collective: Optional[dict] = None) -> Finding:
         """A finding with its kind's priority from `PRIORITY` or `STEP_PRIORITY` (the only place priorities are
         written)."""
-        return cls(kind, _PRIORITIES[kind], entry, reason, local)
+        return cls(kind, _PRIORITIES[kind], entry, reason, local, collective)
 
     def as_dict(self) -> dict[str, Any]:
         """What the JSON report's `verdict.findings` holds of it: kind, priority, entry (the index of the row, or
@@ -91,8 +104,10 @@ def of_kind(findings: list[Finding], kind: str) -> list[Finding]:
 
 
 def status_of(findings: list[Finding], *, judged: bool) -> str:
-    """A verdict's status: `diverged` when anything was found, else `inconclusive` when what had to be judged was
-    not (local data, but no call's own error measured; steps whose band is too wide to judge), else `match`."""
-    if strongest(findings) is not None:
-        return "diverged"
+    """A verdict's status: `diverged` when anything was found (`inconclusive` when the strongest finding is evidence
+    neither way, `INCONCLUSIVE`: a calibration not trusted), else `inconclusive` when what had to be judged was not
+    (local data, but no call's own error measured; steps whose band is too wide to judge), else `match`."""
+    top = strongest(findings)
+    if top is not None:
+        return "inconclusive" if top.kind in INCONCLUSIVE else "diverged"
     return "match" if judged else "inconclusive"

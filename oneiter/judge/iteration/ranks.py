@@ -5,7 +5,10 @@ two directories, or two names such as `ref.h5` that do not exist while `ref.rank
 (written by `torchrun ... -m oneiter record -o ref.h5`, see `oneiter.runtime.distributed`). Files are paired by rank,
 each pair is compared in its own process (`ProcessPoolExecutor`, at most one worker per CPU), and
 
-- each rank gets the verdict `compare_files` gives its pair;
+- each rank gets the verdict `compare_files` gives its pair (two multi-step recordings: the first step outside the
+  band, with `pair` dispatching to their comparison);
+- every rank's collectives are judged against the exact reduction of their group's recorded inputs
+  (`collectives.py`): a rank's first wrong collective is its `collective` finding;
 - the overall verdict (`judge.iteration.verdict.decide_ranked`) is a divergence if any rank diverged, and names the
   rank whose
   divergence comes first in causal order (ties: the lowest rank). Gradients are averaged across ranks (DDP's
@@ -14,8 +17,9 @@ each pair is compared in its own process (`ProcessPoolExecutor`, at most one wor
   started is named.
 
 A rank present on one side only, or missing from a run (0..N-1 with N the recorded `world_size`), is an input
-error (the CLI exits 2), never a pass. Limits: the pairs are judged independently; nothing here checks that the
-ranks' own inputs differ, or that the allreduce itself was right (compare two ranks' param_grads for that).
+error (the CLI exits 2), never a pass. Under torchrun (`compare_ranks_distributed`) the processes of the job share
+the pairs and the collective instances, and process 0 gathers the one result. Limits: the pairs are judged
+independently; nothing here checks that the ranks' own inputs differ.
 """
 
 from __future__ import annotations
@@ -30,13 +34,25 @@ from typing import Any, Optional
 
 from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
+from oneiter.format.schema import COLLECTIVES
 from oneiter.formatting import json_ready
+from oneiter.judge.iteration.collectives import Judged, findings, instances, judge, read_plans
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked
-from oneiter.runtime.distributed import LOOKS_RANKED, RANK_FILE
+from oneiter.judge.measure.tolerance import NoisePolicy
+from oneiter.runtime.distributed import (
+    LOOKS_RANKED,
+    RANK_FILE,
+    RankInfo,
+    all_gather_objects,
+    broadcast_object,
+    cpu_device,
+    gather_objects,
+    process_group,
+)
 
-__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks"]
+__all__ = ["RankedResult", "find_rank_files", "is_ranked", "compare_ranks", "compare_ranks_distributed"]
 
 
 @dataclass
@@ -48,6 +64,10 @@ class RankedResult:
     results: dict[int, CompareResult]
     notes: list[str] = field(default_factory=list)
     """Warnings about the comparison itself (e.g. a tolerance file written for another device)."""
+    collectives: list[Judged] = field(default_factory=list)
+    """Every rank's collectives judged against its group's recorded inputs (`collectives.py`), by rank and index."""
+    factor: float = 4.0
+    """How far above its expected noise a collective may go (the noise policy's factor)."""
 
     @functools.cached_property
     def verdict_obj(self) -> RankedVerdict:
@@ -83,8 +103,12 @@ class RankedResult:
     def as_dict(self) -> dict[str, Any]:
         """`{"verdict": {..., "rank": r}, "reference", "target", "ranks": [{"rank", "verdict", "reference", ...}]}`."""
         ranks = [{"rank": rank, "verdict": result.verdict(), "reference": result.reference, "target": result.target,
-                  "loss": result.loss, "counts": result.counts()} for rank, result in self.results.items()]
-        return {"verdict": self.verdict(), "reference": self.reference, "target": self.target, "ranks": ranks}
+                  **({"loss": result.loss, "counts": result.counts()} if hasattr(result, "counts") else {})}
+                 for rank, result in self.results.items()]
+        flagged = [j.as_dict() for j in self.collectives if j.flagged(self.factor)]
+        return {"verdict": self.verdict(), "reference": self.reference, "target": self.target, "ranks": ranks,
+                "collectives": {"num_judged": len(self.collectives), "num_flagged": len(flagged),
+                                "flagged": flagged}}
 
     def to_json(self) -> dict[str, Any]:
         """The machine-readable report (`as_dict`, with inf/nan as the strings JSON needs)."""
@@ -177,22 +201,130 @@ def _check_pairs(refs: dict[int, Path], tgts: dict[int, Path], reference, target
 
 
 # -- comparing ------------------------------------------------------------------------------------------------------
+def _judge_pair(pair, reference: Path, target: Path, kwargs: dict) -> tuple[Any, list]:
+    """One rank's pair judged (`pair`: `compare_files`, or the caller's dispatch to multi-step recordings), and the
+    collectives its target recorded (`collectives.read_plans`)."""
+    result = pair(reference, target, **kwargs)
+    if not isinstance(result, CompareResult) or not _has_collectives(target):  # multi-step: not judged
+        return result, []
+    return result, read_plans({0: target})[0]
+
+
+def _has_collectives(path: Path) -> bool:
+    """Whether a recording (read and validated already) holds collectives: one HDF5 lookup instead of a second
+    validated open of a file that has none (a run of one process per rank without collectives)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return COLLECTIVES in f
+
+
+def _factor(kwargs: dict) -> float:
+    noise = kwargs.get("noise")
+    return noise.factor if noise is not None else NoisePolicy().factor
+
+
 def compare_ranks(
-    reference: str | os.PathLike, target: str | os.PathLike, *, max_workers: Optional[int] = None, **kwargs
+    reference: str | os.PathLike, target: str | os.PathLike, *, max_workers: Optional[int] = None, pair=None,
+    **kwargs
 ) -> RankedResult:
-    """Compare `reference` and `target` rank by rank, one process per pair; `kwargs` go to `compare_files`
-    (rtol, atol, tolerance, noise: picklable). A worker's OneIterError comes back prefixed with its rank."""
+    """Compare `reference` and `target` rank by rank, one process per pair, then judge every rank's collectives
+    against its group's recorded inputs (`collectives.py`); `kwargs` go to `compare_files` (rtol, atol, tolerance,
+    noise: picklable), `pair` replaces it (a module-level function: `oneiter.api` dispatches multi-step recordings
+    to their comparison). A worker's OneIterError comes back prefixed with its rank."""
     refs, tgts = find_rank_files(reference), find_rank_files(target)
     _check_pairs(refs, tgts, reference, target)
+    pair = pair or compare_files
     workers = max_workers or min(len(refs), os.cpu_count() or 1)
     # spawn, not fork: the caller may hold torch's thread pools or open HDF5 handles
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {rank: pool.submit(compare_files, refs[rank], tgts[rank], **kwargs) for rank in refs}
-        results = {}
+        futures = {rank: pool.submit(_judge_pair, pair, refs[rank], tgts[rank], kwargs) for rank in refs}
+        results, plans = {}, {}
         for rank, future in futures.items():
             try:
-                results[rank] = future.result()
+                results[rank], plans[rank] = future.result()
             except OneIterError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from None
+        planned = instances(plans)
+        shares = [pool.submit(judge, planned[p::workers], tgts) for p in range(min(workers, len(planned)))]
+        judged = [j for share in shares for j in share.result()]
+    return _ranked(reference, target, results, judged, _factor(kwargs))
+
+
+def _ranked(reference, target, results: dict, judged: list[Judged], factor: float) -> RankedResult:
+    """The RankedResult of every rank's result, each rank's first flagged collective among its findings."""
+    results = dict(sorted(results.items()))
+    for rank, result in results.items():
+        if isinstance(result, CompareResult):
+            findings(result, [j for j in judged if j.rank == rank], factor)
     notes = sorted({f"rank {rank}: {note}" for rank, r in results.items() for note in r.notes})
-    return RankedResult(str(reference), str(target), results, notes)
+    judged = sorted(judged, key=lambda j: (j.rank, j.index))
+    return RankedResult(str(reference), str(target), results, notes, judged, factor)
+
+
+def compare_ranks_distributed(
+    reference: str | os.PathLike, target: str | os.PathLike, info: RankInfo, *, pair=None, report=None, **kwargs
+) -> RankedResult | int:
+    """`compare_ranks` spread over the processes of a torchrun job (`info`: this process's place in it): process p
+    of P judges the rank pairs p, p + P, ... and the collective instances p, p + P, ... (every file reachable from
+    every node: a shared filesystem), and process 0 gathers one RankedResult; the others get its exit code. Every
+    process raises the same OneIterError when the files cannot be compared. Communicates over gloo (CPU).
+    `report(result)` runs on process 0 before the others get the exit code: torchrun stops every process of the job
+    once one exits non-zero (a divergence), so process 0 must have reported by then."""
+    pair = pair or compare_files
+    with process_group(cpu_device(), info):
+        refs, tgts = _shared_pairs(reference, target, info)
+        mine, error = {}, None
+        for rank in sorted(refs)[info.rank::info.world_size]:
+            try:
+                mine[rank] = _judge_pair(pair, refs[rank], tgts[rank], kwargs)
+            except OneIterError as exc:
+                error = type(exc)(f"rank {rank}: {exc}")
+                break
+        plans = {}
+        for part in all_gather_objects({r: plan for r, (_, plan) in mine.items()}):
+            plans.update(part)
+        planned = instances(plans)
+        judged = judge(planned[info.rank::info.world_size], tgts) if error is None else []
+        parts = gather_objects(({r: result for r, (result, _) in mine.items()}, judged, error))
+        errors = [e for _, _, e in parts or [] if e is not None]
+        failed = broadcast_object(errors[0] if errors else None)
+        if failed is not None:
+            raise failed
+        ranked = None
+        if parts is not None:
+            results = {r: result for part, _, _ in parts for r, result in part.items()}
+            ranked = _ranked(reference, target, results, [j for _, js, _ in parts for j in js], _factor(kwargs))
+        failure = _reported(ranked, report)
+        code = broadcast_object(ranked.exit_code if ranked is not None else None)
+    if failure is not None:
+        raise failure
+    return ranked if ranked is not None else code
+
+
+def _shared_pairs(reference, target, info: RankInfo) -> tuple[dict[int, Path], dict[int, Path]]:
+    """The rank files of both runs, found and checked by process 0 and sent to every process (which all raise its
+    OneIterError when they cannot be compared)."""
+    found = None
+    if info.rank == 0:
+        try:
+            refs, tgts = find_rank_files(reference), find_rank_files(target)
+            _check_pairs(refs, tgts, reference, target)
+            found = (refs, tgts)
+        except OneIterError as exc:
+            found = exc
+    found = broadcast_object(found)
+    if isinstance(found, OneIterError):
+        raise found
+    return found
+
+
+def _reported(ranked: RankedResult | None, report) -> BaseException | None:
+    """`report(ranked)` run where the result is (process 0); what it raised, to raise once the others are released."""
+    if ranked is None or report is None:
+        return None
+    try:
+        report(ranked)
+    except BaseException as exc:  # noqa: BLE001 - raised by the caller after the exit code is sent
+        return exc
+    return None

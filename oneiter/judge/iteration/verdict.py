@@ -9,7 +9,8 @@ multi-rank summary (`report/ranks.py`) only lay out what a `Verdict` holds (a sa
 outputs can disagree.
 
 **Status.** `match`, `diverged`, or `inconclusive` (the recording carries local data but not one call's own error
-could be measured: nothing was judged, so it is not a pass; exit code 2, input that cannot be judged).
+could be measured, or a call's calibration was not trusted and nothing else was found: neither is a pass; exit code
+2, input that cannot be judged).
 
 **Basis** (what the status rests on):
 - `first_divergence`: no local data; the run diverges at the first entry outside tolerance in causal order;
@@ -28,23 +29,26 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
+from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
-           "render", "culprit_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
 # what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
-FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "culprit": "culprit",
-         "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss"}
+FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "collective": "collective",
+         "culprit": "culprit", "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss",
+         "calibration": "calibration not trusted"}
 
 
 def entry_name(item: dict) -> str:
@@ -68,6 +72,7 @@ class Evidence(Protocol):
     unprobed: list[dict]
     notes: list[str]
     precision: Optional[dict]
+    compiled: Optional[dict]
     rounding: set[int]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
@@ -149,9 +154,16 @@ class Verdict:
     """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
     num_not_judged: int = 0
     """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
+    compiled: Optional[dict] = None
+    """What each side compiled (torch.compile blocks, graphs, graph breaks, compile seconds) and the entries left
+    out because they run inside the other side's compiled blocks (`engine._hidden`); None: neither compiled."""
     warnings: tuple[str, ...] = ()
     """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
-    for another device); every report states them among the details."""
+    for another device, calibration kernels that were not torch's own); every report states them among the
+    details."""
+    untrusted: tuple[dict, ...] = ()
+    """Every local row whose calibrated noise was not trusted (far above what its precision can produce): module,
+    call, phase, tensor, rel_l2, calibrated, bound, expected, calibration, flagged."""
     findings: tuple[dict, ...] = ()
     """Every finding it chose among (`Finding.as_dict`: kind, priority, entry, reason), in the order recorded: the
     JSON report's `verdict.findings`, in the same shape as a multi-step comparison's."""
@@ -203,8 +215,8 @@ class Verdict:
             "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
-            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings),
-            "findings": list(self.findings),
+            "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
+            "untrusted": list(self.untrusted), "findings": list(self.findings),
         }
 
     @classmethod
@@ -218,7 +230,7 @@ class Verdict:
             **own, "entry": None if unnamed else where,
             "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
-                                                           "warnings", "findings")},
+                                                           "warnings", "untrusted", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
         })
         title, reason, details = render(verdict)
@@ -230,10 +242,11 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "findings")
+        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings",
+        "compiled")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
-               "num_flagged", "worst_local", "precision")
+               "num_flagged", "worst_local", "precision", "compiled")
 
 
 def settle_rows(result: Evidence, findings: list[Finding]) -> None:
@@ -288,6 +301,7 @@ def decide(result: Evidence) -> Verdict:
                                                 "factor": worst.factor},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
+        compiled=result.compiled, untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
         findings=tuple(f.as_dict() for f in findings),
     )
     title, reason, details = render(verdict)
@@ -297,18 +311,31 @@ def decide(result: Evidence) -> Verdict:
 _KEY = ("module", "call", "phase", "tensor")
 
 
+def _untrusted(local: LocalResult) -> dict[str, Any]:
+    """A local row whose calibration was not trusted, as the verdict lists it."""
+    return {"module": local.module, "call": local.call, "phase": local.phase, "tensor": local.tensor,
+            "rel_l2": local.rel_l2, "calibrated": local.calibrated, "bound": local.bound, "expected": local.expected,
+            "calibration": local.calibration, "flagged": local.flagged}
+
+
 def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     """The entry the verdict names for its strongest finding: a row (with the finding's reason when no probe
-    explains it), the culprit's own error, or the loss."""
-    if finding.kind == "culprit":
+    explains it), the culprit's own error (or the call whose calibration was not trusted), or the loss."""
+    if finding.kind in ("culprit", "calibration"):
         local = finding.local
         return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
-                "tensor": local.tensor, "entry_status": "local_error", "reason": finding.reason,
+                "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
+                "calibration_not_trusted", "reason": finding.reason,
                 "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
                 **_nonfinite_counts(local.metrics)}
     if finding.kind == "loss":
         return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
                 "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
+    if finding.kind == "collective":  # no row: the collective itself (`collectives.Judged`), and where it shows
+        c = finding.collective
+        return {"index": None, "module": None, "call": None, "phase": c["phase"], "tensor": None,
+                "entry_status": "collective", "reason": finding.reason, "rel_l2": c["rel_l2"],
+                "max_abs": c["max_abs"], "cosine": None, "collective": c, "order": c["order"]}
     entry = _entry(result.rows, finding.entry)
     return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
 
@@ -321,7 +348,25 @@ def _culprit(finding: Finding) -> Culprit:
 
 def culprit_reason(local: LocalResult) -> str:
     """Why a call's own result is blamed, in the verdict's words (its row's reason when flagged inside tolerance)."""
-    return _own_error(local.tensor, local.rel_l2, local.ratio, local.expected, local.metrics.num_mismatch)
+    return _own_error(local.tensor, local.rel_l2, local.ratio, local.expected, local.metrics.num_mismatch,
+                      local.calibrated)
+
+
+def calibration_reason(local: LocalResult) -> str:
+    """Why a call's calibration is not trusted, with both figures (the `calibration` finding's reason)."""
+    return (f"{_noise_claim(local.calibration, local.calibrated, local.expected)}; its own error rel_l2 "
+            f"{sci(local.rel_l2)} is within {local.factor:g}x that, so the call is neither cleared nor blamed")
+
+
+def _noise_claim(calibration: Any, calibrated: Any, expected: Any) -> str:
+    """`its calibrated noise N is Rx what the precision can produce for it (B, on the trusted path): not used`."""
+    ratio = (num(calibrated) or 0.0) / (num(expected) or math.inf)
+    if str(calibration or "").startswith("device"):
+        return (f"the device's own noise {sci(calibrated)} for it is {ratio:.0f}x the trusted CPU's "
+                f"({sci(expected)}, the precision's modes as recorded): a finding about the device's kernels, not "
+                f"used as noise")
+    return (f"its calibrated noise {sci(calibrated)} is {ratio:.0f}x what its precision can produce for it "
+            f"({sci(expected)}, measured on the trusted path): calibration not trusted, not used as noise")
 
 
 def _nonfinite_counts(m) -> dict[str, int]:
@@ -385,12 +430,16 @@ def _headline(v: Verdict) -> tuple[str, str]:
                             f"below)") if v.num_not_judged else (str(n), "")
         largest = num(v.largest_rel_l2) or 0
         return f"MATCH: all {judged} entries within tolerance (largest rel_l2 {largest:.2e}){unjudged}", ""
+    if v.status == "inconclusive" and v.focus == FOCUS["calibration"]:
+        return f"INCONCLUSIVE: the calibration of {entry_name(where)} is not trusted", str(where.get("reason") or "")
     if v.status == "inconclusive":
         return ("INCONCLUSIVE: no call's own error could be measured",
                 f"the recording has local data but no local result; {len(v.unprobed)} calls could not "
                 f"be probed and the {n} entries were only checked for error growth: not a pass")
     if where.get("entry_status") == "local_error" and v.culprit:
         return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
+    if v.focus == "collective":
+        return f"DIVERGED at collective {where['collective']['name']}", str(where.get("reason") or "")
     if v.basis == "unattributed":
         if where.get("module") is None:
             return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
@@ -424,19 +473,24 @@ def _local_match(v: Verdict) -> tuple[str, str]:
 
 
 def _blamed(c: Culprit) -> str:
-    return _own_error(c.tensor, c.local_rel_l2, c.ratio, c.expected, c.nan_mismatch)
+    return _own_error(c.tensor, c.local_rel_l2, c.ratio, c.expected, c.nan_mismatch, c.calibrated)
 
 
 def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], expected: Optional[float],
-               nan_mismatch: Optional[int]) -> str:
-    """Why a call's own result is blamed: its error against its expected noise, or NaN/Inf it made."""
+               nan_mismatch: Optional[int], calibrated: Any = None) -> str:
+    """Why a call's own result is blamed: its error against its expected noise, or NaN/Inf it made; and when its
+    calibrated noise was not trusted (above the expected one, which is then the bound's), both figures."""
     if nan_mismatch:
         return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
                 f"given the same inputs")
     tensor = str(tensor)
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
-    return (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
+    text = (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
             f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
+    if num(calibrated) is not None and num(expected) is not None and num(calibrated) > num(expected):
+        text += (f" (what its precision can produce for it; its calibrated noise {sci(calibrated)} is not "
+                 f"trusted, far above that)")
+    return text
 
 
 def _nonfinite_differs(e: dict) -> bool:
@@ -473,10 +527,17 @@ def _details(v: Verdict) -> list[str]:
         lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
     if v.culprit and v.where.get("entry_status") != "local_error":
         lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
+    if v.focus == "collective":
+        c = v.where["collective"]
+        lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result of "
+                     f"their group's recorded inputs (the first is named); each call that consumed one is judged on "
+                     f"the reference's result")
     lines.append(_basis_line(v))
+    lines += _compiled_lines(v.compiled)
     if v.basis != "first_divergence":
         lines += _precision_lines(v.precision)
         lines += _local_lines(v)
+        lines += _untrusted_lines(v.untrusted)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
     return lines
@@ -502,6 +563,50 @@ def _basis_line(v: Verdict) -> str:
     kind = "teacher-forced replay" if v.local_kind == "teacher_forced" else "recomputation on the CPU in float32"
     return (f"basis: each call's own error ({kind}): {v.num_local} tensors of {v.num_local_calls} calls "
             f"judged, {v.num_flagged} above their expected noise")
+
+
+def _compiled_lines(c: Optional[dict]) -> list[str]:
+    """Which side ran compiled blocks, what compiling cost, its graph breaks, and what the blocks hide."""
+    if not c:
+        return []
+    lines = []
+    for side in ("target", "reference"):
+        info = c.get(side) or {}
+        blocks = info.get("blocks") or {}
+        if not blocks:
+            continue
+        each = "; ".join(f"{path or ROOT_MODULE} ({b.get('backend', '?')}, "
+                         f"{_count(b.get('graphs'), 'graph') if b.get('graphs') else 'no new graph'})"
+                         for path, b in list(blocks.items())[:6])
+        more = f"; {len(blocks) - 6} more" if len(blocks) > 6 else ""
+        breaks = info.get("graph_breaks") or []
+        rerun = num(info.get("rerun_compile_seconds")) or 0.0  # what `record` printed is the sum of both
+        reruns = f" (+{rerun:.1f} s for its reruns)" if rerun else ""
+        lines.append(f"compiled: the {side} ran {_count(len(blocks), 'compiled block')}: {each}{more}; "
+                     f"{_count(len(breaks), 'graph break')}, {num(info.get('compile_seconds')) or 0.0:.1f} s "
+                     f"compiling{reruns}, not in its record time")
+        for gb in breaks[:5]:
+            block = "the iteration" if gb.get("block") is None else gb["block"] or ROOT_MODULE
+            lines.append(f"compiled: graph break in {block} at {gb.get('where')}: {gb.get('reason')}")
+        for path, b in list(blocks.items())[:6]:
+            if b.get("eager"):
+                lines.append(f"compiled: {path or ROOT_MODULE} in the {side}: {b['eager']}")
+    for side, other in (("target", "reference"), ("reference", "target")):
+        hidden = [h for h in c.get("hidden") or [] if h.get("side") == side]
+        if not hidden:
+            continue
+        entries, calls = sum(int(h.get("entries") or 0) for h in hidden), sum(int(h.get("calls") or 0) for h in hidden)
+        each = ", ".join(f"{h.get('block') or ROOT_MODULE} {h.get('entries')}" for h in hidden[:6])
+        lines.append(f"compiled: {_count(entries, 'entry', 'entries')} of {_count(calls, 'call')} the {other} "
+                     f"recorded inside the {side}'s compiled blocks ({each}) are not compared: of a compiled block "
+                     f"only its inputs, outputs and their gradients, and its parameters' gradients and updates are "
+                     f"observable, not the calls inside it")
+    return lines
+
+
+def _count(n, one: str, many: str = "") -> str:
+    n = int(n or 0)
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 def _precision_lines(p: Optional[dict]) -> list[str]:
@@ -550,6 +655,17 @@ def _local_lines(v: Verdict) -> list[str]:
     return lines
 
 
+def _untrusted_lines(untrusted: tuple[dict, ...]) -> list[str]:
+    """Every call whose calibration was not trusted, with both figures (the first few; all in the JSON report)."""
+    if not untrusted:
+        return []
+    shown = "; ".join(f"{entry_name(u)}: {_noise_claim(u.get('calibration'), u.get('calibrated'), u.get('expected'))}"
+                      f" ({'flagged' if u.get('flagged') else 'within that'} with its own error "
+                      f"{sci(u.get('rel_l2'))})" for u in untrusted[:3])
+    more = f"; {len(untrusted) - 3} more in the JSON report" if len(untrusted) > 3 else ""
+    return [f"calibration not trusted ({len(untrusted)} tensors): {shown}{more}"]
+
+
 # -- several ranks --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RankedVerdict:
@@ -570,26 +686,38 @@ class RankedVerdict:
 
 
 def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
-    """Combine one Verdict per rank (ascending ranks)."""
+    """Combine one Verdict per rank (ascending ranks); of multi-step recordings (`StepVerdict`s, which name a
+    `step`), the rank whose first step outside the band comes first."""
     diverged = tuple(r for r, v in verdicts.items() if v.status == "diverged")
     inconclusive = [r for r, v in verdicts.items() if v.status == "inconclusive"]
     total = len(verdicts)
 
     def position(rank: int) -> tuple:
+        if not isinstance(verdicts[rank], Verdict):  # multi-step recordings: the first step outside the band
+            step = verdicts[rank].step
+            return (math.inf if step is None else step, rank)
         index = verdicts[rank].index
+        if index is None:  # a collective: where its result first shows; else after every row
+            index = (verdicts[rank].entry or {}).get("order")
         return (verdicts[rank].num_entries if index is None else index, rank)
 
     origin = min(diverged, key=position, default=None)
     if origin is not None:
         v = verdicts[origin]
+        if not isinstance(v, Verdict):
+            which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
+            return RankedVerdict("diverged", origin, total, diverged, f"DIVERGED on rank {origin} at step {v.step} "
+                                 f"({len(diverged)} of {total} ranks diverged{which})", None)
         where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
+        if v.focus == "collective":
+            where = f" at collective {v.entry['collective']['name']}"
         which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
         headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
         return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))
     if inconclusive:
+        why = verdicts[inconclusive[0]].title.removeprefix("INCONCLUSIVE: ")  # the first such rank's reason
         return RankedVerdict("inconclusive", None, total, (), f"INCONCLUSIVE on rank "
-                             f"{', '.join(map(str, inconclusive))} of {total}: no call's own error could be measured",
-                             None)
+                             f"{', '.join(map(str, inconclusive))} of {total}: {why}", None)
     return RankedVerdict("match", None, total, (), f"MATCH on all {total} ranks", None)
 
 

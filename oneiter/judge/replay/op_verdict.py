@@ -38,10 +38,12 @@ import numpy as np
 
 from oneiter.errors import DeviceError, FormatError, OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import ROOT_MODULE, call_key, decode
+from oneiter.format.schema import FOREIGN_KERNELS, ROOT_MODULE, call_key, decode
+from oneiter.judge.iteration.engine import foreign_notes
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.measure.metrics import compare_arrays
 from oneiter.judge.measure.tolerance import NoisePolicy
+from oneiter.record.modes import trusted
 from oneiter.record.replay.layer_replay import RECORDED, LayerTrace, trace_layer
 from oneiter.record.replay.op_repro import repro_folder, write_repro
 from oneiter.record.replay.op_rerun import RANDOM_NOTE, OpRow, OpTracer
@@ -195,12 +197,13 @@ class OpsResult:
 def replay_ops(
     path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", dtype: str | None = None,
     amp: str | None = RECORDED, model: str | None = None, reference_ops: str | Path | None = None,
-    repro: str | Path | None = None, factor: float | None = None,
+    repro: str | Path | None = None, factor: float | None = None, compile: str | None = None,
 ) -> OpsResult:
     """Trace call `call` of `layer` of the recording at `path` op by op on `device` (this process's stack: its
     plugins, its patched functions) and judge it (module docstring). `reference_ops`: the reference side's `--json`
     of the same call, to show where the op sequences part; `repro`: a folder for the culprit op's reproducer
-    (written only when an op is flagged). The other arguments are `run_layer`'s."""
+    (written only when an op is flagged). A compiled layer (`compile`, or one the model compiles itself) is judged
+    by the nodes of its compiled graphs (`record/replay/graph_ops.py`). The other arguments are `run_layer`'s."""
     factor = NoisePolicy().factor if factor is None else factor
     folder = repro_folder(repro) if repro is not None else None  # refused before anything runs
     reference = read_reference_ops(reference_ops) if reference_ops is not None else None
@@ -208,18 +211,23 @@ def replay_ops(
     if reference is not None and reference["key"] != key:
         raise OneIterError(f"--reference-ops traced {reference['key']}, not {key}")
     tracer = OpTracer(keep=lambda row: flagged(row, factor), reduced=reduced(current(device.strip().split(":")[0])))
-    trace = trace_layer(path, layer, tracer, call=call, device=device, dtype=dtype, amp=amp, model=model)
-    run = trace.run
+    since = trusted.mark()
+    trace = trace_layer(path, layer, tracer, call=call, device=device, dtype=dtype, amp=amp, model=model,
+                        compile=compile)
+    run, tracer = trace.run, trace.tracer
+    kernels = foreign_notes({FOREIGN_KERNELS: json.dumps({"cpu": trusted.met_kernels(since)})})
     result = OpsResult(str(path), run.key, run.class_name, run.device, run.dtype, run.amp, factor, tracer.rows,
-                       [], notes=list(run.notes))
+                       [], notes=[*run.notes, *kernels])
     if trace.random_values:
         result.program = _program(path, trace, factor)
     else:
         result.notes.append("the program is not checked: the recording holds no values for the call's random ops")
     if not trace.grads_comparable:
         result.notes.append("gradients are left out of the program check (recorded output gradients are totals)")
-    if reference is not None:
+    if reference is not None and isinstance(tracer, OpTracer):
         result.departures = departures(reference["ops"], tracer.rows)
+    elif reference is not None:
+        result.notes.append("--reference-ops lists aten ops; a compiled layer shows graph nodes: not compared")
     if folder is not None:
         result.repro = _repro(folder, tracer, result)
     return result
@@ -261,9 +269,13 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     device, dtype, amp = str(meta.get("device") or "cpu"), meta.get("dtype") or None, meta.get("amp") or None
     recorded = str(meta.get("model") or "")
     spec = model or recorded
+    # a culprit that is a compiled block of the target: traced compiled with its backend (graph nodes)
+    blocks = ((result.compiled or {}).get("target") or {}).get("blocks") or {}
+    block = blocks.get("" if culprit.module == ROOT_MODULE else culprit.module)
+    backend = str(block.get("backend") or "") if isinstance(block, dict) else ""
     named = spec if spec and (model or is_file_spec(spec)) else None  # a built-in one is the recording's default
     command = replay_ops_command(result.reference, culprit.module, culprit.call, device=device, dtype=dtype, amp=amp,
-                                 model=named)
+                                 model=named, compile=backend or None)
     found = Drill(culprit.module, culprit.call, command)
     if is_file_spec(spec) and model is None:
         found.why_not = "the target's model is a file: name it with --model (a recording never chooses the code)"
@@ -275,7 +287,7 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
         return found
     try:
         found.ops = replay_ops(result.reference, culprit.module, call=culprit.call, device=device, dtype=dtype,
-                               amp=amp, model=model)
+                               amp=amp, model=model, compile=backend or None)
     except OneIterError as exc:  # the comparison's verdict stands; the drill says why it could not run
         found.why_not = f"the drill failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return found

@@ -5,6 +5,7 @@
 - `recompute.py`   activation checkpointing: a call run again during backward is a recomputation, not a new call
 - `batch.py`       the model's batch as a framework delivers it: named, stored, swapped for a reference's
 - `hooks.py`       module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
+- `blocks.py`      compiled blocks (torch.compile): what a recording of them refuses, writes and says
 - `raised_at.py`   which call, phase and line of the user's model raised an exception
 - `optimizer_step.py` the moment right before an optimizer updates the weights, closure steps included
 """

@@ -17,7 +17,9 @@ How the hooks avoid the known traps of module hooks:
 - a call made again during backward (activation checkpointing recomputes a region) is no new call: the recorded
   forward is the first execution (`recompute.py`), and a reentrant checkpoint's recomputed calls get the gradient
   hooks of the calls they repeat;
-- the hooks never change a value: recording does not change the loss, the gradients or the update bits.
+- the hooks never change a value: recording does not change the loss, the gradients or the update bits;
+- a compiled block (`runtime/compiled.py`) is hooked at its call, outside its compiled code, and named as the eager
+  model names it (`_orig_mod` dropped); the modules inside it run inside its graph and are not hooked.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from oneiter.record.capture.input_grads import InputGradTracker, region_of, view
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random
-from oneiter.runtime.sharding import local, placement_of
+from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
+from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
            "unscaled"]
@@ -99,7 +102,8 @@ class TensorSink:
             return
         placement = placement_of(tensor)
         if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
-            attrs, tensor = {**(attrs or {}), **shard_attrs(placement)}, local(tensor)
+            attrs = {**(attrs or {}), **shard_attrs(placement)}
+        tensor = local(tensor)  # a DTensor's shard; a collective's result under way, waited for
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -167,6 +171,9 @@ class CallRecord:
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
     live_outputs: dict | None = None
+    # the outputs of the collectives its own code ran live (and those of its descendants whose probe failed), by
+    # path: what the fidelity check feeds its rerun when they are not the reference's (`record/modes/collectives.py`)
+    live_collectives: dict = field(default_factory=dict)
     outputs_exact: bool = False
     kept_outputs: dict | None = None
 
@@ -176,6 +183,7 @@ class CallRecord:
         descendants forced, so it keeps them."""
         self.args = self.kwargs = None
         self.live_inputs = self.live_outputs = None
+        self.live_collectives = {}
         if self.status == PROBED:
             self.children = []
 
@@ -227,6 +235,7 @@ class ModuleCapture:
         self._pending_grads: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.recomputations = Recomputations()
+        self.blocks = Blocks()  # the model's compiled blocks, found on attach
 
     def __enter__(self) -> "ModuleCapture":
         self.attach()
@@ -236,13 +245,20 @@ class ModuleCapture:
         self.detach()
 
     def attach(self) -> None:
-        for path, module in self.model.named_modules():
-            if not self.select(path):
+        self.blocks = find_blocks(self.model)
+        for raw, module in self.model.named_modules():
+            path = eager_name(raw)
+            if self.blocks.hides(raw) or not self.select(path):
                 continue
             check_name(path, "module")
             self._names[id(module)] = path
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+            # first of the module's own pre-hooks (a call is everything `module(...)` runs, as its rerun runs it:
+            # torch's tensor-parallel styles convert inputs there), after FSDP2's (parameter management, which
+            # reruns leave out); the post-hook last; both outside any compiled code of the module
+            self._handles.extend(outside_call(module, self._pre_hook, self._post_hook, prepend=True))
+            hooks = module._forward_pre_hooks
+            for key in reversed([k for k, h in hooks.items() if is_fsdp_hook(h)]):
+                hooks.move_to_end(key, last=False)
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -259,10 +275,41 @@ class ModuleCapture:
         """A context in which calls are not captured (a probe's rerun)."""
         return _Suspend(self)
 
+    def is_suspended(self) -> bool:
+        """Whether a probe's rerun is running (its calls are not part of the iteration)."""
+        return self._suspended
+
     def open_calls(self) -> list[tuple[str, str]]:
         """(key, module path) of the calls whose forward has begun and not returned, outermost first: where an
         exception raised in forward is (the post-hooks never ran)."""
         return [(key, path) for key, _record, _first, path in self._stack]
+
+    def owner(self) -> tuple[str, "CallRecord | None"]:
+        """The innermost open call (key, its CallRecord or None without a probe); ("", None) outside every call."""
+        if not self._stack:
+            return "", None
+        key, record, _first, _path = self._stack[-1]
+        return key, record
+
+    def owner_of_node(self, number: int) -> str | None:
+        """The call whose forward created autograd node `number` (`call_of_node`); None: none (the loss, a hook)."""
+        return self.call_of_node(number)
+
+    def recomputing(self) -> bool:
+        """Whether activation checkpointing is running a region's forward again (in backward)."""
+        return self.recomputations.recomputing()
+
+    def next_seq(self) -> int:
+        """The next number of the capture order (each call's `seq_*` attributes, a collective's `seq`)."""
+        with self._lock:
+            return next(self._seq)
+
+    def open_block(self) -> str | None:
+        """The eager path of the innermost compiled block whose call is open (None: none is)."""
+        for _key, _record, _first, path in reversed(self._stack):
+            if path in self.blocks.by_path:
+                return path
+        return None
 
     def path_of(self, module) -> str | None:
         """The recorded path of a module of the model (None: not recorded)."""
@@ -367,7 +414,7 @@ class ModuleCapture:
             record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state())
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
-                record.live_inputs = {n: v.detach().clone() for n, v in named if _is_tensor(v)}
+                record.live_inputs = {n: local(v).detach().clone() for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
         self._stack.append((key, record, next_node_number(), path))
@@ -395,7 +442,7 @@ class ModuleCapture:
                     record.identity[name] = hit[0]
             record.given = {}
             if record.live_inputs is not None:
-                record.live_outputs = {n: v.detach() for n, v in named if _is_tensor(v)}
+                record.live_outputs = {n: local(v).detach() for n, v in named if _is_tensor(v)}
             with self.suspended(), untracked():
                 self.probe.after_call(record)
 

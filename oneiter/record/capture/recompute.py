@@ -187,6 +187,10 @@ class Recomputations:
     def end(self) -> _Frame | None:
         return self._stack.pop() if self._stack else None
 
+    def recomputing(self) -> bool:
+        """Whether a recomputed call is open (activation checkpointing runs a region again)."""
+        return bool(self._stack)
+
     def _new_episode(self) -> None:
         """A recomputation runs while autograd executes one node; another node (or another backward) is another
         recomputation. A non-reentrant one stops early with an exception: its open frames are dropped here."""

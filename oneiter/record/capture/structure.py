@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from oneiter.format.schema import kwarg_name
+from oneiter.runtime.sharding import local, spec_of
 
 __all__ = ["flatten", "flatten_call", "Slot", "layout_of", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache",
            "snapshot"]
@@ -60,6 +61,7 @@ class Slot:
     shape: tuple
     layout: tuple | None = None  # (strides, storage offset) when the live tensor was not contiguous from offset 0
     alias: str | None = None  # the name of an earlier slot of the same call that held the very same tensor
+    placed: tuple | None = None  # a DTensor's (mesh, placements, global shape, stride): its shard is what is stored
 
 
 def layout_of(tensor) -> tuple | None:
@@ -101,9 +103,10 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             grad = value.requires_grad or (as_if_grad and value.is_floating_point())
+            given, spec, value = value, spec_of(value), local(value)  # a DTensor: its shard, and where it sits
             slot = Slot(name, value.dtype, value.device, bool(grad), tuple(value.shape),
-                        None if value.layout != torch.strided else layout_of(value), seen.get(id(value)))
-            seen.setdefault(id(value), name)
+                        None if value.layout != torch.strided else layout_of(value), seen.get(id(given)), spec)
+            seen.setdefault(id(given), name)
             slots.append(slot)
             return slot
         if isinstance(value, (tuple, list)):

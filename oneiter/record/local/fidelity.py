@@ -32,10 +32,11 @@ import hashlib
 
 import torch
 
-from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, tensor_path
+from oneiter.format.schema import BACKWARD, COLLECTIVES, FORWARD, ROOT_MODULE, tensor_path
 from oneiter.record.capture.hooks import CallRecord
-from oneiter.record.local.rerun import ProbeSkip, RunResult, rel_l2, stored_layout
+from oneiter.record.local.rerun import ProbeSkip, RunResult, rel_l2
 from oneiter.runtime.precision import unit_roundoff
+from oneiter.runtime.sharding import local
 
 __all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR", "BackwardChecks"]
 
@@ -57,8 +58,9 @@ class LiveSource:
     def tensor(self, path: str):
         return self.live[path] if path in self.live else self.inner.tensor(path)
 
-    def layout(self, path: str) -> tuple | None:
-        return None if path in self.live else stored_layout(self.inner, path)
+    def attrs(self, path: str) -> dict:
+        attrs = getattr(self.inner, "attrs", None)
+        return attrs(path) if callable(attrs) else {}
 
 
 def exact(source, path: str, live) -> bool:
@@ -106,11 +108,15 @@ def check_forward(rec: CallRecord, primary: RunResult, source, rerun) -> bool:
     forced = rec.forced()
     consumed = all(exact(source, tensor_path(rec.key, FORWARD, n), v) for n, v in live_in.items())
     consumed = consumed and all(child.outputs_exact for child in forced)
+    # a collective the call ran is an input of its own code, as a forced child's output is (its rerun gets the
+    # source's result): `record/modes/collectives.py`
+    consumed = consumed and all(exact(source, path, v) for path, v in rec.live_collectives.items())
     rec.outputs_exact = all(exact(source, tensor_path(rec.key, FORWARD, n), v) for n, v in live_out.items())
     if consumed:
         run, again = primary, (lambda: rerun(source))
     else:
         live = {tensor_path(rec.key, FORWARD, n): v for n, v in live_in.items()}
+        live.update(rec.live_collectives)
         for child in forced:
             live.update((tensor_path(child.key, FORWARD, n), v) for n, v in (child.kept_outputs or {}).items())
         alive = LiveSource(source, live)
@@ -169,7 +175,11 @@ class BackwardChecks:
 
     def live_grad(self, key: str, name: str, grad) -> None:
         """A live gradient the capture recorded (`calls/<key>/backward/<name>`)."""
-        path = tensor_path(key, BACKWARD, name)
+        self.live_tensor(tensor_path(key, BACKWARD, name), grad)
+
+    def live_tensor(self, path: str, grad) -> None:
+        """A live value a call's backward consumes or produces, by path (a gradient, a collective's output)."""
+        grad = local(grad)  # a DTensor gradient: this rank's shard, as the recording stores it
         mine = self.live[path] = digest(grad)
         expected = self.produced.get(path)
         if expected is not None and expected[0] != mine:
@@ -181,7 +191,9 @@ class BackwardChecks:
         (`reference(path)`: the probe's cached read, which judging the rows needs anyway)."""
         consumed = {}
         for path, t in read.items():
-            if path.split("/")[-2] == BACKWARD:  # a reference tensor: the same for every call that reads it
+            # a reference tensor: the same for every call that reads it; a collective's output is consumed as a
+            # gradient is (its live value's fingerprint comes from the recorder)
+            if path.split("/")[-2] == BACKWARD or path.startswith(COLLECTIVES + "/"):
                 consumed[path] = self._seen[path] if path in self._seen else self._seen.setdefault(path, digest(t))
         produced = []
         for name, value in primary.backward.items():

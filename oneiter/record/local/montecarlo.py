@@ -21,13 +21,16 @@ import math
 
 from oneiter.record.local.rerun import rel_l2
 
-__all__ = ["MONTE_CARLO", "SAMPLES", "SCALE", "OP_SCALE", "SEED", "spread"]
+__all__ = ["MONTE_CARLO", "SAMPLES", "SCALE", "OP_SCALE", "SEED", "BOUND_SAMPLES", "spread"]
 
 MONTE_CARLO = "monte_carlo"  # the `calibration` suffix of a noise estimated this way (`cpu:monte_carlo`)
 SAMPLES = 4  # perturbed reruns per estimate
 SCALE = 0.5  # the RMS spread of the samples times this is comparable to the float64-based noise (measured)
 OP_SCALE = 1 / math.sqrt(2)  # the same for one aten op: two independently rounded runs differ by ~sqrt(2) errors
 SEED = 0x5EED  # sample k's perturbation comes from a generator seeded with SEED + k
+# float64 reruns with a precision's rounding injected (`modes/roundoff_mode.py`) whose RMS spread is the bound a call's
+# noise is checked against: within the check's factor 16, two samples are enough (the RMS of two is within 2x)
+BOUND_SAMPLES = 2
 
 
 def spread(base, samples: list, scale: float = SCALE) -> float:

@@ -27,13 +27,22 @@ from typing import Callable
 import torch
 import torch.optim
 
-from oneiter.format.schema import OPTIMIZER, PARAM_GRADS, STATE_AFTER, group_path, optimizer_entry
+from oneiter.format.schema import (
+    OPTIMIZER,
+    PARAM_GRADS,
+    PLACEMENTS,
+    STATE_AFTER,
+    STATE_BEFORE,
+    group_path,
+    optimizer_entry,
+)
 from oneiter.record.local.fidelity import digest, exact_tensor
 from oneiter.record.local.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import unit_roundoff
+from oneiter.runtime.sharding import local
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
            "check_updates"]
@@ -199,7 +208,13 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
     names = {id(p): n for n, p in parameters(model)}
     order = {n: i for i, n in enumerate(names.values())}
     rows = []
-    for chunk in step_chunks(opt):
+    chunks, apart = step_chunks(opt), _placed_apart(names, rerunner)
+    if apart and chunks == [None]:
+        return [], _apart_reason(apart, len(apart))
+    for chunk in chunks:
+        chunk = chunk if chunk is None else chunk - set(apart)
+        if chunk is not None and not chunk:
+            continue
         try:
             judged = shadow_step(opt, names, rerunner, _SITES["target"](device), chunk)
         except Exception as err:
@@ -220,7 +235,29 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
         if any(needs_noise(row) for _, row in mine):
             _noise(opt, names, rerunner, mine, chunk)
         rows.extend(row for _, row in mine)
-    return rows, ""
+    return rows, _apart_reason(apart, len(apart)) if apart else ""
+
+
+def _placed_apart(names: dict, rerunner: Rerunner) -> dict[int, tuple[str, str, str]]:
+    """id -> (name, the gradient's placements, the parameter's) of each tensor-parallel parameter whose recorded
+    gradient is placed otherwise than the parameter (a norm's Partial gradient under a Replicate weight): the step
+    redistributes it, a collective no rerun runs."""
+    attrs = getattr(rerunner.source, "attrs", None)
+    if not callable(attrs):
+        return {}
+    found = {}
+    for pid, name in names.items():
+        weight = attrs(group_path(STATE_BEFORE, name)).get(PLACEMENTS)
+        grad = attrs(group_path(PARAM_GRADS, name)).get(PLACEMENTS)
+        if weight != grad and (weight or grad):
+            found[pid] = (name, str(grad or "plain"), str(weight or "plain"))
+    return found
+
+
+def _apart_reason(apart: dict, count: int) -> str:
+    name, grad, weight = next(iter(apart.values()))
+    return (f"{count} parameters not judged: each gradient is placed otherwise than its parameter ({name}: {grad} "
+            f"vs {weight}), so the step redistributes it (a collective, which no rerun runs)")
 
 
 def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged: dict) -> dict[str, tuple]:
@@ -230,7 +267,7 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
             if id(p) in names and (chunk is None or id(p) in chunk)}
     same = all(_exact_start(rerunner, name, p) for name, p in live.items())
     if not same:
-        start = {name: (p.detach(), p.grad) for name, p in live.items()}
+        start = {name: (local(p.detach()), None if p.grad is None else local(p.grad)) for name, p in live.items()}
         judged = shadow_step(opt, names, rerunner, _SITES["target"](device), chunk, start=start)
     return {name: digest(after) for name, after in judged.items()}
 
@@ -238,16 +275,16 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
 def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
     before = rerunner.step_start(name)
     grad_path = group_path(PARAM_GRADS, name)
-    if before is None or not exact_tensor(before, p.detach()):
+    if before is None or not exact_tensor(before, local(p.detach())):
         return False
     if p.grad is None:
         return not rerunner.source.has(grad_path)
-    return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), p.grad)
+    return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), local(p.grad))
 
 
 def check_updates(model, expected: dict[str, tuple]) -> list[str]:
     """The parameters whose live value after the step differs from the checked shadow step's."""
-    return [name for name, p in parameters(model) if name in expected and digest(p) != expected[name]]
+    return [name for name, p in parameters(model) if name in expected and digest(local(p)) != expected[name]]
 
 
 def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow]], chunk: set[int] | None) -> None:

@@ -35,13 +35,21 @@ on the same inputs, once in the run's precision (`low`) and once in a high preci
 patched class, a replaced torch function are in both), so a difference in the code cancels out of the noise and
 stays in the local error. `noise_reference` is the same for the reference's precision. Where (`--calibrate`):
 - `cpu` (default): both on the CPU, `high` in float64, with the reference's weights. Trusted kernels: a device
-  kernel that is wrong only in low precision still shows. `--inject-fault` faults (they stand for device kernels)
-  and `--fallback` do not apply there. Cost: two (three if the reference ran in another precision) CPU reruns of
-  each calibrated call. A side whose float32 matmuls or convolutions ran TF32/HF32 (its `precision_modes`:
+  kernel that is wrong only in low precision still shows; an op whose CPU kernel is not torch's own (a plugin's
+  `torch.library` registration, a C++ extension's) runs through torch's own instead (`modes/trusted.py`; the
+  /local attribute `foreign_kernels` names them and their routes). `--inject-fault` faults (they stand for device
+  kernels) and `--fallback` do not apply there. Cost: two (three if the reference ran in another precision) CPU
+  reruns of each calibrated call. A side whose float32 matmuls or convolutions ran TF32/HF32 (its `precision_modes`:
   `runtime/precision_modes.py`) has those ops' operands rounded the same way in its CPU rerun (`reduced.py`).
 - `device`: `high` on the target device in a higher precision (float32 for bf16/fp16 runs, float64 for float32
-  runs); `low` is the probed rerun itself. One extra device rerun per calibrated call; blind to a kernel that is
-  wrong only in the low precision.
+  runs); `low` is the probed rerun itself. One extra device rerun per calibrated call. Its noise is held to the
+  trusted CPU's (below): a kernel wrong only in the low precision gives a device noise the CPU's does not.
+
+**A noise estimate is itself checked.** A calibrated noise (both sides) above `NOISE_BOUND_FACTOR` unit roundoffs
+of the run's precision is checked against what the precision can produce for the call on the trusted path
+(`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff_mode.py`; with
+`--calibrate device` also the CPU's own calibration of the call); the rows' `noise_bound`. The judge holds the
+noise to it (`judge/iteration/blame.py`).
 A call is calibrated only when one of its tensors is off by more than one unit roundoff of its dtype (below
 that, nothing can flag it), or when a parameter it contributes to needs it. When the high run fails (an op
 without float64: `torch._grouped_mm`), a bf16/fp16 run tries float32, else the noise is a Monte Carlo estimate
@@ -51,6 +59,7 @@ in the run's own precision (`montecarlo.py`); the rows' `calibration` says so (`
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Any
@@ -62,6 +71,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.optimizer_state import OPTIMIZER_STATE, updates_not_judged
 from oneiter.format.schema import (
     BACKWARD,
+    FOREIGN_KERNELS,
     FORWARD,
     PARAM_GRADS,
     PRECISION_MODES,
@@ -71,13 +81,14 @@ from oneiter.format.schema import (
     REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
+    UNREDUCED_GRADS,
     LocalRow,
     group_path,
     tensor_path,
 )
 from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
-from oneiter.record.local.montecarlo import MONTE_CARLO, SAMPLES, SEED, spread
+from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
 from oneiter.record.local.rerun import (
     AMBIENT,
@@ -87,20 +98,24 @@ from oneiter.record.local.rerun import (
     RunResult,
     Site,
     rel_l2,
-    stored_layout,
     tensor_stats,
 )
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
+from oneiter.record.modes import trusted
+from oneiter.record.modes.collectives import RecordedCollective, recorded_collectives
 from oneiter.record.modes.randomness import RecordedOp, recorded_random_ops
 from oneiter.record.options import CALIBRATIONS
+from oneiter.runtime import kernels
 from oneiter.runtime.names import canonical, parameters, tensor_names
-from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
+from oneiter.runtime.precision import NOISE_BOUND_FACTOR, amp_dtype_name, unit_roundoff
 from oneiter.runtime.precision_modes import MANTISSA_BITS, from_attr, reduced
+from oneiter.runtime.sharding import grads_reduced
 
 __all__ = ["PROBED", "LocalProbe", "TeacherForcedProbe", "AgainstCpuProbe", "MemorySource", "CALIBRATIONS",
            "teacher_forced_factory", "against_cpu_factory", "reference_precision"]
 
 _CPU = torch.device("cpu")
+_LISTED = 20  # the device's ops whose kernels are not torch's own, listed in /local's FOREIGN_KERNELS at most
 
 
 class MemorySource:
@@ -132,11 +147,13 @@ class _Cached:
             self._seen[path] = self.inner.tensor(path)
         return self._seen[path]
 
-    def layout(self, path: str) -> tuple | None:
-        return stored_layout(self.inner, path)
-
     def clear(self) -> None:
         self._seen.clear()
+
+    def attrs(self, path: str) -> dict:
+        """The attributes the source stored with `path` (a shard's placements), {} where it keeps none."""
+        attrs = getattr(self.inner, "attrs", None)
+        return attrs(path) if callable(attrs) else {}
 
     def read(self) -> dict:
         """What was read since `clear()`, by path."""
@@ -209,6 +226,8 @@ class LocalProbe(ABC):
         self._contributors: dict[str, list[CallRecord]] = {}
         self._expected_updates: dict[str, tuple] = {}  # parameter -> fingerprint of its checked update
         self._calibrated: dict[int, str] = {}  # id(call) -> how its noise was measured (the rows' `calibration`)
+        self._bounds: dict[int, dict] = {}  # id(call) -> (phase, name) -> what the precision can produce (`_bound`)
+        self._met = trusted.mark()  # the replaced kernels the calibration meets from here on (`table`)
         self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
 
     @property
@@ -218,6 +237,20 @@ class LocalProbe(ABC):
     @random_ops.setter
     def random_ops(self, ops: list[RecordedOp]) -> None:
         self.rerunner.random_ops = ops
+
+    SOURCE_IS_RUN = False  # the source is this run's own captured values (`--against cpu`), not a reference
+
+    @property
+    def collectives(self) -> list[RecordedCollective]:
+        """The source's collectives, which reruns force (`record/modes/collectives.py`)."""
+        return self.rerunner.collectives
+
+    @collectives.setter
+    def collectives(self, items: list[RecordedCollective]) -> None:
+        self.rerunner.collectives = items
+
+    def live_collective(self, record: CallRecord | None, phase: str, outputs: dict) -> None:  # noqa: B027 - a hook
+        """A collective's live outputs by path, run by `record`'s own code in `phase` (the fidelity check's)."""
 
     def bind(self, model, optimizer=None) -> None:
         """The model being recorded (canonical parameter names) and its optimizer (the `optimizer` rows)."""
@@ -252,6 +285,7 @@ class LocalProbe(ABC):
         attrs = {"kind": self.KIND, "calibrate": self.calibrate, "num_calls": self.num_calls,
                  "num_unprobed": len(self.unprobed)}
         attrs.update(self._reduced_attrs())
+        attrs[FOREIGN_KERNELS] = json.dumps(self._foreign(), sort_keys=True)
         return rows, list(self.unprobed), attrs
 
     # -- what each mode decides -------------------------------------------------------------------------------------
@@ -317,8 +351,11 @@ class LocalProbe(ABC):
             self._sums.add("primary", primary)
             for name in (*primary.param_grads, *primary.buffers):
                 self._contributors.setdefault(name, []).append(rec)
+        live, rec.live_collectives = rec.live_collectives, {}
         if rec.status != PROBED:
             self.unprobed.append((module, rec.call, rec.status))
+            if rec.parent is not None:  # it runs live in its caller's rerun: so do its collectives
+                rec.parent.live_collectives.update(live)
         if rec.status != PROBED or not (primary.param_grads or primary.buffers):
             rec.release()
         self.source.clear()
@@ -358,12 +395,14 @@ class LocalProbe(ABC):
             raise
         except Exception as err:
             raise ProbeSkip(f"calibration failed: {type(err).__name__}: {first_line(err)}") from None
+        bound = self._bounds.get(id(rec), {})
         for row in judged:
             key = (row.phase, row.tensor)
             if key in noise_t:
                 row.noise_target = noise_t[key]
                 row.noise_reference = noise_r.get(key, self._reference_default(noise_t[key]))
                 row.calibration = where
+                row.noise_bound = bound.get(key, math.nan)
 
     def _noise(self, rec: CallRecord, primary: RunResult | None):
         """(noise_target, noise_reference, how) by (phase, name); parameter contributions go into the sums.
@@ -384,6 +423,13 @@ class LocalProbe(ABC):
             noise_t = _rel_all(low, high)
             noise_r = _rel_all(reference, high) if reference is not None else {}
             self._add(rec, {"high": high})
+            if how == where and self._suspicious(noise_t, noise_r):
+                try:
+                    self._bounds[id(rec)] = self._bound(rec, high)
+                except (ProbeSkip, OneIterError):
+                    raise
+                except Exception:  # noqa: BLE001 - the check could not be made: the noise stands unchecked
+                    pass
         self._add(rec, {"low": low, **({"reference": reference} if reference is not None else {})})
         self._calibrated.setdefault(id(rec), how)
         return noise_t, noise_r, how
@@ -447,6 +493,81 @@ class LocalProbe(ABC):
                    reduced=tuple(sorted(self.reduced.items())))
         return high, low, "cpu"
 
+    # -- the check of a noise estimate -------------------------------------------------------------------------
+    def _gate(self) -> float:
+        """A calibrated noise (target's plus reference's) above this is checked against what the precision can
+        produce (`_bound`): NOISE_BOUND_FACTOR unit roundoffs of the coarser side's precision, reduced modes
+        (TF32) included. Below it no check could fail."""
+        mine = _roundoff(dtype_name(self.dtype), self.amp, self.reduced)
+        if self._reference_site() is not None:
+            ref_dtype, ref_amp = self.ref_precision or (dtype_name(self.dtype), self.amp)
+            mine = max(mine, _roundoff(ref_dtype, ref_amp, self.ref_reduced))
+        return NOISE_BOUND_FACTOR * mine
+
+    def _suspicious(self, noise_t: dict, noise_r: dict) -> bool:
+        gate = self._gate()
+        return any(v + noise_r.get(k, self._reference_default(v)) > gate for k, v in noise_t.items())
+
+    def _bound(self, rec: CallRecord, high: RunResult | None) -> dict[tuple[str, str], float]:
+        """What the precision can produce for each tensor of this call, measured on the trusted path (the CPU,
+        torch's kernels): the spread of `BOUND_SAMPLES` float64 runs with the run's rounding injected into every
+        op (`roundoff_mode.py`) around the plain float64 run; with `--calibrate device`, at least the trusted CPU's
+        own noise (the run's precision, its reduced modes rounded as it ran them, against float64). Both sides:
+        the reference's part scaled by its roundoff (none when finer). The runs go into the sums (`bound_*`,
+        `inj<k>`) for the parameter rows."""
+        base_site = Site("high", _CPU, live=False, cast="float64", autocast=None, params=self.PARAMS, trusted=True)
+        label = "high" if self.where == "cpu" else "bound_high"
+        base = high if self.where == "cpu" and high is not None else self._run(rec, base_site)
+        runs = {label: base}
+        if self.where == "device":
+            runs["bound_low"] = self._run(rec, Site("bound_low", _CPU, live=False, cast="live", autocast=self.amp,
+                                                    params="live", trusted=True,
+                                                    reduced=tuple(sorted(self.reduced.items()))))
+        roundoff = unit_roundoff(dtype_name(self.amp or self.dtype))
+        families = tuple(sorted(self.reduced.items())) if self.amp is None and self.dtype == torch.float32 else ()
+        for k in range(BOUND_SAMPLES):
+            runs[f"inj{k}"] = self._run(rec, replace(base_site, name=f"inj{k}", inject=(
+                SEED + k, roundoff, min(roundoff, unit_roundoff("float32")), families)))
+        self._add(rec, runs)
+        spread_t = _spread(base, [runs[f"inj{k}"] for k in range(BOUND_SAMPLES)], 1.0)
+        cpu = _rel_all(runs["bound_low"], base) if "bound_low" in runs else {}
+        both = 1.0 + self._reference_bound_scale()
+        return {key: max(value, cpu.get(key, 0.0)) * both for key, value in spread_t.items()}
+
+    def _summed_bound(self, name: str) -> float | None:
+        """`_bound` of a value summed over calls (a parameter's gradient, a buffer's update), from the sums."""
+        base = self._sums.get("high" if self.where == "cpu" else "bound_high", name)
+        samples = [self._sums.get(f"inj{k}", name) for k in range(BOUND_SAMPLES)]
+        if base is None or any(s is None for s in samples):
+            return None
+        low = self._sums.get("bound_low", name)
+        value = max(spread(base, samples, 1.0), rel_l2(base, low) if low is not None else 0.0)
+        return value * (1.0 + self._reference_bound_scale())
+
+    def _reference_bound_scale(self) -> float:
+        """The reference's share of a bound, relative to the target's: 1 in the same precision, the ratio of their
+        roundoffs where the reference's run is measured, 0 where it is finer (not measured)."""
+        if self._same_as_reference():
+            return 1.0
+        site = self._reference_site()
+        if site is None:
+            return 0.0
+        ref_dtype, ref_amp = self.ref_precision or (dtype_name(self.dtype), self.amp)
+        return (_roundoff(ref_dtype, ref_amp, self.ref_reduced)
+                / _roundoff(dtype_name(self.dtype), self.amp, self.reduced))
+
+    def _foreign(self) -> dict:
+        """The kernels that were not torch's own where the calibration ran (`FOREIGN_KERNELS`): the CPU ops its
+        trusted reruns met and the route each took (and aten ops whose backward formula was replaced: no rerun can
+        route those); for a target on a device, that device's ops."""
+        found: dict = {"cpu": trusted.met_kernels(self._met)}
+        if self.device.type != "cpu":
+            ops = kernels.foreign(self.device.type)
+            found["device"] = {"type": self.device.type, "plugin": kernels.is_plugin_backend(self.device.type),
+                               "num_ops": len(ops), "ops": [{"op": f.op, "key": f.key, "registered": f.registered}
+                                                            for f in ops[:_LISTED]]}
+        return found
+
     _reference_site_used: Site | None = None  # the site of the last reference run (`_reference_run`)
 
     def _note_reduced(self, side: str, site: Site | None, rec: CallRecord) -> None:
@@ -481,8 +602,6 @@ class LocalProbe(ABC):
     # -- parameter gradients ----------------------------------------------------------------------------------------
     def _param_rows(self) -> None:
         """One row per parameter gradient: the sum of every call's own contribution, judged like any tensor."""
-        if _world_size() > 1:  # DDP averages gradients over ranks; one rank's own contributions cannot match
-            return
         for index, (name, param) in enumerate(parameters(self.model)):
             records = self._contributors.get(name)
             judged = self._sums.get("primary", name)
@@ -523,6 +642,20 @@ class LocalProbe(ABC):
         row.noise_reference = rel_l2(high, ref) if ref is not None else self._reference_default(row.noise_target)
         row.calibration = self._calibrated[id(records[0])].partition(":")[0] + (
             ":float32" if any(self._calibrated[id(r)].endswith("float32") for r in records) else "")
+        if row.noise_target + row.noise_reference > self._gate() and not row.calibration.endswith("float32"):
+            self._check_summed(name, records, row)
+
+    def _check_summed(self, name: str, records: list[CallRecord], row: JudgedRow) -> None:
+        """The bound of a summed value (`_summed_bound`), measuring each contributing call's bound runs first."""
+        try:
+            for rec in records:
+                if (id(rec), "inj0") not in self._added:
+                    self._bound(rec, None)
+                    self.source.clear()
+        except Exception:  # noqa: BLE001 - the check could not be made: the noise stands unchecked (NaN bound)
+            return
+        bound = self._summed_bound(name)
+        row.noise_bound = math.nan if bound is None else bound
 
     def _monte_carlo_again(self, rec: CallRecord) -> None:
         """Monte Carlo samples of a call that was calibrated in a higher precision: a parameter it contributes to
@@ -558,9 +691,11 @@ class TeacherForcedProbe(LocalProbe):
     PARAMS = "reference"
     CHECKS_LIVE = True
 
-    def __init__(self, source, device, *, ref_optimizer_state: str = "", **kwargs):
+    def __init__(self, source, device, *, ref_optimizer_state: str = "", grads_reduced: bool = False, **kwargs):
         super().__init__(source, device, **kwargs)
         self.ref_optimizer_state = ref_optimizer_state  # the reference's `optimizer_state` (format/optimizer_state.py)
+        # the reference's parameter gradients were reduced over ranks: each rank's own are its unreduced ones
+        self.ref_grads_reduced = grads_reduced
         self.optimizer_start = ""  # the target's, as the Recorder found (or loaded) it when the step began
         # digests are bitwise: only where reruns are deterministic (the CPU)
         self.backward_checks = None
@@ -572,6 +707,7 @@ class TeacherForcedProbe(LocalProbe):
             return
         live = Rerunner(None, self.device, self.rerunner.random_ops, self.rerunner.names)
         live._state = self.rerunner._state  # the starting states, read once for both
+        live.collectives = self.rerunner.collectives
 
         def rerun(source) -> RunResult:
             live.source = source
@@ -616,11 +752,22 @@ class TeacherForcedProbe(LocalProbe):
         return stored, value
 
     def _stored_grad(self, name: str, param):
-        path = group_path(PARAM_GRADS, name)
+        """The reference's own gradient of this rank: as recorded, or before its reduction over ranks (DDP; under
+        FSDP2 no rank's own gradient is recorded: not judged)."""
+        path = group_path(UNREDUCED_GRADS if self.ref_grads_reduced else PARAM_GRADS, name)
         return self.source.uncached(path) if self.source.has(path) else None
 
     def _summed_grad_dtype(self, stored, param):
         return param.dtype
+
+    def live_collective(self, record: CallRecord | None, phase: str, outputs: dict) -> None:
+        """Forward: kept on the call whose own code ran it, until its probe (the fidelity check feeds a rerun these
+        when they are not the reference's); every phase: their fingerprints, for the backward half of the check."""
+        if phase == FORWARD and record is not None and self.CHECKS_LIVE:
+            record.live_collectives.update((path, t.detach().clone()) for path, t in outputs.items())
+        if self.backward_checks is not None:
+            for path, tensor in outputs.items():
+                self.backward_checks.live_tensor(path, tensor)
 
     def _rerun_primary(self, low_site: Site | None) -> bool:
         return low_site is None  # device calibration: the primary rerun is its low-precision side
@@ -689,6 +836,7 @@ class AgainstCpuProbe(LocalProbe):
     captured inputs; this run's values are judged against that recomputation (noise always on the CPU)."""
 
     KIND = "against_cpu"
+    SOURCE_IS_RUN = True
 
     def __init__(self, source, device, **kwargs):
         super().__init__(source, device, **kwargs)
@@ -712,7 +860,9 @@ class AgainstCpuProbe(LocalProbe):
         return value, stored  # the CPU recomputation is the reference, this run's recorded value is judged
 
     def _stored_grad(self, name: str, param):
-        return None if param.grad is None else param.grad.detach().to(_CPU)
+        if param.grad is None or _world_size() > 1:  # averaged over ranks by a reducer: not this rank's own sum
+            return None
+        return param.grad.detach().to(_CPU)
 
     def _summed_grad_dtype(self, stored, param):
         return stored.dtype
@@ -731,11 +881,14 @@ def teacher_forced_factory(ref, device, *, amp=None, dtype=None, calibrate: str 
     """A `RecordingSession` probe factory: teacher forced against the open reference `ref`. `modes`: this run's
     reduced-precision modes (`precision_modes.current`); the reference's are in its root attributes."""
     def factory(_sink):
-        return TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
-                                  ref_precision=reference_precision(ref.meta, amp, dtype),
-                                  random_ops=recorded_random_ops(ref), modes=modes,
-                                  ref_modes=from_attr(ref.meta.get(PRECISION_MODES)),
-                                  ref_optimizer_state=str(ref.meta.get(OPTIMIZER_STATE) or ""))
+        probe = TeacherForcedProbe(ref, device, amp=amp, dtype=dtype, calibrate=calibrate,
+                                   ref_precision=reference_precision(ref.meta, amp, dtype),
+                                   random_ops=recorded_random_ops(ref), modes=modes,
+                                   ref_modes=from_attr(ref.meta.get(PRECISION_MODES)),
+                                   ref_optimizer_state=str(ref.meta.get(OPTIMIZER_STATE) or ""),
+                                   grads_reduced=grads_reduced(ref.meta))
+        probe.collectives = recorded_collectives(ref)
+        return probe
 
     return factory
 
@@ -791,14 +944,15 @@ def _rel_all(run: RunResult, high: RunResult) -> dict[tuple[str, str], float]:
     return out
 
 
-def _spread(base: RunResult, samples: list[RunResult]) -> dict[tuple[str, str], float]:
-    """The Monte Carlo noise of every tensor of `base`: `montecarlo.spread` of its perturbed samples."""
+def _spread(base: RunResult, samples: list[RunResult], scale: float | None = None) -> dict[tuple[str, str], float]:
+    """The Monte Carlo noise of every tensor of `base`: `montecarlo.spread` of its perturbed samples (`scale`: its
+    SCALE unless given)."""
     out = {}
     for phase, attr in ((FORWARD, "forward"), (BACKWARD, "backward")):
         for name, value in getattr(base, attr).items():
             values = [getattr(s, attr).get(name) for s in samples]
             if all(v is not None for v in values):
-                out[(phase, name)] = spread(value, values)
+                out[(phase, name)] = spread(value, values) if scale is None else spread(value, values, scale)
     return out
 
 

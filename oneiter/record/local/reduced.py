@@ -15,16 +15,9 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, round_mantissa
+from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, OPERANDS, round_mantissa
 
 __all__ = ["ReducedOperands", "OPERANDS"]
-
-# aten op name -> the positions of its operands (what TF32 hardware reads in reduced precision)
-OPERANDS = {
-    "mm": (0, 1), "bmm": (0, 1), "matmul": (0, 1), "linear": (0, 1),
-    "addmm": (1, 2), "baddbmm": (1, 2),
-    "convolution": (0, 1), "convolution_backward": (0, 1, 2),
-}
 
 
 class ReducedOperands(TorchDispatchMode):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict, deque
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -34,12 +34,14 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
+    PLACEMENTS,
     STATE_AFTER,
     STATE_BEFORE,
     STEP_START,
     child_tensor,
     grad_name,
     group_path,
+    layout_from_attrs,
     tensor_path,
 )
 from oneiter.format.stats import pair_sums
@@ -48,9 +50,13 @@ from oneiter.record.capture.recompute import checkpoint_disabled
 from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
+from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
+from oneiter.record.modes.roundoff_mode import RoundoffInjection
 from oneiter.runtime import host_random
+from oneiter.runtime.compiled import eager, eager_name
 from oneiter.runtime.precision import unit_roundoff
+from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
            "tensor_stats", "rel_l2", "with_layout", "stored_layout"]
@@ -73,11 +79,14 @@ class Site:
     `cast`: `live` (every tensor in the dtype it had in the live call), `source` (as the source stored it: the
     reference's own precision), or a dtype name (every floating tensor in that dtype).
     `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
-    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside (see `trusted.py`).
+    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside, ops whose CPU kernels are
+    not torch's own run through torch's (see `trusted.py`).
     `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
     (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
     `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
     operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
+    `inject`: (seed, roundoff, accumulate, families) of a run with a lower precision's rounding injected into every
+    op's result (`modes/roundoff_mode.py`: the bound a noise estimate is checked against); None: none.
     """
 
     name: str
@@ -89,6 +98,7 @@ class Site:
     trusted: bool
     perturb: tuple[int, float] | None = None
     reduced: tuple = ()
+    inject: tuple | None = None
 
     def dtype_for(self, live_dtype, stored_dtype):
         if self.cast == "live":
@@ -152,6 +162,7 @@ class Rerunner:
         self.target_device = torch.device(target_device)
         self.random_ops = random_ops
         self.names = names
+        self.collectives: list[RecordedCollective] = []  # the source's, in order (`record/modes/collectives.py`)
         self._state: dict[str, Any] = {}
         self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)
         self.rounded = 0  # ops whose operands the last run rounded (a site with `reduced`)
@@ -196,6 +207,10 @@ class Rerunner:
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
+            if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
+                stack.enter_context(eager())
+            if site.inject is not None:
+                stack.enter_context(RoundoffInjection(*site.inject))
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
@@ -203,18 +218,14 @@ class Rerunner:
             before = {c: t.detach().clone() for c, t in buffers.items()}
             stack.enter_context(forcing)
             stack.enter_context(self._random(rec, forced, site.device))
+            stack.enter_context(self._collectives(rec))
             if site.live:
                 out = module(*args, **kwargs)
             else:
                 out = torch.func.functional_call(module, {n: t for n, (_, t) in params.items()}, tuple(args),
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
-            changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
-            if changed:  # the call updates its buffers (the version counter does not say: BatchNorm's kernel writes
-                # its running statistics without bumping it): one the source saw move was written here too, even
-                # where the rerun's value is its start (a running mean of a zero-mean input, exactly 0 in bf16)
-                changed.update({c: t.detach().clone() for c, t in buffers.items()
-                                if c not in changed and self._source_moved(c)})
+            changed = self._changed(buffers, before)
             # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
             # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
             # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
@@ -235,18 +246,21 @@ class Rerunner:
         # a value handed in and passed on unchanged (same object, same version) holds none of this call's work
         passed = {(FORWARD, n) for n, v in forward.items() if given.get(id(v)) == v._version}
         passed |= {(BACKWARD, n) for n, v in backward.items() if given.get(id(v)) == v._version}
-        return RunResult({n: v.detach() for n, v in forward.items()}, {n: v.detach() for n, v in backward.items()},
-                         passed, param_grads, changed, internal)
+        return RunResult({n: local(v).detach() for n, v in forward.items()},
+                         {n: local(v).detach() for n, v in backward.items()}, passed, param_grads, changed, internal)
 
     def _input(self, rec: CallRecord, slot: Slot, site: Site, leaves: dict):
         """The source's value of one input slot for the rerun: a leaf (kept in `leaves`) when it takes a gradient,
         handed in as a clone (an in-place module may overwrite its input; a leaf cannot be), laid out as live."""
         value = self.value(tensor_path(rec.key, FORWARD, slot.name), slot, site, f"input {slot.name}")
+        value = to_placed(value, slot.placed)  # a DTensor argument: the recorded shard, placed as it was
         if slot.requires_grad and value.is_floating_point():
             leaf = value.requires_grad_()
             leaves[slot.name] = leaf
             value = leaf.clone()
-        return with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
+        if slot.placed is None:
+            value = with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
+        return value
 
     def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict, anchor):
         pairs = []
@@ -257,11 +271,14 @@ class Rerunner:
                 # stored tensor may sit at any address of a memory-mapped file, and oneDNN's convolution weight
                 # gradient sums in another order for a grad_output not 16-byte aligned, 4e-7 relative in float32),
                 # with the live gradient's strides (ConvNeXt's channels_last one: its layer scale's gradient sums
-                # in another order on a contiguous one, 2.4e-7)
+                # in another order on a contiguous one, 2.4e-7); a shard placed as recorded
                 seed = self.perturb(self.source.tensor(path).to(site.device, out.dtype, copy=True))
-                live = rec.grad_layouts  # known once the live backward reached the call, else as the source had it
-                layout = live[grad_name(name)] if grad_name(name) in live else stored_layout(self.source, path)
-                pairs.append((name, out, with_layout(seed, layout)))
+                placed = self.placed_like(seed, path, out)
+                if placed is seed:
+                    live = rec.grad_layouts  # known once the live backward reached the call, else as the source had it
+                    placed = with_layout(seed, live[grad_name(name)] if grad_name(name) in live
+                                         else stored_layout(self.source, path))
+                pairs.append((name, out, placed))
         if not pairs:
             return {}, {}, {}
         seeds, internal = _external_grads(pairs)
@@ -270,7 +287,7 @@ class Rerunner:
         grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
         # `grads` follows `targets`: the leaves', then the weights', then the anchor's; each zip takes its part
         inputs = {grad_name(n): g for n, g in zip(leaves, grads, strict=False) if g is not None}
-        contributions = {c: g.detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
+        contributions = {c: local(g).detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
                          if g is not None}
         return inputs, contributions, internal
 
@@ -296,16 +313,19 @@ class Rerunner:
                     found[name] = (canonical, tensor)
                 continue
             # buffers start where they were before the iteration (the live ones already hold this call's update)
-            stored = self.reference_state(prefix + name) if site.params == "reference" or not is_param else None
-            if stored is not None and tuple(stored.shape) != tuple(tensor.shape):
+            stored = self.reference_state(eager_name(prefix + name)) if site.params == "reference" or not is_param \
+                else None
+            own = local(tensor)  # a tensor-parallel weight (a DTensor): this rank's shard, placed again below
+            if stored is not None and tuple(stored.shape) != tuple(own.shape):
                 # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
                 # call runs: the reference's full values in a replay (in the run's dtype)
                 stored = None
-            base = stored if stored is not None else tensor.detach()
+            base = stored if stored is not None else own.detach()
             if base.is_floating_point() or base.is_complex():
                 value = self.perturb(base.to(site.device, site.dtype_for(tensor.dtype, base.dtype), copy=True))
             else:
                 value = base.to(site.device, copy=True)
+            value = as_placed(value, tensor)
             if is_param and tensor.requires_grad and value.is_floating_point():
                 value.requires_grad_()
             found[name] = (canonical, value)
@@ -328,12 +348,33 @@ class Rerunner:
             found[name] = t
         return found
 
+    def placed_like(self, value, path: str, like):
+        """`value` (the source's tensor at `path`: a shard) as a DTensor placed as the source recorded it (or as
+        `like` is, when it did not say), when `like` is a DTensor; `value` itself otherwise."""
+        spec = spec_of(like)
+        if spec is None:
+            return value
+        attrs = getattr(self.source, "attrs", None)
+        text = attrs(path).get(PLACEMENTS) if callable(attrs) else None
+        return to_placed(value, spec, parse_placements(text) if text else None)
+
     def reference_state(self, name: str):
         """state_before/<name> of the source (None when it has no such entry), read once."""
         if name not in self._state:
             path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
+
+    def _changed(self, buffers: dict, before: dict) -> dict:
+        """The buffers the call updated, with their new values. A call that changed some updates its buffers (the
+        version counter does not say: BatchNorm's kernel writes its running statistics without bumping it): one the
+        source saw move was written here too, even where the rerun's value is its start (a running mean of a
+        zero-mean input, exactly 0 in bf16)."""
+        changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
+        if changed:
+            changed.update({c: t.detach().clone() for c, t in buffers.items()
+                            if c not in changed and self._source_moved(c)})
+        return changed
 
     def _source_moved(self, name: str) -> bool:
         """Whether the source's iteration changed buffer `name` (its state_after is not its state_before)."""
@@ -358,6 +399,25 @@ class Rerunner:
         if any(k >= len(self.random_ops) for k in wanted):
             raise ProbeSkip("the call ran random ops the source did not record")
         return RandomReplayer(self.source, device, ops=[self.random_ops[k] for k in wanted])
+
+
+    def _collectives(self, rec: CallRecord):
+        """Force the collectives this call's own code ran (and those of the descendants that run live in the rerun:
+        the unprobed ones, outside forced calls), forward and backward apart, in the order they ran; with no process
+        group and nothing recorded, nothing to do."""
+        if not self.collectives and not is_distributed():
+            return nullcontext()
+        keys, stack = {rec.key}, list(rec.children)
+        while stack:
+            child = stack.pop()
+            if child.status != PROBED:
+                keys.add(child.key)
+                stack.extend(child.children)
+        queues: dict[str, list] = {FORWARD: [], BACKWARD: []}
+        for item in self.collectives:
+            if item.call in keys and not item.recomputed:
+                queues.setdefault(item.phase, []).append(item)
+        return CollectiveForcer(self.source, queues, lambda t: self.perturb(t), ProbeSkip)
 
 
 def with_layout(value, layout: tuple | None):
@@ -385,10 +445,10 @@ def with_layout(value, layout: tuple | None):
 
 
 def stored_layout(source, path: str) -> tuple | None:
-    """The live layout a source recorded for `path` (`Reader.layout`), or None: contiguous, or a source that keeps
-    none (this run's own copies, `probe.MemorySource`)."""
-    layout = getattr(source, "layout", None)
-    return layout(path) if layout is not None else None
+    """The live layout a source recorded with `path` (its `stride` and `storage_offset` attributes), or None:
+    contiguous, or a source that keeps no attributes (this run's own copies, `probe.MemorySource`)."""
+    attrs = getattr(source, "attrs", None)
+    return layout_from_attrs(attrs(path)) if callable(attrs) else None
 
 
 def _external_grads(pairs: list) -> tuple[list, dict]:
@@ -456,21 +516,23 @@ class _Forcing:
 
     def __enter__(self):
         for module in self.modules.values():
-            hooks = {n: getattr(module, n) for n in _HOOK_DICTS if hasattr(module, n)}
-            self._saved.append((module, module.__dict__.get("forward", _ABSENT), hooks))
-            for n in hooks:
-                setattr(module, n, OrderedDict())
-            module.forward = functools.partial(self._forward, module)
+            # through the instance's own dict: a torch.compile wrapper forwards other attributes to its `_orig_mod`;
+            # a module compiled in place runs its compiled call (`_compiled_call_impl`) unless it is cleared
+            own = module.__dict__
+            saved = {n: own[n] for n in (*_HOOK_DICTS, "_compiled_call_impl") if n in own}
+            self._saved.append((module, own.get("forward", _ABSENT), saved))
+            for n in saved:
+                own[n] = None if n == "_compiled_call_impl" else OrderedDict()
+            own["forward"] = functools.partial(self._forward, module)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        for module, forward, hooks in self._saved:
+        for module, forward, saved in self._saved:
             if forward is _ABSENT:
                 del module.__dict__["forward"]
             else:
-                module.forward = forward
-            for n, value in hooks.items():
-                setattr(module, n, value)
+                module.__dict__["forward"] = forward
+            module.__dict__.update(saved)
         self._saved.clear()
         # each stand-in's autograd node holds its _ForcedCall, which held this object and so the stand-in's own
         # outputs (whose grad_fn is that node): a cycle through C++ that Python's collector cannot see, which kept
@@ -525,9 +587,9 @@ class _Forcing:
             value = with_layout(self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
                                                     f"output {slot.name} of {child.key}"), slot.layout)
             if slot.requires_grad and value.is_floating_point():
-                grad_slots.append((slot.name, value))
+                grad_slots.append((slot, value))
             else:
-                outs[slot.name] = value
+                outs[slot.name] = to_placed(value, slot.placed)
         return outs, grad_slots
 
     def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
@@ -535,12 +597,12 @@ class _Forcing:
         aliases: dict[str, list] = {}
         for slot in child.output.slots:
             aliases.setdefault(slot.alias or slot.name, []).append(slot.name)
-        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [n for n, _ in grad_slots],
+        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [slot.name for slot, _ in grad_slots],
                            [v for _, v in grad_slots], aliases)
         self._calls.append(info)
         results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
-        for (name, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
-            outs[name] = value
+        for (slot, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
+            outs[slot.name] = to_placed(value, slot.placed)  # a DTensor output: placed as the live one was
 
     def _hand_out(self, child: CallRecord, given: dict, outs: dict) -> None:
         """Note the outputs the child produced (not inputs it passed on) as handed to the caller, and keep them."""
@@ -551,11 +613,16 @@ class _Forcing:
             if id(value) not in passed_on:
                 self.origin[id(value)] = (child, name)
 
-    def grad_for(self, child: CallRecord, name: str, like):
+    def grad_for(self, child: CallRecord, name: str, like, spec: tuple | None = None):
+        """The source's gradient w.r.t. a forced child's input, like `like` (placed as a DTensor input was: `spec`)."""
         path = tensor_path(child.key, BACKWARD, grad_name(name))
         if not self.rerunner.source.has(path):
             return None
         grad = self.rerunner.perturb(self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True))
+        if spec is not None:
+            attrs = getattr(self.rerunner.source, "attrs", None)
+            text = attrs(path).get(PLACEMENTS) if callable(attrs) else None
+            grad = to_placed(grad, spec, parse_placements(text) if text else None)
         self.produced[id(grad)] = grad._version
         self._alive.append(grad)
         return grad
@@ -581,6 +648,7 @@ def _forced_function():
         def forward(ctx, info: _ForcedCall, anchor, *inputs):
             ctx.info = info
             ctx.likes = [torch.empty((), dtype=t.dtype, device=t.device) for t in inputs]
+            ctx.specs = [spec_of(t) for t in inputs]
             return tuple(info.values)
 
         @staticmethod
@@ -593,8 +661,8 @@ def _forced_function():
                 if grad is not None and grad_name(name) not in info.child.internal:
                     for each in info.aliases.get(name, [name]):  # every place the tensor was returned in
                         info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(each))] = grad
-            likes = zip(info.input_names, ctx.likes, strict=True)  # both one per input
-            back = [info.forcing.grad_for(info.child, name, like) for name, like in likes]
+            likes = zip(info.input_names, ctx.likes, ctx.specs, strict=True)  # all one per input
+            back = [info.forcing.grad_for(info.child, name, like, spec) for name, like, spec in likes]
             return (None, None, *back)
 
     return Forced
@@ -624,12 +692,6 @@ def _reduced(site: Site) -> Iterator[Any]:
         yield mode
 
 
-def _is_sharding_hook(hook) -> bool:
-    """A forward hook of FSDP2 (`fully_shard`): it all-gathers and reshards parameters, collectives every rank must
-    join, and registers the gradient reduction."""
-    return str(getattr(hook, "__module__", "") or "").startswith("torch.distributed.fsdp")
-
-
 @contextmanager
 def _without_sharding_hooks(module) -> Iterator[None]:
     """FSDP2's forward hooks off on `module` and every module under it for a rerun: a rerun on one rank must run no
@@ -641,9 +703,9 @@ def _without_sharding_hooks(module) -> Iterator[None]:
     for mod in module.modules():
         for name in ("_forward_pre_hooks", "_forward_hooks"):
             hooks = getattr(mod, name, None)
-            if hooks and any(_is_sharding_hook(h) for h in hooks.values()):
+            if hooks and any(is_fsdp_hook(h) for h in hooks.values()):
                 saved.append((hooks, list(hooks.items())))
-                for key in [k for k, h in hooks.items() if _is_sharding_hook(h)]:
+                for key in [k for k, h in hooks.items() if is_fsdp_hook(h)]:
                     del hooks[key]
     try:
         yield
@@ -709,7 +771,7 @@ def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
 # -- numbers --------------------------------------------------------------------------------------------------------
 def _pair(reference, value):
     """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32."""
-    a, b = reference.detach().reshape(-1), value.detach().reshape(-1)
+    a, b = local(reference).detach().reshape(-1), local(value).detach().reshape(-1)  # never a tensor subclass
     work = torch.promote_types(a.dtype, b.dtype)
     if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
         work = torch.float64 if not work.is_floating_point else torch.float32

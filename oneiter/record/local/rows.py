@@ -25,7 +25,8 @@ Moment = Union[int, tuple[str, str]]
 @dataclass
 class JudgedRow:
     """A judged tensor: the target's value against its reference (`rerun.tensor_stats`), and its noise once
-    calibrated (NaN until then; `calibration` says where it was measured, or why it failed)."""
+    calibrated (NaN until then; `calibration` says where it was measured, or why it failed), and what the precision
+    can produce for it on the trusted path (`noise_bound`, NaN where the noise needed no check)."""
 
     module: str
     call: int
@@ -37,6 +38,7 @@ class JudgedRow:
     noise_target: float = math.nan
     noise_reference: float = math.nan
     calibration: str = ""
+    noise_bound: float = math.nan
 
     def needs_noise(self, run_roundoff: float) -> bool:
         """Whether its error could be flagged at all: above one unit roundoff of its dtype and of the run's
@@ -48,7 +50,8 @@ class JudgedRow:
         seq = self.at if isinstance(self.at, int) else seqs.get(self.at, LATE)
         return LocalRow(module=self.module, call=self.call, phase=self.phase, tensor=self.tensor, seq=seq,
                         dtype=self.dtype, **self.stats, noise_target=self.noise_target,
-                        noise_reference=self.noise_reference, calibration=self.calibration)
+                        noise_reference=self.noise_reference, calibration=self.calibration,
+                        noise_bound=self.noise_bound)
 
 
 def owner(name: str) -> str:

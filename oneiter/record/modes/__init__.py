@@ -1,7 +1,9 @@
 """`record/modes/`: what a recording can switch on around the model's own code.
 
-- `trusted.py`    whether the code running now is oneiter's trusted recomputation, not the target's computation
+- `trusted.py`    whether the code running now is oneiter's trusted recomputation, and torch's own kernels for it
+- `roundoff_mode.py` a float64 rerun with a lower precision's rounding injected into every op (a noise's bound)
 - `randomness.py` random ops recorded on the reference and replayed on the target
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
+- `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 """

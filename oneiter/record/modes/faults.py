@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from oneiter.errors import OneIterError
 from oneiter.record.modes import trusted
+from oneiter.runtime.compiled import eager_name, find_blocks, outside_call
 
 __all__ = ["Fault", "parse_fault", "attach_faults"]
 
@@ -60,15 +61,25 @@ def parse_fault(text: str) -> Fault:
 
 
 def attach_faults(model, faults: list[Fault]) -> list:
-    """Register the faults as forward hooks; returns the handles (remove them to undo)."""
-    modules = dict(model.named_modules())
+    """Register the faults as forward hooks; returns the handles (remove them to undo). A compiled block is faulted
+    at its call, outside its compiled code; a module inside one cannot be (its code runs inside the graph)."""
+    if not faults:
+        return []
+    blocks = find_blocks(model)
+    modules = {eager_name(path): m for path, m in model.named_modules() if not blocks.hides(path)}
     handles = []
     for fault in faults:
         if fault.module not in modules:
+            block = blocks.around(fault.module)
+            if block is not None:
+                raise OneIterError(f"--inject-fault: '{fault.module}' runs inside the compiled block "
+                                   f"'{block.path or '(root)'}', where oneiter adds nothing; fault the block itself, "
+                                   f"or a module outside compiled code")
             near = [n for n in modules if n.endswith(fault.module.rsplit(".", 1)[-1])][:3]
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
             raise OneIterError(f"--inject-fault: the model has no module '{fault.module}'{hint}")
-        handles.append(modules[fault.module].register_forward_hook(_hook_for(fault)))
+        hook = _hook_for(fault)
+        handles.extend(outside_call(modules[fault.module], post=lambda m, a, _k, out, hook=hook: hook(m, a, out)))
     return handles
 
 

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from oneiter.errors import OneIterError
 from oneiter.format.schema import RANDOM, RANDOM_OPS, group_path
 from oneiter.record.capture.recompute import in_backward
+from oneiter.runtime.compiled import skip_dispatch
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",
@@ -121,14 +122,29 @@ def _mask_index(packet: str) -> int:
     return 1 if packet == "native_dropout" else 0
 
 
-class RandomRecorder(TorchDispatchMode):
-    """Records the values of every random aten op, in order, into `random/` through a `TensorSink`."""
+class _IterationMode(TorchDispatchMode):
+    """A mode active while the recorded iteration runs."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps __torch_dispatch__ in torch._dynamo.disable unless this says no: that imports dynamo
         # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile runs a compiled model *eagerly* while a mode that says no is active (measured, torch 2.13):
+        # the compiled code must run as it does without oneiter. Random ops inside it are its own (out of reach:
+        # `Recorder._check_blocks`)
+        return True
+
+    def __enter__(self):
+        skip_dispatch(self)  # with compiled code about: this mode's Python is never compiled
+        return super().__enter__()
+
+
+class RandomRecorder(_IterationMode):
+    """Records the values of every random aten op, in order, into `random/` through a `TensorSink`."""
 
     def __init__(self, sink, group: str = RANDOM):
         super().__init__()
@@ -222,19 +238,13 @@ def _key_shape(rec: RecordedOp) -> tuple[int, ...]:
     return rec.shapes[_mask_index(rec.packet)]
 
 
-class RandomReplayer(TorchDispatchMode):
+class RandomReplayer(_IterationMode):
     """Replays the reference's random values into the target's random ops, in order.
 
     `reader` has `.tensor(path)` returning a CPU tensor (an open `IterationFile`); `ops` defaults to
     `recorded_random_ops(reader)`. Recorded tensors are staged on `device` (default: CPU) before being copied.
     On a clean exit, fewer random ops than the reference recorded is an error too.
     """
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps __torch_dispatch__ in torch._dynamo.disable unless this says no: that imports dynamo
-        # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
-        return False
 
     def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None, *, replay: bool = True):
         super().__init__()

@@ -15,6 +15,11 @@ too; the random ops the call ran (dropout) take the reference's recorded values 
 `trace_layer` runs the same call once under an `ops.OpTracer` (every aten op judged on its own inputs: `op_rerun.py`)
 and again on the CPU in float64, the layer's own program computed exactly, for `oneiter replay --ops`.
 
+A compiled layer (`compile=` a torch.compile backend, or a block the rebuilt model compiles itself) runs its
+compiled code in the checked and timed runs; the float64 and reference-precision runs stand for its eager code and
+run it eagerly. `trace_layer` then judges the nodes of its compiled graphs instead of aten ops
+(`graph_ops.GraphTracer`: the kernels inside compiled code pass no dispatch mode).
+
 Limits, by design:
 - the layer runs in train mode (as recorded); a recording without random-op values (the mmengine hook's) leaves
   dropout to a fresh RNG: it does not reproduce, and the report says so;
@@ -52,7 +57,9 @@ from oneiter.record.capture.structure import flatten_call
 from oneiter.record.local.rerun import with_layout
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
+from oneiter.record.replay.graph_ops import GraphTracer
 from oneiter.record.start.reference import load_reference
+from oneiter.runtime.compiled import check_backend, compile_modules, eager_name, find_blocks
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import load_model, spec_for_replay
 from oneiter.runtime.precision import amp_dtype_name, apply_dtype, autocast_for, torch_dtype, unit_roundoff
@@ -98,7 +105,7 @@ class LayerRun:
 
 def run_layer(
     path: str | Path, layer: str, check: Check, *, call: int = 0, device: str = "cpu", repeat: int = 1,
-    dtype: str | None = None, model: str | None = None, amp: str | None = RECORDED,
+    dtype: str | None = None, model: str | None = None, amp: str | None = RECORDED, compile: str | None = None,
 ) -> LayerRun:
     """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to `check` what it
     produced, then `repeat` timed runs.
@@ -107,14 +114,15 @@ def run_layer(
     layer and its floating inputs (default: keep the recorded --dtype); `amp` is the autocast to run under
     (`bf16`, `fp16`, None for none; default: the recording's own --amp).
     `model` builds the model: required when the recording was made from a model file (a recording never chooses
-    which code runs); a built-in model's recorded name is used when it is None.
+    which code runs); a built-in model's recorded name is used when it is None. `compile`: a torch.compile backend
+    the layer is compiled with (default: the one the rebuilt model compiles it with, if it does).
     """
     if repeat < 1 or call < 0:
         raise OneIterError(f"expected --repeat >= 1 and --call >= 0, got --repeat {repeat} --call {call}")
     with IterationFile(path) as ref:
-        opened = _open(ref, layer, call, device, dtype, amp, model)
+        opened = _open(ref, layer, call, device, dtype, amp, model, compile)
         result = opened.result
-        runner = opened.runner(check, opened.device, opened.cast, result.amp)
+        runner = opened.runner(check, opened.device, opened.cast, result.amp, backend=opened.backend)
         _checked_run(runner, result.key)  # untimed: a first call pays one-off costs (thread pools, allocator, ...)
         for _ in range(repeat):
             forward_seconds, backward_seconds = runner.run()
@@ -142,24 +150,33 @@ class LayerTrace:
     parameter gradients of a replay are not expected to match (`_derived_outputs`)."""
     random_values: bool = True
     """False when the call ran random ops the recording holds no values for: no run reproduces the reference's."""
+    tracer: Any = None
+    """What judged the traced run op by op: the caller's `OpTracer`, or a `GraphTracer` for a compiled layer."""
 
 
 def trace_layer(
     path: str | Path, layer: str, tracer, *, call: int = 0, device: str = "cpu", dtype: str | None = None,
-    model: str | None = None, amp: str | None = RECORDED,
+    model: str | None = None, amp: str | None = RECORDED, compile: str | None = None,
 ) -> LayerTrace:
     """Run call `call` of `layer` once under `tracer` (a context per phase: `tracer.watching("forward")`,
-    `ops.OpTracer`), then again on the CPU in float64 (and in the recording's precision when it is coarser than the
-    run's): the runs `oneiter replay --ops` judges. Arguments as `run_layer`'s."""
+    `ops.OpTracer`; a compiled layer's: a `GraphTracer`), then again on the CPU in float64 (and in the recording's
+    precision when it is coarser than the run's): the runs `oneiter replay --ops` judges. Arguments as
+    `run_layer`'s."""
     if call < 0:
         raise OneIterError(f"expected --call >= 0, got --call {call}")
     import torch
 
     with IterationFile(path) as ref:
-        opened = _open(ref, layer, call, device, dtype, amp, model)
+        opened = _open(ref, layer, call, device, dtype, amp, model, compile)
         result = opened.result
         produced: dict[str, dict[str, Any]] = {}
-        target = opened.runner(_collect, opened.device, opened.cast, result.amp)
+        if opened.backend:
+            tracer = GraphTracer(opened.backend)
+            result.notes.append(f"compiled with {opened.backend}: judged are the nodes of its compiled forward "
+                                f"graphs (each compiled value against its own op in float64); the backward graph "
+                                f"and the kernels inside compiled code are not observable op by op")
+        target = opened.runner(_collect, opened.device, opened.cast, result.amp,
+                               backend=tracer.backend() if opened.backend else None)
         _checked_run(target, result.key, tracer=tracer)
         produced["target"] = dict(target.checks)
         cpu = torch.device("cpu")
@@ -174,7 +191,7 @@ def trace_layer(
         result.notes = result.notes + target.notes
         recorded = {name: target.paths[name] for name, _ in target.checks}
     return LayerTrace(result, recorded, produced, grads_comparable=not target.notes,
-                      random_values=opened.random_ops is not None)
+                      random_values=opened.random_ops is not None, tracer=tracer)
 
 
 def _collect(name: str, ref: IterationFile, path: str, got):
@@ -204,11 +221,17 @@ class _Opened:
     random_ops: list | None
     device: Any
     cast: Any
+    backend: str | None = None
+    """The torch.compile backend the layer runs compiled with (None: eager)."""
 
-    def runner(self, check: Check, device, cast, amp: str | None, *, trusted: bool = False) -> _Runner:
-        """A runner over a fresh copy of the layer on `device`, cast to `cast` (None: as recorded), under `amp`."""
+    def runner(self, check: Check, device, cast, amp: str | None, *, trusted: bool = False,
+               backend=None) -> _Runner:
+        """A runner over a fresh copy of the layer on `device`, cast to `cast` (None: as recorded), under `amp`;
+        compiled with `backend` (a name or a backend callable; None: eager)."""
         module = copy.deepcopy(self.module)
         module = module.to(device=device, dtype=cast) if cast is not None else module.to(device)
+        if backend is not None:
+            compile_modules(module, backend, [])
         return _Runner(self, module, device, cast, autocast_for(device, amp), check, trusted)
 
     def layout(self, name: str) -> tuple | None:
@@ -224,13 +247,15 @@ class _Opened:
 
 
 def _open(ref: IterationFile, layer: str, call: int, device: str, dtype: str | None, amp: str | None,
-          model: str | None) -> _Opened:
+          model: str | None, compile: str | None = None) -> _Opened:
     """Find call `call` of `layer` in `ref`, rebuild the layer with the recorded weights, and describe the run."""
     layer = "" if layer == ROOT_MODULE else layer
     dev = resolve_device(device)
     cast = torch_dtype(dtype) if dtype else None
     attrs, num_calls = _find_call(ref, layer, call)
-    module, param_paths = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
+    module, param_paths, backend = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
+    if compile:  # after the model file ran: importing it may register its backend
+        check_backend(compile)
     amp = (ref.meta.get("amp") or None) if amp == RECORDED else amp
     autocast_for(dev, amp)  # an unknown --amp is refused here, before anything runs
     random_ops = _random_ops(ref, attrs)
@@ -240,7 +265,7 @@ def _open(ref: IterationFile, layer: str, call: int, device: str, dtype: str | N
     )
     entries = {e.tensor: e.path for e in ref.entries()
                if (e.module, e.call) == (layer or ROOT_MODULE, call) and e.phase in (FORWARD, BACKWARD)}
-    return _Opened(ref, result, module, attrs, entries, param_paths, random_ops, dev, cast)
+    return _Opened(ref, result, module, attrs, entries, param_paths, random_ops, dev, cast, compile or backend)
 
 
 def _random_ops(ref: IterationFile, attrs: dict[str, Any]) -> list | None:
@@ -271,7 +296,8 @@ def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any
 
 
 def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: str | None = None):
-    """A private CPU copy of `layer` with the recorded weights, and {`param_grad.<name>`: dataset path} to check.
+    """A private CPU copy of `layer` with the recorded weights (eager: compiled code left out of it), {`param_grad.
+    <name>`: dataset path} to check, and the backend the rebuilt model compiles the layer with (None: it does not).
 
     Parameter gradients are attributable to this call only when it is the layer's single call (`single_call`)
     and no parameter is shared with another module."""
@@ -284,12 +310,12 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
                             json.loads(meta.get("model_args") or "{}"))
     apply_dtype(bundle, meta.get("dtype") or "float32")  # before loading, so that float64 states load exactly
     load_reference(bundle, ref)
-    try:
-        module = bundle.model.get_submodule(layer)
-    except AttributeError:
+    modules = {eager_name(path): m for path, m in bundle.model.named_modules()}  # a wrapper's module: the eager one
+    if layer not in modules:
         raise OneIterError(
-            f"model '{meta['model']}' as built now has no module '{layer}': recorded with another version of it?"
-        ) from None
+            f"model '{meta['model']}' as built now has no module '{layer}': recorded with another version of it?")
+    module = modules[layer]
+    block = find_blocks(bundle.model).by_path.get(layer)
     uses: dict[int, int] = {}
     for _name, param in bundle.model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -297,10 +323,14 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
     if single_call:
         grads = ref.state("param_grads")
         for name, param in module.named_parameters():
-            full = f"{layer}.{name}" if layer else name
+            full = eager_name(f"{layer}.{name}" if layer else name)
             if param.requires_grad and uses[id(param)] == 1 and full in grads:
                 param_paths[f"param_grad.{name}"] = grads[full]
-    return copy.deepcopy(module).train(), param_paths  # train mode, as recorded (training.prepare)
+    layer_copy = copy.deepcopy(module).train()  # train mode, as recorded (training.prepare)
+    for name in ("_compiled_call_impl", "forward"):  # compiled code of the original: compiled again when asked
+        if name in layer_copy.__dict__ and (name != "forward" or block is not None and block.kind == "forward"):
+            del layer_copy.__dict__[name]
+    return layer_copy, param_paths, block.backend if block is not None else None
 
 
 def _notes(module) -> list[str]:

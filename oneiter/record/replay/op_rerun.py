@@ -22,9 +22,11 @@ each op it:
    is the layer blame's fallback (`montecarlo.py`): `SAMPLES` reruns with every floating input perturbed at that
    roundoff (`rerun.Perturbation`, the same seeds), their spread around the unperturbed rerun times `OP_SCALE`.
 
-Like every calibration these reruns are trusted recomputations (`trusted.py`): the CPU's kernels stand for a
-correct kernel, and oneiter's stand-ins for device kernels (`--inject-fault`, the tests' plugins) step aside. A CPU
-kernel that is itself wrong in the op's dtype is therefore invisible here, as it is to the layer blame.
+Like every calibration these reruns are trusted recomputations (`record/modes/trusted.py`): an op whose CPU kernel is
+not torch's own (a plugin's `torch.library` registration, a C++ extension's kernel over torch's) is rerun through
+torch's own kernel of another overload, its composite kernel or its decomposition (else its own kernel in float64,
+rounded to its dtype), in float64 and in its own dtypes alike; the row's note says so. So a wrong CPU kernel — the
+target's own, when the target runs on the CPU — is measured against torch's, never against itself.
 
 What the tracer does not judge (the row says why): random ops (they take the reference's values), views, ops with
 uninitialized outputs (`empty`) and ops without a tensor output. Integer and bool outputs must equal the rerun's.
@@ -52,6 +54,7 @@ from oneiter.record.local.reduced import OPERANDS
 from oneiter.record.local.rerun import Perturbation, tensor_stats
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import is_random
+from oneiter.record.modes.roundoff_mode import COPIES, UNINITIALIZED
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS, round_mantissa
 
@@ -60,12 +63,9 @@ __all__ = ["OpRow", "OpCase", "OpTracer", "RANDOM_NOTE", "OWN_DTYPES", "UNIT_ROU
 RANDOM_NOTE = "random: the reference's values"
 OWN_DTYPES = "cpu, the op's own dtypes"  # `OpRow.reference` of an op no higher precision ran
 UNIT_ROUNDOFF = "unit roundoff"  # `OpRow.noise_from` when the error, or the calibration, is within one
-# ops that move, cast or copy values without computing new ones: left out of the op sequence `judge.replay.op_verdict`
-# compares
-_COPIES = frozenset({"_to_copy", "to", "clone", "copy_", "detach", "alias", "lift_fresh", "lift_fresh_copy",
-                     "_unsafe_view", "contiguous", "_copy_from", "_copy_from_and_resize"})
-_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
-                            "empty_permuted"})
+# ops that move, cast or copy values without computing new ones (left out of the op sequence
+# `judge.replay.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff_mode.py`'s
+_COPIES, _UNINITIALIZED = COPIES, UNINITIALIZED
 # frames that are no user's code: torch's, oneiter's, the standard library's
 _NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep,
              sysconfig.get_paths()["stdlib"] + os.sep, "<")
@@ -224,6 +224,7 @@ class OpTracer(TorchDispatchMode):
     def _measure(self, row: OpRow, func, host: tuple, produced: list) -> list | None:
         """Set the row's error and noise; return the rerun's outputs (None: the op could not be rerun)."""
         row.roundoff = self._roundoff(func, produced)
+        since = trusted.mark()
         with torch.no_grad(), torch.autocast("cpu", enabled=False), trusted.running():
             found = _rerun(func, host, row.roundoff)
             if found is None:
@@ -240,6 +241,8 @@ class OpTracer(TorchDispatchMode):
                 noise, how = self._noise(func, run, host, produced, expected, row.reference)
             row.noise, row.noise_from = (noise, how) if noise is not None and noise > row.roundoff else (
                 row.roundoff, UNIT_ROUNDOFF)
+        if op_name(func) in trusted.met_since(since):
+            row.note = f"its CPU kernel is not torch's own: rerun through {trusted.route_for(func).label}"
         return expected
 
     def _noise(self, func, run, host: tuple, produced: list, expected: list, reference: str) -> tuple:

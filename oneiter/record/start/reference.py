@@ -10,7 +10,7 @@ from __future__ import annotations
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS
-from oneiter.runtime.names import parameters, state_tensors
+from oneiter.runtime.names import module_paths, parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local
 
 __all__ = ["check_structure", "load_state", "load_reference"]
@@ -46,7 +46,7 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
     """Every module the reference called exists here. A model built with other arguments can keep its state_dict
     and still differ here (torchtitan's fused QKV keeps `wqkv` as a module and a parameter, while its state_dict
     hooks name it `wq/wk/wv`). Classes are not compared: a vendor's stack may swap a module for its own fused one."""
-    mine = {path for path, _ in model.named_modules()}
+    mine = {path for path, _ in module_paths(model)}  # a compiled model's by its eager names
     for _key, attrs in ref.calls():
         path = str(attrs.get("module", ""))
         if path not in mine:
@@ -56,13 +56,15 @@ def _check_modules(model, ref: IterationFile, where: str) -> None:
 
 def _check_parameters(model, ref: IterationFile, where: str) -> None:
     """Every parameter the reference has a gradient of (by its name as `runtime/names.py` names parameters) exists
-    here with its shape (a sharded one: this rank's shard)."""
+    here with its shape (a sharded one: this rank's shard, or the whole parameter's for a gradient placed otherwise
+    than its parameter: tensor parallelism's `Replicate` gradient of a `Shard(0)` embedding)."""
     mine = {name: tuple(local(p).shape) for name, p in parameters(model)}
+    whole = {name: tuple(p.shape) for name, p in parameters(model) if is_dtensor(p)}
     for name, path in ref.state(PARAM_GRADS).items():
         if name not in mine:
             raise OneIterError(f"model structure does not match {where}: it has parameter '{name}', this model "
                                f"does not ({_BUILT_OTHERWISE})")
-        if mine[name] != ref.shape_of(path):
+        if ref.shape_of(path) not in (mine[name], whole.get(name)):
             raise OneIterError(f"model structure does not match {where}: parameter '{name}' has shape "
                                f"{list(ref.shape_of(path))} there, {list(mine[name])} here ({_BUILT_OTHERWISE})")
 

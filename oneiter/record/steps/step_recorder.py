@@ -41,7 +41,7 @@ from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
 from oneiter.record.steps.twin import Twin, TwinPass
 from oneiter.runtime import precision_modes
-from oneiter.runtime.distributed import current_rank
+from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 
@@ -150,9 +150,13 @@ class StepRecorder:
         if options.against:
             raise OneIterError("against='cpu' judges one iteration: record several steps against a reference "
                                "(replay=) instead", param="against")
-        if current_rank().distributed:
-            raise OneIterError("several steps are recorded by a single process (torchrun runs: record one step with "
-                               "--step)", param="steps")
+        if options.compile:
+            raise OneIterError("compile records one iteration: for several steps of a compiled model, compile it in "
+                               "the training code (torch.compile) or record one step (--step)", param="compile")
+        info = current_rank()
+        if info.distributed:  # under torchrun each rank writes (and replays) its own file, as for one iteration
+            options = replace(options, out=rank_path(options.out, info.rank, info.world_size),
+                              replay=replay_path(options.replay, info) if options.replay is not None else None)
         self.model, self.options = model, replace(options, level="stats")
         self.optimizers = optimizer_list(optimizer)
         self.progress, self.notify, self.twin_enabled = progress, notify, bool(twin)

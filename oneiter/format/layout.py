@@ -50,6 +50,7 @@ from oneiter.format.schema import (
     call_path,
     decode,
     group_path,
+    layout_from_attrs,
     plain,
     seq_kind,
     step_group,
@@ -411,6 +412,10 @@ class IterationFile:
     def tensor(self, path: str):
         """The tensor as a torch tensor with its original dtype, bit for bit."""
         return to_torch(self.raw(path), self.dtype_of(path))
+
+    def layout(self, path: str) -> tuple | None:
+        """The live tensor's (strides, storage offset) as recorded at `path` (validated on open), or None."""
+        return layout_from_attrs(self.attrs(path)) if path in self._tree.datasets else None
 
     def has(self, path: str) -> bool:
         # every link was seen by the validation walk: a dict lookup, not an HDF5 link traversal

@@ -56,7 +56,7 @@ __all__ = [
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
     "LOCAL_FIELDS", "LocalRow", "UNPROBED_FIELDS", "STATS_VALUES", "STATS_FIELDS", "plain", "STRIDE", "STORAGE_OFFSET",
-    "layout_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
+    "layout_attrs", "layout_from_attrs", "PLACEMENTS", "GLOBAL_SHAPE", "GLOBAL_OFFSET", "shard_attrs", "GRAD_REDUCTION",
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
     "step_group",
     "split_step", "COLLECTIVES", "UNREDUCED_GRADS", "COLLECTIVE_OPS", "REDUCE_OPS", "COLLECTIVE_ATTRS",
@@ -369,6 +369,14 @@ def layout_attrs(layout: tuple | None) -> dict | None:
     if layout is None:
         return None
     return {STRIDE: [int(x) for x in layout[0]], STORAGE_OFFSET: int(layout[1])}
+
+
+def layout_from_attrs(attrs: dict) -> tuple | None:
+    """The (strides, storage offset) a dataset's `STRIDE` and `STORAGE_OFFSET` attributes hold (`layout_attrs`), or
+    None: the live tensor was contiguous from offset 0."""
+    if attrs.get(STRIDE) is None:
+        return None
+    return tuple(int(s) for s in attrs[STRIDE]), int(attrs.get(STORAGE_OFFSET) or 0)
 
 
 def shard_attrs(placement: tuple | None) -> dict | None:

@@ -162,6 +162,10 @@ class CallRecord:
     internal: dict = field(default_factory=dict)  # grad name -> gradient an output got from the call itself
     identity: dict = field(default_factory=dict)  # output name -> name of the input it is (same tensor, unchanged)
     given: dict = field(default_factory=dict)  # while the call runs: id(input tensor) -> (name, version)
+    # grad name -> (strides, storage offset) of the gradient an output got in the live backward, where it was not
+    # contiguous (`structure.layout_of`): a rerun backpropagates the source's gradient laid out so (a channels_last
+    # gradient sums in another order than a contiguous one)
+    grad_layouts: dict = field(default_factory=dict)
     host_random: tuple | None = None  # Python's and numpy's generator states as the call began (host_random.py)
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
@@ -423,7 +427,7 @@ class ModuleCapture:
         named = list(flatten(output, "output"))
         for name, value in named:
             self.sink.put(group, name, value, _layout(value))
-        self._hook_grads(key, named, self._pending_grads.pop(key, None))
+        self._hook_grads(key, named, self._pending_grads.pop(key, None), record)
         attrs: dict[str, Any] = {"random_end": self.random_count()}
         self._mark_seq(key, "output", attrs)
         self.sink.writer.attrs(call_path(key), attrs)
@@ -442,11 +446,13 @@ class ModuleCapture:
             with self.suspended(), untracked():
                 self.probe.after_call(record)
 
-    def _hook_grads(self, key: str, named: list, pending) -> None:
-        """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input)."""
+    def _hook_grads(self, key: str, named: list, pending, record: "CallRecord | None" = None) -> None:
+        """Gradient hooks of one call: on its outputs (grad_output) and on its own nodes (grad_input). `record`:
+        the call's probe record, which keeps the layout of each output's live gradient (`CallRecord.grad_layouts`).
+        """
         for name, value in named:
             if _wants_grad(value):
-                _output_hook(value, self._grad_hook(key, grad_name(name)), self._views)
+                _output_hook(value, self._grad_hook(key, grad_name(name), record), self._views)
         self._input_grads.finish(pending, [v for _, v in named], self._input_grad_sink(key))
 
     # -- recomputation (activation checkpointing) ----------------------------------------------------------------------
@@ -475,15 +481,20 @@ class ModuleCapture:
         return on_grad
 
     # -- backward ---------------------------------------------------------------------------------------------------
-    def _grad_hook(self, key: str, name: str):
+    def _grad_hook(self, key: str, name: str, record: "CallRecord | None" = None):
+        import torch
+
         group = call_path(key, BACKWARD)
 
         checks = getattr(self.probe, "backward_checks", None)  # record/local/fidelity.py: the live gradients' digests
 
         def hook(grad):
             if grad is not None:
+                layout = layout_of(grad) if grad.layout == torch.strided else None  # the live backward's
+                if record is not None:
+                    record.grad_layouts[name] = layout
                 grad = unscaled(grad, self.grad_scale)
-                self.sink.put(group, name, grad)
+                self.sink.put(group, name, grad, layout_attrs(layout))
                 if checks is not None:
                     checks.live_grad(key, name, grad)
                 attrs: dict[str, Any] = {}

@@ -35,11 +35,13 @@ from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
     PLACEMENTS,
+    STATE_AFTER,
     STATE_BEFORE,
     STEP_START,
     child_tensor,
     grad_name,
     group_path,
+    layout_from_attrs,
     tensor_path,
 )
 from oneiter.format.stats import pair_sums
@@ -57,7 +59,7 @@ from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
-           "tensor_stats", "rel_l2", "with_layout"]
+           "tensor_stats", "rel_l2", "with_layout", "stored_layout"]
 
 AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
@@ -223,7 +225,7 @@ class Rerunner:
                 out = torch.func.functional_call(module, {n: t for n, (_, t) in params.items()}, tuple(args),
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
-            changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
+            changed = self._changed(buffers, before)
             # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
             # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
             # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
@@ -265,8 +267,18 @@ class Rerunner:
         for name, out in outputs.items():
             path = tensor_path(rec.key, BACKWARD, grad_name(name))
             if out.requires_grad and self.source.has(path):
-                seed = self.perturb(self.source.tensor(path).to(site.device, out.dtype))
-                pairs.append((name, out, self.placed_like(seed, path, out)))
+                # as the live backward had it: a fresh copy, as every value the rerun hands a kernel (`value`; a
+                # stored tensor may sit at any address of a memory-mapped file, and oneDNN's convolution weight
+                # gradient sums in another order for a grad_output not 16-byte aligned, 4e-7 relative in float32),
+                # with the live gradient's strides (ConvNeXt's channels_last one: its layer scale's gradient sums
+                # in another order on a contiguous one, 2.4e-7); a shard placed as recorded
+                seed = self.perturb(self.source.tensor(path).to(site.device, out.dtype, copy=True))
+                placed = self.placed_like(seed, path, out)
+                if placed is seed:
+                    live = rec.grad_layouts  # known once the live backward reached the call, else as the source had it
+                    placed = with_layout(seed, live[grad_name(name)] if grad_name(name) in live
+                                         else stored_layout(self.source, path))
+                pairs.append((name, out, placed))
         if not pairs:
             return {}, {}, {}
         seeds, internal = _external_grads(pairs)
@@ -353,6 +365,25 @@ class Rerunner:
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
 
+    def _changed(self, buffers: dict, before: dict) -> dict:
+        """The buffers the call updated, with their new values. A call that changed some updates its buffers (the
+        version counter does not say: BatchNorm's kernel writes its running statistics without bumping it): one the
+        source saw move was written here too, even where the rerun's value is its start (a running mean of a
+        zero-mean input, exactly 0 in bf16)."""
+        changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
+        if changed:
+            changed.update({c: t.detach().clone() for c, t in buffers.items()
+                            if c not in changed and self._source_moved(c)})
+        return changed
+
+    def _source_moved(self, name: str) -> bool:
+        """Whether the source's iteration changed buffer `name` (its state_after is not its state_before)."""
+        path, start = group_path(STATE_AFTER, name), self.reference_state(name)
+        if start is None or not self.source.has(path):
+            return False
+        after = self.source.tensor(path)
+        return tuple(after.shape) == tuple(start.shape) and not torch.equal(after, start)
+
     def step_start(self, name: str):
         """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it
         during the iteration (nn.Embedding(max_norm)), else state_before/<name>; None when it has neither."""
@@ -411,6 +442,13 @@ def with_layout(value, layout: tuple | None):
     extent = int(index.max()) + 1
     base = value.new_zeros(extent).index_put((index.reshape(-1),), value.reshape(-1))
     return base.as_strided(size, tuple(stride), offset)
+
+
+def stored_layout(source, path: str) -> tuple | None:
+    """The live layout a source recorded with `path` (its `stride` and `storage_offset` attributes), or None:
+    contiguous, or a source that keeps no attributes (this run's own copies, `probe.MemorySource`)."""
+    attrs = getattr(source, "attrs", None)
+    return layout_from_attrs(attrs(path)) if callable(attrs) else None
 
 
 def _external_grads(pairs: list) -> tuple[list, dict]:

@@ -48,8 +48,6 @@ from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
     ROOT_MODULE,
-    STORAGE_OFFSET,
-    STRIDE,
     call_key,
     natural_key,
     tensor_to_numpy,
@@ -238,10 +236,7 @@ class _Opened:
 
     def layout(self, name: str) -> tuple | None:
         """The live tensor's (strides, storage offset) as the recording holds them (validated on open), or None."""
-        attrs = self.ref.attrs(self.entries[name])
-        if attrs.get(STRIDE) is None:
-            return None
-        return tuple(int(s) for s in attrs[STRIDE]), int(attrs.get(STORAGE_OFFSET) or 0)
+        return self.ref.layout(self.entries[name])
 
     def reference_precision(self, dtype: str, amp: str | None) -> tuple[str, str | None] | None:
         """(dtype, amp) of the recording when it computed in a coarser precision than `dtype`/`amp`, else None."""

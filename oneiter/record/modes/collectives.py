@@ -60,6 +60,9 @@ _ONEITER = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 _API = ("torch.distributed.distributed_c10d", "torch.distributed.c10d_logger",
         "torch.distributed._functional_collectives", "torch.distributed._functional_collectives_impl",
         "torch.autograd.function", "torch._ops", "torch.utils._python_dispatch")
+# torch code that only passes the call on: the wrapper Dynamo puts around oneiter's own dispatch modes
+# (`runtime/compiled.skip_dispatch`) sits between a C++ hook's collective and the autograd engine
+_PASSING = ("torch._dynamo",)
 
 
 def is_distributed() -> bool:
@@ -264,6 +267,9 @@ def _where() -> tuple[str, str]:
         module = str(frame.f_globals.get("__name__", ""))
         if module.startswith("torch.autograd.graph"):  # the autograd engine: no model line issued it
             return "", via or ("autograd" if first is None else via)
+        if module.startswith(_PASSING):
+            frame = frame.f_back
+            continue
         if first is None and module.startswith("torch") and not module.startswith(_API):
             first = module
         if not via and module.startswith(("torch.distributed.", "torch.nn.parallel")) and not module.startswith(

@@ -35,7 +35,6 @@ from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
     PLACEMENTS,
-    STATE_AFTER,
     STATE_BEFORE,
     STEP_START,
     child_tensor,
@@ -366,23 +365,8 @@ class Rerunner:
         return self._state[name]
 
     def _changed(self, buffers: dict, before: dict) -> dict:
-        """The buffers the call updated, with their new values. A call that changed some updates its buffers (the
-        version counter does not say: BatchNorm's kernel writes its running statistics without bumping it): one the
-        source saw move was written here too, even where the rerun's value is its start (a running mean of a
-        zero-mean input, exactly 0 in bf16)."""
-        changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
-        if changed:
-            changed.update({c: t.detach().clone() for c, t in buffers.items()
-                            if c not in changed and self._source_moved(c)})
-        return changed
-
-    def _source_moved(self, name: str) -> bool:
-        """Whether the source's iteration changed buffer `name` (its state_after is not its state_before)."""
-        path, start = group_path(STATE_AFTER, name), self.reference_state(name)
-        if start is None or not self.source.has(path):
-            return False
-        after = self.source.tensor(path)
-        return tuple(after.shape) == tuple(start.shape) and not torch.equal(after, start)
+        """The buffers the call updated (their value moved), with their new values."""
+        return {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
 
     def step_start(self, name: str):
         """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it

@@ -39,7 +39,7 @@ file.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Optional
 
 try:
     from transformers import TrainerCallback
@@ -50,46 +50,18 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
 
 from oneiter.errors import OneIterError
 from oneiter.integrations.hf_profile import ProfileCallback
-from oneiter.integrations.step_driver import StepDriver, callback_options, meta_of
+from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
-from oneiter.record.recorder import RecordSummary
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
 
 
-class OneIterCallback(TrainerCallback):
+class OneIterCallback(DrivenCallback, TrainerCallback):
     """Record optimizer step `step` (0-based) of a `Trainer` run into `out` (reference, or replay of `replay`), or the
     statistics of every `every`-th step (0, K, 2K, ...: a multi-step file).
 
-    Args:
-        step / every: the step to record in full, or every K-th step's statistics (one of them).
-        options: the recording's settings, a `oneiter.record.options.RecordOptions` (`out`, `replay`, ...).
-        **record: or the same settings as keywords, those `oneiter.Recorder` takes: `out` (required), `replay`,
-            `include`/`exclude` (regexes on module paths), `seed` (`torch.manual_seed` when the step begins; None
-            leaves the RNG alone), `isolate` (with `replay`: judge every call on the reference's values), `force`
-            (overwrite `out`), `level`, ...; `model_name` is the file's `model`. Not `amp`: the framework's
-            precision settings decide it (`integrations/recording.py`).
-
-    After the step (or the run, with `every`), `summary` holds what was written.
+    Its arguments and `summary`: `step_driver.DrivenCallback`, shared with the Lightning callback.
     """
-
-    def __init__(
-        self,
-        *,
-        step: Optional[int] = None,
-        every: Optional[int] = None,
-        options: Optional[RecordOptions] = None,
-        **record: Any,
-    ):
-        self.options = callback_options(type(self).__name__, step=step, every=every, options=options,
-                                        keywords=record)
-        self.step, self.every = step, every
-        self.out, self.replay = self.options.out, self.options.replay
-        self._driver = StepDriver(self.options, step, every)
-
-    @property
-    def summary(self) -> Optional[RecordSummary]:
-        return self._driver.summary
 
     # -- Trainer events --------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):

@@ -56,9 +56,9 @@ except ImportError:  # the older package name: the same API
 
 from oneiter.errors import OneIterError
 from oneiter.integrations.profile_callback import ProfileEvents
-from oneiter.integrations.step_driver import StepDriver, callback_options, meta_of
+from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
-from oneiter.record.recorder import Phase, Recorder, RecordSummary
+from oneiter.record.recorder import Phase, Recorder
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
 
@@ -66,20 +66,11 @@ __all__ = ["OneIterCallback", "ProfileCallback"]
 _AUTOCAST = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
-class OneIterCallback(pl.Callback):
+class OneIterCallback(DrivenCallback, pl.Callback):
     """Record optimizer step `step` (0-based `trainer.global_step`) of a Lightning run into `out` (a reference, or a
     replay of `replay`), or the statistics of every `every`-th step (0, K, 2K, ...: a multi-step file).
 
-    Args:
-        step / every: the step to record in full, or every K-th step's statistics (one of them).
-        options: the recording's settings, a `oneiter.record.options.RecordOptions` (`out`, `replay`, ...).
-        **record: or the same settings as keywords, those `oneiter.Recorder` takes: `out` (required), `replay`,
-            `include`/`exclude` (regexes on module paths), `seed` (`torch.manual_seed` when the step begins; None
-            leaves the RNG alone), `isolate` (with `replay`: judge every call on the reference's values), `force`
-            (overwrite `out`), `level`, ...; `model_name` is the file's `model`. Not `amp`: the framework's
-            precision settings decide it (`integrations/recording.py`).
-
-    After the step (or the run, with `every`), `summary` holds what was written.
+    Its arguments and `summary`: `step_driver.DrivenCallback`, shared with the Hugging Face callback.
     """
 
     def __init__(
@@ -90,16 +81,8 @@ class OneIterCallback(pl.Callback):
         options: Optional[RecordOptions] = None,
         **record: Any,
     ):
-        self.options = callback_options(type(self).__name__, step=step, every=every, options=options,
-                                        keywords=record)
-        self.step, self.every = step, every
-        self.out, self.replay = self.options.out, self.options.replay
-        self._driver = StepDriver(self.options, step, every)
+        super().__init__(step=step, every=every, options=options, **record)
         self._routed: Optional[Any] = None  # the LightningModule whose next training_step goes through a Recorder
-
-    @property
-    def summary(self) -> Optional[RecordSummary]:
-        return self._driver.summary
 
     # -- Lightning events -------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:

@@ -29,7 +29,7 @@ from oneiter.record.session import check_output
 from oneiter.record.steps.step_recorder import StepRecorder
 from oneiter.runtime.distributed import current_rank, rank_path
 
-__all__ = ["StepDriver", "callback_options", "meta_of"]
+__all__ = ["StepDriver", "DrivenCallback", "callback_options", "meta_of"]
 
 def callback_options(owner: str, *, step: Optional[int], every: Optional[int], options: Optional[RecordOptions],
                      keywords: dict[str, Any]) -> RecordOptions:
@@ -148,6 +148,41 @@ class StepDriver:
             finally:
                 if recorder is not None:
                     recorder.__exit__(*failed)
+
+
+class DrivenCallback:
+    """What a framework's recording callback (the Trainer's, Lightning's) shares: its constructor and `summary`; a
+    callback subclasses it before its framework's callback class and forwards its events to `self._driver`.
+
+    Args:
+        step / every: the step to record in full, or every K-th step's statistics (one of them).
+        options: the recording's settings, a `oneiter.record.options.RecordOptions` (`out`, `replay`, ...).
+        **record: or the same settings as keywords, those `oneiter.Recorder` takes: `out` (required), `replay`,
+            `include`/`exclude` (regexes on module paths), `seed` (`torch.manual_seed` when the step begins; None
+            leaves the RNG alone), `isolate` (with `replay`: judge every call on the reference's values), `force`
+            (overwrite `out`), `level`, ...; `model_name` is the file's `model`. Not `amp`: the framework's
+            precision settings decide it (`integrations/recording.py`).
+
+    After the step (or the run, with `every`), `summary` holds what was written.
+    """
+
+    def __init__(
+        self,
+        *,
+        step: Optional[int] = None,
+        every: Optional[int] = None,
+        options: Optional[RecordOptions] = None,
+        **record: Any,
+    ):
+        self.options = callback_options(type(self).__name__, step=step, every=every, options=options,
+                                        keywords=record)
+        self.step, self.every = step, every
+        self.out, self.replay = self.options.out, self.options.replay
+        self._driver = StepDriver(self.options, step, every)
+
+    @property
+    def summary(self) -> Optional[RecordSummary]:
+        return self._driver.summary
 
 
 def meta_of(framework: str, version: str, step: Optional[int], **more: Any) -> dict[str, Any]:

@@ -224,7 +224,7 @@ class Rerunner:
                 out = torch.func.functional_call(module, {n: t for n, (_, t) in params.items()}, tuple(args),
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
-            changed = self._changed(buffers, before)
+            changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
             # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
             # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
             # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
@@ -363,10 +363,6 @@ class Rerunner:
             path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
-
-    def _changed(self, buffers: dict, before: dict) -> dict:
-        """The buffers the call updated (their value moved), with their new values."""
-        return {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
 
     def step_start(self, name: str):
         """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it

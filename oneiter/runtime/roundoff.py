@@ -10,20 +10,22 @@ kernels:
   (`record/modes/trusted.py`): its float64 result perturbed the same way, then rounded to the op's dtype.
 
 **How much** (`inject`). Each floating input of an op is multiplied by (1 ± δ) at random per element, δ = u +
-sqrt(L - 1) u_acc, and each floating result by (1 ± u): one rounding of the result, and the rounding a sum of L terms
-accumulates (the terms summed into each element: a matmul's contracted dimension, a convolution's input channels
-times kernel size, the reduced elements of a sum or a normalisation; random rounding errors grow like sqrt(L)). The
-accumulation error is put on the *terms*, not on the result: a sum that cancels (a bias gradient after a
-normalisation, whose terms sum to almost nothing) loses as many digits to it in float32 as the terms have, and so
-does its bound. u_acc is the accumulator's roundoff: float32's under bf16/fp16 (kernels accumulate in float32), the
-run's own otherwise.
+sqrt(L - 1) u_acc, the rounding a sum of L terms accumulates (the terms summed into each element: a matmul's
+contracted dimension, a convolution's input channels times kernel size, the reduced elements of a sum or a
+normalisation; random rounding errors grow like sqrt(L)), and each floating result by (1 ± δ) with the L of that
+result (`result_length`; 1 for an elementwise result: one rounding). On the *terms* the accumulation error makes a
+sum that cancels (a bias gradient after a normalisation, whose terms sum to almost nothing) lose as many digits as
+float32 loses; on the *result* it covers a sum of terms of one sign, whose partial sums grow as it goes and round
+alike (a bias's gradient summing the one value a mean's backward broadcast: 83 u over 768 terms in float32 on 2
+threads, where terms perturbed at random gave u). u_acc is the accumulator's roundoff: float32's under bf16/fp16
+(kernels accumulate in float32), the run's own otherwise.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["reduction_length", "delta", "perturbed_", "inject", "meta_outputs"]
+__all__ = ["UNANNOTATED_WRITES", "reduction_length", "result_length", "delta", "perturbed_", "inject", "meta_outputs"]
 
 _CONTRACT_LAST = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "mv": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1,
                   "addmv": 1, "_grouped_mm": 0}  # op -> the argument whose last dimension is contracted
@@ -31,6 +33,13 @@ _ALONG_DIM = {"_softmax": 1, "_log_softmax": 1, "_softmax_backward_data": 2, "_l
               "cumsum": 1, "cumprod": 1, "logcumsumexp": 1}  # op -> the position of its `dim` argument
 _NORMS = ("native_layer_norm", "native_batch_norm", "_native_batch_norm", "native_group_norm", "batch_norm",
           "layer_norm", "group_norm", "_fused_rms_norm", "rms_norm", "cudnn_batch_norm")
+
+
+# arguments kernels update in place without their schema saying so: `native_batch_norm`, `cudnn_batch_norm`,
+# `miopen_batch_norm` write a training call's running statistics into the tensors they are handed. A copy of them
+# (what an unwritten input gets) would leave the module's buffers where they were: a bound measured on such runs
+# saw BatchNorm's running statistics never move (rel_l2 1.0 against the float64 run's update, whatever it was).
+UNANNOTATED_WRITES = frozenset({"running_mean", "running_var"})
 
 
 def reduction_length(func, args: tuple, outputs: list) -> int:
@@ -61,6 +70,18 @@ def reduction_length(func, args: tuple, outputs: list) -> int:
     if name.startswith(_NORMS):  # the statistics (the smallest output) reduce the input
         return max(1, max(sizes) // max(1, min(produced)))
     return max(1, max(sizes) // max(produced))
+
+
+def result_length(func, args: tuple, outputs: list, out) -> int:
+    """How many terms each element of one result `out` of an op sums: the op's length where every result element
+    sums alike (a contraction, a convolution, a dimension of a softmax or a cumulative sum); else the op's largest
+    input per element of this result (a sum's, a mean's; a normalisation's statistics and its weight's and bias's
+    gradients, while its input's gradient is 1): 1 where the result is no smaller than the inputs."""
+    name = func.overloadpacket.__name__
+    if name in _CONTRACT_LAST or name in _ALONG_DIM or name in ("dot", "vdot", "convolution", "convolution_backward"):
+        return reduction_length(func, args, outputs)
+    sizes = [int(a.numel()) for a in args if hasattr(a, "shape") and hasattr(a, "numel")]
+    return max(1, max(sizes, default=1) // max(1, int(out.numel())))
 
 
 def delta(roundoff: float, accumulate: float, length: int) -> float:
@@ -111,6 +132,7 @@ def inject(func, args: tuple, kwargs: dict, roundoff: float, accumulate: float, 
     like = meta_outputs(func, args, kwargs) or []
     eps = max(delta(roundoff, accumulate, reduction_length(func, args, like)), operand)
     written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    written |= UNANNOTATED_WRITES.intersection(a.name for a in func._schema.arguments)
     names = [a.name for a in func._schema.arguments]
 
     def one(value, name: str):

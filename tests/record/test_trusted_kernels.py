@@ -184,7 +184,29 @@ def test_injected_roundoff_puts_the_accumulation_on_the_terms():
         total = terms.sum()
     assert abs(total.item() / 1e-6 - 1) > 100 * U  # the terms' rounding, not the result's
     assert delta(U, U, 65) == pytest.approx(U * (1 + 8))
+    alike = torch.full((768,), 0.3, dtype=torch.float64)  # one value summed: partial sums of one sign
+    spreads = []
+    for seed in range(3):
+        with RoundoffInjection(seed, U, U):
+            spreads.append(abs(alike.sum().item() / (0.3 * 768) - 1))
+    assert max(spreads) > 20 * U  # the result's own accumulation: (1 ± u (1 + sqrt(767))); on the terms only, ~u
     w = torch.ones(64, 16, dtype=torch.float64)
     assert reduction_length(torch.ops.aten.mm.default, (x, w), [x @ w]) == 64
     assert reduction_length(torch.ops.aten.sum.default, (x,), [x.sum()]) == 8 * 64
     assert reduction_length(torch.ops.aten.exp.default, (x,), [x]) == 1
+
+
+def test_injected_roundoff_keeps_batchnorms_running_statistics_its_kernels_update():
+    """`native_batch_norm` writes a training call's running statistics into the tensors it is handed, and its schema
+    does not say so: they are updated as in the plain run (their terms' rounding aside), not left at their start."""
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) + 0.25
+    plain = torch.nn.BatchNorm2d(8).double()
+    plain(x)
+    for seed in range(3):
+        bn = torch.nn.BatchNorm2d(8).double()
+        with RoundoffInjection(seed, 2.0 ** -8, U):
+            bn(x)
+        for name in ("running_mean", "running_var"):
+            mine, theirs = getattr(bn, name), getattr(plain, name)
+            rel = ((mine - theirs).norm() / theirs.norm()).item()
+            assert 0 < rel < 2 ** -6, (name, rel)

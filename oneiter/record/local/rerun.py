@@ -35,6 +35,7 @@ from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
     PLACEMENTS,
+    STATE_AFTER,
     STATE_BEFORE,
     STEP_START,
     child_tensor,
@@ -224,7 +225,7 @@ class Rerunner:
                 out = torch.func.functional_call(module, {n: t for n, (_, t) in params.items()}, tuple(args),
                                                  kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
-            changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
+            changed = self._changed(buffers, before)
             # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
             # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
             # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
@@ -363,6 +364,25 @@ class Rerunner:
             path = group_path(STATE_BEFORE, name)
             self._state[name] = self.source.tensor(path) if self.source.has(path) else None
         return self._state[name]
+
+    def _changed(self, buffers: dict, before: dict) -> dict:
+        """The buffers the call updated, with their new values. A call that changed some updates its buffers (the
+        version counter does not say: BatchNorm's kernel writes its running statistics without bumping it): one the
+        source saw move was written here too, even where the rerun's value is its start (a running mean of a
+        zero-mean input, exactly 0 in bf16)."""
+        changed = {c: t.detach().clone() for c, t in buffers.items() if not torch.equal(t, before[c])}
+        if changed:
+            changed.update({c: t.detach().clone() for c, t in buffers.items()
+                            if c not in changed and self._source_moved(c)})
+        return changed
+
+    def _source_moved(self, name: str) -> bool:
+        """Whether the source's iteration changed buffer `name` (its state_after is not its state_before)."""
+        path, start = group_path(STATE_AFTER, name), self.reference_state(name)
+        if start is None or not self.source.has(path):
+            return False
+        after = self.source.tensor(path)
+        return tuple(after.shape) == tuple(start.shape) and not torch.equal(after, start)
 
     def step_start(self, name: str):
         """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it

@@ -4,8 +4,8 @@ Where this sits: the calibration checks its own noise estimates (`record/local/p
 estimate is itself checked"): a call's precision-only noise may not be far above what that precision can produce
 for the call. What it can produce is measured on the trusted path, with no kernel of that precision: the call is
 rerun on the CPU in float64 (torch's kernels: `trusted.py`) under `RoundoffInjection`, a TorchDispatchMode that
-multiplies each floating input of each op by (1 ± δ) and each result by (1 ± u) (`runtime/roundoff.py`: the
-accumulation over its reduction on the terms, one rounding on the result; the inputs of the matmuls and
+multiplies each floating input of each op by (1 ± δ) and each result by (1 ± δ) (`runtime/roundoff.py`: the
+accumulation over its reduction on the terms and on each result that sums; the inputs of the matmuls and
 convolutions a float32 run computes in TF32/HF32 at least at that mode's roundoff). The spread of a few such runs
 around the plain float64 run is the bound; an op that amplifies (a normalisation's backward) amplifies the injected
 errors as it would the real ones, and a sum that cancels loses the digits of its terms.
@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from oneiter.record.modes.randomness import is_random
 from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS
-from oneiter.runtime.roundoff import inject, perturbed_
+from oneiter.runtime.roundoff import delta, inject, perturbed_, result_length
 
 __all__ = ["RoundoffInjection", "COPIES", "UNINITIALIZED"]
 
@@ -62,6 +62,8 @@ class RoundoffInjection(TorchDispatchMode):
         out = func(*args, **kwargs)
         produced = {id(t): t for t in tree_flatten(out)[0] if hasattr(t, "is_floating_point")
                     and t.is_floating_point()}
-        for value in produced.values():
-            perturbed_(value, self.roundoff, self.rng)
+        results = list(produced.values())
+        for value in results:
+            length = result_length(func, args, results, value)
+            perturbed_(value, delta(self.roundoff, self.accumulate, length), self.rng)
         return out

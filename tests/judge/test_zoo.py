@@ -11,7 +11,10 @@ families whose clean replays once were DIVERGED, and on faults next to what made
 - Hugging Face: DeBERTa-v2 (its encoder returns its last hidden state twice), Wav2Vec2 (SpecAugment masks drawn
   from numpy.random), BART and T5 under bf16 (an output the model also consumes: its gradient is summed from
   many consumers), ModernBERT (rotary embeddings, local attention), DINOv2 (returns a view of its last hidden
-  state that nobody reads).
+  state that nobody reads), ConvNeXt on 2 threads (a channels_last gradient; a bias gradient summing one broadcast
+  value, whose float32 rounding the calibration-trust bound once put far too low), MobileNetV2 under bf16 (running
+  means of zero-mean inputs: exactly 0 in bf16, and the bound's runs once left BatchNorm's running statistics
+  unchanged).
 
 A clean case must be a MATCH; a fault case must name the faulted module (or, for a torch.nn.functional fault, a
 module whose own code calls the function) in the fault's phase: the outcome `ok`. torchtitan (a bench dependency)
@@ -41,6 +44,8 @@ CASES = [
     ("t5", "bf16"),
     ("modernbert", "clean"), ("modernbert", "bf16"),
     ("dinov2", "clean"),
+    ("convnext", "threads"),
+    ("mobilenet_v2", "bf16"),
 ]
 
 
@@ -64,7 +69,7 @@ def work(tmp_path_factory):
 
 
 # the Hugging Face cases take 15 to 25 s of CPU each (18 cases: 109 s of CPU in all, the torch.nn ones 1 to 6 s each)
-HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2"}
+HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2", "convnext", "mobilenet_v2"}
 PARAMS = [pytest.param(n, c, id=f"{n}-{c}", marks=[pytest.mark.slow] if n in HF else []) for n, c in CASES]
 
 

@@ -11,7 +11,8 @@ families whose clean replays once were DIVERGED, and on faults next to what made
 - Hugging Face: DeBERTa-v2 (its encoder returns its last hidden state twice), Wav2Vec2 (SpecAugment masks drawn
   from numpy.random), BART and T5 under bf16 (an output the model also consumes: its gradient is summed from
   many consumers), ModernBERT (rotary embeddings, local attention), DINOv2 (returns a view of its last hidden
-  state that nobody reads).
+  state that nobody reads), RecurrentGemma (its RG-LRU keeps its final state, a tensor of its graph, as a plain
+  attribute: the replay's own backward once failed).
 
 A clean case must be a MATCH; a fault case must name the faulted module (or, for a torch.nn.functional fault, a
 module whose own code calls the function) in the fault's phase: the outcome `ok`. torchtitan (a bench dependency)
@@ -41,6 +42,7 @@ CASES = [
     ("t5", "bf16"),
     ("modernbert", "clean"), ("modernbert", "bf16"),
     ("dinov2", "clean"),
+    ("recurrent_gemma", "clean"),
 ]
 
 
@@ -64,7 +66,7 @@ def work(tmp_path_factory):
 
 
 # the Hugging Face cases take 15 to 25 s of CPU each (18 cases: 109 s of CPU in all, the torch.nn ones 1 to 6 s each)
-HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2"}
+HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2", "recurrent_gemma"}
 PARAMS = [pytest.param(n, c, id=f"{n}-{c}", marks=[pytest.mark.slow] if n in HF else []) for n, c in CASES]
 
 

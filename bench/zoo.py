@@ -515,12 +515,6 @@ _VIEW_OUTPUT = ("open: the model returns `pooler_output`, a view (`sequence_outp
                 "`last_hidden_state` it also returns. Not measured further; the likely reason: an alias by view, "
                 "which the alias of one tensor in several places (Slot.alias) does not cover, so the root's "
                 "backward rerun seeds the view's gradient apart from its base's")
-_STATEFUL = ("open; the likely cause, read in its code and not confirmed: the live call of RecurrentGemma's rg_lru "
-             "leaves its final state on the module "
-             "(`self.recurrent_states`, a tensor of the live graph, read by its next call as its start); the "
-             "replay's rerun of the call, at forward time, starts from it, so the rerun's backward runs into the "
-             "live graph and frees its saved tensors, and the live backward then fails (the reference, which "
-             "reruns nothing, records). Restoring the modules' attributes after a rerun alone does not fix it (tried)")
 _FIRST_LAYER = ("the right module, in the phase its fault shows in: conv2d runs once, in down.0, the first layer, "
                 "whose input is the batch (no gradient), so the only gradient the faulted backward gives is its "
                 "weight's: param_grad, not backward")
@@ -531,7 +525,6 @@ _BATCH_PAD = ("the fault's first site, named: MobileNetV2 pads the batch itself 
 NOTES: dict[tuple[str, str], str] = {
     ("mobilenet_v2", "function_fwd"): _BATCH_PAD, ("mobilenet_v2", "function_bf16_fwd"): _BATCH_PAD,
     ("nn_conv_transpose", "function_bwd"): _FIRST_LAYER, ("nn_conv_transpose", "function_bf16_bwd"): _FIRST_LAYER,
-    **{("recurrent_gemma", case): _STATEFUL for case in CLEAN},
     ("gpt2", "function_bf16_bwd"): _SOFTMAX_BF16, ("gpt_bigcode", "function_bf16_bwd"): _SOFTMAX_BF16,
     ("dinov2", "clean"): _VIEW_OUTPUT, ("dinov2", "threads"): _VIEW_OUTPUT, ("dinov2", "bf16"): _VIEW_OUTPUT,
 }

@@ -9,6 +9,7 @@
 - `kernels.py`     which kernels a device runs that are not torch's own, asked of the dispatcher
 - `names.py`       the names a model's parameters and buffers have in a recording (never state_dict's)
 - `host_random.py` the random generators outside torch (Python's, numpy's): seeded, and kept around reruns
+- `module_state.py` the tensors a module keeps in plain attributes between calls: as a call found them, for its rerun
 - `distributed.py` torchrun ranks, DDP, per-rank file names, the process group compare shares its work over
 - `sharding.py`    DTensor parameters (FSDP2, tensor parallelism), whether a model parallelises itself, how
                    gradients are reduced

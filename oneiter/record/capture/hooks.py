@@ -46,7 +46,7 @@ from oneiter.format.stats import tensor_stats
 from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
-from oneiter.runtime import host_random
+from oneiter.runtime import host_random, module_state
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
 from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
 
@@ -167,6 +167,9 @@ class CallRecord:
     # gradient sums in another order than a contiguous one)
     grad_layouts: dict = field(default_factory=dict)
     host_random: tuple | None = None  # Python's and numpy's generator states as the call began (host_random.py)
+    # the instance attributes of its module and those under it as the call began (tensors its forward leaves there
+    # for the next call: RecurrentGemma's recurrent state): a rerun starts from them (module_state.py)
+    attributes: list | None = None
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
@@ -181,7 +184,7 @@ class CallRecord:
         """Drop what only this call's own probe needed. A probed call's children are never needed again (its
         caller forces the call as a whole); an unprobed call runs live in its caller's rerun, with its own probed
         descendants forced, so it keeps them."""
-        self.args = self.kwargs = None
+        self.args = self.kwargs = self.attributes = None
         self.live_inputs = self.live_outputs = None
         self.live_collectives = {}
         if self.status == PROBED:
@@ -411,7 +414,8 @@ class ModuleCapture:
             # recomputation, which differentiates it, will have it
             as_if_grad = not _grad_enabled() and in_reentrant_forward()
             pos, kw = skeleton_call(args, kwargs, as_if_grad=as_if_grad)
-            record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state())
+            record = CallRecord(key, module, path, call, parent, pos, kw, begin, host_random=host_random.state(),
+                                attributes=module_state.state(module))
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
                 record.live_inputs = {n: local(v).detach().clone() for n, v in named if _is_tensor(v)}

@@ -53,7 +53,7 @@ from oneiter.record.modes import trusted
 from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
 from oneiter.record.modes.roundoff_mode import RoundoffInjection
-from oneiter.runtime import host_random
+from oneiter.runtime import host_random, module_state
 from oneiter.runtime.compiled import eager, eager_name
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
@@ -203,7 +203,7 @@ class Rerunner:
         forcing = _Forcing(forced, self, site, anchor)
         skip = {id(m) for c in forced for m in c.module.modules()} if own_only else set()
         with ExitStack() as stack:
-            stack.enter_context(_isolated(module, rec.host_random, site.device, self.target_device))
+            stack.enter_context(_isolated(module, rec, site.device, self.target_device))
             stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
             stack.enter_context(_without_sharding_hooks(module))
             stack.enter_context(trusted.running(site.trusted))
@@ -716,16 +716,18 @@ def _without_sharding_hooks(module) -> Iterator[None]:
 
 
 @contextmanager
-def _isolated(module, host: tuple | None, *devices) -> Iterator[None]:
+def _isolated(module, rec: CallRecord, *devices) -> Iterator[None]:
     """Outer dispatch modes off, gradients on; buffers (BatchNorm running stats) and RNG states restored after.
-    Python's and numpy's generators start where they were when the live call began (`host`; the model's own draws
-    from them, SpecAugment's masks, are the live call's again) and are left as they were found."""
+    Python's and numpy's generators, and the tensors the modules keep in plain attributes (RecurrentGemma's
+    recurrent state), start where they were when the live call began (`rec.host_random`, `rec.attributes`: the
+    model's own draws, SpecAugment's masks, are the live call's again; a rerun never starts from, nor backpropagates
+    into, the live call's end state) and are left as they were found."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     found = host_random.state()
-    if host is not None:
-        host_random.set_state(host)
+    if rec.host_random is not None:
+        host_random.set_state(rec.host_random)
     cpu_rng = torch.get_rng_state()
     backends = []
     for device in {torch.device(d).type for d in devices} - {"cpu"}:
@@ -733,7 +735,7 @@ def _isolated(module, host: tuple | None, *devices) -> Iterator[None]:
         if backend is not None and hasattr(backend, "get_rng_state"):
             backends.append((backend, backend.get_rng_state()))
     try:
-        with _disable_current_modes(), torch.enable_grad():
+        with _disable_current_modes(), torch.enable_grad(), module_state.started(rec.attributes):
             yield
     finally:
         torch.set_rng_state(cpu_rng)

@@ -109,3 +109,17 @@ def test_the_table_goes_between_the_markers_of_a_document(tmp_path):
     plain = tmp_path / "table.md"
     zoo.write_table(plain, "| a |\n")
     assert plain.read_text() == "| a |\n"
+
+
+def test_a_bf16_miss_is_explained_by_what_its_float32_twin_measured():
+    """A bf16 fault that was missed is explained from figures, never by hand: its float32 twin named the entry by an
+    error that is a share of its fault; that share of the bf16 fault, against the bf16 case's noise there."""
+    at = {"module": "h.1.attn", "call": 0, "phase": "backward", "tensor": "h.1.attn.c_attn@0:grad_output"}
+    got = {"function_bwd": {"outcome": "ok", "verdict": {**at, "rel_l2": 1.46e-05}},
+           "function_bf16_bwd": {"outcome": "missed", "verdict": {"worst_local": {**at, "ratio": 1.01, "factor": 4.0,
+                                                                                  "expected": 4.21e-03}}}}
+    text = zoo._below_noise("function_bf16_bwd", got)
+    assert "moved h.1.attn@0 backward h.1.attn.c_attn@0:grad_output by 1.46e-05, 1.5 % of the fault" in text
+    assert "so 0.05 moves it by about 0.00073, 0.17 times bf16's own noise there (0.00421" in text
+    got["function_bwd"]["outcome"] = "missed"
+    assert zoo._below_noise("function_bf16_bwd", got) == ""

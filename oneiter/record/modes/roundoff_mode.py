@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from oneiter.record.modes.randomness import is_random
 from oneiter.runtime.precision_modes import FAMILY_OPS, MANTISSA_BITS
-from oneiter.runtime.roundoff import delta, inject, perturbed_, result_length
+from oneiter.runtime.roundoff import inject, perturbed_, result_delta
 
 __all__ = ["RoundoffInjection", "COPIES", "UNINITIALIZED"]
 
@@ -64,6 +64,5 @@ class RoundoffInjection(TorchDispatchMode):
                     and t.is_floating_point()}
         results = list(produced.values())
         for value in results:
-            length = result_length(func, args, results, value)
-            perturbed_(value, delta(self.roundoff, self.accumulate, length), self.rng)
+            perturbed_(value, result_delta(func, args, results, value, self.roundoff, self.accumulate), self.rng)
         return out

@@ -293,7 +293,7 @@ def run_case(work: Path, name: str, case: str, sites: dict) -> dict:
              "call": culprit.call if culprit else verdict.where.get("call"),
              "phase": culprit.phase if culprit else verdict.where.get("phase"),
              "tensor": culprit.tensor if culprit else verdict.where.get("tensor"),
-             "ratio": culprit.ratio if culprit else None, "rel_l2": culprit.rel_l2 if culprit else None,
+             "ratio": culprit.ratio if culprit else None, "rel_l2": culprit.local_rel_l2 if culprit else None,
              "headline": verdict.headline[:400],
              "worst_local": verdict.worst_local}  # on a miss: the call nearest to being flagged
     return {**result, "outcome": judge_outcome(found, want), "verdict": found, "seconds": seconds}

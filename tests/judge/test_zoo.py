@@ -14,8 +14,9 @@ families whose clean replays once were DIVERGED, and on faults next to what made
   state that nobody reads), ConvNeXt on 2 threads (a channels_last gradient; a bias gradient summing one broadcast
   value, whose float32 rounding the calibration-trust bound once put far too low), MobileNetV2 under bf16 (running
   means of zero-mean inputs: exactly 0 in bf16, and the bound's runs once left BatchNorm's running statistics
-  unchanged), RecurrentGemma (its RG-LRU keeps its final state, a tensor of its graph, as a plain attribute: the
-  replay's own backward once failed).
+  unchanged), Swin under bf16 (torch's CPU LayerNorm backward sums its bias's gradient in bf16, which the bound once
+  held to a float32 accumulator), RecurrentGemma (its RG-LRU keeps its final state, a tensor of its graph, as a
+  plain attribute: the replay's own backward once failed).
 
 A clean case must be a MATCH; a fault case must name the faulted module (or, for a torch.nn.functional fault, a
 module whose own code calls the function) in the fault's phase: the outcome `ok`. torchtitan (a bench dependency)
@@ -47,6 +48,7 @@ CASES = [
     ("dinov2", "clean"),
     ("convnext", "threads"),
     ("mobilenet_v2", "bf16"),
+    ("swin", "bf16"),
     ("recurrent_gemma", "clean"),
 ]
 
@@ -71,7 +73,8 @@ def work(tmp_path_factory):
 
 
 # the Hugging Face cases take 15 to 25 s of CPU each (18 cases: 109 s of CPU in all, the torch.nn ones 1 to 6 s each)
-HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2", "convnext", "mobilenet_v2", "recurrent_gemma"}
+HF = {"deberta_v2", "wav2vec2", "bart", "t5", "modernbert", "dinov2", "convnext", "mobilenet_v2", "swin",
+      "recurrent_gemma"}
 PARAMS = [pytest.param(n, c, id=f"{n}-{c}", marks=[pytest.mark.slow] if n in HF else []) for n, c in CASES]
 
 

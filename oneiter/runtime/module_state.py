@@ -22,8 +22,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-import torch
-
 __all__ = ["state", "started"]
 
 _ABSENT = object()
@@ -32,6 +30,8 @@ _ABSENT = object()
 def state(module) -> list[tuple[Any, dict]]:
     """(module, its instance attributes) for `module` and every module under it, as they are now; a tensor detached:
     its values, not the graph that made it (which the saved state would otherwise keep alive)."""
+    import torch  # not at import: `import oneiter` imports no torch (tests/record/test_api.py)
+
     return [(mod, {name: value.detach() if isinstance(value, torch.Tensor) else value
                    for name, value in vars(mod).items()})
             for mod in module.modules()]
@@ -42,6 +42,8 @@ def started(saved: list[tuple[Any, dict]] | None) -> Iterator[None]:
     """Within: every attribute of the modules in `saved` that holds a tensor now or held one in `saved` is as `saved`
     has it (a tensor as a fresh detached copy; an attribute `saved` does not have is removed); afterwards, each is
     what it was found to be (and a tensor attribute made meanwhile is removed). `saved` None: nothing is changed."""
+    import torch
+
     found: list[tuple[dict, dict]] = []  # (a module's instance dict, {name: what it held when found})
     try:
         for mod, then in saved or ():
@@ -62,6 +64,8 @@ def started(saved: list[tuple[Any, dict]] | None) -> Iterator[None]:
 
 def _fresh(value):
     """A tensor's copy, outside any graph; anything else as it is."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         return value
     with torch.no_grad():

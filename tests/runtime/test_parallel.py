@@ -169,7 +169,9 @@ def test_compare_under_torchrun_over_many_rank_files_gives_the_one_process_verdi
     assert a["verdict"] == b["verdict"] and a["ranks"] == b["ranks"] and len(a["ranks"]) == 32
     assert a["verdict"]["rank"] == 9 and a["verdict"]["diverged_ranks"] == [9, 21]
     assert np.array_equal([r["rank"] for r in b["ranks"]], np.arange(32))
-    # files that cannot be compared so: every process stops with the one-line error and exit 2, nothing hangs
+    # files that cannot be compared so: a process stops with the one-line error and exit 2, nothing hangs. torchrun
+    # stops the other process once one failed, so on a loaded machine the other may be stopped before its own line
+    # (one of two lines in a .ci/run beside a zoo sweep): at least one line, never a traceback
     bad = _torchrun(2, "-m", "oneiter", "compare", ref / "run.rank0.h5", tgt / "run.rank0.h5", timeout=300)
     assert bad.returncode == 1 and "(exitcode: 2)" in bad.stderr and "Traceback" not in bad.stdout
-    assert bad.stderr.count("error: compare under torchrun shares the files of multi-rank runs") == 2
+    assert 1 <= bad.stderr.count("error: compare under torchrun shares the files of multi-rank runs") <= 2

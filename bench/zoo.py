@@ -524,6 +524,9 @@ def _below_noise(case: str, got: dict) -> str:
     if same and worst.get("expected"):
         text += (f", {moved / worst['expected']:.2g} times bf16's own noise there ({worst['expected']:.3g}; "
                  f"flagged above {worst.get('factor', 4):g} times)")
+    elif worst.get("ratio") is not None:
+        text += (f", and no entry of this replay, that one included, is above {worst['ratio']:.2g} times its bf16 "
+                 f"noise (flagged above {worst.get('factor', 4):g} times)")
     return text
 
 

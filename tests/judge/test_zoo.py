@@ -124,5 +124,8 @@ def test_a_bf16_miss_is_explained_by_what_its_float32_twin_measured():
     text = zoo._below_noise("function_bf16_bwd", got)
     assert "moved h.1.attn@0 backward h.1.attn.c_attn@0:grad_output by 1.46e-05, 1.5 % of the fault" in text
     assert "so 0.05 moves it by about 0.00073, 0.17 times bf16's own noise there (0.00421" in text
+    got["function_bf16_bwd"]["verdict"]["worst_local"].update(module="h.0.mlp", ratio=0.77)
+    assert zoo._below_noise("function_bf16_bwd", got).endswith(
+        "and no entry of this replay, that one included, is above 0.77 times its bf16 noise (flagged above 4 times)")
     got["function_bwd"]["outcome"] = "missed"
     assert zoo._below_noise("function_bf16_bwd", got) == ""

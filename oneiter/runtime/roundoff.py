@@ -41,7 +41,8 @@ _NORMS = ("native_layer_norm", "native_batch_norm", "_native_batch_norm", "nativ
 # `miopen_batch_norm` write a training call's running statistics into the tensors they are handed. A copy of them
 # (what an unwritten input gets) would leave the module's buffers where they were: a bound measured on such runs
 # saw BatchNorm's running statistics never move (rel_l2 1.0 against the float64 run's update, whatever it was).
-UNANNOTATED_WRITES = frozenset({"running_mean", "running_var"})
+UNANNOTATED_WRITES = {op: frozenset({"running_mean", "running_var"})
+                      for op in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
 
 
 def reduction_length(func, args: tuple, outputs: list) -> int:
@@ -143,7 +144,7 @@ def inject(func, args: tuple, kwargs: dict, roundoff: float, accumulate: float, 
     like = meta_outputs(func, args, kwargs) or []
     eps = max(delta(roundoff, accumulate, reduction_length(func, args, like)), operand)
     written = {a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    written |= UNANNOTATED_WRITES.intersection(a.name for a in func._schema.arguments)
+    written |= UNANNOTATED_WRITES.get(func.overloadpacket.__name__, frozenset())
     names = [a.name for a in func._schema.arguments]
 
     def one(value, name: str):

@@ -491,9 +491,10 @@ def _detail(name: str, case: str, res: dict) -> str:
     return f"| {name} | {case} | {verdict} | {where} | {ratio_text} | {res['seconds']:.1f} | {res['outcome']} |"
 
 
-def _note(name: str, case: str, res: dict, got: dict) -> str:
-    """What a case that is not ok found, what it had to find, and (a miss) the call nearest to being flagged and,
-    where measured, why it was not (`_below_noise`)."""
+def _note(name: str, case: str, got: dict) -> str:
+    """What case `case` of the model's cases `got` found where it is not ok, what it had to find, and (a miss) the
+    call nearest to being flagged and, where measured, why it was not (`_below_noise`)."""
+    res = got[case]
     v = res.get("verdict") or {}
     what = res.get("error") or f"{(v.get('status') or '').upper()} {_culprit_text(v)}".strip()
     want = res.get("expected") or {}
@@ -580,7 +581,7 @@ def markdown(summ: dict) -> str:
             if case in got:
                 details.append(_detail(name, case, got[case]))
                 if got[case]["outcome"] != "ok":
-                    notes.append(_note(name, case, got[case], got))
+                    notes.append(_note(name, case, got))
     sites = [f"- {name}: module `{d['sites'].get('module')}`, function `{d['sites'].get('function')}`"
              for name, d in summ["models"].items() if d.get("sites")]
     return "\n".join([*lines, "", "Every case that is not ok:", "", *(notes or ["- none"]), "", "Every case:", "",

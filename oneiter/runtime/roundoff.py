@@ -13,7 +13,7 @@ kernels:
 sqrt(L - 1) u_acc, the rounding a sum of L terms accumulates (the terms summed into each element: a matmul's
 contracted dimension, a convolution's input channels times kernel size, the reduced elements of a sum or a
 normalisation; random rounding errors grow like sqrt(L)), and each floating result by (1 ± δ) with the L of that
-result (`result_length`; 1 for an elementwise result: one rounding). On the *terms* the accumulation error makes a
+result (`result_delta`; 1 for an elementwise result: one rounding). On the *terms* the accumulation error makes a
 sum that cancels (a bias gradient after a normalisation, whose terms sum to almost nothing) lose as many digits as
 float32 loses; on the *result* it covers a sum of terms of one sign, whose partial sums grow as it goes and round
 alike (a bias's gradient summing the one value a mean's backward broadcast: 83 u over 768 terms in float32 on 2
@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["UNANNOTATED_WRITES", "reduction_length", "result_length", "result_delta", "delta", "perturbed_", "inject",
-           "meta_outputs"]
+__all__ = ["UNANNOTATED_WRITES", "reduction_length", "result_delta", "delta", "perturbed_", "inject", "meta_outputs"]
 
 _CONTRACT_LAST = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "mv": 0, "addmm": 1, "baddbmm": 1, "addbmm": 1,
                   "addmv": 1, "_grouped_mm": 0}  # op -> the argument whose last dimension is contracted
@@ -45,8 +44,11 @@ UNANNOTATED_WRITES = {op: frozenset({"running_mean", "running_var"})
                       for op in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm")}
 
 
-def reduction_length(func, args: tuple, outputs: list) -> int:
-    """How many terms an op sums into each element of its result (1 for an elementwise op)."""
+def reduction_length(func, args: tuple, outputs: list, out=None) -> int:
+    """How many terms an op sums into each element of its result (1 for an elementwise op). `out`: of that one
+    result of the op: the op's length where every result element sums alike (a contraction, a convolution, a
+    dimension of a softmax or a cumulative sum); else the op's largest input per element of `out` (a sum's, a mean's;
+    a normalisation's statistics and its weight's and bias's gradients, while its input's gradient is 1)."""
     name = func.overloadpacket.__name__
     tensors = [a for a in args if hasattr(a, "shape") and hasattr(a, "numel")]
     if name in _CONTRACT_LAST and len(args) > _CONTRACT_LAST[name]:
@@ -67,6 +69,8 @@ def reduction_length(func, args: tuple, outputs: list) -> int:
         shape = tensors[0].shape
         return max(1, int(shape[dim])) if isinstance(dim, int) and shape else 1
     sizes = [int(t.numel()) for t in tensors]
+    if out is not None:
+        return max(1, max(sizes, default=1) // max(1, int(out.numel())))
     produced = [int(t.numel()) for t in outputs if t is not None and hasattr(t, "numel") and t.numel()]
     if not sizes or not produced:
         return 1
@@ -75,25 +79,13 @@ def reduction_length(func, args: tuple, outputs: list) -> int:
     return max(1, max(sizes) // max(produced))
 
 
-def result_length(func, args: tuple, outputs: list, out) -> int:
-    """How many terms each element of one result `out` of an op sums: the op's length where every result element
-    sums alike (a contraction, a convolution, a dimension of a softmax or a cumulative sum); else the op's largest
-    input per element of this result (a sum's, a mean's; a normalisation's statistics and its weight's and bias's
-    gradients, while its input's gradient is 1): 1 where the result is no smaller than the inputs."""
-    name = func.overloadpacket.__name__
-    if name in _CONTRACT_LAST or name in _ALONG_DIM or name in ("dot", "vdot", "convolution", "convolution_backward"):
-        return reduction_length(func, args, outputs)
-    sizes = [int(a.numel()) for a in args if hasattr(a, "shape") and hasattr(a, "numel")]
-    return max(1, max(sizes, default=1) // max(1, int(out.numel())))
-
-
 def result_delta(func, args: tuple, outputs: list, out, roundoff: float, accumulate: float) -> float:
-    """The relative perturbation of one result `out` of an op (`delta` with `result_length`). A normalisation's
+    """The relative perturbation of one result `out` of an op (`delta` with its `reduction_length`). A normalisation's
     results are summed in the run's own precision at worst, not in `accumulate`'s: torch's CPU LayerNorm backward
     sums its weight's and bias's gradients over the rows in bf16 (1.1 % off float64 on the same rounded inputs over
     512 rows, where GroupNorm's, BatchNorm's and a bf16 `sum` are 0.16 %: the rounding of their float32 sums)."""
     acc = max(roundoff, accumulate) if func.overloadpacket.__name__.startswith(_NORMS) else accumulate
-    return delta(roundoff, acc, result_length(func, args, outputs, out))
+    return delta(roundoff, acc, reduction_length(func, args, outputs, out))
 
 
 def delta(roundoff: float, accumulate: float, length: int) -> float:

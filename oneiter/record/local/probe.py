@@ -90,16 +90,7 @@ from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
-from oneiter.record.local.rerun import (
-    AMBIENT,
-    PROBED,
-    ProbeSkip,
-    Rerunner,
-    RunResult,
-    Site,
-    rel_l2,
-    tensor_stats,
-)
+from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
 from oneiter.record.modes.collectives import RecordedCollective, recorded_collectives

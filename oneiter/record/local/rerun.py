@@ -164,6 +164,7 @@ class Rerunner:
         self.names = names
         self.collectives: list[RecordedCollective] = []  # the source's, in order (`record/modes/collectives.py`)
         self._state: dict[str, Any] = {}
+        self._moved: dict[str, bool] = {}  # buffer name -> whether the source's iteration changed it (`_source_moved`)
         self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)
         self.rounded = 0  # ops whose operands the last run rounded (a site with `reduced`)
 
@@ -377,12 +378,14 @@ class Rerunner:
         return changed
 
     def _source_moved(self, name: str) -> bool:
-        """Whether the source's iteration changed buffer `name` (its state_after is not its state_before)."""
-        path, start = group_path(STATE_AFTER, name), self.reference_state(name)
-        if start is None or not self.source.has(path):
-            return False
-        after = self.source.tensor(path)
-        return tuple(after.shape) == tuple(start.shape) and not torch.equal(after, start)
+        """Whether the source's iteration changed buffer `name` (its state_after is not its state_before), read once:
+        every rerun of the call (its primary, calibration and bound sites) asks."""
+        if name not in self._moved:
+            path, start = group_path(STATE_AFTER, name), self.reference_state(name)
+            after = self.source.tensor(path) if start is not None and self.source.has(path) else None
+            self._moved[name] = (after is not None and tuple(after.shape) == tuple(start.shape)
+                                 and not torch.equal(after, start))
+        return self._moved[name]
 
     def step_start(self, name: str):
         """Where the source's optimizer step of parameter `name` started: step_start/<name> when the model wrote it

@@ -230,3 +230,44 @@ def test_a_block_around_the_last_microbatch_of_a_window_is_refused(tmp_path):
     with oneiter.Recorder(model, tmp_path / "zeroed.h5", optimizer=opt) as rec:
         model(rec.inputs(batches[1])).sum().backward()
         opt.step()
+
+
+def test_a_step_recorder_screens_steps_of_two_microbatches_and_its_twin_runs_them(tmp_path, monkeypatch):
+    """`StepRecorder.run` (what `record --steps` screens with): each step of a loop of one's own is two microbatches;
+    a replay takes each step's two batches, its twin runs both again, and a kernel wrong for the rare tokens that
+    first come at step 2 names step 2."""
+    sys.path.insert(0, str(MODEL_FILES))
+    try:
+        import hf_llama
+    finally:
+        sys.path.remove(str(MODEL_FILES))
+
+    def loop(out, seed, fault="", **kwargs):
+        if fault:
+            monkeypatch.setenv(FAULT_ENV, fault)
+        torch.manual_seed(seed)
+        model, _, _, _, batch = hf_llama.build_steps(2, seq_len=6, hidden=16, layers=1, rare_step=2)
+        monkeypatch.delenv(FAULT_ENV, raising=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+        def one_step(step):
+            (ids,), _ = batch(step)
+            opt.zero_grad()
+            for chunk in ids.split(1):  # two microbatches of one row
+                x = rec.inputs(chunk)
+                (model(input_ids=x, labels=x).loss / 2).backward()
+            opt.step()
+
+        try:
+            with oneiter.StepRecorder(model, out, optimizer=opt, steps=3, **kwargs) as rec:
+                rec.run(one_step)
+        finally:
+            sys.modules["faultkit"].undo_faults()
+        return out
+
+    ref = loop(tmp_path / "ref.h5", 0)
+    result = oneiter.compare(ref, loop(tmp_path / "tgt.h5", 5, fault="ids:90:0.01", replay=ref))
+    assert (result.exit_code, result.verdict()["step"]) == (1, 2)
+    assert [r.bitwise for r in result.rows[:2]] == [True, True]  # before the rare tokens: each microbatch replayed
+    with IterationFile(tmp_path / "tgt.h5") as f:  # the twin, unperturbed, gave the run's own first step
+        assert [f.step(s).microbatches() for s in f.steps()] == [2, 2, 2] and f.meta["twin_check"] == 0.0

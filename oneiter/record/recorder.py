@@ -505,11 +505,16 @@ class Recorder:
             self._mb.from_inputs = False
             self._first_call = (args, kwargs, next_node_number())
             return None
-        if self.phase not in (Phase.OPEN, Phase.GRADS) or not self._begin_microbatch():
+        if not self._call_begins_microbatch() or not self._begin_microbatch():
             return None  # another call in this microbatch (two views of one batch), or after the step
         new_args, new_kwargs = self._take_batch(args, kwargs)
         self._first_call = (new_args, new_kwargs, next_node_number())
         return (new_args, new_kwargs) if self._swap is not None else None
+
+    def _call_begins_microbatch(self) -> bool:
+        """Whether a call of the model (without `rec.inputs` before it) begins a microbatch: the first call, or the
+        first after a backward returned; a model called twice before its backward runs both calls in one."""
+        return self.phase in (Phase.OPEN, Phase.GRADS)
 
     def _begin_microbatch(self) -> bool:
         """The next microbatch begins (its forward comes): numbered, its calls marked with it, and after a backward

@@ -265,6 +265,7 @@ class Recorder:
         self._loss = None  # the iteration's loss, once the block ends
         self._mb = Microbatches()  # the microbatches begun, and each one's loss
         self._settled = False  # the gradients are stored (the step began, or the block ends): no microbatch follows
+        self._backwards = 0  # backwards run in the block
         self._swap: list[BatchSwap] | None = None  # a replay: the reference's batch of each microbatch
         self._grad_versions: dict[str, int] = {}
         self._first_call: tuple | None = None  # the model's call of this microbatch: (args, kwargs, first node)
@@ -566,9 +567,10 @@ class Recorder:
         def backward(tensor, *args, **kwargs):
             if not recorder._advance(Phase.BACKWARD):
                 return recorder._backward(original, tensor, args, kwargs)
-            if not recorder._grad_versions:  # the block's first backward
+            if not recorder._backwards:  # the block's first backward
                 refuse_accumulated(recorder.model, recorder._accumulation)
                 recorder._estimate()
+            recorder._backwards += 1
             recorder._end_autocast()
             recorder._modes.resume()  # a second backward of a microbatch, after the first paused them
             recorder.session.enter_phase("backward")

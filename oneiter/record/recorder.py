@@ -55,6 +55,7 @@ from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_b
 from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.modes.pipeline import PipelineWatch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
@@ -681,11 +682,14 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
+        self.pipeline = PipelineWatch() if is_distributed() else None  # torch.distributed.pipelining's stages
+        self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
+            else None
         self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "_Modes":
         if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            self._until_end.enter_context(self.pipeline)
             self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
             if mode is not None:
@@ -694,7 +698,7 @@ class _Modes:
 
     def __exit__(self, *exc) -> None:
         self.close()
-        self._until_end.close()
+        self._until_end.__exit__(*exc)  # after an error, a transfer nobody waited for is not waited for
 
     def close(self) -> None:
         """End the modes (before the optimizer step: its math is not part of what they judge); the collectives are
@@ -708,6 +712,9 @@ class _Modes:
         return self.collectives is not None and self.collectives.reduced_grads
 
     def summary(self) -> dict:
+        """The modes' root attributes; the point-to-point ops completed and described first (the file closes next)."""
+        if self.collectives is not None:
+            self.collectives.settle()
         return {
             "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),

@@ -31,8 +31,11 @@ from oneiter.runtime.devices import DEVICE_TYPES, device_type
 __all__ = [
     "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
     "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for", "cpu_device",
-    "broadcast_object", "all_gather_objects", "gather_objects",
+    "broadcast_object", "all_gather_objects", "gather_objects", "dist_timeout", "TIMEOUT_ENV",
 ]
+
+TIMEOUT_ENV = "ONEITER_DIST_TIMEOUT"  # seconds oneiter waits for another rank (its own collectives, a transfer)
+DEFAULT_TIMEOUT = 300.0
 
 # `run.rank3.h5` -> stem `run`, rank 3
 # a rank file's name: `<stem>.rank<R>.h5`, R written as torchrun numbers ranks (no leading zeros, at most 9 digits);
@@ -53,6 +56,23 @@ class RankInfo:
     def distributed(self) -> bool:
         """More than one rank: per-rank files, a process group and DDP."""
         return self.world_size > 1
+
+
+def dist_timeout(env: Mapping[str, str] | None = None) -> float:
+    """How long oneiter waits for other ranks, in seconds: for its own collectives (`compare` under torchrun) and for
+    a point-to-point op it records (`record/modes/p2p.py`), whose wait cannot be interrupted otherwise; a rank that
+    waits longer stops with one line naming what it waited for. `ONEITER_DIST_TIMEOUT` (default 300)."""
+    env = os.environ if env is None else env
+    text = env.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise OneIterError(f"environment variable {TIMEOUT_ENV} must be a number of seconds > 0, got '{text}'")
+    return value
 
 
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:

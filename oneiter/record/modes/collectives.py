@@ -44,6 +44,7 @@ from oneiter.format.schema import (
     collective_path,
 )
 from oneiter.record.capture.recompute import in_backward
+from oneiter.record.modes.p2p import P2P_OPS, P2PRecorder
 from oneiter.runtime.sharding import dtensor_class
 
 __all__ = ["CollectiveRecorder", "CollectiveForcer", "RecordedCollective", "recorded_collectives", "parse",
@@ -336,9 +337,10 @@ class CollectiveRecorder(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # eager only (see randomness.RandomRecorder)
 
-    def __init__(self, sink, capture, on_output: Callable | None = None):
+    def __init__(self, sink, capture, on_output: Callable | None = None, tagged: Callable | None = None):
         super().__init__()
         self.sink, self.capture, self.on_output = sink, capture, on_output
+        self.p2p = P2PRecorder(sink, lambda: int(getattr(capture, "microbatch", 0) or 0), tagged, on_output)
         self.num_ops = 0
         self.recorded: list[RecordedCollective] = []
         self.num_buckets = 0
@@ -356,6 +358,8 @@ class CollectiveRecorder(TorchDispatchMode):
         with self._lock:
             index = self.num_ops
             self.num_ops += 1
+        if parsed.op in P2P_OPS:  # posted now, completed (and recorded) when the caller waits: p2p.py
+            return self._post(func, args, kwargs, parsed, index, site, via)
         group = collective_group(index)
         for i, tensor in enumerate(parsed.inputs):  # before an in-place op overwrites them
             self.sink.put(group, f"input.{i}", tensor)
@@ -400,8 +404,28 @@ class CollectiveRecorder(TorchDispatchMode):
         if self.on_output is not None and not recomputed:
             self.on_output(record, phase, {collective_path(index, f"output.{i}"): t for i, t in enumerate(outputs)})
 
+    def _post(self, func, args: tuple, kwargs: dict, parsed: Parsed, index: int, site: str, via: str):
+        """A point-to-point op: its phase and call as a collective's, posted by `P2PRecorder`."""
+        backward = in_backward()
+        phase = BACKWARD if backward else (OPTIMIZER_PHASE if self.stepping else FORWARD)
+        key, record = ("", None) if backward or self.stepping else self.capture.owner()
+        node = torch._C._current_autograd_node() if backward else None
+        if node is not None:
+            key = self.capture.owner_of_node(node._sequence_nr()) or ""
+        where = {"phase": phase, "call": key, "record": record, "site": site, "via": via,
+                 "ranks": _ranks(parsed.group), "seq": self.capture.next_seq()}
+        self.recorded.append(RecordedCollective(index, parsed.op, phase, key, False,
+                                                tuple(tuple(t.shape) for t in parsed.inputs),
+                                                tuple(tuple(t.shape) for t in parsed.outputs)))
+        return self.p2p.post(func, args, kwargs, parsed, index, where)
+
+    def settle(self) -> None:
+        """The block ends well: every point-to-point op completed and described, before the file closes."""
+        self.p2p.finish(self.sink.writer, failed=False)
+
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
+        self.p2p.finish(self.sink.writer, failed=exc_type is not None)  # nothing left to do after `settle`
         if exc_type is None and self.num_ops:
             self.sink.writer.attrs(COLLECTIVES, {"num_ops": self.num_ops})
         return result

@@ -27,6 +27,7 @@ from typing import Iterator, Mapping
 
 from oneiter.errors import OneIterError
 from oneiter.runtime.devices import DEVICE_TYPES, device_type
+from oneiter.runtime.meshes import keep_parameters
 
 __all__ = [
     "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
@@ -186,16 +187,24 @@ def local_device(device, info: RankInfo):
     return device
 
 
-def wrap_ddp(setup):
+def wrap_ddp(setup, device_mesh=None):
     """A `TrainSetup` whose model is `DistributedDataParallel(setup.bundle.model)`: same inputs and optimizer.
 
     The caller keeps hooking `setup.bundle.model` (the inner module). Wrapping broadcasts rank 0's parameters
-    and buffers to every rank; CPU modules take `device_ids=None`.
+    and buffers to every rank of its group (the default group, or `device_mesh`'s: a data-parallel dimension of the
+    model's mesh, `runtime/meshes.py`); CPU modules take `device_ids=None`.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if setup.device.type == "cpu" else [setup.device]
-    ddp = DistributedDataParallel(setup.bundle.model, device_ids=device_ids)
+    inner = setup.bundle.model
+    before = dict(inner.named_parameters())
+    ddp = DistributedDataParallel(inner, device_ids=device_ids, device_mesh=device_mesh)
+    if device_mesh is not None:  # DDP over a sub-mesh of tensor-parallel parameters: they become local Parameters
+        after = keep_parameters(inner)
+        swap = {id(before[n]): p for n, p in after.items() if n in before}
+        for group in setup.optimizer.param_groups if setup.optimizer is not None else ():
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
     return replace(setup, bundle=replace(setup.bundle, model=ddp))
 
 

@@ -21,6 +21,8 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap; a
   point-to-point op (send, recv) a peer in its group other than this rank, one op per place on its channel (group,
   direction, peer, tag), a tag and microbatch >= 0, and no place on the group (`group_seq` -1);
+- **microbatches** (`check_microbatches`): every call's and batch tensor's `microbatch` below the root's
+  `microbatches`, and `/microbatch_loss` there exactly when it is above 1, one value per microbatch;
 - **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
   builder makes at least one per sample): a replay builds the model with it before it loads the recorded batch;
 - **`/local`, `/unprobed`** (`check_local`): rows name calls of the file (parameter rows: a recorded parameter or
@@ -55,6 +57,9 @@ from oneiter.format.schema import (
     COLLECTIVE_OPS,
     COLLECTIVES,
     FORWARD,
+    MICROBATCH,
+    MICROBATCH_LOSS,
+    MICROBATCHES,
     P2P_OPS,
     RANDOM,
     RANDOM_OPS,
@@ -73,7 +78,8 @@ from oneiter.format.schema import (
 )
 from oneiter.format.signature import check_columns
 
-__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "check_step_start",
+__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_microbatches",
+           "check_local", "check_step_start",
            "OPTIMIZER_CALL", "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
 
 _RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
@@ -285,6 +291,28 @@ def check_batch_size(meta: dict[str, Any], datasets: dict, stats: dict[str, tupl
     if held and size > held:
         raise _fail(path, f"root attribute 'batch_size' is {size}, but the recorded batch holds {held} elements "
                           f"in all (a builder makes at least one per sample)")
+
+
+# -- microbatches ---------------------------------------------------------------------------------------------------
+def check_microbatches(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], datasets: dict, path) -> None:
+    """The microbatch of every call and batch tensor is one of the iteration's (`microbatches`, absent: 1), and
+    `/microbatch_loss` holds one loss per microbatch, exactly when there are several (docs/format.md)."""
+    count = int(meta.get(MICROBATCHES) or 1)
+    named = [(f"call group '{key}'", groups[f"{CALLS}/{key}"][0]) for key in groups.get(CALLS, ({}, []))[1]]
+    named += [(f"batch tensor '/{p}'", d.attrs) for p, d in datasets.items() if p.startswith(BATCH + "/")]
+    for where, attrs in named:
+        value = attrs.get(MICROBATCH, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < count:
+            raise _fail(path, f"{where} has microbatch {value!r}, expected an integer from 0 to {count - 1} (the "
+                              f"root attribute '{MICROBATCHES}' is {count})")
+    losses = datasets.get(MICROBATCH_LOSS)
+    if count > 1 and (losses is None or tuple(losses.shape) != (count,)):
+        shape = "none" if losses is None else f"shape {list(losses.shape)}"
+        raise _fail(path, f"/{MICROBATCH_LOSS} should hold the {count} microbatches' losses (shape [{count}]), "
+                          f"got {shape}")
+    if count == 1 and losses is not None:
+        raise _fail(path, f"/{MICROBATCH_LOSS} is there, but the root attribute '{MICROBATCHES}' says one "
+                          f"microbatch")
 
 
 # -- /local and /unprobed -------------------------------------------------------------------------------------------

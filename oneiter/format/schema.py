@@ -47,7 +47,8 @@ import numpy as np
 from oneiter.errors import OneIterError
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
+    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "MICROBATCHES", "MICROBATCH",
+    "MICROBATCH_LOSS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
     "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
@@ -74,6 +75,10 @@ SCHEMA_VERSION = 4  # 3: `level` and the `/stats` table (record --level stats); 
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
+# an iteration of several microbatches (gradient accumulation; docs/format.md "Microbatches"): the root attribute
+# with their number (absent: 1), the attribute of a call group or batch tensor naming its microbatch (absent: 0),
+# and the dataset of each microbatch's loss (float [K])
+MICROBATCHES, MICROBATCH, MICROBATCH_LOSS = "microbatches", "microbatch", "microbatch_loss"
 OPTIMIZER = "optimizer_state"  # group: the optimizer's state when the recorded step began, `<param>.<key>`
 STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/steps/<step>`
 # multi-step tables, one row per step (`format/signature.py`): the run's, and its perturbed twin's

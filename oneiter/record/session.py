@@ -27,6 +27,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import (
     BATCH,
     LOSS,
+    MICROBATCH_LOSS,
     OPTIMIZER,
     PARAM_GRADS,
     STATE_AFTER,
@@ -34,12 +35,13 @@ from oneiter.format.schema import (
     STEP_START,
     UNREDUCED_GRADS,
     arg_name,
+    shard_attrs,
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
 from oneiter.runtime.names import parameters, state_tensors
-from oneiter.runtime.sharding import is_dtensor
+from oneiter.runtime.sharding import is_dtensor, local, placement_of
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -167,6 +169,7 @@ class RecordingSession:
         self._finished = False
         self._unreduced: dict[str, Any] | None = None  # parameter -> its unreduced gradient (`watch_unreduced`)
         self._grad_hooks: list = []
+        self._kept: list | None = None  # the gradients as the last backward left them (`keep_grads`)
 
     def __enter__(self) -> "RecordingSession":
         return self
@@ -270,22 +273,47 @@ class RecordingSession:
         if self.progress is not None:
             self.progress(phase, self.sink.num_tensors)
 
+    def keep_grads(self) -> None:
+        """A backward returned: keep host copies of the parameter gradients as it left them (unscaled), what
+        `param_grads` stores unless another backward keeps newer ones. Between the last backward and the step the
+        loop may clip or unscale them in place; with several microbatches the last backward is known only when the
+        step begins. Costs one host copy of the gradients per backward (the file's copy: it is what is written)."""
+        scale = self.module_capture.grad_scale
+        self._kept = [(n, host_copy(local(unscaled(p.grad, scale))), shard_attrs(placement_of(p.grad)))
+                      for n, p in parameters(self.model) if p.grad is not None]
+        if self.probe is not None:
+            self.probe.kept_grads = {n: t for n, t, _ in self._kept}
+
     def param_grads(self, unreduced: bool = False) -> None:
-        """Store the parameter gradients; `unreduced`: they were reduced over ranks, and the copies
-        `watch_unreduced` kept of each rank's own are stored too (`param_grads_unreduced`)."""
+        """Store the parameter gradients (as the last backward left them: `keep_grads`; without a backward, as they
+        are); `unreduced`: they were reduced over ranks, and the copies `watch_unreduced` kept of each rank's own
+        are stored too (`param_grads_unreduced`)."""
         self.enter_phase("parameters")
         scale = self.module_capture.grad_scale
-        grads = [(n, unscaled(p.grad, scale)) for n, p in parameters(self.model) if p.grad is not None]
-        self._named(PARAM_GRADS, grads)
-        kept, self._unreduced = self._unreduced, None
+        kept, self._kept = self._kept, None
+        if kept is None:
+            kept = [(n, unscaled(p.grad, scale), None) for n, p in parameters(self.model) if p.grad is not None]
+        names = []
+        for name, grad, attrs in kept:
+            self.sink.put(PARAM_GRADS, name, grad, attrs, dedup=False)
+            names.append(name)
+        self.writer.attrs(PARAM_GRADS, {"order": names})
+        own, self._unreduced = self._unreduced, None
         self._unwatch()
-        if unreduced and kept:
-            self._named(UNREDUCED_GRADS, [(n, kept[n]) for n, _ in grads if n in kept])
+        if unreduced and own:
+            self._named(UNREDUCED_GRADS, [(n, own[n]) for n in names if n in own])
 
     def state_after(self) -> None:
         self._named(STATE_AFTER, [(name, t) for name, t, _ in state_tensors(self.model)])
         if self.probe is not None:
             self.probe.after_step()
+
+    def microbatch_losses(self, values: list[float]) -> None:
+        """Each microbatch's loss (an iteration of several: `/microbatch_loss`, float64, NaN for one without a
+        backward)."""
+        import torch
+
+        self.sink.put("", MICROBATCH_LOSS, torch.tensor(values, dtype=torch.float64), dedup=False)
 
     def finish(self, loss, attrs: dict[str, Any] | None = None) -> tuple[int, int]:
         """Write the loss, mark the file complete and close it. Returns (datasets incl. links, tensor bytes)."""

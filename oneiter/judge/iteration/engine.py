@@ -37,6 +37,7 @@ from oneiter.format.schema import (
     FOREIGN_KERNELS,
     LOCAL,
     LOSS,
+    MICROBATCHES,
     PRECISION_MODES,
     REDUCED_CALLS,
     REDUCED_CALLS_REFERENCE,
@@ -75,7 +76,7 @@ __all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
-             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction")
+             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction", MICROBATCHES)
 
 
 def _run_precision(meta: dict) -> tuple:
@@ -447,7 +448,9 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
         notes=notes + ([unjudged] if unjudged else []),
-        stored=stored, compiled=compiled,
+        stored=stored, compiled=compiled, microbatches=tgt.call_microbatches() or ref.call_microbatches(),
+        microbatch_loss={side: f.microbatch_losses() for side, f in (("reference", ref), ("target", tgt))
+                         if f.microbatch_losses()},
     )
 
 

@@ -52,8 +52,11 @@ FOCUS = {"first_divergence": "first divergence", "structural": "structural diffe
 
 
 def entry_name(item: dict) -> str:
-    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin)."""
-    return f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin); in an
+    iteration of several microbatches, with its call's: `layers.0.mlp@1 forward output (microbatch 1)`."""
+    name = f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+    micro = item.get("microbatch")
+    return name if micro is None else f"{name} (microbatch {micro})"
 
 
 # -- the decision ---------------------------------------------------------------------------------------------------
@@ -76,6 +79,7 @@ class Evidence(Protocol):
     rounding: set[int]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
+    microbatches: dict[tuple[str, int], int]
 
     def local_for(self, row: Row) -> Optional[LocalResult]: ...
 
@@ -97,6 +101,8 @@ class Culprit:
     calibrated: Optional[float]
     nan_mismatch: int
     reason: str
+    microbatch: Optional[int] = None
+    """The microbatch whose call it is, in an iteration of several (gradient accumulation); None: one."""
 
     @property
     def name(self) -> str:
@@ -276,7 +282,7 @@ def decide(result: Evidence) -> Verdict:
     no local result and no finding nothing was judged (inconclusive)."""
     rows, first, findings = result.rows, result.first_divergence, result.findings
     top = strongest(findings)
-    culprit = next((_culprit(f) for f in of_kind(findings, "culprit")), None)
+    culprit = next((_culprit(f, result.microbatches) for f in of_kind(findings, "culprit")), None)
     if not result.local_kind:
         basis = "first_divergence"
     else:
@@ -288,9 +294,10 @@ def decide(result: Evidence) -> Verdict:
     verdict = Verdict(
         status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
         chain=tuple(result.chain), culprit_includes=tuple(result.culprit_includes),
-        first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
-        unprobed=tuple(result.unprobed),
-        unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
+        first_divergence=None if first is None else _entry(rows, first, result.microbatches),
+        nan_origin=result.nan_origin, unprobed=tuple(result.unprobed),
+        unexplained=tuple({**_entry(rows, f.entry, result.microbatches), "why": f.reason}
+                          for f in of_kind(findings, "unexplained")),
         loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
         num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
@@ -328,7 +335,8 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
                 "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
                 "calibration_not_trusted", "reason": finding.reason,
                 "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
-                **_nonfinite_counts(local.metrics)}
+                **_nonfinite_counts(local.metrics), **_microbatch(result.microbatches, local.module, local.call,
+                                                                  local.phase)}
     if finding.kind == "loss":
         return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
                 "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
@@ -337,14 +345,23 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
         return {"index": None, "module": None, "call": None, "phase": c["phase"], "tensor": None,
                 "entry_status": "collective", "reason": finding.reason, "rel_l2": c["rel_l2"],
                 "max_abs": c["max_abs"], "cosine": None, "collective": c, "order": c["order"]}
-    entry = _entry(result.rows, finding.entry)
+    entry = _entry(result.rows, finding.entry, result.microbatches)
     return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
 
 
-def _culprit(finding: Finding) -> Culprit:
+def _culprit(finding: Finding, microbatches: dict) -> Culprit:
     local = finding.local
     return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.rel_l2, local.expected,
-                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason)
+                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason,
+                   _microbatch(microbatches, local.module, local.call, local.phase).get("microbatch"))
+
+
+def _microbatch(microbatches: dict, module: str, call: int, phase: str) -> dict[str, int]:
+    """{"microbatch": m} for a call's forward or backward entry in an iteration of several microbatches, else {}
+    (a parameter's gradient and update are the whole iteration's)."""
+    if not microbatches or phase not in ("forward", "backward") or (module, call) not in microbatches:
+        return {}
+    return {"microbatch": microbatches[(module, call)]}
 
 
 def culprit_reason(local: LocalResult) -> str:
@@ -374,11 +391,13 @@ def _nonfinite_counts(m) -> dict[str, int]:
     return {k: getattr(m, k) for k in ("num_nan_ref", "num_inf_ref", "num_nan_target", "num_inf_target")}
 
 
-def _entry(rows: list[Row], index: int) -> dict[str, Any]:
-    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use."""
+def _entry(rows: list[Row], index: int, microbatches: Optional[dict] = None) -> dict[str, Any]:
+    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use (and its
+    call's microbatch, in an iteration of several)."""
     row, m = rows[index], rows[index].metrics
     data = {"index": index, "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
-            "entry_status": row.status, "reason": row.reason}
+            "entry_status": row.status, "reason": row.reason,
+            **_microbatch(microbatches or {}, row.module, row.call, row.phase)}
     if m is None:
         return {**data, "rel_l2": None, "max_abs": None, "cosine": None}
     tol = row.tolerance

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
+    MICROBATCH,
     call_key,
     call_path,
     check_name,
@@ -223,6 +224,7 @@ class ModuleCapture:
         self.random_count: Callable[[], int] = lambda: 0  # the running random-op count (set by the session)
         self.grad_scale = 1.0  # a GradScaler's factor on the loss: gradients are stored divided by it (`unscaled`)
         self.num_calls = 0
+        self.microbatch = 0  # the microbatch whose forward runs: each call's own (docs/format.md "Microbatches")
         self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
         self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
         self._handles: list = []
@@ -399,6 +401,8 @@ class ModuleCapture:
         begin = self.random_count()
         attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
                  "parent": parent_key, "random_begin": begin, **simple}
+        if self.microbatch:  # absent: microbatch 0 (a recording of one microbatch is written as before)
+            attrs[MICROBATCH] = self.microbatch
         self.num_calls += 1
         group = call_path(key, FORWARD)
         for name, value in named:

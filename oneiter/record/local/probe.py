@@ -230,6 +230,8 @@ class LocalProbe(ABC):
         self.rerunner.random_ops = ops
 
     SOURCE_IS_RUN = False  # the source is this run's own captured values (`--against cpu`), not a reference
+    # the parameter gradients as the last backward left them, by name (`RecordingSession.keep_grads`), or None
+    kept_grads: dict | None = None
 
     @property
     def collectives(self) -> list[RecordedCollective]:
@@ -853,7 +855,8 @@ class AgainstCpuProbe(LocalProbe):
     def _stored_grad(self, name: str, param):
         if param.grad is None or _world_size() > 1:  # averaged over ranks by a reducer: not this rank's own sum
             return None
-        return param.grad.detach().to(_CPU)
+        kept = (self.kept_grads or {}).get(name)  # as the last backward left them: clipping may follow
+        return kept if kept is not None else param.grad.detach().to(_CPU)
 
     def _summed_grad_dtype(self, stored, param):
         return stored.dtype

@@ -406,9 +406,9 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def _post(self, func, args: tuple, kwargs: dict, parsed: Parsed, index: int, site: str, via: str):
         """A point-to-point op: its phase and call as a collective's, posted by `P2PRecorder`."""
-        backward = in_backward()
-        phase = BACKWARD if backward else (OPTIMIZER_PHASE if self.stepping else FORWARD)
-        key, record = ("", None) if backward or self.stepping else self.capture.owner()
+        backward = in_backward()  # outside autograd and every call: a pipeline's exchange, classified by p2p.py
+        phase = BACKWARD if backward else FORWARD
+        key, record = ("", None) if backward else self.capture.owner()
         node = torch._C._current_autograd_node() if backward else None
         if node is not None:
             key = self.capture.owner_of_node(node._sequence_nr()) or ""

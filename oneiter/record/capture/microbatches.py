@@ -1,0 +1,82 @@
+"""The microbatches of one iteration (gradient accumulation): which one runs, which one a backward belongs to, and
+each one's loss.
+
+Where it sits: the Recorder (`record/recorder.py`) keeps one `Microbatches` per block. A microbatch begins at each
+`rec.inputs(...)`, or at the model's outermost call after a backward returned (docs/format.md "Microbatches");
+`begin` numbers it and notes the autograd node number it starts at. A backward belongs to the microbatch whose
+forward created the tensor it runs on (`of_tensor`: the last microbatch that began at or before that tensor's node),
+so a schedule that runs the forward of microbatch 2 before the backward of microbatch 1 (1F1B) attributes each loss
+to its own microbatch, as a loop that alternates them does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+__all__ = ["Microbatches"]
+
+
+class Microbatches:
+    """The microbatches begun so far in one Recorder block, and the loss of each."""
+
+    def __init__(self) -> None:
+        self.count = 0  # how many began
+        self.starts: list[int] = []  # the autograd node number each began at (-1: unknown)
+        self.losses: dict[int, Any] = {}  # microbatch -> the (detached) tensor its first backward ran on
+        self.explicit: set[int] = set()  # microbatches whose loss `rec.loss` named
+        self.batch_tensors = 0  # batch tensors stored so far: the next one is `batch/input.<batch_tensors>`
+        self.from_inputs = False  # `rec.inputs` began the current one and the model has not been called since
+
+    @property
+    def current(self) -> int:
+        """The microbatch whose forward runs (the last one begun); 0 before any began."""
+        return max(self.count - 1, 0)
+
+    def begin(self, node: int) -> int:
+        """A new microbatch begins at autograd node number `node`; its number."""
+        self.starts.append(node)
+        self.count += 1
+        return self.count - 1
+
+    def of_tensor(self, tensor) -> int:
+        """The microbatch whose forward created `tensor` (the one a backward on it belongs to): by its autograd
+        node's number; the current one when torch cannot say (no grad_fn, no sequence number)."""
+        node = getattr(tensor, "grad_fn", None)
+        number = node._sequence_nr() if node is not None and hasattr(node, "_sequence_nr") else -1
+        if number < 0 or any(s < 0 for s in self.starts):
+            return self.current
+        return max(bisect.bisect_right(self.starts, number) - 1, 0)
+
+    def note_loss(self, microbatch: int, tensor, *, explicit: bool = False) -> None:
+        """`tensor` is microbatch `microbatch`'s loss: the first one a backward ran on, unless `rec.loss` named one."""
+        if explicit:
+            self.losses[microbatch] = tensor
+            self.explicit.add(microbatch)
+        elif microbatch not in self.losses:
+            self.losses[microbatch] = tensor
+
+    def has_loss(self) -> bool:
+        return bool(self.losses)
+
+    def values(self, unscale) -> list:
+        """Each microbatch's loss (its tensor, `unscale`d unless `rec.loss` named it); None where none is known."""
+        return [None if m not in self.losses else
+                (self.losses[m] if m in self.explicit else unscale(self.losses[m])) for m in range(self.count)]
+
+    @staticmethod
+    def total(values: list):
+        """The iteration's loss: the one microbatch's as it is, or the sum of several (what the accumulated
+        gradients are the gradient of), in the dtype of the first."""
+        known = [v for v in values if v is not None]
+        if len(values) == 1 or len(known) == 1:
+            return known[0]
+        import torch
+
+        return torch.stack([v.detach().reshape(()).to(known[0].dtype) for v in known]).sum()
+
+    @staticmethod
+    def as_floats(values: list) -> list[float]:
+        """The losses as float64 numbers, NaN for a microbatch no backward ran in (`/microbatch_loss`)."""
+        return [math.nan if v is None else float(v.detach().double().reshape(())) for v in values]

@@ -395,7 +395,7 @@ class Recorder:
             return
         with stack:
             self._remove_hooks()
-            if not self._mb.has_loss():
+            if not self._mb.has_backward():
                 raise OneIterError("the Recorder block ended before any backward ran, so it holds no training "
                                    "iteration: run the loss's backward (and the optimizer's step) inside the `with` "
                                    "block, or name the loss with rec.loss(tensor)", param="model")
@@ -508,6 +508,8 @@ class Recorder:
     def _first_forward(self, module, args, kwargs):
         """The model's outermost call: it takes a microbatch's batch when it begins one (the first call, or the first
         after a backward returned), unless `rec.inputs` began the microbatch and handed the batch already."""
+        if self.session.module_capture.is_suspended():  # a pipeline schedule's shape inference: no call of it
+            return None
         if self._first_call is None:
             self._check_autocast()
         if self._mb.from_inputs:  # after rec.inputs(): the arguments are the batch already
@@ -569,27 +571,68 @@ class Recorder:
         return raised_at.backward_place(capture, node, created, note)
 
     def _patch_backward(self, stack: ExitStack) -> None:
+        """`Tensor.backward` and `torch.autograd.backward` (what pipeline schedules call) begin a backward: the
+        tensor it runs on is its microbatch's loss, unless gradients are handed to it (a pipeline stage before the
+        last runs its backward from the gradients the next stage sent: no loss of its own)."""
         import torch
 
-        original = torch.Tensor.backward
-        recorder = self
+        originals = (torch.Tensor.backward, torch.autograd.backward)
+        recorder, running = self, []
 
-        def backward(tensor, *args, **kwargs):
-            if not recorder._advance(Phase.BACKWARD):
-                return recorder._backward(original, tensor, args, kwargs)
-            if not recorder._grad_versions:  # the block's first backward
-                recorder._check_fresh_grads()
-                recorder._estimate()
-            recorder._end_autocast()
-            recorder._modes.resume()  # a second backward of a microbatch, after the first paused them
-            recorder.session.enter_phase("backward")
-            recorder._mb.note_loss(recorder._mb.of_tensor(tensor), tensor.detach())
-            result = recorder._backward(original, tensor, args, kwargs)
-            recorder._after_backward()  # before anything (clipping, unscaling) changes the gradients
-            return result
+        def patched(original, fed):
+            def backward(tensor, *args, **kwargs):
+                if running or not recorder._advance(Phase.BACKWARD):  # Tensor.backward calls autograd.backward
+                    return recorder._backward(original, tensor, args, kwargs)
+                running.append(True)
+                try:
+                    return recorder._run_backward(original, tensor, args, kwargs, fed(args, kwargs))
+                finally:
+                    running.clear()
+            return backward
 
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
+        torch.Tensor.backward = patched(originals[0], lambda a, k: k.get("gradient", a[0] if a else None))
+        torch.autograd.backward = patched(originals[1], lambda a, k: k.get("grad_tensors", a[0] if a else None))
+        stack.callback(setattr, torch.Tensor, "backward", originals[0])
+        stack.callback(setattr, torch.autograd, "backward", originals[1])
+
+    def _run_backward(self, original, tensor, args: tuple, kwargs: dict, grads):
+        """One backward of the block (`_patch_backward`); `grads` the gradients handed to it, or None."""
+        if not self._grad_versions:  # the block's first backward
+            self._check_fresh_grads()
+            self._estimate()
+        self._end_autocast()
+        self._modes.resume()  # a second backward of a microbatch, after the first paused them
+        self.session.enter_phase("backward")
+        roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+        micro = self._mb.of_tensor(roots[0])
+        given = [g for g in (grads if isinstance(grads, (list, tuple)) else [grads]) if g is not None]
+        if given:
+            self._mb.backwards.add(micro)
+            self._modes.backward_from(given)
+        else:
+            self._mb.note_loss(micro, roots[0].detach())
+        result = self._backward(original, tensor, args, kwargs)
+        self._after_backward()  # before anything (clipping, unscaling) changes the gradients
+        return result
+
+    def _on_chunk(self, phase: str, chunk: int) -> None:
+        """A pipeline schedule runs the forward or backward of its microbatch `chunk` on one of this rank's stages
+        (`record/modes/pipeline.py`): the stage's calls belong to that microbatch, which begins here unless it
+        did already (on another stage of this rank, or at `rec.inputs`)."""
+        if self._settled:
+            return
+        if phase == "backward":
+            self._mb.scheduled = chunk
+            return
+        self._mb.scheduled = -1
+        while self._mb.count <= chunk:
+            if not self._begin_microbatch():
+                return
+            self._mb.from_inputs = self._mb.count == 1 and self._first_call is None  # no batch in a stage call
+        if self.phase is Phase.GRADS:  # a microbatch begun before: its forward on another of this rank's stages
+            self._advance(Phase.FORWARD)
+            self._modes.resume()
+        self.session.module_capture.microbatch = chunk
 
     def _backward(self, original, tensor, args: tuple, kwargs: dict):
         """Run backward; if it raises, keep the tensor it ran on: `locate` walks its graph for the failing node."""
@@ -719,7 +762,7 @@ class Recorder:
         """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
         opts = self.options
         modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
-                       self.session.module_capture, self.session.live_collective)
+                       self.session.module_capture, self.session.live_collective, self._on_chunk)
         self.session.attach_random(modes.random)
         self.session.attach_collectives(modes.collectives)
         if modes.collectives is not None and not is_sharded(self.model):
@@ -789,7 +832,8 @@ class _Modes:
     """The torch modes active during forward and backward: random record/replay, op fallback, and (with a process
     group) the collectives' recorder (`record/modes/collectives.py`)."""
 
-    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None):
+    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None,
+                 on_chunk=None):
         from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
@@ -799,7 +843,7 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self.pipeline = PipelineWatch() if is_distributed() else None  # torch.distributed.pipelining's stages
+        self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None)) if is_distributed() else None
         self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
             else None
         self._stack, self._until_end = ExitStack(), ExitStack()
@@ -856,6 +900,11 @@ class _Modes:
                 self._stack.enter_context(mode)
         if self.collectives is not None:
             self.collectives.stepping = False
+
+    def backward_from(self, grads: list) -> None:
+        """A backward runs from these gradients: a point-to-point op that received one moved a gradient."""
+        if self.collectives is not None:
+            self.collectives.p2p.backward_from(grads)
 
     def reduced_grads(self) -> bool:
         """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""

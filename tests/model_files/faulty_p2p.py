@@ -3,8 +3,9 @@ its communication kernels: a `torch.library` kernel over torch's `c10d::send` fo
 gloo serves), installed by the training script before anything communicates. Pure torch: it never imports or
 consults oneiter.
 
-`install(rank=0, nth=0, rel=1e-3)`: rank `rank`'s `nth` send (counted from 0 over every send it posts after the
-install) leaves with every element (1 + rel) times what the caller handed it; every other send is gloo's own. The
+`install(rank=0, nth=0, rel=1e-3)`: rank `rank`'s `nth` send of floating-point data (counted from 0 over those it
+posts after the install) leaves with every element (1 + rel) times what the caller handed it; every other send is
+gloo's own. The
 kernel sends through the group's gloo `Backend` (which it does not replace). `uninstall()` puts torch's kernel back.
 """
 
@@ -41,9 +42,9 @@ class _Send:
 
     def send(self, tensors, process_group, dst, tag):
         backend = dist.ProcessGroup.unbox(process_group)._get_backend(torch.device("cpu"))
-        if dist.get_rank() == self.rank:
+        if dist.get_rank() == self.rank and all(t.is_floating_point() for t in tensors):
             if self.count == self.nth:
-                tensors = [t * (1.0 + self.rel) if t.is_floating_point() else t for t in tensors]
+                tensors = [t * (1.0 + self.rel) for t in tensors]
                 self.kept.append(tensors)
             self.count += 1
         return backend.send(list(tensors), dst, tag).boxed()

@@ -8,7 +8,11 @@ stages with `get_fwd_recv_ops(i)`, `get_fwd_send_ops(i)`, `get_bwd_recv_ops(i)`,
 later (`_batch_p2p`, outside any of these). While the block runs those methods are wrapped: the forward and
 backward of chunk `i` tell `on_chunk(phase, i)` (the Recorder numbers the stage's calls by the schedule's
 microbatch), and every tensor an op is built for is tagged with (phase, microbatch), which `p2p.py` reads when the
-op is posted. Nothing else of the schedule changes; the wrappers go when the block ends.
+op is posted. The schedule's first step infers the shapes its stages exchange by running each stage's module on
+stand-in tensors (`_prepare_forward_infra`, `_prepare_backward_infra`): that runs `quiet()` (no call is captured;
+the tensors it exchanges are still recorded, as every transfer is). A stage's `scale_grads` (the gradients divided by
+the number of microbatches) waits until the schedule's `step` returns (`_scale_wrapper`). Nothing else of the
+schedule changes; the wrappers go when the block ends.
 """
 
 from __future__ import annotations
@@ -23,32 +27,53 @@ __all__ = ["PipelineWatch"]
 _OPS = {"get_fwd_recv_ops": FORWARD, "get_fwd_send_ops": FORWARD, "get_bwd_recv_ops": BACKWARD,
         "get_bwd_send_ops": BACKWARD}
 _CHUNKS = {"forward_one_chunk": FORWARD, "backward_one_chunk": BACKWARD}
+# the schedule's first step infers the shapes its stages exchange by running each stage's module on stand-in tensors
+# (uninitialised ones on a stage that receives): no part of the iteration, so nothing of them is recorded
+_SETUP = ("_prepare_forward_infra", "_prepare_backward_infra")
 
 
-def _stage_class():
-    """torch.distributed.pipelining's stage base class, if the program loaded it (never imported here)."""
-    module = sys.modules.get("torch.distributed.pipelining.stage")
-    return getattr(module, "_PipelineStageBase", None) if module is not None else None
+def _with_subclasses(cls) -> list[type]:
+    found, stack = [], [cls]
+    while stack:
+        klass = stack.pop()
+        if klass not in found:
+            found.append(klass)
+            stack.extend(klass.__subclasses__())
+    return found
+
+
+def _loaded(module: str, name: str):
+    """A class of torch.distributed.pipelining, if the program loaded it (never imported here)."""
+    found = sys.modules.get(f"torch.distributed.pipelining.{module}")
+    return getattr(found, name, None) if found is not None else None
 
 
 class PipelineWatch:
     """The wrappers of one block (module docstring). `tagged(tensor)` is (phase, microbatch) of an op built for
     `tensor`, or None; `stage` the index of the stage whose chunk runs now (-1: none)."""
 
-    def __init__(self, on_chunk: Callable[[str, int], None] | None = None):
-        self.on_chunk = on_chunk
+    def __init__(self, on_chunk: Callable[[str, int], None] | None = None, quiet: Callable[[], Any] | None = None):
+        self.on_chunk, self.quiet = on_chunk, quiet
         self._tags: dict[int, tuple[Any, str, int]] = {}  # id(tensor) -> (the tensor, kept alive; phase; microbatch)
         self._saved: list[tuple[type, str, Any]] = []
         self.stage = -1
+        self._stepping = 0  # schedule steps running (nested: a schedule's step calling its base's)
+        self._scalings: list[tuple[Any, Any, tuple, dict]] = []  # (scale_grads, stage, args, kwargs), deferred
 
     def __enter__(self) -> "PipelineWatch":
-        cls = _stage_class()
-        if cls is None:
+        stage, schedule = _loaded("stage", "_PipelineStageBase"), _loaded("schedules", "_PipelineSchedule")
+        if stage is None or schedule is None:
             return self
-        for name, phase in _OPS.items():
-            self._wrap(cls, name, self._ops_wrapper(getattr(cls, name), phase))
-        for name, phase in _CHUNKS.items():
-            self._wrap(cls, name, self._chunk_wrapper(getattr(cls, name), phase))
+        for klass in _with_subclasses(stage):  # each class that defines one of them (PipelineStage overrides some)
+            for name, phase in _OPS.items():
+                self._wrap(klass, name, lambda f, phase=phase: self._ops_wrapper(f, phase))
+            for name, phase in _CHUNKS.items():
+                self._wrap(klass, name, lambda f, phase=phase: self._chunk_wrapper(f, phase))
+            for name in _SETUP if self.quiet is not None else ():
+                self._wrap(klass, name, self._quiet_wrapper)
+            self._wrap(klass, "scale_grads", self._scale_wrapper)
+        for klass in _with_subclasses(schedule):
+            self._wrap(klass, "step", self._step_wrapper)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -61,9 +86,13 @@ class PipelineWatch:
         found = self._tags.pop(id(tensor), None)
         return None if found is None or found[0] is not tensor else (found[1], found[2])
 
-    def _wrap(self, cls, name: str, wrapper) -> None:
-        self._saved.append((cls, name, cls.__dict__[name]))
-        setattr(cls, name, wrapper)
+    def _wrap(self, cls, name: str, make) -> None:
+        """Replace `cls`'s own `name` (if it defines one) by `make(original)`."""
+        original = cls.__dict__.get(name)
+        if original is None:
+            return
+        self._saved.append((cls, name, original))
+        setattr(cls, name, make(original))
 
     def _ops_wrapper(self, original, phase: str):
         watch = self
@@ -77,6 +106,47 @@ class PipelineWatch:
             return built
 
         return ops
+
+    def _quiet_wrapper(self, original):
+        watch = self
+
+        def setup(stage, *args, **kwargs):
+            with watch.quiet():
+                return original(stage, *args, **kwargs)
+
+        return setup
+
+    def _scale_wrapper(self, original):
+        """A stage's gradients divided by the number of microbatches: deferred to the end of the schedule's step, as
+        single-stage schedules do it. An interleaved schedule scales each stage after that stage's last backward,
+        while another stage of the rank still runs its own, and the gradients a backward leaves (what the Recorder
+        keeps) would be some scaled and some not; no other stage's backward reads a stage's gradients, so the result
+        is the same."""
+        watch = self
+
+        def scale(stage, *args, **kwargs):
+            if not watch._stepping:
+                return original(stage, *args, **kwargs)
+            watch._scalings.append((original, stage, args, kwargs))
+            return None
+
+        return scale
+
+    def _step_wrapper(self, original):
+        watch = self
+
+        def step(schedule, *args, **kwargs):
+            watch._stepping += 1
+            try:
+                result = original(schedule, *args, **kwargs)
+            finally:
+                watch._stepping -= 1
+            while not watch._stepping and watch._scalings:
+                scale, stage, s_args, s_kwargs = watch._scalings.pop(0)
+                scale(stage, *s_args, **s_kwargs)
+            return result
+
+        return step
 
     def _chunk_wrapper(self, original, phase: str):
         watch = self

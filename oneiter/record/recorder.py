@@ -608,7 +608,7 @@ class Recorder:
         given = [g for g in (grads if isinstance(grads, (list, tuple)) else [grads]) if g is not None]
         if given:
             self._mb.backwards.add(micro)
-            self._modes.backward_from(given)
+            self._modes.backward_from(given, micro)
         else:
             self._mb.note_loss(micro, roots[0].detach())
         result = self._backward(original, tensor, args, kwargs)
@@ -901,10 +901,11 @@ class _Modes:
         if self.collectives is not None:
             self.collectives.stepping = False
 
-    def backward_from(self, grads: list) -> None:
-        """A backward runs from these gradients: a point-to-point op that received one moved a gradient."""
+    def backward_from(self, grads: list, microbatch: int) -> None:
+        """A backward of `microbatch` runs from these gradients: a point-to-point op that received one moved a
+        gradient."""
         if self.collectives is not None:
-            self.collectives.p2p.backward_from(grads)
+            self.collectives.p2p.backward_from(grads, microbatch)
 
     def reduced_grads(self) -> bool:
         """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""

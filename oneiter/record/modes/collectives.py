@@ -341,6 +341,7 @@ class CollectiveRecorder(TorchDispatchMode):
         super().__init__()
         self.sink, self.capture, self.on_output = sink, capture, on_output
         self.p2p = P2PRecorder(sink, lambda: int(getattr(capture, "microbatch", 0) or 0), tagged, on_output)
+        getattr(capture, "call_begins", []).append(self.p2p.claim)
         self.num_ops = 0
         self.recorded: list[RecordedCollective] = []
         self.num_buckets = 0

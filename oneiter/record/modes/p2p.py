@@ -22,8 +22,10 @@ or `output.0` (recv). `judge/iteration/transfers.py` pairs each send with its re
 Phase and microbatch: an op posted inside a call's own code is that call's (forward, or backward inside autograd);
 an op posted between calls (a pipeline's exchange between stages) takes what `pipeline.py` knows of it
 (torch.distributed.pipelining: which microbatch's activations or gradients it moves), else what the data says: a
-receive whose tensor a backward then runs from (`grad_tensors`) is in backward, a send of the gradient of a tensor
-an earlier receive filled is too; the microbatch is the one running when the op was posted (`microbatch()`).
+receive whose tensor a backward then runs from (`grad_tensors`) is in that backward's phase and microbatch, any
+other receive in the microbatch of the next call that begins (the stage call it feeds), a send of the gradient of a
+tensor an earlier receive filled is in backward, in that receive's microbatch; any other send in the microbatch
+running when it was posted (`microbatch()`: the forward that made what it sends).
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class P2PRecorder:
                  on_output: Callable | None = None):
         self.sink, self.microbatch, self.tagged, self.on_output = sink, microbatch, tagged, on_output
         self.ops: list[_Op] = []
+        self._unclaimed: list[_Op] = []  # receives between calls whose microbatch the next call's forward says
         self._pending: list[Transfer] = []  # kept alive: C++ holds them by pointer only
         self._counts: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -192,13 +195,21 @@ class P2PRecorder:
                 self.on_output(op.record, op.phase, {collective_path(op.index, f"output.{i}"): t
                                                      for i, t in enumerate(op.tensors)})
 
-    def backward_from(self, grads) -> None:
-        """A backward runs from `grads` (`torch.autograd.backward`'s `grad_tensors`): a receive that filled one of
-        them was the gradient of this rank's output (phase backward), whatever posted it."""
+    def claim(self, microbatch: int) -> None:
+        """A call's forward begins, in `microbatch`: the receives posted between calls since are its input (a
+        pipeline stage receives its microbatch's activations, then runs them)."""
+        for op in self._unclaimed:
+            if op.phase == FORWARD:
+                op.microbatch = microbatch
+        self._unclaimed.clear()
+
+    def backward_from(self, grads, microbatch: int) -> None:
+        """A backward of `microbatch` runs from `grads` (`torch.autograd.backward`'s `grad_tensors`): a receive
+        that filled one of them moved the gradient of this rank's output (phase backward), whatever posted it."""
         ptrs = {_ptr(g) for g in grads if isinstance(g, torch.Tensor)}
         for op in self.ops:
             if op.op == "recv" and not op.known and not op.call and any(_ptr(t) in ptrs for t in op.tensors):
-                op.phase = BACKWARD
+                op.phase, op.microbatch = BACKWARD, microbatch
 
     def finish(self, writer, failed: bool) -> None:
         """The block ends: wait for ops nobody waited for (not after an error), number them per channel, write
@@ -230,6 +241,9 @@ class P2PRecorder:
         if known is not None:
             op.phase, op.microbatch = known
             op.known = True
+            return
+        if op.op == "recv":
+            self._unclaimed.append(op)
             return
         if op.op == "send":  # the gradient of what an earlier receive filled: it goes back
             for earlier in self.ops:

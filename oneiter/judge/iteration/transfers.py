@@ -20,7 +20,7 @@ from typing import Iterable
 
 import numpy as np
 
-from oneiter.format.schema import P2P_OPS, decode
+from oneiter.format.schema import MICROBATCHES, P2P_OPS, decode
 from oneiter.judge.iteration.collectives import Instance, Judged, _Files, _float64, _names, _result, instances, judge
 
 __all__ = ["pairs", "plan", "judge_planned"]
@@ -68,11 +68,12 @@ def _is_transfer(inst: Instance) -> bool:
 
 
 def _judged(rank: int, member: tuple[int, dict], dtype: str, rel: float, max_abs: float, exact: str,
-            level: str = "data", reason: str = "") -> Judged:
+            level: str = "data", reason: str = "", several: bool = True) -> Judged:
+    """A transfer's result, as a `Judged` (its microbatch said only for an iteration of several)."""
     judged = _result(rank, member, dtype, rel, max_abs, 0.0, exact, level, reason)
     attrs = member[1]
     return Judged(**{**judged.__dict__, "peer": int(attrs["peer"]), "tag": int(attrs["tag"]),
-                     "microbatch": int(attrs["microbatch"])})
+                     "microbatch": int(attrs["microbatch"]) if several else -1})
 
 
 def _judge_transfer(inst: Instance, files: _Files) -> list[Judged]:
@@ -89,20 +90,21 @@ def _judge_transfer(inst: Instance, files: _Files) -> list[Judged]:
         return [_judged(rank, present, "", math.inf, math.inf, "", reason=why)]
     if receiver not in files.paths or sender not in files.paths:
         return []
+    several = int(files[receiver].meta.get(MICROBATCHES) or 1) > 1
     sent, got = _names(files[sender], send[0], "input"), _names(files[receiver], recv[0], "output")
     exact = f"the tensor rank {sender} sent (its collective #{send[0]})"
     if len(sent) != len(got):
         why = f"it received {len(got)} tensors where rank {sender} sent {len(sent)}"
-        return [_judged(receiver, recv, "", math.inf, math.inf, exact, reason=why)]
+        return [_judged(receiver, recv, "", math.inf, math.inf, exact, reason=why, several=several)]
     worst = None
     for a, b in zip(sent, got, strict=True):
-        result = _one(files, sender, a, receiver, b, recv, exact)
+        result = _one(files, sender, a, receiver, b, recv, exact, several)
         if worst is None or result.rel_l2 > worst.rel_l2 or (math.isnan(result.rel_l2)):
             worst = result
     return [worst] if worst is not None else []
 
 
-def _one(files: _Files, sender: int, sent: str, receiver: int, got: str, recv, exact: str) -> Judged:
+def _one(files: _Files, sender: int, sent: str, receiver: int, got: str, recv, exact: str, several: bool) -> Judged:
     """One tensor of a transfer: bitwise (full data), or the same checksum and statistics (`--level stats`)."""
     fs, fr = files[sender], files[receiver]
     dtype = fr.dtype_of(got)
@@ -111,14 +113,14 @@ def _one(files: _Files, sender: int, sent: str, receiver: int, got: str, recv, e
         same = a.checksum == b.checksum and a.kind == b.kind and np.array_equal(a.values, b.values, equal_nan=True)
         rel = 0.0 if same else _stats_distance(a, b)
         return _judged(receiver, recv, dtype, rel, abs(a["mean"] - b["mean"]) if not same else 0.0, exact,
-                       level="statistics")
+                       level="statistics", several=several)
     raw_sent, raw_got = fs.raw(sent), fr.raw(got)
     if fs.dtype_of(sent) == dtype and raw_sent.shape == raw_got.shape and raw_sent.tobytes() == raw_got.tobytes():
-        return _judged(receiver, recv, dtype, 0.0, 0.0, exact)
+        return _judged(receiver, recv, dtype, 0.0, 0.0, exact, several=several)
     if raw_sent.shape != raw_got.shape:
         return _judged(receiver, recv, dtype, math.inf, math.inf, exact,
                        reason=f"it received shape {list(raw_got.shape)} where rank {sender} sent "
-                              f"{list(raw_sent.shape)}")
+                              f"{list(raw_sent.shape)}", several=several)
     a = np.asarray(decode(raw_sent, fs.dtype_of(sent)), dtype=np.float64)
     b = _float64(fr, got)
     diff = b - a
@@ -126,7 +128,7 @@ def _one(files: _Files, sender: int, sent: str, receiver: int, got: str, recv, e
     dist = float(np.linalg.norm(diff[np.isfinite(diff)])) if np.isfinite(diff).any() else math.inf
     rel = dist / norm if norm else math.inf
     max_abs = float(np.max(np.abs(diff))) if diff.size else 0.0
-    return _judged(receiver, recv, dtype, rel if rel > 0 else math.inf, max_abs, exact)
+    return _judged(receiver, recv, dtype, rel if rel > 0 else math.inf, max_abs, exact, several=several)
 
 
 def _stats_distance(a, b) -> float:

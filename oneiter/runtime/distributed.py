@@ -141,8 +141,9 @@ def backend_for(type_name: str) -> str:
     return found
 
 
-def init_process_group(device, info: RankInfo | None = None) -> bool:
-    """Join torchrun's default process group with the backend for `device` (a torch.device).
+def init_process_group(device, info: RankInfo | None = None, timeout: float | None = None) -> bool:
+    """Join torchrun's default process group with the backend for `device` (a torch.device); `timeout` (seconds):
+    how long each of its collectives may wait for the other processes (None: the backend's default).
 
     Returns True if this call created the group (the caller destroys it), False with one rank or when the
     group already exists (a launcher owns it).
@@ -156,14 +157,20 @@ def init_process_group(device, info: RankInfo | None = None) -> bool:
         raise OneIterError("this torch build has no torch.distributed: multi-rank recording needs it")
     if dist.is_initialized():
         return False
-    dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size)
+    if timeout is not None:
+        from datetime import timedelta
+
+        dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout))
+    else:
+        dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size)
     return True
 
 
 @contextmanager
-def process_group(device, info: RankInfo) -> Iterator[None]:
+def process_group(device, info: RankInfo, timeout: float | None = None) -> Iterator[None]:
     """`init_process_group` for the duration of a block; destroyed at exit if this block created it."""
-    created = init_process_group(device, info)
+    created = init_process_group(device, info, timeout)
     try:
         yield
     finally:
@@ -215,12 +222,24 @@ def cpu_device():
     return torch.device("cpu")
 
 
+def _own(what: str, run):
+    """One of oneiter's own collectives: a process that stopped, or one that did not come within the group's timeout
+    (`dist_timeout`, given to `process_group`), ends this one with one line naming it (exit 2), not a traceback."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - the backend's: a peer gone, a timeout
+        text = " ".join(str(exc).split())[:300]
+        raise OneIterError(f"oneiter's {what} over the job's processes failed on this process: {type(exc).__name__}: "
+                           f"{text} (another process stopped, or took longer than {TIMEOUT_ENV}={dist_timeout():g} "
+                           f"seconds)") from exc
+
+
 def broadcast_object(obj):
     """Process 0's `obj` on every process of the default group (pickled)."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    _own("broadcast", lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 
@@ -229,7 +248,7 @@ def all_gather_objects(obj) -> list:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    _own("all-gather", lambda: dist.all_gather_object(out, obj))
     return out
 
 
@@ -238,5 +257,5 @@ def gather_objects(obj) -> list | None:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    _own("gather", lambda: dist.gather_object(obj, out, dst=0))
     return out

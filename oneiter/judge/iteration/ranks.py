@@ -50,6 +50,7 @@ from oneiter.runtime.distributed import (
     all_gather_objects,
     broadcast_object,
     cpu_device,
+    dist_timeout,
     gather_objects,
     process_group,
 )
@@ -275,7 +276,8 @@ def compare_ranks_distributed(
     `report(result)` runs on process 0 before the others get the exit code: torchrun stops every process of the job
     once one exits non-zero (a divergence), so process 0 must have reported by then."""
     pair = pair or compare_files
-    with process_group(cpu_device(), info):
+    # oneiter's own collectives (the plans, the results, the verdict) wait at most ONEITER_DIST_TIMEOUT for a process
+    with process_group(cpu_device(), info, dist_timeout()):
         refs, tgts = _shared_pairs(reference, target, info)
         mine, error = {}, None
         for rank in sorted(refs)[info.rank::info.world_size]:

@@ -719,7 +719,7 @@ class Recorder:
             self.session.enter_phase("probes")
         self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
-        self.session.param_grads(unreduced=self._modes.reduced_grads())
+        self.session.param_grads(unreduced=self._modes.own_grads_kept())
         if not self._grad_versions:  # no backward ran: the gradients as the step finds them
             self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters()
                                    if p.grad is not None}
@@ -879,6 +879,9 @@ class _Modes:
         further backward): what runs now (clipping) is no part of what they judge, and inside a Python dispatch mode
         torch's foreach in-place ops (clip_grad_norm_'s) do not move the version counters the Recorder reads. The
         collectives count as the step's until then."""
+        self._backwards += 1
+        if self.collectives is not None:
+            self.collectives.backwards = self._backwards
         if self._paused:
             return
         self._paused = True
@@ -910,6 +913,15 @@ class _Modes:
     def reduced_grads(self) -> bool:
         """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""
         return self.collectives is not None and self.collectives.reduced_grads
+
+    def own_grads_kept(self) -> bool:
+        """Whether the gradients kept before the reducer averaged them are this rank's own sums: a reducer ran, in
+        the last backward only. A pipeline schedule over DDP (`torch.distributed.pipelining`) lets DDP reduce in an
+        earlier microbatch's backward too; the next backward then adds to averaged gradients, and no rank's own sum
+        is ever held: nothing is stored as one (`param_grads_unreduced`), and the parameter rows go unjudged."""
+        return self.reduced_grads() and self.collectives.reduced_only_last(self._backwards)
+
+    _backwards = 0  # backwards returned so far
 
     def summary(self) -> dict:
         """The modes' root attributes; the point-to-point ops completed and described first (the file closes next)."""

@@ -347,6 +347,8 @@ class CollectiveRecorder(TorchDispatchMode):
         self.num_buckets = 0
         self.reduced_grads = False  # a C++ hook (DDP's reducer) reduced gradients over ranks in backward
         self.stepping = False  # backward is over: what runs now is the optimizer's step (phase `optimizer`)
+        self.backwards = 0  # backwards of the block returned so far (the Recorder counts them)
+        self._reduced_in: set[int] = set()  # the backwards (by that count) a reducer averaged gradients in
         self._per_group: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -386,6 +388,7 @@ class CollectiveRecorder(TorchDispatchMode):
             if via == "autograd" and node is not None and "AccumulateGrad" in node.name():
                 bucket, self.num_buckets = self.num_buckets, self.num_buckets + 1
                 site, self.reduced_grads = f"DDP bucket {bucket}", self.reduced_grads or parsed.op == "all_reduce"
+                self._reduced_in.add(self.backwards)
             elif node is not None:
                 key = self.capture.owner_of_node(node._sequence_nr()) or ""
         if via.startswith("torch.distributed.fsdp"):
@@ -419,6 +422,10 @@ class CollectiveRecorder(TorchDispatchMode):
                                                 tuple(tuple(t.shape) for t in parsed.inputs),
                                                 tuple(tuple(t.shape) for t in parsed.outputs)))
         return self.p2p.post(func, args, kwargs, parsed, index, where)
+
+    def reduced_only_last(self, backwards: int) -> bool:
+        """Whether every gradient reduction ran in the last of the block's `backwards` backwards."""
+        return self._reduced_in <= {backwards - 1}
 
     def settle(self) -> None:
         """The block ends well: every point-to-point op completed and described, before the file closes."""

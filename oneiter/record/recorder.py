@@ -615,6 +615,18 @@ class Recorder:
         self._after_backward()  # before anything (clipping, unscaling) changes the gradients
         return result
 
+    def _on_scaled(self, params: list, factor: float) -> None:
+        """A pipeline schedule divided these parameters' gradients by `factor` after its last backward (before the
+        step): the stored gradients stay as the last backward left them, and the step's are known exactly."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        divided = {}
+        for param in params:
+            name = names.get(id(param))
+            if name is not None and param.grad is not None and name in self._grad_versions:
+                divided[name] = factor
+                self._grad_versions[name] = param.grad._version
+        self.session.gradients_divided(divided)
+
     def _on_chunk(self, phase: str, chunk: int) -> None:
         """A pipeline schedule runs the forward or backward of its microbatch `chunk` on one of this rank's stages
         (`record/modes/pipeline.py`): the stage's calls belong to that microbatch, which begins here unless it
@@ -762,7 +774,7 @@ class Recorder:
         """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
         opts = self.options
         modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
-                       self.session.module_capture, self.session.live_collective, self._on_chunk)
+                       self.session.module_capture, self.session.live_collective, self._on_chunk, self._on_scaled)
         self.session.attach_random(modes.random)
         self.session.attach_collectives(modes.collectives)
         if modes.collectives is not None and not is_sharded(self.model):
@@ -833,7 +845,7 @@ class _Modes:
     group) the collectives' recorder (`record/modes/collectives.py`)."""
 
     def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None,
-                 on_chunk=None):
+                 on_chunk=None, on_scaled=None):
         from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
@@ -843,7 +855,8 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None)) if is_distributed() else None
+        self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None), on_scaled) \
+            if is_distributed() else None
         self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
             else None
         self._stack, self._until_end = ExitStack(), ExitStack()

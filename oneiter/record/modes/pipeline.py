@@ -11,8 +11,11 @@ microbatch), and every tensor an op is built for is tagged with (phase, microbat
 op is posted. The schedule's first step infers the shapes its stages exchange by running each stage's module on
 stand-in tensors (`_prepare_forward_infra`, `_prepare_backward_infra`): that runs `quiet()` (no call is captured;
 the tensors it exchanges are still recorded, as every transfer is). A stage's `scale_grads` (the gradients divided by
-the number of microbatches) waits until the schedule's `step` returns (`_scale_wrapper`). Nothing else of the
-schedule changes; the wrappers go when the block ends.
+the number of microbatches) waits until the schedule's `step` returns (`_scale_wrapper`), and `on_scaled(params,
+factor)` says which gradients it divided by what (the optimizer's update is judged from gradients divided alike).
+A schedule that splits
+each backward in two (zero bubble) is refused when its step begins, before anything communicates, on every rank.
+Nothing else of the schedule changes; the wrappers go when the block ends.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from oneiter.errors import OneIterError
 from oneiter.format.schema import BACKWARD, FORWARD
 
 __all__ = ["PipelineWatch"]
@@ -42,6 +46,19 @@ def _with_subclasses(cls) -> list[type]:
     return found
 
 
+def _check_schedule(schedule) -> None:
+    """Refuse, before its step communicates (so on every rank at once), a schedule that splits each backward into an
+    input-gradient and a weight-gradient pass (the zero-bubble ones): a recording holds one backward per microbatch."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    kinds = {str(getattr(getattr(action, "computation_type", None), "value", "")) for actions in order.values()
+             for action in actions or () if action is not None}
+    if kinds & {"I", "W"}:
+        raise OneIterError(f"{type(schedule).__name__} splits each microbatch's backward into an input-gradient and "
+                           f"a weight-gradient pass (zero bubble), which a recording cannot hold (one backward per "
+                           f"microbatch): record the step with ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B "
+                           f"(the same gradients)", param="model")
+
+
 def _loaded(module: str, name: str):
     """A class of torch.distributed.pipelining, if the program loaded it (never imported here)."""
     found = sys.modules.get(f"torch.distributed.pipelining.{module}")
@@ -52,8 +69,9 @@ class PipelineWatch:
     """The wrappers of one block (module docstring). `tagged(tensor)` is (phase, microbatch) of an op built for
     `tensor`, or None; `stage` the index of the stage whose chunk runs now (-1: none)."""
 
-    def __init__(self, on_chunk: Callable[[str, int], None] | None = None, quiet: Callable[[], Any] | None = None):
-        self.on_chunk, self.quiet = on_chunk, quiet
+    def __init__(self, on_chunk: Callable[[str, int], None] | None = None, quiet: Callable[[], Any] | None = None,
+                 on_scaled: Callable[[list, float], None] | None = None):
+        self.on_chunk, self.quiet, self.on_scaled = on_chunk, quiet, on_scaled
         self._tags: dict[int, tuple[Any, str, int]] = {}  # id(tensor) -> (the tensor, kept alive; phase; microbatch)
         self._saved: list[tuple[type, str, Any]] = []
         self.stage = -1
@@ -136,6 +154,8 @@ class PipelineWatch:
         watch = self
 
         def step(schedule, *args, **kwargs):
+            if not watch._stepping:
+                _check_schedule(schedule)
             watch._stepping += 1
             try:
                 result = original(schedule, *args, **kwargs)
@@ -144,6 +164,9 @@ class PipelineWatch:
             while not watch._stepping and watch._scalings:
                 scale, stage, s_args, s_kwargs = watch._scalings.pop(0)
                 scale(stage, *s_args, **s_kwargs)
+                factor = (list(s_args) + [s_kwargs.get("grad_scale_factor", 1)])[0]
+                if watch.on_scaled is not None and factor != 1:
+                    watch.on_scaled(list(stage.submod.parameters()), float(factor))
             return result
 
         return step

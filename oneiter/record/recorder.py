@@ -66,10 +66,10 @@ from oneiter.format.schema import (
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
-from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_batch, store_batch
+from oneiter.record.capture.batch import BatchSwap, batch_rows
 from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
-from oneiter.record.capture.microbatches import Microbatches
+from oneiter.record.capture.microbatches import Microbatches, reference_swaps, refuse_accumulated
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.modes.pipeline import PipelineWatch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
@@ -401,7 +401,7 @@ class Recorder:
                                    "block, or name the loss with rec.loss(tensor)", param="model")
             if self.phase is Phase.OPEN:
                 raise _never_called()
-            self._check_microbatches()
+            self._mb.check_replayed(self._swap, self.ref.path.name if self.ref is not None else "")
             self._settle_grads()
             self.session.enter_phase("writing")
             self.session.state_after()
@@ -489,17 +489,9 @@ class Recorder:
 
     def _take_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The batch of the microbatch that just began: stored, and on replay the reference's in its place."""
-        micro = self._mb.current
-        if self._swap is not None:
-            if micro >= len(self._swap):
-                raise OneIterError(f"this replay began microbatch {micro} of its iteration, but the reference "
-                                   f"'{self.ref.path.name}' ran {len(self._swap)} before its step: run as many "
-                                   f"microbatches (gradient accumulation steps) as the reference", param="replay")
-            args, kwargs = map_call(args, kwargs, self._swap[micro])
-            self._swap[micro].check_complete()
-        self._mb.batch_tensors += store_batch(self.session.sink, args, kwargs, start=self._mb.batch_tensors,
-                                              microbatch=micro)
-        if not self._meta_batch_size and micro == 0:  # nothing said how large the batch is: its first tensor's rows
+        args, kwargs = self._mb.take(self.session.sink, args, kwargs, self._swap,
+                                     self.ref.path.name if self.ref is not None else "")
+        if not self._meta_batch_size and self._mb.current == 0:  # nothing said how large: its first tensor's rows
             rows = batch_rows(args, kwargs)
             if rows:
                 self.session.extra_attrs.setdefault("batch_size", rows)
@@ -516,11 +508,16 @@ class Recorder:
             self._mb.from_inputs = False
             self._first_call = (args, kwargs, next_node_number())
             return None
-        if self.phase not in (Phase.OPEN, Phase.GRADS) or not self._begin_microbatch():
+        if not self._call_begins_microbatch() or not self._begin_microbatch():
             return None  # another call in this microbatch (two views of one batch), or after the step
         new_args, new_kwargs = self._take_batch(args, kwargs)
         self._first_call = (new_args, new_kwargs, next_node_number())
         return (new_args, new_kwargs) if self._swap is not None else None
+
+    def _call_begins_microbatch(self) -> bool:
+        """Whether a call of the model (without `rec.inputs` before it) begins a microbatch: the first call, or the
+        first after a backward returned; a model called twice before its backward runs both calls in one."""
+        return self.phase in (Phase.OPEN, Phase.GRADS)
 
     def _begin_microbatch(self) -> bool:
         """The next microbatch begins (its forward comes): numbered, its calls marked with it, and after a backward
@@ -539,13 +536,6 @@ class Recorder:
             self._autocast.__enter__()
         self.session.enter_phase("forward")
         return True
-
-    def _check_microbatches(self) -> None:
-        """A replay ran as many microbatches as its reference (fewer would compare part of an iteration)."""
-        if self._swap is not None and self._mb.count < len(self._swap):
-            raise OneIterError(f"this replay ran {self._mb.count} microbatch{'es' if self._mb.count != 1 else ''} "
-                               f"before its step, but the reference '{self.ref.path.name}' ran {len(self._swap)}: run "
-                               f"as many microbatches (gradient accumulation steps) as the reference", param="replay")
 
     def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
@@ -598,7 +588,7 @@ class Recorder:
     def _run_backward(self, original, tensor, args: tuple, kwargs: dict, grads):
         """One backward of the block (`_patch_backward`); `grads` the gradients handed to it, or None."""
         if not self._grad_versions:  # the block's first backward
-            self._check_fresh_grads()
+            refuse_accumulated(self.model, self._accumulation)
             self._estimate()
         self._end_autocast()
         self._modes.resume()  # a second backward of a microbatch, after the first paused them
@@ -653,24 +643,6 @@ class Recorder:
         except Exception as exc:
             self._failed_backward = (exc, tensor)
             raise
-
-    def _check_fresh_grads(self) -> None:
-        """The block's first backward: no parameter may hold a gradient already (one accumulated by a microbatch run
-        before the block, under gradient accumulation). The recording would hold the window's gradients without its
-        batch, and a replay, whose gradients start from the target's own earlier microbatch, would diverge."""
-        import torch
-
-        held = next((n for n, p in self.model.named_parameters()
-                     if p.grad is not None and bool(torch.any(local(p.grad).detach() != 0))), None)
-        if held is None:
-            return
-        over = (f" (its optimizer accumulates over {self._accumulation} microbatches)" if self._accumulation > 1
-                else "")
-        raise OneIterError(f"the parameters already hold gradients when this block's first backward runs ({held}): "
-                           f"they were accumulated by microbatches run before the Recorder block{over}; a recording "
-                           f"holds the whole accumulation window: open the Recorder before the window's first "
-                           f"microbatch (the iteration right after the previous optimizer step) and close it after "
-                           f"the step", param="model")
 
     def _estimate(self) -> None:
         """Forward is done: what was queued so far, as much again for the gradients of the same tensors, the
@@ -766,9 +738,7 @@ class Recorder:
                                      _optimizer_names(self.optimizers))
             if why:
                 warn(why, stacklevel=3)
-        count = self.ref.microbatches()
-        return [BatchSwap(read_batch(self.ref, m), self.ref.path.name, m if count > 1 else None)
-                for m in range(count)]
+        return reference_swaps(self.ref)
 
     def _make_modes(self) -> "_Modes":
         """The modes of forward and backward (random values, fallback, collectives), tied to the session."""

@@ -14,6 +14,7 @@ from conftest import FAULT_ENV, MODEL_FILES, compare_verdict  # noqa: E402
 
 import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
+from oneiter.format.layout import IterationFile  # noqa: E402
 from oneiter.integrations.hf import OneIterCallback  # noqa: E402
 from oneiter.record.options import RecordOptions  # noqa: E402
 
@@ -199,3 +200,59 @@ def test_every_k_steps_records_the_statistics_of_those_steps_and_a_replay_matche
     assert any("has no twin" in w for w in verdict["warnings"])
     with pytest.raises(OneIterError, match="give step .* or every"):
         OneIterCallback(step=1, every=2, out=tmp_path / "x.h5")
+
+
+# -- gradient accumulation: a step of two microbatches ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def accumulated_ref(tmp_path_factory):
+    """Step 1 of a default-argument Trainer run with `gradient_accumulation_steps=2`: its two microbatches (each a
+    forward and a backward), the clipping and AdamW's step, recorded as one iteration."""
+    tmp = tmp_path_factory.mktemp("hf_accumulated")
+    _train(tmp, OneIterCallback(step=1, out=tmp / "ref.h5"), model_seed=0, data_seed=0, steps=2, defaults=True,
+           gradient_accumulation_steps=2)
+    return tmp / "ref.h5"
+
+
+def test_a_step_of_two_microbatches_is_one_recording(accumulated_ref):
+    with h5py.File(accumulated_ref) as f:
+        assert f.attrs["microbatches"] == 2 and f["microbatch_loss"].shape == (2,)
+        batch = [(f["batch"][n].attrs["arg"], f["batch"][n].attrs.get("microbatch", 0)) for n in sorted(f["batch"])]
+        assert sorted(batch) == [(name, m) for name in ("kwarg.input_ids", "kwarg.labels", "kwarg.num_items_in_batch")
+                                 for m in (0, 1)]
+        # the Trainer's loss of each microbatch is normalised by the step's label count: their sum is the step's
+        assert float(f["loss"][()]) == pytest.approx(float(f["microbatch_loss"][()].sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_clean_replay_of_an_accumulated_step_is_a_match(accumulated_ref, tmp_path, bf16):
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=accumulated_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, gradient_accumulation_steps=2, bf16=bf16)
+    code, verdict = compare_verdict(accumulated_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    assert [(u["module"], u["reason"].split(" (")[0]) for u in verdict["unprobed"]] == [CLIPPED]
+    if not bf16:  # both microbatches' batches swapped in, the gradients accumulated the same way: bit for bit
+        assert all(r.metrics.max_abs == 0 for r in oneiter.compare(accumulated_ref, tmp_path / "tgt.h5").rows)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_fault_in_an_accumulated_step_is_named_with_its_microbatch(accumulated_ref, tmp_path, monkeypatch, bf16):
+    monkeypatch.setenv(FAULT_ENV, f"instance:model.layers.1.mlp.down_proj:{0.05 if bf16 else 0.001}")
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=accumulated_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, gradient_accumulation_steps=2, bf16=bf16)
+    code, verdict = compare_verdict(accumulated_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["basis"], verdict["focus"]) == (1, "local_error", "culprit")
+    assert (verdict["module"], verdict["phase"], verdict["culprit"]["microbatch"]) == (
+        "model.layers.1.mlp.down_proj", "forward", 0)
+
+
+def test_every_step_of_two_microbatches_is_screened_and_a_replay_matches(tmp_path):
+    """`every=1` with `gradient_accumulation_steps=2`: each recorded step of the multi-step file holds both
+    microbatches; a replay takes each step's two batches and matches bit for bit."""
+    _train(tmp_path, OneIterCallback(every=1, out=tmp_path / "ref.h5"), model_seed=0, data_seed=0, steps=2,
+           gradient_accumulation_steps=2)
+    _train(tmp_path, OneIterCallback(every=1, out=tmp_path / "tgt.h5", replay=tmp_path / "ref.h5"), model_seed=3,
+           data_seed=7, steps=2, gradient_accumulation_steps=2)
+    result = oneiter.compare(tmp_path / "ref.h5", tmp_path / "tgt.h5")
+    assert [r.step for r in result.rows] == [0, 1] and all(r.bitwise for r in result.rows)
+    with IterationFile(tmp_path / "tgt.h5") as f:
+        assert [f.step(s).microbatches() for s in f.steps()] == [2, 2]

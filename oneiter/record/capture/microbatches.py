@@ -15,7 +15,36 @@ import bisect
 import math
 from typing import Any
 
-__all__ = ["Microbatches"]
+from oneiter.errors import OneIterError
+from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
+from oneiter.runtime.sharding import local
+
+__all__ = ["Microbatches", "reference_swaps", "refuse_accumulated"]
+
+
+def reference_swaps(ref) -> list[BatchSwap]:
+    """The swaps that hand out a reference iteration's batch, one per microbatch (`IterationFile`, or a step's)."""
+    count = ref.microbatches()
+    return [BatchSwap(read_batch(ref, m), ref.path.name, m if count > 1 else None) for m in range(count)]
+
+
+def refuse_accumulated(model, accumulation: int = 1) -> None:
+    """Refuse, in one line, a block whose parameters hold gradients when its first backward runs: accumulated by
+    microbatches run before the block (gradient accumulation), whose batch it does not hold; a replay of it starts
+    its gradients from the target's own earlier microbatch and diverges. `accumulation`: what the optimizer's wrapper
+    says it accumulates over (1: nothing)."""
+    import torch
+
+    held = next((n for n, p in model.named_parameters()
+                 if p.grad is not None and bool(torch.any(local(p.grad).detach() != 0))), None)
+    if held is None:
+        return
+    over = f" (its optimizer accumulates over {accumulation} microbatches)" if accumulation > 1 else ""
+    raise OneIterError(f"the parameters already hold gradients when this block's first backward runs ({held}): they "
+                       f"were accumulated by microbatches run before the Recorder block{over}; a recording holds the "
+                       f"whole accumulation window: open the Recorder before the window's first microbatch (the "
+                       f"iteration right after the previous optimizer step) and close it after the step",
+                       param="model")
 
 
 class Microbatches:
@@ -61,6 +90,27 @@ class Microbatches:
             self.explicit.add(microbatch)
         elif microbatch not in self.losses:
             self.losses[microbatch] = tensor
+
+    def take(self, sink, args: tuple, kwargs: dict, swaps: list[BatchSwap] | None, source: str):
+        """The batch of the microbatch that just began: on replay the reference's microbatch's in its place (`swaps`,
+        of the reference `source`), then stored (`batch/input.<n>` numbered on, with its microbatch)."""
+        micro = self.current
+        if swaps is not None:
+            if micro >= len(swaps):
+                raise OneIterError(f"this replay began microbatch {micro} of its iteration, but the reference "
+                                   f"'{source}' ran {len(swaps)} before its step: run as many microbatches (gradient "
+                                   f"accumulation steps) as the reference", param="replay")
+            args, kwargs = map_call(args, kwargs, swaps[micro])
+            swaps[micro].check_complete()
+        self.batch_tensors += store_batch(sink, args, kwargs, start=self.batch_tensors, microbatch=micro)
+        return args, kwargs
+
+    def check_replayed(self, swaps: list[BatchSwap] | None, source: str) -> None:
+        """A replay ran as many microbatches as its reference `source` (fewer would compare part of an iteration)."""
+        if swaps is not None and self.count < len(swaps):
+            raise OneIterError(f"this replay ran {self.count} microbatch{'es' if self.count != 1 else ''} before its "
+                               f"step, but the reference '{source}' ran {len(swaps)}: run as many microbatches "
+                               f"(gradient accumulation steps) as the reference", param="replay")
 
     def has_loss(self) -> bool:
         return bool(self.losses)

@@ -35,9 +35,9 @@ from typing import Iterator
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.capture.batch import map_call
 from oneiter.record.capture.hooks import next_node_number as _next_node
-from oneiter.record.capture.microbatches import Microbatches
+from oneiter.record.capture.microbatches import Microbatches, reference_swaps
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.local.rerun import scaled_by_signs
 from oneiter.record.modes.fallback import OpFallback
@@ -163,9 +163,7 @@ class TwinPass:
 
     def __enter__(self) -> "TwinPass":
         opts = self.options
-        count = self.view.microbatches()
-        self._swaps = [BatchSwap(read_batch(self.view, m), self.view.path.name, m if count > 1 else None)
-                       for m in range(count)]
+        self._swaps = reference_swaps(self.view)
         stack = ExitStack()
         try:
             stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))

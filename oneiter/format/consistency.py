@@ -20,7 +20,7 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
   collective per (group, place on the group), a root inside the group (or -1), split sizes one per rank of the
   group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap; a
   point-to-point op (send, recv) a peer in its group other than this rank, one op per place on its channel (group,
-  direction, peer, tag), a tag and microbatch >= 0, and no place on the group (`group_seq` -1);
+  direction, peer, tag), a tag >= 0, a microbatch the iteration ran, and no place on the group (`group_seq` -1);
 - **microbatches** (`check_microbatches`): every call's and batch tensor's `microbatch` below the root's
   `microbatches`, and `/microbatch_loss` there exactly when it is above 1, one value per microbatch;
 - **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
@@ -226,7 +226,7 @@ def check_collectives(meta: dict[str, Any], groups: dict[str, tuple[dict, list]]
         attrs = groups[group][0]
         _check_collective(attrs, index, world, rank, groups, path)
         if attrs["op"] in P2P_OPS:
-            _check_p2p(attrs, index, rank, path)
+            _check_p2p(attrs, index, rank, int(meta.get(MICROBATCHES) or 1), path)
             place = (attrs["group"], attrs["op"], attrs["peer"], attrs["tag"], attrs["p2p_seq"])
         else:
             place = (attrs["group"], attrs["group_seq"])
@@ -265,9 +265,11 @@ def _check_collective(attrs: dict[str, Any], index: int, world: int, rank, group
             raise _fail(path, f"{where}: {why}")
 
 
-def _check_p2p(attrs: dict[str, Any], index: int, rank, path) -> None:
+def _check_p2p(attrs: dict[str, Any], index: int, rank, microbatches: int, path) -> None:
     where = f"collective {index} ({attrs['op']})"
     checks = (
+        (attrs["microbatch"] < microbatches,
+         f"microbatch {attrs['microbatch']} is not one the iteration ran (it ran {microbatches})"),
         (attrs["peer"] in attrs["group_ranks"] and attrs["peer"] != rank,
          f"peer {attrs['peer']} is not another rank of its group {attrs['group_ranks']}"),
         (attrs["group_seq"] == -1,

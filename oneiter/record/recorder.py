@@ -596,7 +596,7 @@ class Recorder:
         roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
         micro = self._mb.of_tensor(roots[0])
         given = [g for g in (grads if isinstance(grads, (list, tuple)) else [grads]) if g is not None]
-        if given:
+        if given and any(getattr(r, "numel", lambda: 1)() > 1 for r in roots):  # not a loss (one times a scale)
             self._mb.backwards.add(micro)
             self._modes.backward_from(given, micro)
         else:

@@ -89,9 +89,10 @@ def ddp_over(choice: str, model):
     free = [n for n in names if n not in placed]
     if dims is None:
         if choice == "ddp" and not free:
-            raise OneIterError(f"--data-parallel ddp: every dimension of the model's mesh ({', '.join(names)}) holds "
-                               f"its parameters (FSDP2, tensor parallelism), none is left for DDP; leave "
-                               f"--data-parallel at auto", param="data_parallel")
+            dims = f"({', '.join(names)})" if names else f"({root.ndim} unnamed)"
+            raise OneIterError(f"--data-parallel ddp: every dimension of the model's mesh {dims} holds its "
+                               f"parameters (FSDP2, tensor parallelism), none is left for DDP; leave --data-parallel "
+                               f"at auto", param="data_parallel")
         wrap = free
     else:
         unknown = [d for d in dims if d not in names]

@@ -6,7 +6,9 @@ activations with `isend`/`irecv` inside its own forward and backward (`ring_exch
 communicate. Clean replays from other weights match on both ranks; a layer fault on rank 1 is named there with its
 microbatch; a point-to-point library that corrupts one send (`faulty_p2p.py`, pure torch) is named as that transfer,
 never as the layer that consumed it. Nothing hangs: an error on one rank mid-schedule, a peer that never sends and a
-schedule a recording cannot hold each end every rank within 60 s, with one line. Every launch has a timeout.
+schedule a recording cannot hold each end every rank within 60 s, with one line; oneiter's own collectives (what
+`compare` under torchrun gathers) end a process in one line when another is late past their timeout. Every launch
+has a timeout.
 
 All recordings come from one torchrun launch (`pipeline_run.py`); each failure from a launch of its own
 (`pipeline_failures.py`).
@@ -141,3 +143,35 @@ def test_a_zero_bubble_schedule_is_refused_on_every_rank_before_it_communicates(
     lines = _one_line_errors(proc)
     assert len(lines) == 2 and all("ScheduleInterleavedZeroBubble splits each microbatch's backward" in line
                                    for line in lines), proc.stderr[-2000:]
+
+
+OWN_COLLECTIVE = """
+import time
+from oneiter.runtime.distributed import all_gather_objects, cpu_device, process_group, rank_info
+info = rank_info()
+with process_group(cpu_device(), info, 2.0):
+    if info.rank == 1:
+        time.sleep(60)
+    all_gather_objects(info.rank)
+"""
+
+
+def test_oneiters_own_collectives_time_out_and_end_the_process_in_one_line():
+    """What `compare` under torchrun gathers over its processes waits at most its timeout for a late one."""
+    from test_multirank import _free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", OWN_COLLECTIVE], env={**env, "RANK": str(r)}, text=True,
+                              stderr=subprocess.PIPE, stdout=subprocess.DEVNULL) for r in (0, 1)]
+    try:
+        err = procs[0].communicate(timeout=60)[1]
+        took, late_still_asleep = time.monotonic() - started, procs[1].poll() is None
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    lines = [line for line in err.splitlines() if "OneIterError:" in line]
+    assert procs[0].returncode != 0 and took < 60 and late_still_asleep, (took, err[-2000:])
+    assert lines and "oneiter's all-gather over the job's processes failed on this process" in lines[0], err[-2000:]

@@ -165,7 +165,8 @@ def _tensors(value) -> list:
 
 def parse(func, args: tuple, kwargs: dict) -> Parsed | None:
     """The collective `func` runs, or None when it is no collective (every other op, and the functional ops'
-    bookkeeping: `wait_tensor`); raises OneIterError for a communicating op oneiter does not know (point to point)."""
+    bookkeeping: `wait_tensor`); raises OneIterError for a communicating op oneiter does not know. Point-to-point ops
+    (`send`, `recv_`) are parsed here and recorded by `p2p.py`."""
     namespace, packet = func.namespace, func.overloadpacket.__name__
     if namespace == "c10d" and packet in _C10D:
         op, source, dest = _C10D[packet]
@@ -193,8 +194,8 @@ def parse(func, args: tuple, kwargs: dict) -> Parsed | None:
             parsed.out_splits = [int(n) for n in bound.get("output_split_sizes") or []]
         return parsed
     if namespace in ("c10d", *_FUNCTIONAL) and packet not in _PASS and packet != "check_for_nan":
-        raise OneIterError(f"{func}: a torch.distributed op oneiter does not record (point-to-point ops are not "
-                           f"supported in a recorded iteration)")
+        raise OneIterError(f"{func}: a torch.distributed op oneiter does not know how to record (every rank that runs "
+                           f"it stops here, before it communicates)")
     return None
 
 

@@ -112,6 +112,13 @@ class Transfer(dist.Work):
     def synchronize(self) -> None:
         self.wait()
 
+    def get_future(self):
+        """A future already holding the op's tensors, once it completed (waited for here)."""
+        self.wait()
+        future = torch.futures.Future()
+        future.set_result(list(self._op.tensors))
+        return future
+
 
 def _bind(func, args: tuple, kwargs: dict) -> dict:
     bound = dict(zip((a.name for a in func._schema.arguments), args, strict=False))

@@ -32,8 +32,7 @@ record` writes. What the Recorder takes from Lightning:
 - the optimizer(s) are `trainer.optimizers`: their state when the step begins (AdamW's moments) is in the file, and
   a replay loads it;
 - under DDP (`strategy="ddp"`) rank R writes `<stem>.rank<R>.h5` and replays `<ref stem>.rank<R>.h5`, as under
-  torchrun.
-
+  torchrun;
 - gradient accumulation (`accumulate_grad_batches=K`): optimizer step N is K batches, each its own `training_step`
   and backward; the Recorder opens at the first batch of step N and closes after the batch that steps, each
   `training_step`'s batch one microbatch of the recording (docs/format.md "Microbatches").
@@ -129,7 +128,6 @@ class OneIterCallback(DrivenCallback, pl.Callback):
         """The module's next `training_step` call hands its batch to the Recorder (an instance attribute that
         removes itself on that call)."""
         original = pl_module.training_step
-
         taken = recorder.num_microbatches  # under DDP the module's own call takes the batch first
 
         def training_step(*args, **kwargs):

@@ -266,6 +266,7 @@ class Recorder:
         self._loss = None  # the iteration's loss, once the block ends
         self._mb = Microbatches()  # the microbatches begun, and each one's loss
         self._settled = False  # the gradients are stored (the step began, or the block ends): no microbatch follows
+        self._backwards = 0  # backwards run in the block
         self._swap: list[BatchSwap] | None = None  # a replay: the reference's batch of each microbatch
         self._grad_versions: dict[str, int] = {}
         self._first_call: tuple | None = None  # the model's call of this microbatch: (args, kwargs, first node)
@@ -587,9 +588,10 @@ class Recorder:
 
     def _run_backward(self, original, tensor, args: tuple, kwargs: dict, grads):
         """One backward of the block (`_patch_backward`); `grads` the gradients handed to it, or None."""
-        if not self._grad_versions:  # the block's first backward
+        if not self._backwards:  # the block's first backward
             refuse_accumulated(self.model, self._accumulation)
             self._estimate()
+        self._backwards += 1
         self._end_autocast()
         self._modes.resume()  # a second backward of a microbatch, after the first paused them
         self.session.enter_phase("backward")

@@ -18,7 +18,9 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
 - **`/collectives`** (`check_collectives`): collectives numbered 0..num_ops-1 with no gap, each an op, reduction and
   phase oneiter knows, a group of distinct ranks below the run's `world_size` that holds this file's `rank`, one
   collective per (group, place on the group), a root inside the group (or -1), split sizes one per rank of the
-  group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap;
+  group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap; a
+  point-to-point op (send, recv) a peer in its group other than this rank, one op per place on its channel (group,
+  direction, peer, tag), a tag >= 0, a microbatch the iteration ran, and no place on the group (`group_seq` -1);
 - **microbatches** (`check_microbatches`): every call's and batch tensor's `microbatch` below the root's
   `microbatches`, and `/microbatch_loss` there exactly when it is above 1, one value per microbatch;
 - **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
@@ -58,6 +60,7 @@ from oneiter.format.schema import (
     MICROBATCH,
     MICROBATCH_LOSS,
     MICROBATCHES,
+    P2P_OPS,
     RANDOM,
     RANDOM_OPS,
     RANDOM_OUTPUTS,
@@ -220,10 +223,16 @@ def check_collectives(meta: dict[str, Any], groups: dict[str, tuple[dict, list]]
     places: set[tuple[str, int]] = set()
     for index in indices:
         group = collective_group(index)
-        _check_collective(groups[group][0], index, world, rank, groups, path)
-        place = (groups[group][0]["group"], groups[group][0]["group_seq"])
+        attrs = groups[group][0]
+        _check_collective(attrs, index, world, rank, groups, path)
+        if attrs["op"] in P2P_OPS:
+            _check_p2p(attrs, index, rank, int(meta.get(MICROBATCHES) or 1), path)
+            place = (attrs["group"], attrs["op"], attrs["peer"], attrs["tag"], attrs["p2p_seq"])
+        else:
+            place = (attrs["group"], attrs["group_seq"])
         if place in places:
-            raise _fail(path, f"collective {index}: a second collective at place {place[1]} of group '{place[0]}'")
+            raise _fail(path, f"collective {index}: a second op at place {place[-1]} of group '{place[0]}'" + (
+                f" with rank {place[2]} (tag {place[3]})" if len(place) > 2 else ""))
         places.add(place)
         held = {p.rpartition("/")[2] for p in (*datasets, *stats) if p.startswith(group + "/")}
         for kind in ("input", "output"):
@@ -243,13 +252,29 @@ def _check_collective(attrs: dict[str, Any], index: int, world: int, rank, group
         (0 < len(ranks) == len(set(ranks)) and all(0 <= r < world for r in ranks),
          f"group_ranks {ranks} are not distinct ranks below the run's world_size {world}"),
         (rank is None or rank in ranks, f"group_ranks {ranks} do not hold this file's rank {rank}"),
-        (attrs["group_seq"] >= 0 and attrs["seq"] >= 0 and attrs["bucket"] >= -1,
+        ((attrs["group_seq"] >= 0 or attrs["op"] in P2P_OPS) and attrs["seq"] >= 0 and attrs["bucket"] >= -1,
          "group_seq and seq must be >= 0, bucket >= -1"),
         (attrs["root"] == -1 or attrs["root"] in ranks, f"root {attrs['root']} is not a rank of its group {ranks}"),
         (all(not s or (len(s) == len(ranks) and min(s) >= 0) for s in (attrs["in_splits"], attrs["out_splits"])),
          f"split sizes {attrs['in_splits']} / {attrs['out_splits']}: expected one size >= 0 per rank of the group"),
         (attrs["call"] == "" or f"{CALLS}/{attrs['call']}" in groups, f"call '{attrs['call']}' is not a call of the "
                                                                       f"file"),
+    )
+    for ok, why in checks:
+        if not ok:
+            raise _fail(path, f"{where}: {why}")
+
+
+def _check_p2p(attrs: dict[str, Any], index: int, rank, microbatches: int, path) -> None:
+    where = f"collective {index} ({attrs['op']})"
+    checks = (
+        (attrs["microbatch"] < microbatches,
+         f"microbatch {attrs['microbatch']} is not one the iteration ran (it ran {microbatches})"),
+        (attrs["peer"] in attrs["group_ranks"] and attrs["peer"] != rank,
+         f"peer {attrs['peer']} is not another rank of its group {attrs['group_ranks']}"),
+        (attrs["group_seq"] == -1,
+         f"group_seq {attrs['group_seq']}: a point-to-point op has no place on its group (-1)"),
+        (min(attrs["tag"], attrs["p2p_seq"], attrs["microbatch"]) >= 0, "tag, p2p_seq and microbatch must be >= 0"),
     )
     for ok, why in checks:
         if not ok:

@@ -61,7 +61,7 @@ __all__ = [
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
     "step_group",
     "split_step", "COLLECTIVES", "UNREDUCED_GRADS", "COLLECTIVE_OPS", "REDUCE_OPS", "COLLECTIVE_ATTRS",
-    "collective_group", "collective_path", "collective_index",
+    "P2P_OPS", "P2P_ATTRS", "collective_group", "collective_path", "collective_index",
 ]
 
 SCHEMA = "oneiter.iteration"
@@ -134,6 +134,13 @@ REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "pre
 COLLECTIVE_ATTRS = {"op": str, "kernel": str, "reduce_op": str, "group": str, "group_ranks": list, "group_seq": int,
                     "root": int, "phase": str, "call": str, "site": str, "via": str, "bucket": int,
                     "recomputed": bool, "seq": int, "in_splits": list, "out_splits": list}
+# a point-to-point op (`op` one of P2P_OPS: `record/modes/p2p.py`) is one entry of /collectives too, its `group_seq`
+# -1 (its place is on its channel, not on the group), with these attributes more: `peer` the other rank (global),
+# `tag`, `p2p_seq` how many ops of the same direction this rank ran with that peer on that group and tag before (the
+# n-th send from rank a to rank b is the n-th recv of rank b from rank a), `microbatch` the microbatch it moved
+# (docs/format.md "Microbatches"; 0 for an iteration of one); a send holds `input.0`..., a recv `output.0`...
+P2P_OPS = ("send", "recv")
+P2P_ATTRS = {"peer": int, "tag": int, "p2p_seq": int, "microbatch": int}
 
 
 def collective_group(index: int) -> str:

@@ -47,6 +47,8 @@ from oneiter.format.schema import (
     MICROBATCH_LOSS,
     MICROBATCHES,
     OPTIMIZER,
+    P2P_ATTRS,
+    P2P_OPS,
     PLACEMENTS,
     RAW_BITS,
     SCHEMA,
@@ -503,7 +505,8 @@ def _check_collectives_group(parts: list[str], attrs: dict[str, Any], full: str,
     if collective_index(parts[1]) is None:
         raise _fail(path, f"'/{full}': expected a collective group named by its index (00000, 00001, ...)")
     where = f"collective group '/{full}' "
-    for name, kind in COLLECTIVE_ATTRS.items():
+    wanted_attrs = {**COLLECTIVE_ATTRS, **(P2P_ATTRS if attrs.get("op") in P2P_OPS else {})}
+    for name, kind in wanted_attrs.items():
         value = attrs.get(name)
         ok = _is_int(value) if kind is int else isinstance(value, kind)
         if kind is list and ok:

@@ -71,6 +71,7 @@ from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
 from oneiter.record.capture.microbatches import Microbatches, reference_swaps, refuse_accumulated
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.modes.pipeline import PipelineWatch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
@@ -395,7 +396,7 @@ class Recorder:
             return
         with stack:
             self._remove_hooks()
-            if not self._mb.has_loss():
+            if not self._mb.has_backward():
                 raise OneIterError("the Recorder block ended before any backward ran, so it holds no training "
                                    "iteration: run the loss's backward (and the optimizer's step) inside the `with` "
                                    "block, or name the loss with rec.loss(tensor)", param="model")
@@ -500,6 +501,8 @@ class Recorder:
     def _first_forward(self, module, args, kwargs):
         """The model's outermost call: it takes a microbatch's batch when it begins one (the first call, or the first
         after a backward returned), unless `rec.inputs` began the microbatch and handed the batch already."""
+        if self.session.module_capture.is_suspended():  # a pipeline schedule's shape inference: no call of it
+            return None
         if self._first_call is None:
             self._check_autocast()
         if self._mb.from_inputs:  # after rec.inputs(): the arguments are the batch already
@@ -559,28 +562,81 @@ class Recorder:
         return raised_at.backward_place(capture, node, created, note)
 
     def _patch_backward(self, stack: ExitStack) -> None:
+        """`Tensor.backward` and `torch.autograd.backward` (what pipeline schedules call) begin a backward: the
+        tensor it runs on is its microbatch's loss, unless gradients are handed to it (a pipeline stage before the
+        last runs its backward from the gradients the next stage sent: no loss of its own)."""
         import torch
 
-        original = torch.Tensor.backward
-        recorder = self
+        originals = (torch.Tensor.backward, torch.autograd.backward)
+        recorder, running = self, []
 
-        def backward(tensor, *args, **kwargs):
-            if not recorder._advance(Phase.BACKWARD):
-                return recorder._backward(original, tensor, args, kwargs)
-            if not recorder._backwards:  # the block's first backward
-                refuse_accumulated(recorder.model, recorder._accumulation)
-                recorder._estimate()
-            recorder._backwards += 1
-            recorder._end_autocast()
-            recorder._modes.resume()  # a second backward of a microbatch, after the first paused them
-            recorder.session.enter_phase("backward")
-            recorder._mb.note_loss(recorder._mb.of_tensor(tensor), tensor.detach())
-            result = recorder._backward(original, tensor, args, kwargs)
-            recorder._after_backward()  # before anything (clipping, unscaling) changes the gradients
-            return result
+        def patched(original, fed):
+            def backward(tensor, *args, **kwargs):
+                if running or not recorder._advance(Phase.BACKWARD):  # Tensor.backward calls autograd.backward
+                    return recorder._backward(original, tensor, args, kwargs)
+                running.append(True)
+                try:
+                    return recorder._run_backward(original, tensor, args, kwargs, fed(args, kwargs))
+                finally:
+                    running.clear()
+            return backward
 
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
+        torch.Tensor.backward = patched(originals[0], lambda a, k: k.get("gradient", a[0] if a else None))
+        torch.autograd.backward = patched(originals[1], lambda a, k: k.get("grad_tensors", a[0] if a else None))
+        stack.callback(setattr, torch.Tensor, "backward", originals[0])
+        stack.callback(setattr, torch.autograd, "backward", originals[1])
+
+    def _run_backward(self, original, tensor, args: tuple, kwargs: dict, grads):
+        """One backward of the block (`_patch_backward`); `grads` the gradients handed to it, or None."""
+        if not self._backwards:  # the block's first backward
+            refuse_accumulated(self.model, self._accumulation)
+            self._estimate()
+        self._backwards += 1
+        self._end_autocast()
+        self._modes.resume()  # a second backward of a microbatch, after the first paused them
+        self.session.enter_phase("backward")
+        roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+        micro = self._mb.of_tensor(roots[0])
+        given = [g for g in (grads if isinstance(grads, (list, tuple)) else [grads]) if g is not None]
+        if given and any(getattr(r, "numel", lambda: 1)() > 1 for r in roots):  # not a loss (one times a scale)
+            self._mb.backwards.add(micro)
+            self._modes.backward_from(given, micro)
+        else:
+            self._mb.note_loss(micro, roots[0].detach())
+        result = self._backward(original, tensor, args, kwargs)
+        self._after_backward()  # before anything (clipping, unscaling) changes the gradients
+        return result
+
+    def _on_scaled(self, params: list, factor: float) -> None:
+        """A pipeline schedule divided these parameters' gradients by `factor` after its last backward (before the
+        step): the stored gradients stay as the last backward left them, and the step's are known exactly."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        divided = {}
+        for param in params:
+            name = names.get(id(param))
+            if name is not None and param.grad is not None and name in self._grad_versions:
+                divided[name] = factor
+                self._grad_versions[name] = param.grad._version
+        self.session.gradients_divided(divided)
+
+    def _on_chunk(self, phase: str, chunk: int) -> None:
+        """A pipeline schedule runs the forward or backward of its microbatch `chunk` on one of this rank's stages
+        (`record/modes/pipeline.py`): the stage's calls belong to that microbatch, which begins here unless it
+        did already (on another stage of this rank, or at `rec.inputs`)."""
+        if self._settled:
+            return
+        if phase == "backward":
+            self._mb.scheduled = chunk
+            return
+        self._mb.scheduled = -1
+        while self._mb.count <= chunk:
+            if not self._begin_microbatch():
+                return
+            self._mb.from_inputs = self._mb.count == 1 and self._first_call is None  # no batch in a stage call
+        if self.phase is Phase.GRADS:  # a microbatch begun before: its forward on another of this rank's stages
+            self._advance(Phase.FORWARD)
+            self._modes.resume()
+        self.session.module_capture.microbatch = chunk
 
     def _backward(self, original, tensor, args: tuple, kwargs: dict):
         """Run backward; if it raises, keep the tensor it ran on: `locate` walks its graph for the failing node."""
@@ -649,7 +705,7 @@ class Recorder:
             self.session.enter_phase("probes")
         self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
-        self.session.param_grads(unreduced=self._modes.reduced_grads())
+        self.session.param_grads(unreduced=self._modes.own_grads_kept())
         if not self._grad_versions:  # no backward ran: the gradients as the step finds them
             self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters()
                                    if p.grad is not None}
@@ -690,7 +746,7 @@ class Recorder:
         """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
         opts = self.options
         modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
-                       self.session.module_capture, self.session.live_collective)
+                       self.session.module_capture, self.session.live_collective, self._on_chunk, self._on_scaled)
         self.session.attach_random(modes.random)
         self.session.attach_collectives(modes.collectives)
         if modes.collectives is not None and not is_sharded(self.model):
@@ -760,7 +816,8 @@ class _Modes:
     """The torch modes active during forward and backward: random record/replay, op fallback, and (with a process
     group) the collectives' recorder (`record/modes/collectives.py`)."""
 
-    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None):
+    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None,
+                 on_chunk=None, on_scaled=None):
         from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
@@ -770,11 +827,15 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay)
         self.fallback = OpFallback(fallback) if fallback else None
-        self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
+        self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None), on_scaled) \
+            if is_distributed() else None
+        self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
+            else None
         self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "_Modes":
         if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            self._until_end.enter_context(self.pipeline)
             self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
             if mode is not None:
@@ -783,7 +844,7 @@ class _Modes:
 
     def __exit__(self, *exc) -> None:
         self.close(check=exc[0] is None)
-        self._until_end.close()
+        self._until_end.__exit__(*exc)  # after an error, a transfer nobody waited for is not waited for
 
     def close(self, check: bool = True) -> None:
         """End the modes (before the optimizer step: its math is not part of what they judge); the collectives are
@@ -803,6 +864,9 @@ class _Modes:
         further backward): what runs now (clipping) is no part of what they judge, and inside a Python dispatch mode
         torch's foreach in-place ops (clip_grad_norm_'s) do not move the version counters the Recorder reads. The
         collectives count as the step's until then."""
+        self._backwards += 1
+        if self.collectives is not None:
+            self.collectives.backwards = self._backwards
         if self._paused:
             return
         self._paused = True
@@ -825,11 +889,29 @@ class _Modes:
         if self.collectives is not None:
             self.collectives.stepping = False
 
+    def backward_from(self, grads: list, microbatch: int) -> None:
+        """A backward of `microbatch` runs from these gradients: a point-to-point op that received one moved a
+        gradient."""
+        if self.collectives is not None:
+            self.collectives.p2p.backward_from(grads, microbatch)
+
     def reduced_grads(self) -> bool:
         """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""
         return self.collectives is not None and self.collectives.reduced_grads
 
+    def own_grads_kept(self) -> bool:
+        """Whether the gradients kept before the reducer averaged them are this rank's own sums: a reducer ran, in
+        the last backward only. A pipeline schedule over DDP (`torch.distributed.pipelining`) lets DDP reduce in an
+        earlier microbatch's backward too; the next backward then adds to averaged gradients, and no rank's own sum
+        is ever held: nothing is stored as one (`param_grads_unreduced`), and the parameter rows go unjudged."""
+        return self.reduced_grads() and self.collectives.reduced_only_last(self._backwards)
+
+    _backwards = 0  # backwards returned so far
+
     def summary(self) -> dict:
+        """The modes' root attributes; the point-to-point ops completed and described first (the file closes next)."""
+        if self.collectives is not None:
+            self.collectives.settle()
         return {
             "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),

@@ -236,6 +236,13 @@ class RecordingSession:
             with self.module_capture.suspended():
                 self.probe.after_backward(step_later=step_later)
 
+    def gradients_divided(self, divisors: dict[str, float]) -> None:
+        """Code between the last backward and the step divided these parameters' gradients (name -> by what: a
+        pipeline schedule's scaling by the number of microbatches): the optimizer's update is judged from the
+        reference's gradients divided alike."""
+        if self.probe is not None and getattr(self.probe, "rerunner", None) is not None:
+            self.probe.rerunner.grad_divisor.update(divisors)
+
     def before_step(self, grads_changed: bool) -> None:
         """The optimizer is about to step (after `after_backward(step_later=True)`)."""
         if self.probe is not None:

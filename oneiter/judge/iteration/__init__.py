@@ -13,5 +13,6 @@ verdict read them without reading one another (the verdict reads a result as its
 - `engine.py`   `compare_files` / `compare_local`: pair entries, measure rows, blame, decide
 - `ranks.py`    torchrun recordings compared rank by rank, in parallel processes (or a torchrun job's)
 - `collectives.py` every rank's collectives against the exact reduction of its group's recorded inputs
+- `transfers.py` every point-to-point transfer: what the receiving rank got against what the sending rank sent
 - `suggest.py`  `compare --suggest`: from a `--level stats` screening to the region to record in full
 """

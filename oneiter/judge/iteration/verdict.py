@@ -459,7 +459,8 @@ def _headline(v: Verdict) -> tuple[str, str]:
     if where.get("entry_status") == "local_error" and v.culprit:
         return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
     if v.focus == "collective":
-        return f"DIVERGED at collective {where['collective']['name']}", str(where.get("reason") or "")
+        c = where["collective"]
+        return f"DIVERGED at {c.get('kind', 'collective')} {c['name']}", str(where.get("reason") or "")
     if v.basis == "unattributed":
         if where.get("module") is None:
             return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
@@ -549,9 +550,14 @@ def _details(v: Verdict) -> list[str]:
         lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
     if v.focus == "collective":
         c = v.where["collective"]
-        lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result of "
-                     f"their group's recorded inputs (the first is named); each call that consumed one is judged on "
-                     f"the reference's result")
+        if c.get("kind") == "transfer":
+            lines.append(f"transfers: {c.get('num_flagged', 1)} of this rank's collectives and transfers are off the "
+                         f"exact result of their recorded inputs or what the sending rank sent (the first is named); "
+                         f"each call that consumed one is judged on the reference's value")
+        else:
+            lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result "
+                         f"of their group's recorded inputs (the first is named); each call that consumed one is "
+                         f"judged on the reference's result")
     lines.append(_basis_line(v))
     lines += _compiled_lines(v.compiled)
     if v.basis != "first_divergence":
@@ -730,7 +736,8 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
                                  f"({len(diverged)} of {total} ranks diverged{which})", None)
         where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
         if v.focus == "collective":
-            where = f" at collective {v.entry['collective']['name']}"
+            c = v.entry["collective"]
+            where = f" at {c.get('kind', 'collective')} {c['name']}"
         which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
         headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
         return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))

@@ -225,6 +225,7 @@ class ModuleCapture:
         self.grad_scale = 1.0  # a GradScaler's factor on the loss: gradients are stored divided by it (`unscaled`)
         self.num_calls = 0
         self.microbatch = 0  # the microbatch whose forward runs: each call's own (docs/format.md "Microbatches")
+        self.call_begins: list[Callable[[int], None]] = []  # told the microbatch of each call that begins (p2p.py)
         self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
         self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
         self._handles: list = []
@@ -403,6 +404,8 @@ class ModuleCapture:
                  "parent": parent_key, "random_begin": begin, **simple}
         if self.microbatch:  # absent: microbatch 0 (a recording of one microbatch is written as before)
             attrs[MICROBATCH] = self.microbatch
+        for told in self.call_begins:
+            told(self.microbatch)
         self.num_calls += 1
         group = call_path(key, FORWARD)
         for name, value in named:

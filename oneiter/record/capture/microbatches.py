@@ -57,6 +57,8 @@ class Microbatches:
         self.explicit: set[int] = set()  # microbatches whose loss `rec.loss` named
         self.batch_tensors = 0  # batch tensors stored so far: the next one is `batch/input.<batch_tensors>`
         self.from_inputs = False  # `rec.inputs` began the current one and the model has not been called since
+        self.backwards: set[int] = set()  # microbatches a backward ran in (from a loss, or from given gradients)
+        self.scheduled = -1  # a pipeline schedule's backward of this microbatch runs now (-1: none says)
 
     @property
     def current(self) -> int:
@@ -70,8 +72,11 @@ class Microbatches:
         return self.count - 1
 
     def of_tensor(self, tensor) -> int:
-        """The microbatch whose forward created `tensor` (the one a backward on it belongs to): by its autograd
-        node's number; the current one when torch cannot say (no grad_fn, no sequence number)."""
+        """The microbatch whose forward created `tensor` (the one a backward on it belongs to): the one a pipeline
+        schedule says it runs the backward of (`scheduled`), else by the tensor's autograd node's number; the current
+        one when torch cannot say (no grad_fn, no sequence number)."""
+        if self.scheduled >= 0:
+            return self.scheduled
         node = getattr(tensor, "grad_fn", None)
         number = node._sequence_nr() if node is not None and hasattr(node, "_sequence_nr") else -1
         if number < 0 or any(s < 0 for s in self.starts):
@@ -110,6 +115,11 @@ class Microbatches:
     def has_loss(self) -> bool:
         return bool(self.losses)
 
+    def has_backward(self) -> bool:
+        """Whether a backward ran: from a loss, or from gradients handed to it (a pipeline stage before the last,
+        whose backward starts from the gradients the next stage sent: it has no loss of its own)."""
+        return bool(self.losses or self.backwards)
+
     def values(self, unscale) -> list:
         """Each microbatch's loss (its tensor, `unscale`d unless `rec.loss` named it); None where none is known."""
         return [None if m not in self.losses else
@@ -120,9 +130,12 @@ class Microbatches:
         """The iteration's loss: the one microbatch's as it is, or the sum of several (what the accumulated
         gradients are the gradient of), in the dtype of the first."""
         known = [v for v in values if v is not None]
+        import torch
+
+        if not known:  # a pipeline stage before the last: no loss of its own
+            return torch.tensor(math.nan, dtype=torch.float32)
         if len(values) == 1 or len(known) == 1:
             return known[0]
-        import torch
 
         return torch.stack([v.detach().reshape(()).to(known[0].dtype) for v in known]).sum()
 

@@ -138,6 +138,9 @@ def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
     if rerunner.source.has(grad_path):
         source = rerunner.source  # the probe's cache: a fresh read is ours, a remembered one is shared
         q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
+        divisor = getattr(rerunner, "grad_divisor", {}).get(name)
+        if divisor is not None:  # divided between the last backward and the step, as the live one was
+            q.grad = q.grad.div(divisor)
     return q.requires_grad_(p.requires_grad)
 
 

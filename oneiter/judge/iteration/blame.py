@@ -40,6 +40,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
 from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
+from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.precision import NOISE_BOUND_FACTOR, UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
@@ -148,11 +149,18 @@ class Sources:
     reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
     or a child with no recorded output, is not). A collective a call's own code ran is one more thing it computed
     from (`consumed`: ((module, call, phase), key, error, bitwise) per collective output, from
-    `judge/iteration/collectives.consumed`)."""
+    `judge/iteration/collectives.consumed`).
+
+    A gradient of a tensor several calls read is the sum of what each hands back (`summed.py`): with `stored` (each
+    row's stored datasets, `CompareResult.stored`) the readers are known, and with `norm` (a key's reference L2 norm)
+    what the sum inherits from them is bounded in absolute terms, each term at least at `run_dtype`'s rounding."""
 
     def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None,
-                 consumed: tuple = ()):
+                 consumed: tuple = (), *, stored: Optional[list] = None,
+                 norm: Optional[Callable[[tuple], Optional[float]]] = None, run_dtype: str = ""):
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+        self.summands = readers_gradients(rows, stored, parents or {}) if stored is not None else {}
+        self.norm, self.run_roundoff = norm, unit_roundoff(run_dtype) if run_dtype else 0.0
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
         self.keys: dict[tuple[str, int, str], list[tuple]] = {}
         for (module, call, phase, tensor), err in self.errors.items():
@@ -245,12 +253,22 @@ class Sources:
             sources = self._module_errors(r.module, ("forward.in",))
             return max(sources) if sources else self.everything
         if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
-            # from the loss (computed from the outputs), and from whatever the model's own backward summed into it
-            before = self.backward_before.get((r.module, r.call, r.phase, r.tensor), 0.0)
-            return max(self.root_out, self.loss_err or 0.0, before)
+            # from the loss (computed from the outputs), and from whatever the model's own backward summed into it:
+            # the gradients its readers handed back (`summed.py`), else every backward entry before it
+            key = (r.module, r.call, r.phase, r.tensor)
+            before = self.backward_before.get(key, 0.0)
+            return max(self.root_out, self.loss_err or 0.0, before, self.summed(key, r.dtype_target or r.dtype))
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
             return self._call_inputs(r)
         return None  # covered by a probe
+
+    def summed(self, key: tuple, dtype: Optional[str] = None) -> float:
+        """What the gradient `key` inherits from the readers' gradients it is the sum of (0.0: no readers known)."""
+        terms = self.summands.get(key)
+        if not terms:
+            return 0.0
+        floor = max(self.run_roundoff, unit_roundoff(dtype) if dtype else 0.0)
+        return inherited(terms, key, self.errors, floor, self.norm)
 
     def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
         """Whether everything an entry no probe covers was computed from is known and bitwise equal to the

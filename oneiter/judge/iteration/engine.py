@@ -251,12 +251,14 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
     result.precision = _precision(ref, tgt)
-    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)))
+    run_dtype = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
+    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)), stored=result.stored,
+                      norm=_reference_norms(ref), run_dtype=run_dtype)
     own: list[Finding] = []
     if result.local_kind == "teacher_forced":
         own, result.rounding = own_values(
             result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
-            run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
+            run_dtype=run_dtype,
             world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
             update_scale=functools.partial(_update_scale, ref))
     if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
@@ -276,6 +278,19 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
         result.nan_origin = nan_origin(counts, list(counts))
     settle_rows(result, found)
     result.findings = [*found, *row_findings(result.rows, result.first_divergence, result.has_local)]
+
+
+def _reference_norms(ref: IterationFile):
+    """key -> the L2 norm of the reference's entry (its statistics: computed from a full entry, stored at the
+    statistics level), read on first use; None for an entry the reference lacks."""
+    paths = {e.key: e.path for e in ref.entries() if e.phase in ("forward", "backward")}
+
+    @functools.lru_cache(maxsize=None)
+    def norm(key: tuple) -> Optional[float]:
+        path = paths.get(key)
+        return None if path is None else float(ref.stats_of(path)["l2"])
+
+    return norm
 
 
 def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -> dict:

@@ -51,7 +51,8 @@ __all__ = [
     "STEP_START",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
-    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "UNBOUNDED", "LOCAL_OPTIONAL",
+    "RAW_BITS",
     "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
@@ -97,6 +98,9 @@ REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls
 # /local attribute (JSON): the ops whose kernels were not torch's own where the calibration ran (`record/modes/
 # trusted.py`): {"cpu": [{op, key, registered, route}], "device": {"type", "plugin", "ops": [...]}}
 FOREIGN_KERNELS = "foreign_kernels"
+# /local attribute (JSON): the noise bounds the calibration had to measure and could not (`record/local/probe.py`
+# `_bound`): [{"what": a call key or a parameter name, "reason": the error}]; absent or [] when none failed
+UNBOUNDED = "unbounded"
 
 # overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
 # than one tensor: native_dropout keeps its output and its mask

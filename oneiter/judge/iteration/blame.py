@@ -44,10 +44,13 @@ from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.precision import NOISE_BOUND_FACTOR, UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
-__all__ = ["UNIT_ROUNDOFF", "local_results", "find_culprit", "culprit_chain",
+__all__ = ["UNIT_ROUNDOFF", "ROUNDING_NOISE", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
+# an expected noise (relative to float64) this large says the value is rounding itself: its precision's own error is
+# as large as the value, which is 0 (or far below what it was computed from) in exact arithmetic
+ROUNDING_NOISE = 1.0
 
 
 def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
@@ -80,7 +83,7 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
     return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, bound)
+                       row.calibration, expected, factor, flagged, bound, not flagged and expected >= ROUNDING_NOISE)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
@@ -295,18 +298,21 @@ class Sources:
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
                      loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "",
-                     sources: Optional[Sources] = None) -> list[Finding]:
+                     sources: Optional[Sources] = None, rounding: frozenset[int] | set[int] = frozenset()
+                     ) -> list[Finding]:
     """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
     does not explain, in causal order.
 
     `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed
     (or that had nothing of their own to judge); `covered` the keys of parameter-gradient and optimizer entries
-    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one).
+    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one);
+    `rounding` the rows known to be their call's own rounding (the same tensor as a local row that is: another
+    name of it is no other value).
     """
     upstream = sources or Sources(rows, loss)
     found = []
     for i, r in enumerate(rows):
-        if r.metrics is None or r.status not in ("match", "diverged"):
+        if r.metrics is None or r.status not in ("match", "diverged") or i in rounding:
             continue  # missing/shape/dtype rows are judged as structural divergences
         exact = upstream.exact(r, unprobed, covered)
         if same_precision and r.status != "diverged" and not exact:

@@ -30,6 +30,7 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
@@ -61,6 +62,7 @@ class Evidence(Protocol):
     """What a verdict is decided from: a `results.CompareResult` as the engine leaves it (its rows settled, blame's
     findings recorded). Named here, not imported, because the result decides its verdict from this module."""
 
+    reference: str
     rows: list[Row]
     first_divergence: Optional[int]
     findings: list[Finding]
@@ -308,7 +310,8 @@ def decide(result: Evidence) -> Verdict:
         first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
         unprobed=tuple(result.unprobed),
         unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
-        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
+        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None),
+        hint=_hint(result, basis, entry) or _compiled_next(result, culprit),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
         num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
         num_rounding_values=sum(r.status == "rounding" and r.reason.startswith(ROUNDING_VALUE) for r in rows),
@@ -422,6 +425,25 @@ def _hint(result: Evidence, basis: str, entry: Optional[dict]) -> Optional[str]:
              else "a different reduction order (threads, kernels) changes results this much")
     return (f"hint: rel_l2 {rel_l2:.1e} is within {HINT_RTOLS}x rtol {rtol:.1e}, rounding-noise size: {cause}; "
             f"--rtol/--atol loosen the check")
+
+
+def _compiled_next(result: Evidence, culprit: Optional[Culprit]) -> Optional[str]:
+    """When the culprit is a block the target ran compiled (torch.compile: the calls inside it are not observable),
+    the next commands: which node of its graph (`replay --layer --ops --compile`), or a recording that compiles
+    smaller blocks (`--compile-modules`) so a call inside it can be named."""
+    blocks = ((result.compiled or {}).get("target") or {}).get("blocks") or {}
+    path = "" if culprit is None or culprit.module == ROOT_MODULE else culprit.module
+    if culprit is None or path not in blocks:
+        return None
+    backend = str(blocks[path].get("backend") or "inductor")
+    model = result.meta_target.get("model")
+    spec = f" -m {model}" if model else ""
+    children = f"'^{re.escape(path)}\\.[^.]+$'" if path else "'^[^.]+$'"
+    layer = (f"`oneiter replay {result.reference} --layer {path} --call {culprit.call} --ops{spec} --compile "
+             f"{backend}` judges each node of its graph (forward); " if path else "")
+    return (f"next: {culprit.module} ran compiled ({backend}), so the calls inside it are not observable: {layer}"
+            f"`oneiter record ... --compile {backend} --compile-modules {children}` compiles each of its children as "
+            f"a block of its own, so the next compare names the call inside it")
 
 
 # -- the sentences --------------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "STEP_START",
+    "STEP_START", "STEP_GRADS", "CLIP_ROW", "OPTIMIZER_MODULE",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
     "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "UNBOUNDED", "LOCAL_OPTIONAL",
@@ -84,6 +84,12 @@ STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_a
 # nn.Embedding(max_norm) renormalises the rows it looks up, in forward), as the optimizer step found them; every
 # other parameter starts its step as `state_before` holds it
 STEP_START = "step_start"
+# the gradients as the optimizer step saw them, where code between backward and the step changed them (clipping,
+# unscaling); group attributes: coefficient (NaN: no single one), grad_norm, step_norm, spread (`record/local/
+# clipping.py`)
+STEP_GRADS = "step_grads"
+# the /local row of the clipping itself: (optimizer)@0 optimizer clip_coef
+OPTIMIZER_MODULE, CLIP_ROW = "(optimizer)", "clip_coef"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset

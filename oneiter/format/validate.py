@@ -50,6 +50,7 @@ from oneiter.format.schema import (
     SCHEMA_VERSION,
     SIGNATURE,
     STATS_FIELDS,
+    STEP_GRADS,
     STEP_START,
     STEPS,
     STORAGE_OFFSET,
@@ -79,7 +80,7 @@ _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START,
-                  UNREDUCED_GRADS)
+                  UNREDUCED_GRADS, STEP_GRADS)
 _COLLECTIVE_TENSOR = re.compile(r"(input|output)\.(0|[1-9]\d{0,8})")
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`signature.py`)
@@ -446,7 +447,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         _check_calls_group(parts, attrs, full, path)
     if top == COLLECTIVES:
         _check_collectives_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS) \
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS, STEP_GRADS) \
             and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):

@@ -156,11 +156,15 @@ class Sources:
 
     A gradient of a tensor several calls read is the sum of what each hands back (`summed.py`): with `stored` (each
     row's stored datasets, `CompareResult.stored`) the readers are known, and with `norm` (a key's reference L2 norm)
-    what the sum inherits from them is bounded in absolute terms, each term at least at `run_dtype`'s rounding."""
+    what the sum inherits from them is bounded in absolute terms, each term at least at `run_dtype`'s rounding.
+    `stepped_changed`: a step saw gradients changed after backward (clipping: `/step_grads`), so an update is no
+    longer computed from its recorded gradient alone."""
 
     def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None,
                  consumed: tuple = (), *, stored: Optional[list] = None,
-                 norm: Optional[Callable[[tuple], Optional[float]]] = None, run_dtype: str = ""):
+                 norm: Optional[Callable[[tuple], Optional[float]]] = None, run_dtype: str = "",
+                 stepped_changed: bool = False):
+        self.stepped_changed = stepped_changed
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
         self.summands = readers_gradients(rows, stored, parents or {}) if stored is not None else {}
         self.norm, self.run_roundoff = norm, unit_roundoff(run_dtype) if run_dtype else 0.0
@@ -229,7 +233,7 @@ class Sources:
             return self.all_exact
         grad = (r.module, 0, "param_grad", r.tensor)
         if grad in self.errors:
-            return grad in self.bitwise
+            return grad in self.bitwise and not self.stepped_changed
         calls = self.calls_of.get(r.module, [])
         return bool(calls) and all(self.exact_call(r.module, c, FORWARD) for c in calls)
 
@@ -279,7 +283,7 @@ class Sources:
         if (r.module, r.call, r.phase, r.tensor) in covered:
             return False
         if r.phase == "optimizer":
-            return (r.module, 0, "param_grad", r.tensor) in self.bitwise
+            return (r.module, 0, "param_grad", r.tensor) in self.bitwise and not self.stepped_changed
         if r.phase == "param_grad":  # summed over every call that used it (shared weights too): every entry
             return self.all_exact
         if (r.module, r.call) in unprobed and not is_input(r.tensor):

@@ -45,6 +45,7 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     STEP_START,
     UNBOUNDED,
     split_call_key,
@@ -254,7 +255,8 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     result.precision = _precision(ref, tgt)
     run_dtype = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
     sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)), stored=result.stored,
-                      norm=_reference_norms(ref), run_dtype=run_dtype)
+                      norm=_reference_norms(ref), run_dtype=run_dtype,
+                      stepped_changed=ref.has(STEP_GRADS) or tgt.has(STEP_GRADS))
     own: list[Finding] = []
     if result.local_kind == "teacher_forced":
         own, result.rounding = own_values(

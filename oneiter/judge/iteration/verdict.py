@@ -34,7 +34,7 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
-from oneiter.format.schema import ROOT_MODULE
+from oneiter.format.schema import CLIP_ROW, ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
@@ -528,6 +528,10 @@ def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], exp
         return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
                 f"given the same inputs")
     tensor = str(tensor)
+    if tensor == CLIP_ROW:  # judged on the target's own gradients (`record/local/clipping.py`)
+        return (f"the coefficient the gradient clipping applied is rel {sci(rel_l2)} off min(1, max_norm / total "
+                f"norm) of the float64 norm of the gradients backward left (max_norm: the reference's clipping's), "
+                f"{num(ratio) or 0:.1f}x the rounding of those norms {sci(expected)}")
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
     text = (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
             f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")

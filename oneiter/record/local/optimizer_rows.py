@@ -33,6 +33,7 @@ from oneiter.format.schema import (
     PLACEMENTS,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     group_path,
     optimizer_entry,
 )
@@ -45,7 +46,7 @@ from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import local
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
-           "check_updates"]
+           "check_updates", "step_grad_path"]
 
 # torch's optimizers whose step updates each parameter from its own gradient and state only: a copy of one over a
 # few of the parameters steps them exactly as over all of them (single-tensor, foreach and fused alike)
@@ -134,7 +135,7 @@ def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
         q.grad = None if start[1] is None else start[1].to(device, dtype, copy=True)
         return q.requires_grad_(p.requires_grad)
     q = before.to(device, dtype, copy=True)
-    grad_path = group_path(PARAM_GRADS, name)
+    grad_path = step_grad_path(rerunner.source, name)
     if rerunner.source.has(grad_path):
         source = rerunner.source  # the probe's cache: a fresh read is ours, a remembered one is shared
         q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
@@ -272,9 +273,16 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
     return {name: digest(after) for name, after in judged.items()}
 
 
+def step_grad_path(source, name: str) -> str:
+    """Where the reference keeps the gradient its step saw: `/step_grads` where code changed it after backward
+    (clipping, unscaling: `clipping.py`), else `/param_grads`."""
+    path = group_path(STEP_GRADS, name)
+    return path if source.has(path) else group_path(PARAM_GRADS, name)
+
+
 def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
     before = rerunner.step_start(name)
-    grad_path = group_path(PARAM_GRADS, name)
+    grad_path = step_grad_path(rerunner.source, name)
     if before is None or not exact_tensor(before, local(p.detach())):
         return False
     if p.grad is None:

@@ -73,6 +73,7 @@ from oneiter.format.schema import (
     BACKWARD,
     FOREIGN_KERNELS,
     FORWARD,
+    OPTIMIZER_MODULE,
     PARAM_GRADS,
     PRECISION_MODES,
     REDUCED_CALLS,
@@ -81,6 +82,7 @@ from oneiter.format.schema import (
     REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
+    STEP_GRADS,
     UNBOUNDED,
     UNREDUCED_GRADS,
     LocalRow,
@@ -90,6 +92,7 @@ from oneiter.format.schema import (
 )
 from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.carried import CarriedState
+from oneiter.record.local.clipping import clip_row
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
@@ -294,14 +297,15 @@ class LocalProbe(ABC):
             self._param_rows()
             self._buffer_rows()
             if not step_later:
-                self.before_step(grads_changed=False)
+                self.before_step(grads_changed=False, figures=None)
         for records in self._contributors.values():
             for rec in records:
                 rec.release()
         self._contributors.clear()
 
-    def before_step(self, *, grads_changed: bool) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
-        """The optimizer is about to step: its update is judged only teacher-forced (`TeacherForcedProbe`)."""
+    def before_step(self, *, grads_changed: bool, figures: dict | None = None) -> None:  # noqa: B027 - a hook
+        """The optimizer is about to step: its update is judged only teacher-forced (`TeacherForcedProbe`).
+        `figures`: the gradients as the step sees them against what backward left (`clipping.step_figures`)."""
 
     def table(self, seqs: dict[tuple[str, str], int]) -> tuple[list[LocalRow], list[tuple[str, int, str]], dict]:
         """The `/local` rows (capture order filled in from `seqs`), the unprobed calls, and the table's attrs."""
@@ -846,17 +850,28 @@ class TeacherForcedProbe(LocalProbe):
                 self._calibrated_value(name, records, row)
             self.rows.append(row)
 
-    def before_step(self, *, grads_changed: bool) -> None:
+    def before_step(self, *, grads_changed: bool, figures: dict | None = None) -> None:
         """The optimizer is about to step. `grads_changed`: code between backward and the step changed the
-        gradients in place (clipping, unscaling), which the recording does not hold: the update is not judged."""
+        gradients in place (clipping, unscaling). Where the reference's step saw changed gradients too
+        (`/step_grads`), the change is judged as its own row (`clipping.clip_row`) and the update from the
+        reference's step gradients; a change only one side made is listed, the update not judged."""
         if self.model is None or self.optimizer is None:
             return
         if updates_not_judged(self.ref_optimizer_state, self.optimizer_start):
             return  # another starting state: no update is judged, clipped or not; compare says why (from the files)
-        if grads_changed:
-            self.unprobed.append(("(optimizer)", 0, "the gradients changed between backward and the step (gradient "
-                                  "clipping or unscaling), which a recording does not hold"))
+        theirs = self.source.attrs(STEP_GRADS)  # {}: the reference's step saw the gradients backward left
+        if not theirs and grads_changed:
+            self.unprobed.append((OPTIMIZER_MODULE, 0, "the gradients changed between backward and the step "
+                                  "(gradient clipping or unscaling), where the reference's step saw them as backward "
+                                  "left them: the update is not judged"))
             return
+        if theirs:
+            row, why = clip_row(theirs, figures) if figures is not None else (None, "sharded gradients: the "
+                                                                               "clipping's total norm is no rank's")
+            if row is not None:
+                self.rows.append(row)
+            else:
+                self.unprobed.append((OPTIMIZER_MODULE, 0, why))
         rows, why = optimizer_rows(self.optimizer, self.model, self.rerunner, self.device,
                                    lambda row: row.needs_noise(0.0),  # the step runs outside autocast
                                    self._expected_updates if self.CHECKS_LIVE else None)

@@ -48,7 +48,7 @@ from oneiter.errors import OneIterError
 
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "STEP_START", "STEP_GRADS", "CLIP_ROW", "OPTIMIZER_MODULE",
+    "STEP_START", "STEP_GRADS", "CLIP_ROW", "OPTIMIZER_MODULE", "OPTIMIZER_CLASS", "STATE_NAMES",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
     "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "UNBOUNDED", "LOCAL_OPTIONAL",
@@ -88,6 +88,9 @@ STEP_START = "step_start"
 # unscaling); group attributes: coefficient (NaN: no single one), grad_norm, step_norm, spread (`record/local/
 # clipping.py`)
 STEP_GRADS = "step_grads"
+# root attributes: the optimizers' classes (`module.qualname`, comma separated) and, in a replay whose optimizer keeps
+# the reference's state under other names, JSON {its key: the reference's key} (`record/start/state_names.py`)
+OPTIMIZER_CLASS, STATE_NAMES = "optimizer_class", "optimizer_state_names"
 # the /local row of the clipping itself: (optimizer)@0 optimizer clip_coef
 OPTIMIZER_MODULE, CLIP_ROW = "(optimizer)", "clip_coef"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets

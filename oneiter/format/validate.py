@@ -44,11 +44,13 @@ from oneiter.format.schema import (
     LOCAL_FIELDS,
     LOCAL_OPTIONAL,
     OPTIMIZER,
+    OPTIMIZER_CLASS,
     PLACEMENTS,
     RAW_BITS,
     SCHEMA,
     SCHEMA_VERSION,
     SIGNATURE,
+    STATE_NAMES,
     STATS_FIELDS,
     STEP_GRADS,
     STEP_START,
@@ -73,9 +75,10 @@ MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many tim
 _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration",
               "steps")
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
-              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction",
+              OPTIMIZER_CLASS)
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list, COMPILED: dict,
-               "fallback_counts": dict}
+               "fallback_counts": dict, STATE_NAMES: dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input")

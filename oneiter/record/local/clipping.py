@@ -27,8 +27,6 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-import torch
-
 from oneiter.format.schema import CLIP_ROW, OPTIMIZER_MODULE
 from oneiter.record.local.rows import JudgedRow, dtype_name
 from oneiter.runtime.precision import unit_roundoff
@@ -47,8 +45,17 @@ def squared_norms(named) -> Optional[dict[str, float]]:
     for name, grad in named:
         if is_dtensor(grad):
             return None
-        found[name] = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)) ** 2
+        found[name] = _squared(grad)
     return found
+
+
+def _squared(grad) -> float:
+    """The squared L2 norm in float64, computed where the gradient lives, out of sight of the user's dispatch modes."""
+    import torch  # not at import: the session imports this, and `import oneiter` imports no torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        return float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)) ** 2
 
 
 def step_figures(before: dict[str, float], named) -> dict[str, Any]:
@@ -59,7 +66,7 @@ def step_figures(before: dict[str, float], named) -> dict[str, Any]:
     `largest` (the most elements of one gradient) and `dtype` (the gradients' coarsest dtype)."""
     after, own, largest, dtype = {}, {}, 1, "float64"
     for name, grad in named:
-        after[name] = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)) ** 2
+        after[name] = _squared(grad)
         if before.get(name):
             own[name] = math.sqrt(after[name] / before[name])
         largest = max(largest, grad.numel())

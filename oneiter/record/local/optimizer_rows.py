@@ -41,6 +41,7 @@ from oneiter.record.local.fidelity import digest, exact_tensor
 from oneiter.record.local.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
+from oneiter.record.start.state_names import renamed
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import local
@@ -102,22 +103,25 @@ def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int
             tensors[name] = q
     shadow = faithful_copy(opt, shadows, plain=not site.live)
     if site.cast != "live":  # float64 and the reference's precision start from the reference's own recorded state
-        _reference_state(shadow, {id(q): names.get(id(p)) for p, q in _pairs(opt, shadows)}, rerunner)
+        _reference_state(shadow, {id(q): names.get(id(p)) for p, q in _pairs(opt, shadows)}, rerunner,
+                         renamed(opt))
     with torch.no_grad(), trusted.running(site.trusted):
         shadow.step()
     return {name: t.detach() for name, t in tensors.items()}
 
 
-def _reference_state(shadow, names: dict, rerunner: Rerunner) -> None:
+def _reference_state(shadow, names: dict, rerunner: Rerunner, theirs: dict | None = None) -> None:
     """The state of each shadow parameter as the reference recorded it (`/optimizer_state`, when the reference holds
     it: a replay's optimizer loaded it, cast to its own dtypes), cast for the shadow parameter as torch's
-    `load_state_dict` would."""
+    `load_state_dict` would; `theirs`: the reference's name of each key the optimizer keeps under another one
+    (`record/start/state_names.py`)."""
     for group in shadow.param_groups:
         for q in group["params"]:
             state = shadow.state.get(q)
             name = names.get(id(q))
             for key in list(state or ()):
-                path = group_path(OPTIMIZER, optimizer_entry(name, key)) if name else None
+                ref_key = (theirs or {}).get(key, key)
+                path = group_path(OPTIMIZER, optimizer_entry(name, ref_key)) if name else None
                 if path is not None and rerunner.source.has(path):
                     state[key] = _for_param(q, key, rerunner.source.uncached(path).clone(), shadow.param_groups)
 

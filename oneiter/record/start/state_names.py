@@ -50,8 +50,8 @@ def renamed(opt) -> dict[str, str]:
 
 def discover(opt) -> Optional[set[str]]:
     """The per-parameter state keys `opt`'s class makes at its first step (and `group:<key>` for what it adds to the
-    param group), from a trial step of a copy of it (its instance attributes, no hooks, empty state, plain kernels)
-    over a zero-gradient copy of its smallest parameter; None when that step fails (nothing is known then)."""
+    param group), from a trial step of a copy of it (its instance attributes deep-copied, no hooks, empty state, plain
+    kernels) over a zero-gradient copy of its smallest parameter; None when that fails (nothing is known then)."""
     import copy
 
     import torch
@@ -61,10 +61,13 @@ def discover(opt) -> Optional[set[str]]:
         return None
     p, group = min(params, key=lambda pg: pg[0].numel())
     trial = object.__new__(type(opt))
-    for key, value in vars(opt).items():
-        if key in ("param_groups", "state") or callable(value):
-            continue
-        setattr(trial, key, collections.OrderedDict() if key.endswith("_hooks") else copy.copy(value))
+    try:  # deep copies: the trial never touches the user's optimizer (a vendor's buffers, its master weights)
+        for key, value in vars(opt).items():
+            if key in ("param_groups", "state") or callable(value):
+                continue
+            setattr(trial, key, collections.OrderedDict() if key.endswith("_hooks") else copy.deepcopy(value))
+    except Exception:  # noqa: BLE001 - an attribute that cannot be copied: nothing is known
+        return None
     q = torch.zeros_like(p.detach()).requires_grad_(p.requires_grad)
     q.grad = torch.zeros_like(q)
     options = {k: v for k, v in group.items() if k != "params"}

@@ -30,7 +30,7 @@ _TORCH = {"step": "step", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "max
 KNOWN: dict[str, dict[str, str]] = {
     "torch.optim.adam.Adam": _TORCH,
     "torch.optim.adamw.AdamW": _TORCH,
-    # apex/optimizers/fused_adam.py: "assume same step across group", moments per parameter
+    # apex's FusedAdam (its fused_adam module): "assume same step across group", moments per parameter
     "apex.optimizers.fused_adam.FusedAdam": {"step": GROUP + "step", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"},
 }
 _RENAMED: "weakref.WeakKeyDictionary[Any, dict[str, str]]" = weakref.WeakKeyDictionary()

@@ -54,12 +54,14 @@ from oneiter.format.schema import (
     BACKWARD,
     BATCH,
     CALLS,
+    CLIP_ROW,
     COLLECTIVE_OPS,
     COLLECTIVES,
     FORWARD,
     MICROBATCH,
     MICROBATCH_LOSS,
     MICROBATCHES,
+    OPTIMIZER_MODULE,
     P2P_OPS,
     RANDOM,
     RANDOM_OPS,
@@ -83,7 +85,7 @@ __all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "ch
            "OPTIMIZER_CALL", "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
 
 _RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
-OPTIMIZER_CALL = ("(optimizer)", 0)  # how /unprobed names the optimizer's shadow step
+OPTIMIZER_CALL = (OPTIMIZER_MODULE, 0)  # how /unprobed names the optimizer's shadow step (and /local its clipping)
 LOCAL_PHASES = ("forward", "backward", "param_grad", "optimizer")
 _TENSOR_DTYPES = {"float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
                   "uint32", "uint64", "bool", "complex64", "complex128", *RAW_BITS}
@@ -367,7 +369,8 @@ def _check_local_row(i: int, row: LocalRow, calls: dict, params: set[str], path)
         raise _fail(path, f"{where}: phase '{row.phase}' is none of {', '.join(LOCAL_PHASES)}")
     if row.phase in (FORWARD, BACKWARD) and (row.module, row.call) not in calls:
         raise _fail(path, f"{where}: {row.module}@{row.call} is no call of the file")
-    if row.phase not in (FORWARD, BACKWARD):
+    clipping = (row.module, row.call, row.phase, row.tensor) == (*OPTIMIZER_CALL, "optimizer", CLIP_ROW)
+    if row.phase not in (FORWARD, BACKWARD) and not clipping:
         name = row.tensor if row.module == ROOT_MODULE else f"{row.module}.{row.tensor}"
         if name not in params or row.call != 0:
             raise _fail(path, f"{where}: '{name}' (call {row.call}) is no recorded parameter or buffer (whose rows "
@@ -431,11 +434,12 @@ def check_optimizer_state(meta: dict[str, Any], names: list[str], params: set[st
             raise _fail(path, f"/optimizer_state/{name}: '{param}' is no parameter of the file")
 
 
-def check_step_start(names: list[str], params: set[str], path) -> None:
-    """Each parameter in `/step_start` (what the model wrote itself before the step) is a recorded parameter."""
+def check_step_start(names: list[str], params: set[str], path, group: str = STEP_START) -> None:
+    """Each parameter in `/step_start` (what the model wrote itself before the step; `group`: another group of
+    parameters, such as `/step_grads`) is a recorded parameter."""
     for name in names:
         if name not in params:
-            raise _fail(path, f"/{STEP_START}/{name}: no parameter of the file")
+            raise _fail(path, f"/{group}/{name}: no parameter of the file")
 
 
 # -- a multi-step recording -----------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from oneiter.format.schema import (
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
+    STEP_GRADS,
     STEP_START,
     STEPS,
     TWIN_SIGNATURE,
@@ -273,6 +274,7 @@ class IterationFile:
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
         consistency.check_step_start(self._names_in(STEP_START), params, self.path)
+        consistency.check_step_start(self._names_in(STEP_GRADS), params, self.path, STEP_GRADS)
         self._pass_through: set[tuple[str, int]] = set()
         if self.local_kind() and LOCAL in datasets:
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,

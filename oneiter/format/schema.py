@@ -49,10 +49,11 @@ from oneiter.errors import OneIterError
 __all__ = [
     "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "MICROBATCHES", "MICROBATCH",
     "MICROBATCH_LOSS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "STEP_START",
+    "STEP_START", "STEP_GRADS", "CLIP_ROW", "OPTIMIZER_MODULE", "OPTIMIZER_CLASS", "STATE_NAMES",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
-    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "UNBOUNDED", "LOCAL_OPTIONAL",
+    "RAW_BITS",
     "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
@@ -88,6 +89,15 @@ STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_a
 # nn.Embedding(max_norm) renormalises the rows it looks up, in forward), as the optimizer step found them; every
 # other parameter starts its step as `state_before` holds it
 STEP_START = "step_start"
+# the gradients as the optimizer step saw them, where code between backward and the step changed them (clipping,
+# unscaling); group attributes: coefficient (NaN: no single one), grad_norm, step_norm, spread (`record/local/
+# clipping.py`)
+STEP_GRADS = "step_grads"
+# root attributes: the optimizers' classes (`module.qualname`, comma separated) and, in a replay whose optimizer keeps
+# the reference's state under other names, JSON {its key: the reference's key} (`record/start/state_names.py`)
+OPTIMIZER_CLASS, STATE_NAMES = "optimizer_class", "optimizer_state_names"
+# the /local row of the clipping itself: (optimizer)@0 optimizer clip_coef
+OPTIMIZER_MODULE, CLIP_ROW = "(optimizer)", "clip_coef"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
@@ -102,6 +112,9 @@ REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls
 # /local attribute (JSON): the ops whose kernels were not torch's own where the calibration ran (`record/modes/
 # trusted.py`): {"cpu": [{op, key, registered, route}], "device": {"type", "plugin", "ops": [...]}}
 FOREIGN_KERNELS = "foreign_kernels"
+# /local attribute (JSON): the noise bounds the calibration had to measure and could not (`record/local/probe.py`
+# `_bound`): [{"what": a call key or a parameter name, "reason": the error}]; absent or [] when none failed
+UNBOUNDED = "unbounded"
 
 # overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
 # than one tensor: native_dropout keeps its output and its mask

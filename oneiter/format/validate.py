@@ -47,6 +47,7 @@ from oneiter.format.schema import (
     MICROBATCH_LOSS,
     MICROBATCHES,
     OPTIMIZER,
+    OPTIMIZER_CLASS,
     P2P_ATTRS,
     P2P_OPS,
     PLACEMENTS,
@@ -54,7 +55,9 @@ from oneiter.format.schema import (
     SCHEMA,
     SCHEMA_VERSION,
     SIGNATURE,
+    STATE_NAMES,
     STATS_FIELDS,
+    STEP_GRADS,
     STEP_START,
     STEPS,
     STORAGE_OFFSET,
@@ -77,14 +80,15 @@ MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many tim
 _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration",
               "steps", MICROBATCHES)
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
-              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction",
+              OPTIMIZER_CLASS)
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list, COMPILED: dict,
-               "fallback_counts": dict}
+               "fallback_counts": dict, STATE_NAMES: dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
                    "seq_grad_input", MICROBATCH)
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START,
-                  UNREDUCED_GRADS)
+                  UNREDUCED_GRADS, STEP_GRADS)
 _COLLECTIVE_TENSOR = re.compile(r"(input|output)\.(0|[1-9]\d{0,8})")
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`signature.py`)
@@ -452,7 +456,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         _check_calls_group(parts, attrs, full, path)
     if top == COLLECTIVES:
         _check_collectives_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS) \
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS, STEP_GRADS) \
             and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):

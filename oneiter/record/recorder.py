@@ -60,9 +60,11 @@ from oneiter.format.schema import (
     LOSS,
     MICROBATCHES,
     OPTIMIZER,
+    OPTIMIZER_CLASS,
     PRECISION_MODES,
     RANDOM,
     STATE_BEFORE,
+    STATE_NAMES,
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
@@ -76,6 +78,7 @@ from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
+from oneiter.record.start.state_names import qualified, renamed
 from oneiter.runtime import precision_modes
 from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
 from oneiter.runtime.devices import device_name
@@ -795,6 +798,7 @@ class Recorder:
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
             "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: self.optimizer_start,
+            OPTIMIZER_CLASS: ",".join(qualified(o) for o in self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -806,6 +810,9 @@ class Recorder:
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
             GRAD_REDUCTION: reduction(self.model, self.rank.world_size),  # until backward shows a reducer
         }
+        names = {k: v for o in self.optimizers for k, v in renamed(o).items()}
+        if names:  # the target's optimizer keeps the reference's state under other names (`state_names.py`)
+            meta[STATE_NAMES] = json.dumps(names, sort_keys=True)
         meta.update(opts.meta)
         meta["local"] = self.local_kind
         self._meta_batch_size = int(meta.get("batch_size") or 0)

@@ -32,6 +32,7 @@ from oneiter.format.schema import (
     PARAM_GRADS,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     STEP_START,
     UNREDUCED_GRADS,
     arg_name,
@@ -40,6 +41,7 @@ from oneiter.format.schema import (
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
+from oneiter.record.local.clipping import squared_norms, step_figures
 from oneiter.runtime.names import parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local, placement_of
 
@@ -244,10 +246,31 @@ class RecordingSession:
             self.probe.rerunner.grad_divisor.update(divisors)
 
     def before_step(self, grads_changed: bool) -> None:
-        """The optimizer is about to step (after `after_backward(step_later=True)`)."""
+        """The optimizer is about to step (after `after_backward(step_later=True)`): the gradients as it sees them
+        (`step_grads`), then the probe judges the step."""
+        figures = self.step_grads(grads_changed)
         if self.probe is not None:
             with self.module_capture.suspended():
-                self.probe.before_step(grads_changed=grads_changed)
+                self.probe.before_step(grads_changed=grads_changed, figures=figures)
+
+    def step_grads(self, changed: bool) -> dict | None:
+        """Where code between backward and the step changed the gradients (`changed`: clipping, unscaling), store them
+        as the step sees them (`/step_grads`) with their figures against what backward left (`record/local/
+        clipping.py`); return the figures (coefficient 1 where nothing changed; None: not measured, a sharded
+        gradient)."""
+        before = getattr(self, "_grad_norms", None)
+        if before is None:
+            return None
+        named = [(n, p.grad) for n, p in parameters(self.model) if p.grad is not None]
+        if not changed:
+            return {"coefficient": 1.0, "grad_norm": sum(before.values()) ** 0.5, "own": {}, "count": len(named),
+                    "largest": max((g.numel() for _, g in named), default=1),
+                    "dtype": str(named[0][1].dtype).removeprefix("torch.") if named else "float32"}
+        figures = step_figures(before, named)
+        self._named(STEP_GRADS, named)
+        self.writer.attrs(STEP_GRADS, {k: float(figures[k]) for k in ("coefficient", "grad_norm", "step_norm",
+                                                                     "spread")})
+        return figures
 
     def state_before(self) -> None:
         state = state_tensors(self.model)
@@ -305,6 +328,9 @@ class RecordingSession:
             self.sink.put(PARAM_GRADS, name, grad, attrs, dedup=False)
             names.append(name)
         self.writer.attrs(PARAM_GRADS, {"order": names})
+        # what a change before the step (clipping) is measured against; none for a rank's shards (no total)
+        sharded = any(attrs is not None or is_dtensor(grad) for _, grad, attrs in kept)
+        self._grad_norms = None if sharded else squared_norms([(n, g) for n, g, _ in kept])
         own, self._unreduced = self._unreduced, None
         self._unwatch()
         if unreduced and own:

@@ -30,10 +30,11 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
-from oneiter.format.schema import ROOT_MODULE
+from oneiter.format.schema import CLIP_ROW, ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
@@ -64,6 +65,7 @@ class Evidence(Protocol):
     """What a verdict is decided from: a `results.CompareResult` as the engine leaves it (its rows settled, blame's
     findings recorded). Named here, not imported, because the result decides its verdict from this module."""
 
+    reference: str
     rows: list[Row]
     first_divergence: Optional[int]
     findings: list[Finding]
@@ -157,7 +159,10 @@ class Verdict:
     """The reduced-precision float32 modes (TF32...) each side ran and the calibration reproduced
     (`engine._precision`); None when neither side ran any."""
     num_rounding: int = 0
-    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
+    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's), and
+    rows that are rounding themselves (`num_rounding_values` of them)."""
+    num_rounding_values: int = 0
+    """Rows whose value is rounding itself (its precision's own error for it is as large as it: `rounding_reason`)."""
     num_not_judged: int = 0
     """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
     compiled: Optional[dict] = None
@@ -217,7 +222,8 @@ class Verdict:
             "unprobed": list(self.unprobed), "unexplained": list(self.unexplained),
             "loss_unexplained": self.loss_unexplained, "first_divergence": self.first_divergence,
             "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
-            "num_rounding": self.num_rounding, "num_diverged": self.num_diverged, "local_kind": self.local_kind,
+            "num_rounding": self.num_rounding, "num_rounding_values": self.num_rounding_values,
+            "num_diverged": self.num_diverged, "local_kind": self.local_kind,
             "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
@@ -238,6 +244,7 @@ class Verdict:
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
                                                            "warnings", "untrusted", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
+            "num_rounding_values": int(d.get("num_rounding_values") or 0),
         })
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -247,9 +254,9 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 # the keys of `Verdict.as_dict()` that are the verdict's own; every other one belongs to the entry it names
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
-        "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings",
-        "compiled")
+        "num_drift", "num_rounding", "num_rounding_values", "num_diverged", "local_kind", "num_local",
+        "num_local_calls", "num_flagged", "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings",
+        "untrusted", "findings", "compiled")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision", "compiled")
@@ -271,9 +278,21 @@ def settle_rows(result: Evidence, findings: list[Finding]) -> None:
             row.status = "diverged"
         elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
             row.status, row.reason = "diverged", unexplained[i]
+        elif local is not None and local.rounding and i in result.rounding:  # inside tolerance or not: rounding
+            row.status, row.reason = "rounding", rounding_reason(local)
         elif row.status == "diverged" and not row.metrics.nonfinite_differs:
             # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
             row.status = "rounding" if i in result.rounding else "drift"
+
+
+ROUNDING_VALUE = "its value is rounding"  # how the reason of a row that is rounding itself starts (`rounding_reason`)
+
+
+def rounding_reason(local: LocalResult) -> str:
+    """Why a row whose value its precision cannot resolve is rounding (`LocalResult.rounding`), with its figures."""
+    return (f"{ROUNDING_VALUE}: its precision's own error for it, {sci(local.expected)} relative to float64, is as "
+            f"large as the value (0, or far below what it was computed from, in exact arithmetic: a bias's gradient "
+            f"before a BatchNorm); its own error {sci(local.rel_l2)} is within that")
 
 
 def decide(result: Evidence) -> Verdict:
@@ -298,9 +317,11 @@ def decide(result: Evidence) -> Verdict:
         nan_origin=result.nan_origin, unprobed=tuple(result.unprobed),
         unexplained=tuple({**_entry(rows, f.entry, result.microbatches), "why": f.reason}
                           for f in of_kind(findings, "unexplained")),
-        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
+        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None),
+        hint=_hint(result, basis, entry) or _compiled_next(result, culprit),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
         num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
+        num_rounding_values=sum(r.status == "rounding" and r.reason.startswith(ROUNDING_VALUE) for r in rows),
         num_local=len(result.local),
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
@@ -425,6 +446,25 @@ def _hint(result: Evidence, basis: str, entry: Optional[dict]) -> Optional[str]:
             f"--rtol/--atol loosen the check")
 
 
+def _compiled_next(result: Evidence, culprit: Optional[Culprit]) -> Optional[str]:
+    """When the culprit is a block the target ran compiled (torch.compile: the calls inside it are not observable),
+    the next commands: which node of its graph (`replay --layer --ops --compile`), or a recording that compiles
+    smaller blocks (`--compile-modules`) so a call inside it can be named."""
+    blocks = ((result.compiled or {}).get("target") or {}).get("blocks") or {}
+    path = "" if culprit is None or culprit.module == ROOT_MODULE else culprit.module
+    if culprit is None or path not in blocks:
+        return None
+    backend = str(blocks[path].get("backend") or "inductor")
+    model = result.meta_target.get("model")
+    spec = f" -m {model}" if model else ""
+    children = f"'^{re.escape(path)}\\.[^.]+$'" if path else "'^[^.]+$'"
+    layer = (f"`oneiter replay {result.reference} --layer {path} --call {culprit.call} --ops{spec} --compile "
+             f"{backend}` judges each node of its graph (forward); " if path else "")
+    return (f"next: {culprit.module} ran compiled ({backend}), so the calls inside it are not observable: {layer}"
+            f"`oneiter record ... --compile {backend} --compile-modules {children}` compiles each of its children as "
+            f"a block of its own, so the next compare names the call inside it")
+
+
 # -- the sentences --------------------------------------------------------------------------------------------------
 class Sentences(NamedTuple):
     """A verdict in words: `title` (`DIVERGED at ...`), `reason` (the numbers; may be ""), `details` (lines)."""
@@ -483,9 +523,12 @@ def _local_match(v: Verdict) -> tuple[str, str]:
     if v.num_drift:
         parts.append(f"{v.num_drift} of {v.num_entries} entries are outside tolerance: accumulated "
                      f"drift, which this verdict does not rest on")
-    if v.num_rounding:
-        parts.append(f"{v.num_rounding} are outside tolerance from values bitwise the reference's: their own call's "
-                     f"rounding, within its noise")
+    if v.num_rounding_values:
+        parts.append(f"{v.num_rounding_values} are rounding themselves: their precision's own error for them is as "
+                     f"large as their value (0 in exact arithmetic), within their noise")
+    if v.num_rounding - v.num_rounding_values:
+        parts.append(f"{v.num_rounding - v.num_rounding_values} are outside tolerance from values bitwise the "
+                     f"reference's: their own call's rounding, within its noise")
     if v.unprobed:
         parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
     if v.num_not_judged:
@@ -505,6 +548,10 @@ def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], exp
         return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
                 f"given the same inputs")
     tensor = str(tensor)
+    if tensor == CLIP_ROW:  # judged on the target's own gradients (`record/local/clipping.py`)
+        return (f"the coefficient the gradient clipping applied is rel {sci(rel_l2)} off min(1, max_norm / total "
+                f"norm) of the float64 norm of the gradients backward left (max_norm: the reference's clipping's), "
+                f"{num(ratio) or 0:.1f}x the rounding of those norms {sci(expected)}")
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
     text = (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
             f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
@@ -577,6 +624,8 @@ def _first_divergence_line(first: dict) -> str:
     drift = {"drift": ": accumulated drift, which the verdict does not rest on",
              "rounding": ": its own call's rounding (computed from values bitwise the reference's), within its "
                          "noise"}.get(str(first.get("entry_status")), "")
+    if first.get("entry_status") == "rounding" and str(first.get("reason") or "").startswith(ROUNDING_VALUE):
+        drift = ": rounding itself (its precision's own error for it is as large as the value), within its noise"
     return (f"first divergence: #{first.get('index')} {entry_name(first)}{size}, the first entry outside "
             f"tolerance{drift}")
 

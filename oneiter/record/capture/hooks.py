@@ -171,6 +171,9 @@ class CallRecord:
     # the instance attributes of its module and those under it as the call began (tensors its forward leaves there
     # for the next call: RecurrentGemma's recurrent state): a rerun starts from them (module_state.py)
     attributes: list | None = None
+    # (id(module), attribute) -> storage address of each tensor the call left in its modules' attributes when it
+    # returned (`module_state.left`): a later call that starts from one carries state from this call
+    left: dict = field(default_factory=dict)
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
@@ -444,6 +447,7 @@ class ModuleCapture:
         self.sink.writer.attrs(call_path(key), attrs)
         if record is not None:
             record.random_end = attrs["random_end"]
+            record.left = module_state.left(record.attributes)
             as_if_grad = not _grad_enabled() and in_reentrant_forward()
             record.output = skeleton(output, "output", as_if_grad=as_if_grad)
             # outputs that are an input, unchanged (Identity, dropout with p=0): a forced rerun passes them on

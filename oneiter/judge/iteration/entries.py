@@ -139,6 +139,11 @@ class LocalResult:
     flagged: bool
     bound: Optional[float] = None
     """What the precision can produce for the call, measured on the trusted path (None: not needed, not measured)."""
+    recipe: str = ""
+    """The low-precision recipe the call runs (`torchao.float8 tensorwise`), "" for none: then `error` is its
+    deviation from the recipe's exact emulation and `format_cost` what the format itself costs."""
+    recipe_rel_l2: float = math.nan
+    format_cost: float = math.nan
 
     @property
     def untrusted(self) -> bool:
@@ -159,16 +164,23 @@ class LocalResult:
 
     @property
     def rel_l2(self) -> float:
+        """Its value against the reference's (with a recipe: the format's cost and the call's deviation together)."""
         return self.metrics.rel_l2
 
     @property
+    def error(self) -> float:
+        """What is judged against the expected noise: rel_l2, or with a recipe its deviation from the recipe."""
+        return self.recipe_rel_l2 if self.recipe else self.metrics.rel_l2
+
+    @property
     def ratio(self) -> float:
-        """rel_l2 / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
+        """error / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
         if self.metrics.nonfinite_differs:
             return math.inf
+        error = self.error if not math.isnan(self.error) else math.inf
         if self.expected:
-            return self.metrics.rel_l2 / self.expected
-        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
+            return error / self.expected
+        return 0.0 if error == 0 else math.inf
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -177,9 +189,11 @@ class LocalResult:
             "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
             "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
             "bound": self.bound, "calibration_trusted": not self.untrusted,
+            "recipe": self.recipe or None, "recipe_rel_l2": self.recipe_rel_l2 if self.recipe else None,
+            "format_cost": self.format_cost if self.recipe else None,
         }
 
     def verdict(self) -> dict[str, Any]:
         return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
+                "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
                 "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}

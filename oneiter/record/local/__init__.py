@@ -6,5 +6,9 @@
 - `montecarlo.py`     a precision's noise by Monte Carlo, where the float64 calibration cannot run
 - `rows.py`           `JudgedRow`: one row of the `/local` table
 - `optimizer_rows.py` the optimizer's update, each parameter judged on its own (a shadow step, in chunks)
+- `formats.py`        number formats as oneiter rounds to them itself (float8, bfloat16, ...), in float64
+- `recipes.py`        the recipe table: low-precision training recipes (torchao float8, MX) read from a module
+- `emulate.py`        a recipe's exact emulation: scales, casts, exact products; what a correct kernel may differ by
+- `recipe_rows.py`    the rows of calls that run a recipe: judged against its emulation, the format's cost beside
 - `probe.py`          the probes: teacher-forced (or against-CPU) reruns of every call and their noise calibration
 """

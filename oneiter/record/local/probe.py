@@ -90,6 +90,7 @@ from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
+from oneiter.record.local.recipe_rows import RecipeRows
 from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
@@ -220,6 +221,7 @@ class LocalProbe(ABC):
         self._bounds: dict[int, dict] = {}  # id(call) -> (phase, name) -> what the precision can produce (`_bound`)
         self._met = trusted.mark()  # the replaced kernels the calibration meets from here on (`table`)
         self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
+        self.recipes = RecipeRows(self.device.type)  # calls that run a low-precision recipe (`recipe_rows.py`)
 
     @property
     def random_ops(self) -> list[RecordedOp]:
@@ -327,8 +329,7 @@ class LocalProbe(ABC):
             primary = self._run(rec, self._primary_site())
             self._check(rec, primary)
             judged = self._judge(rec, primary)
-            if any(row.needs_noise(self.run_roundoff) for row in judged):
-                self._calibrate(rec, primary, judged)
+            self._expect(rec, primary, judged)
         except ProbeSkip as skip:
             rec.status = str(skip)
         except OneIterError as err:
@@ -350,6 +351,16 @@ class LocalProbe(ABC):
         if rec.status != PROBED or not (primary.param_grads or primary.buffers):
             rec.release()
         self.source.clear()
+
+    def _expect(self, rec: CallRecord, primary: RunResult, judged: list[JudgedRow]) -> None:
+        """What the call's rows are expected to differ by: a call that runs a low-precision recipe is judged against
+        the recipe's exact emulation (`recipe_rows.py`), never by reruns in float64; any other is calibrated when
+        one of its rows could be flagged at all."""
+        recipe = self.recipes.recipe(rec)
+        if recipe is not None:
+            self.recipes.judge(rec, recipe, primary, judged, self.source, self.rerunner, self.amp, self._sides)
+        elif any(row.needs_noise(self.run_roundoff) for row in judged):
+            self._calibrate(rec, primary, judged)
 
     def _run(self, rec: CallRecord, site: Site) -> RunResult:
         return self.rerunner.run(rec, site, rec.forced())
@@ -601,9 +612,11 @@ class LocalProbe(ABC):
             stored = self._stored_grad(name, param)
             if stored is None or tuple(stored.shape) != tuple(judged.shape):
                 continue
-            row = self._row(owner(name), 0, "param_grad", leaf(name), stored,
-                            judged.to(self._summed_grad_dtype(stored, param)), index)
-            if row.needs_noise(self.run_roundoff):
+            judged = judged.to(self._summed_grad_dtype(stored, param))
+            row = self._row(owner(name), 0, "param_grad", leaf(name), stored, judged, index)
+            if self.recipes.owns(name):
+                self.recipes.param_row(name, row, judged, stored, self._sides)
+            elif row.needs_noise(self.run_roundoff):
                 self._calibrated_value(name, records, row)
             self.rows.append(row)
 

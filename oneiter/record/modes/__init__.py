@@ -5,5 +5,6 @@
 - `randomness.py` random ops recorded on the reference and replayed on the target
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
+- `float8.py`     `--float8`: the model's Linears converted to torchao's float8 training for the recording
 - `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 """

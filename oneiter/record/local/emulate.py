@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from oneiter.record.local.formats import round_to
+from oneiter.record.modes.casts import scaled_mm_exact
 from oneiter.record.local.recipes import Cast, Gemm
 from oneiter.runtime.precision import unit_roundoff
 
-__all__ = ["Emulated", "ACCUMULATOR", "WINDOW", "accumulator", "linear", "quantize", "EPS"]
+__all__ = ["Emulated", "ACCUMULATOR", "WINDOW", "accumulator", "linear", "quantize", "EPS", "scaled_mm"]
 
 EPS = 1e-12  # torchao's floor of a float8 operand's largest magnitude (float8_utils.EPS): an all-zero tensor's scale
 WINDOW = 8.0  # how many accumulation sigmas around the exact value a correct kernel's result may lie before rounding
@@ -178,6 +179,23 @@ def product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, dtype: str, u_acc: flo
     coarse = any(kind == "round" and unit_roundoff(arg) > u_acc for kind, arg in steps)
     width = WINDOW * sigma if coarse else torch.zeros_like(sigma)
     return Emulated(_apply(exact, steps), _apply(exact - width, steps), _apply(exact + width, steps), sigma_out)
+
+
+def scaled_mm(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *,
+              device_type: str = "cpu") -> Emulated | None:
+    """One `torch._scaled_mm` as a correct kernel gives it (`replay --ops` judges the op by this): the exact scaled
+    product plus bias, rounded to its output dtype, with the interval and the accumulation's sigma as a recipe's
+    product has them; None where `casts.scaled_mm_exact` does not apply (block scales, a result scale)."""
+    exact = scaled_mm_exact(mat1, mat2, scale_a, scale_b, bias, scale_result)
+    if exact is None:
+        return None
+    a, b = mat1.double(), mat2.double()
+    scales = (scale_a.double().reshape(-1, 1) * scale_b.double().reshape(1, -1)).abs()
+    u_acc = ACCUMULATOR["fast_accum" if use_fast_accum and device_type == "cuda" else "default"]
+    sigma = u_acc * math.sqrt(a.shape[1]) * torch.sqrt((a * a) @ (b * b)) * scales
+    dtype = str(out_dtype or mat1.dtype).removeprefix("torch.")
+    width = WINDOW * sigma if unit_roundoff(dtype) > u_acc else torch.zeros_like(sigma)
+    return Emulated(round_to(exact, dtype), round_to(exact - width, dtype), round_to(exact + width, dtype), sigma)
 
 
 def _apply(value: torch.Tensor, steps: list) -> torch.Tensor:

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["round_to", "spacing", "FLOAT8", "is_narrow", "format_name"]
+__all__ = ["round_to", "spacing", "FLOAT8", "format_name"]
 
 FLOAT8 = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 # (explicit mantissa bits, exponent of the smallest normal, largest finite value) of the float8 formats, written out:
@@ -41,12 +41,6 @@ def _spec(name: str) -> tuple[int, int, float, bool]:
 def format_name(dtype) -> str:
     """`float8_e4m3fn` for torch.float8_e4m3fn (and for the name itself)."""
     return str(dtype).removeprefix("torch.")
-
-
-def is_narrow(dtype) -> bool:
-    """Whether a dtype is a floating format narrower than float32 (float16, bfloat16, the float8 and float4 ones)."""
-    return isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize < 4 \
-        and not dtype.is_complex
 
 
 def spacing(x: torch.Tensor, dtype) -> torch.Tensor:

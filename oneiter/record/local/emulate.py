@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from oneiter.record.local.formats import round_to
-from oneiter.record.modes.casts import scaled_mm_exact
 from oneiter.record.local.recipes import Cast, Gemm
+from oneiter.record.modes.casts import scaled_mm_exact
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["Emulated", "ACCUMULATOR", "WINDOW", "accumulator", "linear", "quantize", "EPS", "scaled_mm"]

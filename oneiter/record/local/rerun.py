@@ -211,10 +211,7 @@ class Rerunner:
             stack.enter_context(trusted.running(site.trusted))
             if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
                 stack.enter_context(eager())
-            if site.inject is not None:
-                stack.enter_context(RoundoffInjection(*site.inject))
-            if site.cast == "float64" or site.name == "high":  # casts the code makes to narrower floats: kept
-                stack.enter_context(KeptCasts(site.inject[0] if site.inject is not None else None))
+            _high_precision(stack, site)
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
@@ -753,6 +750,16 @@ def _isolated(module, rec: CallRecord, *devices) -> Iterator[None]:
                 # through .data: the real iteration saved these buffers for backward (BatchNorm), and a version
                 # bump would make autograd reject them
                 live.data.copy_(saved)
+
+
+def _high_precision(stack: ExitStack, site: Site) -> None:
+    """The modes of a high-precision site: a lower precision's rounding injected into every op (`inject`), and the
+    casts the model's code makes to narrower floats kept (`modes/casts.py`; float64 sites and the calibration's high
+    run)."""
+    if site.inject is not None:
+        stack.enter_context(RoundoffInjection(*site.inject))
+    if site.cast == "float64" or site.name == "high":
+        stack.enter_context(KeptCasts(site.inject[0] if site.inject is not None else None))
 
 
 def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:

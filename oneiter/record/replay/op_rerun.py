@@ -49,11 +49,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from oneiter.record.local.emulate import scaled_mm
 from oneiter.record.local.montecarlo import MONTE_CARLO, OP_SCALE, SAMPLES, SEED, spread
 from oneiter.record.local.reduced import OPERANDS
 from oneiter.record.local.rerun import Perturbation, tensor_stats
 from oneiter.record.modes import trusted
-from oneiter.record.local.emulate import scaled_mm
 from oneiter.record.modes.randomness import is_random
 from oneiter.record.modes.roundoff_mode import COPIES, UNINITIALIZED
 from oneiter.runtime.precision import unit_roundoff

@@ -2,8 +2,9 @@
 converter does), and faultable from inside.
 
 `float8="tensorwise"` or `"rowwise"` (`--model-arg float8=...`) converts every Linear with both dimensions divisible by
-16 with torchao's `convert_to_float8_training`, leaving the Llama's `lm_head` in high precision; "" (the default)
-leaves the model as it is: the reference. The conversion happens before faultkit's fault (`ONEITER_TEST_FAULT`), so
+16 with torchao's `convert_to_float8_training`, leaving the Llama's `lm_head` in high precision; `"mxfp8"` swaps every
+Linear with both dimensions divisible by 32 for torchao's `MXFP8Linear` (MX blocks of 32, RCEIL scales, the emulated
+kernels that run on a CPU); "" (the default) leaves the model as it is: the reference. The conversion happens before faultkit's fault (`ONEITER_TEST_FAULT`), so
 `instance:model.layers.0.mlp.down_proj` wraps the converted Linear, as a vendor's wrapper around an FP8 module would.
 
 - `build_mlp`: three Linears (32 -> 64 -> 32 -> 16, with biases) and ReLUs, a classification loss;
@@ -18,6 +19,8 @@ from faultkit import apply_fault, patch_functions, undo_faults  # noqa: F401  (u
 def _converted(model, float8: str):
     if not float8:
         return model
+    if float8 == "mxfp8":
+        return _mx(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def wanted(module, fqn):
@@ -25,6 +28,20 @@ def _converted(model, float8: str):
 
     return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(float8),
                                       module_filter_fn=wanted)
+
+
+def _mx(model):
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.in_features % 32 == 0 and module.out_features % 32 == 0:
+            mx = MXFP8Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                             kernel_preference=KernelPreference.EMULATED)
+            mx.weight, mx.bias = module.weight, module.bias
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, mx)
+    return model
 
 
 def build_mlp(batch_size, float8=""):

@@ -4,8 +4,9 @@ converter does), and faultable from inside.
 `float8="tensorwise"` or `"rowwise"` (`--model-arg float8=...`) converts every Linear with both dimensions divisible by
 16 with torchao's `convert_to_float8_training`, leaving the Llama's `lm_head` in high precision; `"mxfp8"` swaps every
 Linear with both dimensions divisible by 32 for torchao's `MXFP8Linear` (MX blocks of 32, RCEIL scales, the emulated
-kernels that run on a CPU); "" (the default) leaves the model as it is: the reference. The conversion happens before faultkit's fault (`ONEITER_TEST_FAULT`), so
-`instance:model.layers.0.mlp.down_proj` wraps the converted Linear, as a vendor's wrapper around an FP8 module would.
+kernels that run on a CPU); "" (the default) leaves the model as it is: the reference. The conversion happens before
+faultkit's fault (`ONEITER_TEST_FAULT`), so `instance:model.layers.0.mlp.down_proj` wraps the converted Linear, as a
+vendor's wrapper around an FP8 module would.
 
 - `build_mlp`: three Linears (32 -> 64 -> 32 -> 16, with biases) and ReLUs, a classification loss;
 - `build_llama`: a tiny Hugging Face Llama from a random config (hidden 32, 2 layers: `hf_llama.py`'s).

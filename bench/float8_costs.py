@@ -38,7 +38,8 @@ FAULT_ENV = "ONEITER_TEST_FAULT"
 
 
 def record(out: Path, **kwargs):
-    from oneiter.record.run import SpecOptions, record as run
+    from oneiter.record.run import SpecOptions
+    from oneiter.record.run import record as run
 
     return run(SpecOptions(out=out, model=LLAMA, force=True, **kwargs))
 
@@ -54,7 +55,8 @@ def costs(ref: Path, tgt: Path) -> None:
 
     v = oneiter.compare(str(ref), str(tgt)).verdict_obj
     print(f"  verdict: {v.headline[:160]}")
-    print(f"  {'call':36s} {'cost out':>9s} {'grad_in':>9s} {'grad_w':>9s} {'noise':>9s} {'deviation':>9s} {'ratio':>6s}")
+    heads = " ".join(f"{h:>9s}" for h in ("cost out", "grad_in", "grad_w", "noise", "deviation"))
+    print(f"  {'call':36s} {heads} {'ratio':>6s}")
     for c in v.formats["calls"]:
         cells = [f"{c[k]:9.2e}" if c[k] is not None else f"{'-':>9s}" for k in (
             "cost_output", "cost_grad_input", "cost_weight", "noise", "deviation")]

@@ -127,10 +127,11 @@ def test_a_clean_float8_llama_replay_matches_with_its_lm_head_in_high_precision(
     assert not any(c["module"] == "lm_head" for c in v.formats["calls"])
 
 
-def test_a_clean_float8_llama_replay_matches_its_bf16_reference(refs, tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_clean_float8_llama_replay_matches_its_bf16_reference(refs, tmp_path, recipe):
     ref = refs(LLAMA, "bfloat16")
-    replay(ref, tmp_path / "t.h5", model_args={"float8": "rowwise"}, dtype="bfloat16")
-    assert_clean(verdict(ref, tmp_path / "t.h5"), "torchao.float8 rowwise", 14)
+    replay(ref, tmp_path / "t.h5", model_args={"float8": recipe}, dtype="bfloat16")
+    assert_clean(verdict(ref, tmp_path / "t.h5"), f"torchao.float8 {recipe}", 14)
 
 
 @pytest.mark.parametrize("model, recipe, layer", [(MLP, "tensorwise", "2"),
@@ -188,7 +189,7 @@ def test_record_float8_on_a_replay_prints_the_per_call_format_cost_table(refs, t
     tgt = tmp_path / "fp8.h5"
     res = run_cli("record", "--replay", refs(LLAMA), "-m", LLAMA, "--float8", "tensorwise", "-o", tgt, "-q")
     assert res.exit_code == 0, res.output
-    out = run_cli("compare", refs(LLAMA), tgt)
+    out = run_cli("compare", refs(LLAMA), tgt, "--html", tmp_path / "r.html", "--json", tmp_path / "r.json")
     assert out.exit_code == 0, out.output
     text = out.stdout
     assert "float8 tensorwise" in text  # the target's line
@@ -197,6 +198,10 @@ def test_record_float8_on_a_replay_prints_the_per_call_format_cost_table(refs, t
     rows = [line.split() for line in text.splitlines() if line.startswith("model.layers.")]
     assert len(rows) == 14 and rows[0][:3] == [f"{FIRST}@0", "torchao.float8", "tensorwise"]
     assert all(1e-2 < float(r[3]) < 1e-1 and r[-1].endswith("x") for r in rows)  # cost at each output; ratio
+    calls = json.loads((tmp_path / "r.json").read_text())["verdict"]["formats"]["calls"]
+    assert [c["module"] for c in calls] == [r[0].removesuffix("@0") for r in rows]
+    page = (tmp_path / "r.html").read_text()
+    assert "<h2>Formats</h2><p>14 calls run a low-precision recipe" in page and f"<td>{FIRST}@0</td>" in page
 
 
 def test_recorder_float8_converts_for_the_block_only(refs, tmp_path):

@@ -183,13 +183,15 @@ class LocalResult:
         return 0.0 if error == 0 else math.inf
 
     def as_dict(self) -> dict[str, Any]:
+        """`rel_l2` is what is judged (`error`: with a recipe, the deviation from it; `reference_rel_l2` is then the
+        value against the reference's, and `format_cost` the recipe's own)."""
         return {
             "module": self.module, "call": self.call, "tensor": self.tensor,
-            "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
+            "rel_l2": self.error, "max_abs": self.metrics.max_abs, "expected": self.expected,
             "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
             "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
             "bound": self.bound, "calibration_trusted": not self.untrusted,
-            "recipe": self.recipe or None, "recipe_rel_l2": self.recipe_rel_l2 if self.recipe else None,
+            "recipe": self.recipe or None, "reference_rel_l2": self.rel_l2 if self.recipe else None,
             "format_cost": self.format_cost if self.recipe else None,
         }
 

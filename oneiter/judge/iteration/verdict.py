@@ -338,7 +338,7 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
         return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
                 "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
                 "calibration_not_trusted", "reason": finding.reason,
-                "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
+                "rel_l2": local.error, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
                 **_nonfinite_counts(local.metrics)}
     if finding.kind == "loss":
         return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",

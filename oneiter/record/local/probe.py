@@ -45,6 +45,11 @@ stays in the local error. `noise_reference` is the same for the reference's prec
   runs); `low` is the probed rerun itself. One extra device rerun per calibrated call. Its noise is held to the
   trusted CPU's (below): a kernel wrong only in the low precision gives a device noise the CPU's does not.
 
+**A format written in the code is precision, not code.** A call whose module runs a low-precision recipe of the recipe
+table (torchao's float8 Linears, MX: `recipes.py`) is not calibrated by these reruns (its code casts to float8 in
+float64 too): its rows are judged against the recipe's exact emulation on the reference's inputs, with the
+accumulation's noise, and carry the format's own cost (`recipe_rows.py`).
+
 **A noise estimate is itself checked.** A calibrated noise (both sides) above `NOISE_BOUND_FACTOR` unit roundoffs
 of the run's precision is checked against what the precision can produce for the call on the trusted path
 (`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff_mode.py`; with

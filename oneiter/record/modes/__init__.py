@@ -6,5 +6,6 @@
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
 - `float8.py`     `--float8`: the model's Linears converted to torchao's float8 training for the recording
+- `casts.py`      casts the model's code makes to narrower floats, kept in float64 reruns (their rounding is noise)
 - `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 """

@@ -233,6 +233,12 @@ def test_float8_options_are_checked_and_torchao_is_asked_for_by_name(monkeypatch
         oneiter.Recorder(torch_linear(), tmp_path / "x.h5", float8="tensorwise", amp="bf16")
     res = run_cli("record", "-m", MLP, "--float8", "rowwise", "--amp", "bf16", "-o", tmp_path / "y.h5")
     assert res.exit_code == 2 and "--float8" in res.stderr and "drop amp" in res.stderr
+    model = torch_linear()
+    undo = convert(model, "tensorwise")
+    with pytest.raises(OneIterError, match="Float8Linear already"):
+        convert(model, "rowwise")
+    undo()
+    assert type(model[0]).__name__ == "Linear"
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # as if torchao were not installed
     with pytest.raises(OneIterError, match=r"pip install -c constraints.txt 'oneiter\[float8\]'"):
         convert(torch_linear(), "tensorwise")

@@ -53,6 +53,9 @@ def convert(model, recipe: str) -> Callable[[], None]:
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, Float8Linear.from_float(module, config=config))
             swapped.append((parent, attr, module))
+    if not swapped and any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise OneIterError("float8: the model's Linears are torchao's Float8Linear already (converted by its own "
+                           "code): drop float8, its recipe calls are judged as they are", param="float8")
     if not swapped:
         raise OneIterError("float8: no Linear of the model has both dimensions divisible by 16 (torch's scaled matrix "
                            "product needs that; the output projection is left in high precision)", param="float8")

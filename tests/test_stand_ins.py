@@ -25,7 +25,7 @@ imports = load_tool("imports").imports
 
 ROOT = Path(__file__).resolve().parent.parent
 STAND_INS = sorted(MODEL_FILES.glob("*.py"))
-KERNEL_STAND_INS = ("faulty_kernels", "tf32kit", "faultkit")
+KERNEL_STAND_INS = ("faulty_kernels", "tf32kit", "faultkit", "scaled_mm_kernels", "half_kernels")
 # what names a stand-in in oneiter's code: its module, the variables the tests set for it
 STAND_IN_NAMES = (*KERNEL_STAND_INS, "FAULTY_KERNEL", "ONEITER_TEST_")
 # model files that are also a user's training script, and the oneiter modules their script part imports
@@ -111,8 +111,13 @@ def test_installing_every_stand_in_loads_no_oneiter_module():
     """At run time too (whatever they import, however indirectly): install each kernel and fault, run it."""
     code = ("import json, sys, torch\n"
             f"sys.path.insert(0, {str(MODEL_FILES)!r})\n"
-            "import faulty_kernels, tf32kit, faultkit\n"
+            "import faulty_kernels, tf32kit, faultkit, scaled_mm_kernels, half_kernels\n"
             "x = torch.randn(4, 8, requires_grad=True)\n"
+            "scaled_mm_kernels.install()\n"
+            "f8 = torch.randn(16, 16).to(torch.float8_e4m3fn)\n"
+            "torch._scaled_mm(f8, f8.t(), torch.tensor(1.0), torch.tensor(1.0), out_dtype=torch.float32)\n"
+            "half_kernels.install()\n"
+            "torch.nn.functional.linear(x.half(), torch.randn(3, 8).half(), torch.randn(3).half())\n"
             "for name in ('silu', 'silu_backward'):\n"
             "    faulty_kernels.install(name)\n"
             "    torch.nn.functional.silu(x).sum().backward()\n"

@@ -26,6 +26,10 @@ BatchSize = Annotated[int, typer.Option(*flags.BATCH_SIZE.decls, min=1, help=
 Seed = Annotated[int, typer.Option(*flags.SEED.decls, help="Seed of the torch RNG (weights, batch, dropout).")]
 Dtype = Annotated[str, typer.Option(*flags.DTYPE.decls, help="Model dtype: float32, bfloat16, float16, float64.")]
 Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help="Automatic mixed precision: bf16 or fp16.")]
+Float8 = Annotated[Optional[str], typer.Option(*flags.FLOAT8.decls, help=
+        "tensorwise or rowwise: convert the model's Linears to torchao's float8 training (dimensions divisible by "
+        "16; the output projection, lm_head/output, stays in high precision). Needs pip install -c "
+        "constraints.txt 'oneiter[float8]'.")]
 Threads = Annotated[Optional[int], typer.Option(*flags.THREADS.decls, min=1, help=
         "torch intra-op threads (default: torch's).")]
 ModelArg = Annotated[Optional[List[str]], typer.Option(*flags.MODEL_ARG.decls, help=

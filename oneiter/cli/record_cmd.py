@@ -46,6 +46,10 @@ a run in full (--step S).
   [dim](the model compiled with inductor: each compiled block judged against the eager reference)[/dim]
 
   oneiter record --replay ref.h5 -m my_llm.py:build --compile inductor --compile-modules 'layers\.\d+$' -o c.h5
+
+  oneiter record --replay ref.h5 -m my_llm.py:build --float8 tensorwise -o fp8.h5
+  [dim](the Linears in torchao's float8: each judged against the recipe's exact emulation; the report states what
+  FP8 costs per call)[/dim]
 """
 
 
@@ -62,6 +66,7 @@ def record_command(
             "sgd or adamw (single-tensor kernels); default sgd, with --replay the reference's.")] = None,
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
+    float8: opt.Float8 = None,
     include: Annotated[Optional[List[str]], typer.Option("--include", help=
             "Regex on module paths to record (repeatable).")] = None,
     exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help=
@@ -120,7 +125,7 @@ def record_command(
         model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
-        data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [],
+        data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [], float8=float8,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed

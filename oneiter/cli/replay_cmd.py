@@ -153,6 +153,7 @@ def replay(
     reference_ops: ReferenceOps = None,
     repro: Repro = None,
     compile: opt.Compile = None,
+    float8: opt.Float8 = None,
 ) -> None:
     from oneiter.outputs import resolve
 
@@ -161,13 +162,13 @@ def replay(
     run_amp = _amp(amp)
     if ops:
         raise typer.Exit(_replay_ops(file, layer, call, device, repeat, model, run_amp, dtype, reference_ops, repro,
-                                     dest, compile))
+                                     dest, compile, float8))
     if reference_ops is not None or repro is not None:
         raise fail("--reference-ops and --repro go with --ops")
     from oneiter.judge.replay.layer_verdict import replay_layer
 
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp,
-                          compile=compile)
+                          compile=compile, float8=float8)
     _emit(dest, result.as_dict(), lambda console: print_report(console, result))
     raise typer.Exit(EXIT_MATCH if result.matched else EXIT_DIVERGED)
 
@@ -181,7 +182,8 @@ def _amp(amp: Optional[str]):
     return None if amp.lower() == "none" else amp
 
 
-def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_ops, repro, dest, compile) -> int:
+def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_ops, repro, dest, compile,
+                float8=None) -> int:
     """`--ops`: the op report; returns the exit code."""
     if repeat != 1:
         raise fail("--repeat times a plain replay; with --ops the layer runs once")
@@ -189,7 +191,7 @@ def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_
     from oneiter.report.op_table import print_ops
 
     result = replay_ops(file, layer, call=call, device=device, dtype=dtype, amp=amp, model=model,
-                        reference_ops=reference_ops, repro=repro, compile=compile)
+                        reference_ops=reference_ops, repro=repro, compile=compile, float8=float8)
     doc = result.as_dict()
     _emit(dest, doc, lambda console: print_ops(console, doc))
     return result.exit_code

@@ -385,7 +385,7 @@ def _check_local_numbers(row: LocalRow, where: str, path) -> None:
     for name, value in counts.items():
         if not _whole(value):
             raise _fail(path, f"{where}: {name} {value!r}, expected a whole number >= 0")
-    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference", "noise_bound"):
+    for name in ("rel_l2", "max_abs", "noise_target", "noise_reference", "noise_bound", "recipe_rel_l2", "format_cost"):
         value = getattr(row, name)
         if not (math.isnan(value) or value >= 0):
             raise _fail(path, f"{where}: {name} {value!r}, expected >= 0 (or NaN)")

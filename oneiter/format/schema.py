@@ -326,6 +326,7 @@ LOCAL_FIELDS = (
     ("numel", "i8"), ("rel_l2", "f8"), ("max_abs", "f8"), ("cosine", "f8"),
     ("nan_ref", "i8"), ("inf_ref", "i8"), ("nan", "i8"), ("inf", "i8"), ("mismatch", "i8"),
     ("noise_target", "f8"), ("noise_reference", "f8"), ("calibration", "str"), ("noise_bound", "f8"),
+    ("recipe", "str"), ("recipe_rel_l2", "f8"), ("format_cost", "f8"),
 )
 """Columns of `/local`. A row judges one tensor a call's own code produced, rerun on trustworthy inputs:
 rel_l2/max_abs/cosine/NaN/Inf counts of the judged value against its reference (`_ref` columns: the reference
@@ -334,8 +335,13 @@ calibrated expected rel-L2 error of the target's and the reference's precision (
 the error was already within one unit roundoff), `calibration` where that was measured (`cpu`, `device`,
 with `:float32` or `:monte_carlo` when the float64 run failed: docs/blame.md), `noise_bound` what the precision
 can produce for the call as measured on the trusted path, the check of that noise (NaN: not needed, the noise was
-within `precision.NOISE_BOUND_FACTOR` unit roundoffs; docs/blame.md "A noise estimate is itself checked")."""
-LOCAL_OPTIONAL = {"noise_bound": float("nan")}
+within `precision.NOISE_BOUND_FACTOR` unit roundoffs; docs/blame.md "A noise estimate is itself checked").
+A call that runs a low-precision recipe (torchao's float8 Linears, MX: `record/local/recipes.py`) names it in `recipe`
+("" for none); `recipe_rel_l2` is the target's deviation from the recipe's exact emulation on the reference's inputs
+(what its noise, the accumulation's, judges; `calibration` `recipe`) and `format_cost` that emulation against the
+reference: the format's own cost (NaN without a recipe; docs/blame.md "Low-precision formats")."""
+LOCAL_OPTIONAL = {"noise_bound": float("nan"), "recipe": "", "recipe_rel_l2": float("nan"),
+                  "format_cost": float("nan")}
 """Columns of `/local` a file written before them lacks, and the value they read as there."""
 
 
@@ -360,6 +366,9 @@ class LocalRow:
     noise_reference: float
     calibration: str
     noise_bound: float = float("nan")
+    recipe: str = ""
+    recipe_rel_l2: float = float("nan")
+    format_cost: float = float("nan")
 
     @property
     def key(self) -> tuple[str, int, str, str]:

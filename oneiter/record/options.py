@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Sequence, get_args
 
 from oneiter.errors import OneIterError
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
+from oneiter.record.modes.float8 import RECIPES as FLOAT8_RECIPES
 
 __all__ = ["RecordOptions", "Level", "Amp", "Calibration", "Against", "LEVELS", "CALIBRATIONS",
            "module_selector", "regex_list", "amp_name"]
@@ -81,6 +82,9 @@ class RecordOptions:
     matches, is compiled in place with it for the recording and left as it was after (`runtime/compiled.py`)."""
     compile_modules: list[str] = field(default_factory=list)
     """With `compile`: regexes on module paths; each outermost matching module is compiled on its own (a block)."""
+    float8: str | None = None
+    """`tensorwise` / `rowwise`: the model's Linears converted to torchao's float8 training for the recording and
+    converted back after it (`record/modes/float8.py`; needs the `oneiter[float8]` extra)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, (str, os.PathLike)):
@@ -104,6 +108,19 @@ class RecordOptions:
         self.manage_autocast = bool(self.manage_autocast)
         self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
         self._check_compile()
+        self._check_float8()
+
+    def _check_float8(self) -> None:
+        """float8: one of torchao's recipes, and not with amp (the recipe quantizes from the model's own dtype)."""
+        if self.float8 is None:
+            return
+        if self.float8 not in FLOAT8_RECIPES:
+            raise OneIterError(f"float8 takes one of {', '.join(FLOAT8_RECIPES)} (torchao's float8 training "
+                               f"recipes), got {self.float8!r}", param="float8")
+        if self.amp is not None:
+            raise OneIterError("float8 computes the converted Linears in float8 from the model's own dtype, and "
+                               "autocast would recast their operands and scales: drop amp (for a bfloat16 model, "
+                               "record with dtype bfloat16)", param="float8")
 
     def _check_compile(self) -> None:
         """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""

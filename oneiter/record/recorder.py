@@ -73,6 +73,7 @@ from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
 from oneiter.record.capture.microbatches import Microbatches, reference_swaps, refuse_accumulated
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.modes.float8 import convert as convert_float8
 from oneiter.record.modes.pipeline import PipelineWatch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
@@ -174,6 +175,9 @@ class Recorder:
             block (or each module `compile_modules` matches, one block each) and left as it was after it. A model
             that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this.
         compile_modules: regexes on module paths: with `compile`, each outermost matching module is compiled alone.
+        float8: "tensorwise" / "rowwise": the model's Linears converted to torchao's float8 training for the block
+            and converted back after it (`record/modes/float8.py`: those with dimensions divisible by 16, not the
+            output projection; needs `pip install -c constraints.txt 'oneiter[float8]'`).
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -208,6 +212,7 @@ class Recorder:
         level: str = "full",
         compile: str | bool | None = None,
         compile_modules: str | Sequence[str] | None = None,
+        float8: str | None = None,
     ):
         model = model_of(model)
         options = RecordOptions(
@@ -215,7 +220,7 @@ class Recorder:
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
             name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
             queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level, compile=compile,
-            compile_modules=compile_modules,
+            compile_modules=compile_modules, float8=float8,
         )
         self._setup(model, options, optimizer, progress, notify)
 
@@ -311,6 +316,7 @@ class Recorder:
         self._started = time.perf_counter()
         stack = ExitStack()
         try:
+            stack.callback(self._float8())  # first: hooks, compilation and the reference's weights see it
             stack.callback(self._compile())
             self.ref = self._given_ref if self._given_ref is not None else (
                 stack.enter_context(IterationFile(self.replay)) if self.replay is not None else None)
@@ -713,6 +719,12 @@ class Recorder:
             self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters()
                                    if p.grad is not None}
 
+    def _float8(self) -> Callable[[], None]:
+        """`float8=`: the model's Linears converted to torchao's float8 training in place; returns the undo."""
+        if not self.options.float8:
+            return lambda: None
+        return convert_float8(self.model, self.options.float8)
+
     def _compile(self) -> Callable[[], None]:
         """`compile=`: compile the model (or the modules `compile_modules` names) in place; returns the undo."""
         opts = self.options
@@ -797,6 +809,7 @@ class Recorder:
             "seed": opts.seed if opts.seed is not None else -1, "rng_seed": opts.seed,
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
+            "float8": opts.float8 or "",
             "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: self.optimizer_start,
             OPTIMIZER_CLASS: ",".join(qualified(o) for o in self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),

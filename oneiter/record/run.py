@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 from oneiter.errors import OneIterError, user_code
 from oneiter.format.layout import IterationFile
 from oneiter.record.modes.faults import attach_faults, parse_fault
+from oneiter.record.modes.float8 import convert as convert_float8
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
@@ -205,6 +206,9 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         over = ddp_over(opts.data_parallel, bundle.model) if info.distributed else None
         if over is not None:
             setup = wrap_ddp(setup, None if over == WORLD else over)
+        if opts.float8:  # first: faults and compilation act on the converted Linears; once for every step
+            stack.callback(convert_float8(bundle.model, opts.float8))
+            opts = replace(opts, float8=None, meta={"float8": opts.float8, **opts.meta})
         if opts.compile:  # before the faults, whose hooks stay outside the compiled code; once for every step
             stack.callback(compile_modules(bundle.model, opts.compile, opts.compile_modules))
             opts = replace(opts, compile=None, compile_modules=[])

@@ -421,6 +421,29 @@ def _runs(doc: Document) -> str:
             f"<p>{len(doc['rows'])} entries: {counts}</p>")
 
 
+def _formats(formats: Optional[dict]) -> str:
+    """The calls that run a low-precision recipe (`judge/iteration/formats.py`): per call its recipe, what the format
+    costs at its output, input gradient and weight gradient, and its worst deviation from the recipe against its
+    accumulation noise."""
+    if not formats:
+        return ""
+    keys = ("cost_output", "cost_grad_input", "cost_weight", "deviation", "noise")
+    head = "".join(f"<th>{h}</th>" for h in ("call", "recipe", "cost output", "cost grad_input", "cost grad_weight",
+                                            "deviation", "noise", "ratio"))
+    lines = []
+    for c in formats.get("calls") or []:
+        name = c["module"] if c.get("call") is None else f"{c['module']}@{c['call']}"
+        ratio = "-" if num(c.get("ratio")) is None else f"{num(c['ratio']):.1f}x" + ("!" if c.get("flagged") else "")
+        cells = [name, c.get("recipe"), *(sci(num(c.get(k))) if num(c.get(k)) is not None else "-" for k in keys),
+                 ratio]
+        flagged = " class='flagged'" if c.get("flagged") else ""
+        lines.append(f"<tr{flagged}>" + "".join(f"<td>{_esc(x)}</td>" for x in cells) + "</tr>")
+    return (f"<section><h2>Formats</h2><p>{len(lines)} calls run a low-precision recipe: the format's cost is its "
+            f"exact emulation against the reference (never a fault); the deviation is the target's distance from "
+            f"that emulation, judged against the accumulation's noise.</p><div class='scroll'><table class='runs'>"
+            f"<tr>{head}</tr>{''.join(lines)}</table></div></section>")
+
+
 def _legend(doc: Document) -> str:
     phases = [p for p in PHASES if any(r["phase"] == p for r in doc["rows"])]
     keys = [f"<span><i style='background:{PHASE_COLORS[p]}'></i>{p}</span>" for p in phases]
@@ -461,7 +484,8 @@ def render_html(result: Union[CompareResult, Document]) -> str:
             f"<label><input type='checkbox' id='divergent-only'> divergent only (<span id='divergent-count'>"
             f"{sum(divergent(r) for r in doc['rows'])}</span> of {len(doc['rows'])} rows flagged)</label></p>"
             f"{_rows_table(doc, columns)}"
-            f"</section>{_embedded(doc)}<script>var NOT_DIVERGENT={json.dumps(list(NOT_DIVERGENT))};{_JS}</script>"
+            f"</section>{_formats(verdict.formats)}{_embedded(doc)}"
+            f"<script>var NOT_DIVERGENT={json.dumps(list(NOT_DIVERGENT))};{_JS}</script>"
             f"</body></html>\n")
 
 

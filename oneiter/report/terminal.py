@@ -61,7 +61,8 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     return result.to_json()
 
 
-CSV_LOCAL = ("local_rel_l2", "expected_noise", "ratio", "flagged", "basis")  # the CSV's columns of the local error
+# the CSV's columns of the local error (`local_rel_l2`: what is judged, with a recipe its deviation from the recipe)
+CSV_LOCAL = ("local_rel_l2", "expected_noise", "ratio", "flagged", "basis", "recipe", "format_cost")
 
 
 def row_basis(result: CompareResult, index: int) -> str:
@@ -86,9 +87,11 @@ def _csv_row(result: CompareResult, index: int) -> dict[str, Any]:
     `nan_inf`: what a spreadsheet needs to see why a row is `diverged`."""
     data = result.row_dict(index)
     local = result.local_for(result.rows[index])
-    extra = dict.fromkeys(CSV_LOCAL, "") if local is None else {
-        "local_rel_l2": local.rel_l2, "expected_noise": local.expected, "ratio": local.ratio,
-        "flagged": int(local.flagged)}
+    extra = dict.fromkeys(CSV_LOCAL, "")
+    if local is not None:
+        extra.update({"local_rel_l2": local.error, "expected_noise": local.expected, "ratio": local.ratio,
+                      "flagged": int(local.flagged), "recipe": local.recipe,
+                      "format_cost": local.format_cost if local.recipe else ""})
     extra["basis"] = row_basis(result, index)
     keys = list(data)
     at = keys.index("nan_inf") + 1  # after the status, its role and the NaN/Inf counts; before the metrics
@@ -98,8 +101,9 @@ def _csv_row(result: CompareResult, index: int) -> dict[str, Any]:
 def write_csv(result: CompareResult, path: str | Path | Destination) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
     the first divergence; `nan_inf` (NaN/Inf counts, reference|target), then `local_rel_l2`, `expected_noise`,
-    `ratio`, `flagged` and `basis` (`row_basis`) come before the metrics. `path`: a file (written whole or not at
-    all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
+    `ratio`, `flagged`, `basis` (`row_basis`), `recipe` and `format_cost` (a call that runs a low-precision recipe:
+    `local_rel_l2` is its deviation from the recipe, `format_cost` what the format costs) come before the metrics.
+    `path`: a file (written whole or not at all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
 
     rows = [_csv_row(result, i) for i in range(len(result.rows))]
     dest = destination(path, "--csv", stdout_ok=True)
@@ -172,7 +176,7 @@ def _rows_table(result: CompareResult, indices: list[int], caption: str) -> Tabl
         cells = _cells(result.rows[i], i)
         if result.local:
             local = result.local_for(result.rows[i])
-            cells[9:9] = ["-"] * 3 if local is None else [metric_text(local.rel_l2), metric_text(local.expected),
+            cells[9:9] = ["-"] * 3 if local is None else [metric_text(local.error), metric_text(local.expected),
                                                           f"{local.ratio:5.1f}x" + ("!" if local.flagged else " ")]
         if i == focus:
             cells[0] = f">{i}"  # visible without colour too (pipes, CI logs)
@@ -202,7 +206,7 @@ def _style(result: CompareResult, index: int, focus: Optional[int]) -> str:
     return "yellow" if result.rows[index].diverged else ""
 
 
-_SHOWN_META = ("model", "device", "dtype", "amp", "num_threads")
+_SHOWN_META = ("model", "device", "dtype", "amp", "float8", "num_threads")
 _STYLES = {"match": "bold green", "diverged": "bold red", "inconclusive": "bold yellow"}
 
 
@@ -234,6 +238,34 @@ def print_report(console: Console, result: CompareResult, *, show_all: bool = Fa
     indices, caption = rows_to_show(result, show_all=show_all)
     if indices:
         print_wide(console, _rows_table(result, indices, caption))
+    formats = result.verdict_obj.formats
+    if formats:
+        print_wide(console, formats_table(formats["calls"], show_all=show_all))
+
+
+FORMAT_CALLS = 40  # calls of the per-call format table shown without --all
+
+
+def formats_table(calls: list[dict], *, show_all: bool = False) -> Table:
+    """The calls that run a low-precision recipe: what the format costs at each (its output, input gradient and
+    weight gradient against the reference) and its worst deviation from the recipe against its accumulation
+    noise."""
+    shown = calls if show_all else calls[:FORMAT_CALLS]
+    hidden = len(calls) - len(shown)
+    table = plain_table(f"formats: {len(calls)} calls run a low-precision recipe" +
+                        (f"; {hidden} more not shown (--all)" if hidden else ""))
+    table.add_column("call", overflow="fold", min_width=16)
+    table.add_column("recipe", no_wrap=True)
+    for name in ("cost out", "cost grad_in", "cost grad_w", "deviation", "noise"):
+        table.add_column(name, justify="right", no_wrap=True, min_width=9)
+    table.add_column("ratio", justify="right", no_wrap=True, min_width=6)
+    for c in shown:
+        name = c["module"] if c["call"] is None else f"{c['module']}@{c['call']}"
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:5.1f}x" + ("!" if c["flagged"] else " ")
+        table.add_row(*(cell(x) for x in (name, c["recipe"], *(metric_text(c[k]) for k in (
+            "cost_output", "cost_grad_input", "cost_weight", "deviation", "noise")), ratio)),
+            style="red" if c["flagged"] else "")
+    return table
 
 
 def print_wide(console: Console, table: Table) -> None:

@@ -56,6 +56,7 @@ CALL = Flag("--call")
 OPS = Flag("--ops")
 COMPILE = Flag("--compile")
 COMPILE_MODULES = Flag("--compile-modules")
+FLOAT8 = Flag("--float8")
 
 PARAMS = {"faults": INJECT_FAULT.name, "replay": REPLAY.name, "out": OUT.name}
 """The library's parameter names whose CLI flag is not `--` + the name with dashes (`cli/common.py` rewrites an
@@ -83,13 +84,14 @@ def record_step_commands(reference: dict[str, Any], target: dict[str, Any], ref_
 
 
 def replay_ops_command(reference: str, layer: str, call: int, *, device: str, dtype: Optional[str],
-                       amp: Optional[str], model: Optional[str], compile: Optional[str] = None) -> str:
+                       amp: Optional[str], model: Optional[str], compile: Optional[str] = None,
+                       float8: Optional[str] = None) -> str:
     """`oneiter replay REF --layer L --call C --ops` on the target's device, dtype and autocast (`model`: the
     model spec to name, None: the recording's built-in one; `compile`: the torch.compile backend the target's
-    block ran, None: not compiled)."""
+    block ran, None: not compiled; `float8`: the float8 recipe it converted its Linears to, None: none)."""
     words = ["oneiter", "replay", reference, LAYER.name, layer, CALL.name, str(call), OPS.name, DEVICE.name, device,
              *([DTYPE.name, dtype] if dtype else []), AMP.name, amp or "none", *([MODEL.name, model] if model else []),
-             *([COMPILE.name, compile] if compile else [])]
+             *([COMPILE.name, compile] if compile else []), *([FLOAT8.name, float8] if float8 else [])]
     return shlex.join(words)
 
 
@@ -121,6 +123,8 @@ def _run(meta: dict) -> list[str]:
         out += [DTYPE.name, str(meta["dtype"])]
     if meta.get("amp"):
         out += [AMP.name, str(meta["amp"])]
+    if meta.get("float8"):
+        out += [FLOAT8.name, str(meta["float8"])]
     if meta.get("num_threads"):
         out += [THREADS.name, str(meta["num_threads"])]
     for fault in _json_list(meta.get("faults")):

@@ -70,6 +70,8 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     # measurement at all and must not excuse any error: both fall back to the floor below, never to "anything goes"
     calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
     bound = row.noise_bound if math.isfinite(row.noise_bound) and row.noise_bound >= 0 else None
+    if row.recipe:
+        return _judge_recipe(row, noise, metrics, calibrated)
     if calibrated is None:
         # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
         # precision (bf16 under --amp bf16), which is then what it is expected to differ by
@@ -84,6 +86,21 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
     return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
                        row.calibration, expected, factor, flagged, bound, not flagged and expected >= ROUNDING_NOISE)
+
+
+def _judge_recipe(row: LocalRow, noise: NoisePolicy, metrics: LocalMetrics, calibrated: Optional[float]
+                  ) -> LocalResult:
+    """A call that runs a low-precision recipe (`record/local/recipe_rows.py`): its deviation from the recipe's exact
+    emulation, against the accumulation's noise; never below one unit roundoff of the recipe's accumulator
+    (float32): a correct kernel's result lies within the emulation's rounding interval, whatever the tensor's dtype.
+    The format's own cost (rel_l2 against the reference) is reported, never judged."""
+    expected = max(calibrated if calibrated is not None else 0.0, noise.floor("float32"))
+    factor = noise.factor_for(row.module)
+    error = row.recipe_rel_l2 if not math.isnan(row.recipe_rel_l2) else math.inf
+    flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
+    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
+                       row.calibration, expected, factor, flagged, recipe=row.recipe,
+                       recipe_rel_l2=row.recipe_rel_l2, format_cost=row.format_cost)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:

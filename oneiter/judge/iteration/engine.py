@@ -77,12 +77,12 @@ from oneiter.runtime.sharding import grads_reduced
 __all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
-META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
-             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction", MICROBATCHES)
+META_KEYS = ("model", "device", "device_name", "dtype", "amp", "float8", "num_threads", "seed", "batch_size",
+             "optimizer", "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction", MICROBATCHES)
 
 
 def _run_precision(meta: dict) -> tuple:
-    return (meta.get("dtype") or "", meta.get("amp") or "")
+    return (meta.get("dtype") or "", meta.get("amp") or "", meta.get("float8") or "")
 
 
 # -- one row --------------------------------------------------------------------------------------------------------

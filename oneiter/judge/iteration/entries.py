@@ -143,6 +143,11 @@ class LocalResult:
     """Whether the value is rounding itself: not flagged, and its expected noise (its precision's own error for it,
     relative to float64) is as large as the value (`blame.ROUNDING_NOISE`): a gradient that is 0 in exact arithmetic,
     such as a bias's before a BatchNorm."""
+    recipe: str = ""
+    """The low-precision recipe the call runs (`torchao.float8 tensorwise`), "" for none: then `error` is its
+    deviation from the recipe's exact emulation and `format_cost` what the format itself costs."""
+    recipe_rel_l2: float = math.nan
+    format_cost: float = math.nan
 
     @property
     def untrusted(self) -> bool:
@@ -163,27 +168,38 @@ class LocalResult:
 
     @property
     def rel_l2(self) -> float:
+        """Its value against the reference's (with a recipe: the format's cost and the call's deviation together)."""
         return self.metrics.rel_l2
 
     @property
+    def error(self) -> float:
+        """What is judged against the expected noise: rel_l2, or with a recipe its deviation from the recipe."""
+        return self.recipe_rel_l2 if self.recipe else self.metrics.rel_l2
+
+    @property
     def ratio(self) -> float:
-        """rel_l2 / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
+        """error / expected noise; inf when NaN/Inf differ (rel_l2 only sees the finite elements)."""
         if self.metrics.nonfinite_differs:
             return math.inf
+        error = self.error if not math.isnan(self.error) else math.inf
         if self.expected:
-            return self.metrics.rel_l2 / self.expected
-        return 0.0 if self.metrics.rel_l2 == 0 else math.inf
+            return error / self.expected
+        return 0.0 if error == 0 else math.inf
 
     def as_dict(self) -> dict[str, Any]:
+        """`rel_l2` is what is judged (`error`: with a recipe, the deviation from it; `reference_rel_l2` is then the
+        value against the reference's, and `format_cost` the recipe's own)."""
         return {
             "module": self.module, "call": self.call, "tensor": self.tensor,
-            "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
+            "rel_l2": self.error, "max_abs": self.metrics.max_abs, "expected": self.expected,
             "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
             "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
             "bound": self.bound, "calibration_trusted": not self.untrusted, "rounding": self.rounding,
+            "recipe": self.recipe or None, "reference_rel_l2": self.rel_l2 if self.recipe else None,
+            "format_cost": self.format_cost if self.recipe else None,
         }
 
     def verdict(self) -> dict[str, Any]:
         return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.rel_l2, "expected": self.expected, "ratio": self.ratio,
+                "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
                 "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}

@@ -38,6 +38,9 @@ from oneiter.format.schema import CLIP_ROW, ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
+from oneiter.judge.iteration.formats import lines as format_lines
+from oneiter.judge.iteration.formats import recipe_error
+from oneiter.judge.iteration.formats import summary as format_summary
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
@@ -105,6 +108,10 @@ class Culprit:
     reason: str
     microbatch: Optional[int] = None
     """The microbatch whose call it is, in an iteration of several (gradient accumulation); None: one."""
+    recipe: Optional[str] = None
+    """The low-precision recipe the call runs: `local_rel_l2` is then its deviation from the recipe's exact
+    emulation, `expected` the accumulation's noise, `format_cost` what the format itself costs (None: no recipe)."""
+    format_cost: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -118,7 +125,8 @@ class Culprit:
     def from_dict(cls, d: dict) -> Culprit:
         """The culprit of a saved report's verdict (numbers as `num` reads them; what it lacks, None)."""
         values = {f.name: d.get(f.name) for f in fields(cls)}
-        return cls(**{**values, **{k: num(values[k]) for k in ("local_rel_l2", "expected", "ratio", "calibrated")}})
+        numbers = ("local_rel_l2", "expected", "ratio", "calibrated", "format_cost")
+        return cls(**{**values, **{k: num(values[k]) for k in numbers}})
 
 
 @dataclass(frozen=True)
@@ -173,6 +181,9 @@ class Verdict:
     for another device, calibration kernels that were not torch's own); every report states them among the
     details."""
     untrusted: tuple[dict, ...] = ()
+    formats: Optional[dict] = None
+    """The low-precision recipes the target's calls run (`formats.summary`): per recipe its calls, the format's cost
+    and how closely the target follows it; None when no call runs one."""
     """Every local row whose calibrated noise was not trusted (far above what its precision can produce): module,
     call, phase, tensor, rel_l2, calibrated, bound, expected, calibration, flagged."""
     findings: tuple[dict, ...] = ()
@@ -228,7 +239,7 @@ class Verdict:
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
             "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
-            "untrusted": list(self.untrusted), "findings": list(self.findings),
+            "untrusted": list(self.untrusted), "findings": list(self.findings), "formats": self.formats,
         }
 
     @classmethod
@@ -256,10 +267,10 @@ _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "c
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_rounding_values", "num_diverged", "local_kind", "num_local",
         "num_local_calls", "num_flagged", "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings",
-        "untrusted", "findings", "compiled")
+        "untrusted", "findings", "compiled", "formats")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
-               "num_flagged", "worst_local", "precision", "compiled")
+               "num_flagged", "worst_local", "precision", "compiled", "formats")
 
 
 def settle_rows(result: Evidence, findings: list[Finding]) -> None:
@@ -326,12 +337,12 @@ def decide(result: Evidence) -> Verdict:
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
         worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
-                                                "factor": worst.factor, "rel_l2": worst.rel_l2,
+                                                "factor": worst.factor, "rel_l2": worst.error,
                                                 "expected": worst.expected},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
         compiled=result.compiled, untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
-        findings=tuple(f.as_dict() for f in findings),
+        findings=tuple(f.as_dict() for f in findings), formats=format_summary(result.local),
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -355,7 +366,7 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
         return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
                 "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
                 "calibration_not_trusted", "reason": finding.reason,
-                "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
+                "rel_l2": local.error, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
                 **_nonfinite_counts(local.metrics), **_microbatch(result.microbatches, local.module, local.call,
                                                                   local.phase)}
     if finding.kind == "loss":
@@ -372,9 +383,10 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
 
 def _culprit(finding: Finding, microbatches: dict) -> Culprit:
     local = finding.local
-    return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.rel_l2, local.expected,
+    return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.error, local.expected,
                    local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason,
-                   _microbatch(microbatches, local.module, local.call, local.phase).get("microbatch"))
+                   _microbatch(microbatches, local.module, local.call, local.phase).get("microbatch"),
+                   local.recipe or None, local.format_cost if local.recipe else None)
 
 
 def _microbatch(microbatches: dict, module: str, call: int, phase: str) -> dict[str, int]:
@@ -387,6 +399,8 @@ def _microbatch(microbatches: dict, module: str, call: int, phase: str) -> dict[
 
 def culprit_reason(local: LocalResult) -> str:
     """Why a call's own result is blamed, in the verdict's words (its row's reason when flagged inside tolerance)."""
+    if local.recipe and not local.metrics.num_mismatch:
+        return recipe_error(local.recipe, local.error, local.ratio, local.expected, local.format_cost)
     return _own_error(local.tensor, local.rel_l2, local.ratio, local.expected, local.metrics.num_mismatch,
                       local.calibrated)
 
@@ -537,6 +551,8 @@ def _local_match(v: Verdict) -> tuple[str, str]:
 
 
 def _blamed(c: Culprit) -> str:
+    if c.recipe and not c.nan_mismatch:
+        return recipe_error(c.recipe, c.local_rel_l2, c.ratio, c.expected, c.format_cost)
     return _own_error(c.tensor, c.local_rel_l2, c.ratio, c.expected, c.nan_mismatch, c.calibrated)
 
 
@@ -611,6 +627,7 @@ def _details(v: Verdict) -> list[str]:
         lines += _precision_lines(v.precision)
         lines += _local_lines(v)
         lines += _untrusted_lines(v.untrusted)
+        lines += format_lines(v.formats)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
     return lines

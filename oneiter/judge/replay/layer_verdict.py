@@ -65,12 +65,12 @@ class LayerReplayResult(LayerRun):
 
 def replay_layer(
     path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", repeat: int = 1, dtype: str | None = None,
-    model: str | None = None, amp: str | None = RECORDED, compile: str | None = None,
+    model: str | None = None, amp: str | None = RECORDED, compile: str | None = None, float8: str | None = None,
 ) -> LayerReplayResult:
     """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to judge it, then
     `repeat` timed runs (`run_layer` says what each argument means)."""
     run = run_layer(path, layer, check_tensor, call=call, device=device, repeat=repeat, dtype=dtype, model=model,
-                    amp=amp, compile=compile)
+                    amp=amp, compile=compile, float8=float8)
     return LayerReplayResult(**vars(run))
 
 

@@ -198,6 +198,7 @@ def replay_ops(
     path: str | Path, layer: str, *, call: int = 0, device: str = "cpu", dtype: str | None = None,
     amp: str | None = RECORDED, model: str | None = None, reference_ops: str | Path | None = None,
     repro: str | Path | None = None, factor: float | None = None, compile: str | None = None,
+    float8: str | None = None,
 ) -> OpsResult:
     """Trace call `call` of `layer` of the recording at `path` op by op on `device` (this process's stack: its
     plugins, its patched functions) and judge it (module docstring). `reference_ops`: the reference side's `--json`
@@ -213,7 +214,7 @@ def replay_ops(
     tracer = OpTracer(keep=lambda row: flagged(row, factor), reduced=reduced(current(device.strip().split(":")[0])))
     since = trusted.mark()
     trace = trace_layer(path, layer, tracer, call=call, device=device, dtype=dtype, amp=amp, model=model,
-                        compile=compile)
+                        compile=compile, float8=float8)
     run, tracer = trace.run, trace.tracer
     kernels = foreign_notes({FOREIGN_KERNELS: json.dumps({"cpu": trusted.met_kernels(since)})})
     result = OpsResult(str(path), run.key, run.class_name, run.device, run.dtype, run.amp, factor, tracer.rows,
@@ -267,6 +268,7 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
         return None
     meta = result.meta_target
     device, dtype, amp = str(meta.get("device") or "cpu"), meta.get("dtype") or None, meta.get("amp") or None
+    float8 = meta.get("float8") or None  # `record --float8`: the target's Linears in torchao's float8
     recorded = str(meta.get("model") or "")
     spec = model or recorded
     # a culprit that is a compiled block of the target: traced compiled with its backend (graph nodes)
@@ -275,7 +277,7 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     backend = str(block.get("backend") or "") if isinstance(block, dict) else ""
     named = spec if spec and (model or is_file_spec(spec)) else None  # a built-in one is the recording's default
     command = replay_ops_command(result.reference, culprit.module, culprit.call, device=device, dtype=dtype, amp=amp,
-                                 model=named, compile=backend or None)
+                                 model=named, compile=backend or None, float8=float8)
     found = Drill(culprit.module, culprit.call, command)
     if is_file_spec(spec) and model is None:
         found.why_not = "the target's model is a file: name it with --model (a recording never chooses the code)"
@@ -287,7 +289,7 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
         return found
     try:
         found.ops = replay_ops(result.reference, culprit.module, call=culprit.call, device=device, dtype=dtype,
-                               amp=amp, model=model, compile=backend or None)
+                               amp=amp, model=model, compile=backend or None, float8=float8)
     except OneIterError as exc:  # the comparison's verdict stands; the drill says why it could not run
         found.why_not = f"the drill failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     return found

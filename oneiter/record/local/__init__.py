@@ -8,5 +8,9 @@
 - `optimizer_rows.py` the optimizer's update, each parameter judged on its own (a shadow step, in chunks)
 - `clipping.py`       the gradients as the step sees them (clipping, unscaling): stored, and the clipping judged
 - `carried.py`        state carried between two calls of one iteration through a module attribute
+- `formats.py`        number formats as oneiter rounds to them itself (float8, bfloat16, ...), in float64
+- `recipes.py`        the recipe table: low-precision training recipes (torchao float8, MX) read from a module
+- `emulate.py`        a recipe's exact emulation: scales, casts, exact products; what a correct kernel may differ by
+- `recipe_rows.py`    the rows of calls that run a recipe: judged against its emulation, the format's cost beside
 - `probe.py`          the probes: teacher-forced (or against-CPU) reruns of every call and their noise calibration
 """

@@ -45,6 +45,11 @@ stays in the local error. `noise_reference` is the same for the reference's prec
   runs); `low` is the probed rerun itself. One extra device rerun per calibrated call. Its noise is held to the
   trusted CPU's (below): a kernel wrong only in the low precision gives a device noise the CPU's does not.
 
+**A format written in the code is precision, not code.** A call whose module runs a low-precision recipe of the recipe
+table (torchao's float8 Linears, MX: `recipes.py`) is not calibrated by these reruns (its code casts to float8 in
+float64 too): its rows are judged against the recipe's exact emulation on the reference's inputs, with the
+accumulation's noise, and carry the format's own cost (`recipe_rows.py`).
+
 **A noise estimate is itself checked.** A calibrated noise (both sides) above `NOISE_BOUND_FACTOR` unit roundoffs
 of the run's precision is checked against what the precision can produce for the call on the trusted path
 (`_bound`: float64 reruns on the CPU with the run's rounding injected into every op, `modes/roundoff_mode.py`; with
@@ -96,6 +101,7 @@ from oneiter.record.local.clipping import clip_row
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
+from oneiter.record.local.recipe_rows import RecipeRows
 from oneiter.record.local.rerun import AMBIENT, PROBED, ProbeSkip, Rerunner, RunResult, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import JudgedRow, Moment, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
@@ -229,6 +235,7 @@ class LocalProbe(ABC):
         self._unbounded: list[dict[str, str]] = []  # the bounds that were needed and could not be measured, and why
         self._met = trusted.mark()  # the replaced kernels the calibration meets from here on (`table`)
         self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
+        self.recipes = RecipeRows(self.device.type)  # calls that run a low-precision recipe (`recipe_rows.py`)
 
     @property
     def random_ops(self) -> list[RecordedOp]:
@@ -367,8 +374,7 @@ class LocalProbe(ABC):
             primary = self._run(rec, self._primary_site())
             self._check(rec, primary)
             judged = self._judge(rec, primary)
-            if any(row.needs_noise(self.run_roundoff) for row in judged):
-                self._calibrate(rec, primary, judged)
+            self._expect(rec, primary, judged)
         except ProbeSkip as skip:
             rec.status = str(skip)
         except OneIterError as err:
@@ -390,6 +396,16 @@ class LocalProbe(ABC):
         if rec.status != PROBED or not (primary.param_grads or primary.buffers):
             rec.release()
         self.source.clear()
+
+    def _expect(self, rec: CallRecord, primary: RunResult, judged: list[JudgedRow]) -> None:
+        """What the call's rows are expected to differ by: a call that runs a low-precision recipe is judged against
+        the recipe's exact emulation (`recipe_rows.py`), never by reruns in float64; any other is calibrated when
+        one of its rows could be flagged at all."""
+        recipe = self.recipes.recipe(rec)
+        if recipe is not None:
+            self.recipes.judge(rec, recipe, primary, judged, self.source, self.rerunner, self.amp, self._sides)
+        elif any(row.needs_noise(self.run_roundoff) for row in judged):
+            self._calibrate(rec, primary, judged)
 
     def _run(self, rec: CallRecord, site: Site) -> RunResult:
         return self.rerunner.run(rec, site, rec.forced())
@@ -560,7 +576,13 @@ class LocalProbe(ABC):
             runs[f"inj{k}"] = self._run(rec, replace(base_site, name=f"inj{k}", inject=(
                 SEED + k, roundoff, min(roundoff, unit_roundoff("float32")), families)))
         self._add(rec, runs)
-        spread_t = _spread(base, [runs[f"inj{k}"] for k in range(BOUND_SAMPLES)], 1.0)
+        samples = [runs[f"inj{k}"] for k in range(BOUND_SAMPLES)]
+        spread_t = _spread(base, samples, 1.0)
+        for key in _overflowed(base, samples):  # the code's own cast to a narrow format overflowed: nothing measured
+            del spread_t[key]
+            self._not_bounded(f"{call_key(rec.path, rec.call)} {key[0]} {key[1]}", "its values turned NaN or Inf "
+                              "with the precision's rounding injected (a cast in the model's code to a narrow format "
+                              "overflows): its calibrated noise stands unchecked")
         cpu = _rel_all(runs["bound_low"], base) if "bound_low" in runs else {}
         both = 1.0 + self._reference_bound_scale()
         return {key: max(value, cpu.get(key, 0.0)) * both for key, value in spread_t.items()}
@@ -641,9 +663,11 @@ class LocalProbe(ABC):
             stored = self._stored_grad(name, param)
             if stored is None or tuple(stored.shape) != tuple(judged.shape):
                 continue
-            row = self._row(owner(name), 0, "param_grad", leaf(name), stored,
-                            judged.to(self._summed_grad_dtype(stored, param)), index)
-            if row.needs_noise(self.run_roundoff):
+            judged = judged.to(self._summed_grad_dtype(stored, param))
+            row = self._row(owner(name), 0, "param_grad", leaf(name), stored, judged, index)
+            if self.recipes.owns(name):
+                self.recipes.param_row(name, row, judged, stored, self._sides)
+            elif row.needs_noise(self.run_roundoff):
                 self._calibrated_value(name, records, row)
             self.rows.append(row)
 
@@ -1010,6 +1034,19 @@ def _spread(base: RunResult, samples: list[RunResult], scale: float | None = Non
             if all(v is not None for v in values):
                 out[(phase, name)] = spread(value, values) if scale is None else spread(value, values, scale)
     return out
+
+
+def _overflowed(base: RunResult, samples: list[RunResult]) -> list[tuple[str, str]]:
+    """The tensors of `base` that are finite there and not in some sample (a run with rounding injected)."""
+    found = []
+    for phase, attr in ((FORWARD, "forward"), (BACKWARD, "backward")):
+        for name, value in getattr(base, attr).items():
+            if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+                continue
+            values = [getattr(s, attr).get(name) for s in samples]
+            if any(v is not None and not bool(torch.isfinite(v).all()) for v in values):
+                found.append((phase, name))
+    return found
 
 
 def _world_size() -> int:

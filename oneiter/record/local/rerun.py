@@ -50,6 +50,7 @@ from oneiter.record.capture.recompute import checkpoint_disabled
 from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
 from oneiter.record.modes import trusted
+from oneiter.record.modes.casts import KeptCasts
 from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
 from oneiter.record.modes.roundoff_mode import RoundoffInjection
@@ -213,8 +214,7 @@ class Rerunner:
             stack.enter_context(trusted.running(site.trusted))
             if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
                 stack.enter_context(eager())
-            if site.inject is not None:
-                stack.enter_context(RoundoffInjection(*site.inject))
+            _high_precision(stack, site)
             stack.enter_context(_autocast(site, self.target_device))
             reduced = stack.enter_context(_reduced(site))
             params = self._params(rec, site, skip)
@@ -755,6 +755,16 @@ def _isolated(module, rec: CallRecord, *devices) -> Iterator[None]:
                 live.data.copy_(saved)
 
 
+def _high_precision(stack: ExitStack, site: Site) -> None:
+    """The modes of a high-precision site: a lower precision's rounding injected into every op (`inject`), and the
+    casts the model's code makes to narrower floats kept (`modes/casts.py`; float64 sites and the calibration's high
+    run)."""
+    if site.inject is not None:
+        stack.enter_context(RoundoffInjection(*site.inject))
+    if site.cast == "float64" or site.name == "high":
+        stack.enter_context(KeptCasts(site.inject[0] if site.inject is not None else None))
+
+
 def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
     """(name relative to `module`, tensor, is_parameter) outside the modules in `skip` (parameters once each)."""
     found: list[tuple[str, Any, bool]] = []
@@ -778,12 +788,17 @@ def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
 
 # -- numbers --------------------------------------------------------------------------------------------------------
 def _pair(reference, value):
-    """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32."""
-    a, b = local(reference).detach().reshape(-1), local(value).detach().reshape(-1)  # never a tensor subclass
+    """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32 (float8 values,
+    which torch promotes with nothing, read as float32 first: exactly)."""
+    a, b = (_promotable(local(t).detach().reshape(-1)) for t in (reference, value))  # never a tensor subclass
     work = torch.promote_types(a.dtype, b.dtype)
     if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
         work = torch.float64 if not work.is_floating_point else torch.float32
     return a.to("cpu", work), b.to("cpu", work)
+
+
+def _promotable(t):
+    return t.float() if t.is_floating_point() and t.dtype.itemsize == 1 else t
 
 
 def tensor_stats(reference, value) -> dict:

@@ -26,7 +26,8 @@ Moment = Union[int, tuple[str, str]]
 class JudgedRow:
     """A judged tensor: the target's value against its reference (`rerun.tensor_stats`), and its noise once
     calibrated (NaN until then; `calibration` says where it was measured, or why it failed), and what the precision
-    can produce for it on the trusted path (`noise_bound`, NaN where the noise needed no check)."""
+    can produce for it on the trusted path (`noise_bound`, NaN where the noise needed no check). A call that runs a
+    low-precision recipe is judged against the recipe's emulation instead (`recipe_rows.py`)."""
 
     module: str
     call: int
@@ -39,6 +40,12 @@ class JudgedRow:
     noise_reference: float = math.nan
     calibration: str = ""
     noise_bound: float = math.nan
+    recipe: str = ""
+    """The low-precision recipe the call runs (`recipe_rows.py`), "" for none."""
+    recipe_rel_l2: float = math.nan
+    """With a recipe: the deviation from its exact emulation (what is judged against the noise)."""
+    format_cost: float = math.nan
+    """With a recipe: its exact emulation against the reference (the format's own cost, never a fault)."""
 
     def needs_noise(self, run_roundoff: float) -> bool:
         """Whether its error could be flagged at all: above one unit roundoff of its dtype and of the run's
@@ -51,7 +58,8 @@ class JudgedRow:
         return LocalRow(module=self.module, call=self.call, phase=self.phase, tensor=self.tensor, seq=seq,
                         dtype=self.dtype, **self.stats, noise_target=self.noise_target,
                         noise_reference=self.noise_reference, calibration=self.calibration,
-                        noise_bound=self.noise_bound)
+                        noise_bound=self.noise_bound, recipe=self.recipe, recipe_rel_l2=self.recipe_rel_l2,
+                        format_cost=self.format_cost)
 
 
 def owner(name: str) -> str:

@@ -5,6 +5,8 @@
 - `randomness.py` random ops recorded on the reference and replayed on the target
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
+- `float8.py`     `--float8`: the model's Linears converted to torchao's float8 training for the recording
+- `casts.py`      casts the model's code makes to narrower floats, kept in float64 reruns (their rounding is noise)
 - `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 - `p2p.py`        point-to-point ops (send, recv) recorded per rank, completed when the caller waits, never twice
 - `pipeline.py`   torch.distributed.pipelining's stages: the microbatch of each stage call and of each op it posts

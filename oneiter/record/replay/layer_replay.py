@@ -56,6 +56,8 @@ from oneiter.record.capture.hooks import flatten, host_copy
 from oneiter.record.capture.structure import flatten_call
 from oneiter.record.local.rerun import with_layout
 from oneiter.record.modes import trusted
+from oneiter.record.modes.casts import KeptCasts
+from oneiter.record.modes.float8 import convert as convert_float8
 from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
 from oneiter.record.replay.graph_ops import GraphTracer
 from oneiter.record.start.reference import load_reference
@@ -106,6 +108,7 @@ class LayerRun:
 def run_layer(
     path: str | Path, layer: str, check: Check, *, call: int = 0, device: str = "cpu", repeat: int = 1,
     dtype: str | None = None, model: str | None = None, amp: str | None = RECORDED, compile: str | None = None,
+    float8: str | None = None,
 ) -> LayerRun:
     """Run call `call` of module `layer` of the recording at `path` on `device`: once (untimed) to `check` what it
     produced, then `repeat` timed runs.
@@ -115,12 +118,13 @@ def run_layer(
     (`bf16`, `fp16`, None for none; default: the recording's own --amp).
     `model` builds the model: required when the recording was made from a model file (a recording never chooses
     which code runs); a built-in model's recorded name is used when it is None. `compile`: a torch.compile backend
-    the layer is compiled with (default: the one the rebuilt model compiles it with, if it does).
+    the layer is compiled with (default: the one the rebuilt model compiles it with, if it does). `float8`: the
+    rebuilt model's Linears converted to torchao's float8 training recipe of that name first (`record --float8`).
     """
     if repeat < 1 or call < 0:
         raise OneIterError(f"expected --repeat >= 1 and --call >= 0, got --repeat {repeat} --call {call}")
     with IterationFile(path) as ref:
-        opened = _open(ref, layer, call, device, dtype, amp, model, compile)
+        opened = _open(ref, layer, call, device, dtype, amp, model, compile, float8)
         result = opened.result
         runner = opened.runner(check, opened.device, opened.cast, result.amp, backend=opened.backend)
         _checked_run(runner, result.key)  # untimed: a first call pays one-off costs (thread pools, allocator, ...)
@@ -156,7 +160,7 @@ class LayerTrace:
 
 def trace_layer(
     path: str | Path, layer: str, tracer, *, call: int = 0, device: str = "cpu", dtype: str | None = None,
-    model: str | None = None, amp: str | None = RECORDED, compile: str | None = None,
+    model: str | None = None, amp: str | None = RECORDED, compile: str | None = None, float8: str | None = None,
 ) -> LayerTrace:
     """Run call `call` of `layer` once under `tracer` (a context per phase: `tracer.watching("forward")`,
     `ops.OpTracer`; a compiled layer's: a `GraphTracer`), then again on the CPU in float64 (and in the recording's
@@ -167,7 +171,7 @@ def trace_layer(
     import torch
 
     with IterationFile(path) as ref:
-        opened = _open(ref, layer, call, device, dtype, amp, model, compile)
+        opened = _open(ref, layer, call, device, dtype, amp, model, compile, float8)
         result = opened.result
         produced: dict[str, dict[str, Any]] = {}
         if opened.backend:
@@ -247,13 +251,13 @@ class _Opened:
 
 
 def _open(ref: IterationFile, layer: str, call: int, device: str, dtype: str | None, amp: str | None,
-          model: str | None, compile: str | None = None) -> _Opened:
+          model: str | None, compile: str | None = None, float8: str | None = None) -> _Opened:
     """Find call `call` of `layer` in `ref`, rebuild the layer with the recorded weights, and describe the run."""
     layer = "" if layer == ROOT_MODULE else layer
     dev = resolve_device(device)
     cast = torch_dtype(dtype) if dtype else None
     attrs, num_calls = _find_call(ref, layer, call)
-    module, param_paths, backend = _build_layer(ref, layer, single_call=num_calls == 1, model=model)
+    module, param_paths, backend = _build_layer(ref, layer, single_call=num_calls == 1, model=model, float8=float8)
     if compile:  # after the model file ran: importing it may register its backend
         check_backend(compile)
     amp = (ref.meta.get("amp") or None) if amp == RECORDED else amp
@@ -295,7 +299,8 @@ def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any
     return calls[layer][call], len(calls[layer])
 
 
-def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: str | None = None):
+def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: str | None = None,
+                 float8: str | None = None):
     """A private CPU copy of `layer` with the recorded weights (eager: compiled code left out of it), {`param_grad.
     <name>`: dataset path} to check, and the backend the rebuilt model compiles the layer with (None: it does not).
 
@@ -309,6 +314,8 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
                             int(meta["seed"]),
                             json.loads(meta.get("model_args") or "{}"))
     apply_dtype(bundle, meta.get("dtype") or "float32")  # before loading, so that float64 states load exactly
+    if float8:  # the same parameters in torchao's Float8Linears (`record --float8`)
+        convert_float8(bundle.model, float8)
     load_reference(bundle, ref)
     modules = {eager_name(path): m for path, m in bundle.model.named_modules()}  # a wrapper's module: the eager one
     if layer not in modules:
@@ -404,7 +411,8 @@ class _Runner:
 
         args, kwargs, leaves = self._arguments()
         given = {id(v): v._version for _, v in flatten_call(args, kwargs) if isinstance(v, torch.Tensor)}
-        with self._random(), trusted.running(self.trusted), torch.enable_grad():
+        kept = KeptCasts() if self.cast == torch.float64 else contextlib.nullcontext()  # the program computed exactly
+        with self._random(), trusted.running(self.trusted), torch.enable_grad(), kept:
             self.sync()
             start = time.perf_counter()
             with self.autocast if self.autocast is not None else contextlib.nullcontext(), _watch(tracer, FORWARD):

@@ -49,6 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from oneiter.record.local.emulate import scaled_mm
 from oneiter.record.local.montecarlo import MONTE_CARLO, OP_SCALE, SAMPLES, SEED, spread
 from oneiter.record.local.reduced import OPERANDS
 from oneiter.record.local.rerun import Perturbation, tensor_stats
@@ -63,12 +64,14 @@ __all__ = ["OpRow", "OpCase", "OpTracer", "RANDOM_NOTE", "OWN_DTYPES", "UNIT_ROU
 RANDOM_NOTE = "random: the reference's values"
 OWN_DTYPES = "cpu, the op's own dtypes"  # `OpRow.reference` of an op no higher precision ran
 UNIT_ROUNDOFF = "unit roundoff"  # `OpRow.noise_from` when the error, or the calibration, is within one
+EXACT_SCALED = "cpu float64 (exact scaled product)"  # `OpRow.reference` of a float8 `_scaled_mm`
 # ops that move, cast or copy values without computing new ones (left out of the op sequence
 # `judge.replay.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff_mode.py`'s
 _COPIES, _UNINITIALIZED = COPIES, UNINITIALIZED
 # frames that are no user's code: torch's, oneiter's, the standard library's
 _NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep,
              sysconfig.get_paths()["stdlib"] + os.sep, "<")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
@@ -172,6 +175,10 @@ class OpTracer(TorchDispatchMode):
                 yield
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t not in _PLAIN for t in types):
+            # a tensor subclass's op (torchao's Float8TrainingTensor, a DTensor) is the subclass's to dispatch: the
+            # tracer sees the ops on plain tensors it runs (the float8 casts, `_scaled_mm`)
+            return NotImplemented
         kwargs = kwargs or {}
         row = self._describe(func, args, kwargs)
         packet = func.overloadpacket.__name__
@@ -224,6 +231,13 @@ class OpTracer(TorchDispatchMode):
     def _measure(self, row: OpRow, func, host: tuple, produced: list) -> list | None:
         """Set the row's error and noise; return the rerun's outputs (None: the op could not be rerun)."""
         row.roundoff = self._roundoff(func, produced)
+        if func.overloadpacket.__name__ == "_scaled_mm" and len(produced) == 1:
+            emulated = scaled_mm(*host[0], **host[1], device_type=produced[0].device.type)
+            if emulated is not None:  # float8 operands: the exact product, judged as a recipe's product is
+                row.reference, row.noise_from = EXACT_SCALED, "accumulation"
+                row.rel_l2, row.mismatch = emulated.deviation(produced[0]), 0
+                row.noise = max(emulated.noise(), unit_roundoff("float32"))
+                return [emulated.center]
         since = trusted.mark()
         with torch.no_grad(), torch.autocast("cpu", enabled=False), trusted.running():
             found = _rerun(func, host, row.roundoff)

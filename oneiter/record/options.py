@@ -81,6 +81,12 @@ class RecordOptions:
     matches, is compiled in place with it for the recording and left as it was after (`runtime/compiled.py`)."""
     compile_modules: list[str] = field(default_factory=list)
     """With `compile`: regexes on module paths; each outermost matching module is compiled on its own (a block)."""
+    impact: bool = False
+    """With `replay`: after the recorded iteration, run it again from its start once per flagged call with that call
+    fixed (its float64 recomputation on the trusted path), and once with all fixed: how much of the gap each fix
+    closes (`record/impact/`; the iteration must be given as a function, `Recorder.run(fn)`)."""
+    impact_top: int | None = None
+    """With `impact`: fix at most this many flagged calls, largest own error first (None: every one)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, (str, os.PathLike)):
@@ -104,6 +110,26 @@ class RecordOptions:
         self.manage_autocast = bool(self.manage_autocast)
         self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
         self._check_compile()
+        self._check_impact()
+
+    def _check_impact(self) -> None:
+        """impact: a full-level replay with its calls judged, not compiled; impact_top: an int >= 1, with impact."""
+        top = self.impact_top
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise OneIterError(f"impact_top must be an integer >= 1 (how many flagged calls to fix), got {top!r}",
+                               param="impact_top")
+        self.impact = bool(self.impact)
+        if top is not None and not self.impact:
+            raise OneIterError("impact_top bounds how many calls impact fixes: give impact too", param="impact_top")
+        if not self.impact:
+            return
+        why = ("it needs a reference to replay (replay=)" if self.replay is None else
+               "it fixes the calls the replay's per-call judgement flags, which isolate=False turns off"
+               if not self.isolate else
+               "it needs each call's own error, which level='stats' does not measure" if self.level == "stats" else
+               "the calls inside compiled code cannot be fixed one by one" if self.compile else "")
+        if why:
+            raise OneIterError(f"impact: {why}", param="impact")
 
     def _check_compile(self) -> None:
         """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""

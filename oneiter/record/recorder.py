@@ -65,7 +65,7 @@ from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.names import state_tensors
-from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
+from oneiter.runtime.precision import AMP_DTYPES, active_autocast, amp_dtype_name, autocast_for
 from oneiter.runtime.sharding import class_name, is_sharded, local, reduction
 from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
 from oneiter.version import __version__
@@ -89,6 +89,8 @@ class RecordSummary:
     compile_seconds: float = 0.0  # torch.compile's compiling inside the block (never part of the seconds above)
     # a multi-step recording (`record/steps/step_recorder.py`): its iterations (num_entries: its tensors)
     num_steps: int = 0
+    impact_runs: int = 0  # `impact=True`: the iterations run again from the start (`record/impact/runs.py`)
+    impact_seconds: float = 0.0  # what they took (part of `seconds`)
 
 
 class Phase(enum.IntEnum):
@@ -146,6 +148,10 @@ class Recorder:
             block (or each module `compile_modules` matches, one block each) and left as it was after it. A model
             that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this.
         compile_modules: regexes on module paths: with `compile`, each outermost matching module is compiled alone.
+        impact: with `replay`, rank the flagged calls by how much of the gap fixing each closes: the iteration, given
+            as a function (`rec.run(fn)`), runs again from its start once per flagged call with that call fixed, and
+            once with all fixed (`record/impact/`, docs/impact.md).
+        impact_top: with `impact`, fix at most this many flagged calls, largest own error first.
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -180,6 +186,8 @@ class Recorder:
         level: str = "full",
         compile: str | bool | None = None,
         compile_modules: str | Sequence[str] | None = None,
+        impact: bool = False,
+        impact_top: int | None = None,
     ):
         model = model_of(model)
         options = RecordOptions(
@@ -187,7 +195,7 @@ class Recorder:
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
             name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
             queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level, compile=compile,
-            compile_modules=compile_modules,
+            compile_modules=compile_modules, impact=impact, impact_top=impact_top,
         )
         self._setup(model, options, optimizer, progress, notify)
 
@@ -246,6 +254,12 @@ class Recorder:
         self._step_of = False
         self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
         self._meta_batch_size = 0  # the batch size the file's attributes state (0: its batch's rows, once taken)
+        self._iteration: Callable[[], Any] | None = None  # `run(fn)`'s fn: what `impact` runs again
+        self._impact_start = None  # `impact`: the iteration's start (`record/impact/start.py`)
+        self._pass = None  # the impact run in progress: `inputs`, `loss` and `note` are its
+        if options.impact and self.rank.distributed:
+            raise OneIterError("impact runs the iteration again in one process: record without torchrun",
+                               param="impact")
 
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
@@ -304,6 +318,10 @@ class Recorder:
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
                 seed_all(opts.seed)  # torch's, Python's and numpy's generators
+            if opts.impact:
+                from oneiter.record.impact.start import Start  # imports torch
+
+                self._impact_start = Start(self.model, self.optimizers)
             self._attach(stack)
         except BaseException:
             stack.__exit__(*sys.exc_info())  # with the exception: atomic_output deletes, never renames
@@ -376,6 +394,7 @@ class Recorder:
             self.session.state_after()
             if not self._explicit_loss:  # the tensor backward ran on: the loss times the GradScaler's scale
                 self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
+            impact = self._measure_impact() if self.options.impact else {}
             reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
             compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
@@ -388,8 +407,47 @@ class Recorder:
             float(self._loss.float()), self.session.module_capture.num_calls, compile_seconds=compiling,
         )
         self.summary.iteration_seconds = self.summary.seconds
+        if impact:
+            self.summary.impact_runs, self.summary.impact_seconds = impact["runs"], impact["seconds"]
 
     # -- what the loop calls -----------------------------------------------------------------------------------------
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run the block's iteration `fn()` (the loop's body: its batch through `rec.inputs`, forward, loss, backward,
+        the optimizer's step) and return what it returns. With `impact=True` this is how the iteration is given: it
+        runs again from its start once per flagged call when the block ends (keep other side effects out of it)."""
+        self._active("run")
+        if self._iteration is not None:
+            raise OneIterError("rec.run() runs the block's one iteration: call it once", param="run")
+        self._iteration = fn
+        return fn()
+
+    def _measure_impact(self) -> dict:
+        """`impact`: the runs of `record/impact/runs.py`, their table into the file; returns their count and seconds."""
+        from oneiter.record.impact.runs import Impact, measure  # imports torch
+
+        if self._iteration is None:
+            raise OneIterError("impact runs the iteration again from its start: give it as a function, rec.run(fn), "
+                               "inside the block", param="impact")
+        capture, progress = self.session.module_capture, self.progress
+        job = Impact(self.model, self.ref, self.options, self.device, self._impact_start, self._impact_run,
+                     float(self._loss.float()), 1.0 if self._explicit_loss else capture.grad_scale,
+                     (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None)
+        run_dtype = amp_dtype_name(self.options.amp) or str(_param_dtype(self.model) or "float32").replace("torch.", "")
+        self.session.enter_phase("impact")
+        with capture.suspended():
+            rows, attrs = measure(job, self.session.probe.rows if self.session.probe else [], run_dtype,
+                                  self.options.impact_top)
+        self.session.writer.impact_table(rows, attrs)
+        return {"runs": len(rows), "seconds": float(attrs.get("seconds", 0.0))}
+
+    def _impact_run(self, step) -> None:
+        """One impact run: the iteration again, `step` (an `ImpactPass`) handing out its batch and taking its loss."""
+        self._pass = step
+        try:
+            self._iteration()
+        finally:
+            self._pass = None
+
     def inputs(self, *args, **kwargs):
         """Store these model inputs as the recording's batch; on replay return the reference's in their place.
 
@@ -397,6 +455,8 @@ class Recorder:
         as `(args, kwargs)`. Tensors may be nested in lists, tuples and dicts; each is moved to the device and
         cast to the dtype of the tensor it replaces.
         """
+        if self._pass is not None:
+            return self._pass.inputs(*args, **kwargs)
         self._active("inputs")
         if not self._advance(Phase.FORWARD):
             raise OneIterError("rec.inputs() was already called (or the model already ran) in this block: "
@@ -408,6 +468,8 @@ class Recorder:
 
     def loss(self, tensor):
         """Name the loss of this iteration explicitly (default: the tensor the first backward runs on)."""
+        if self._pass is not None:
+            return self._pass.loss(tensor)
         self._active("loss")
         import torch
 
@@ -434,6 +496,8 @@ class Recorder:
 
     def note(self, **attrs) -> None:
         """Extra root attributes for the file (JSON-able values), written when the block ends."""
+        if self._pass is not None:
+            return
         self._active("note")
         self.session.extra_attrs.update(attrs)
 
@@ -468,7 +532,7 @@ class Recorder:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
         layers.1.mlp@0`, `at file.py:31, in forward` — or None when it cannot say (`errors.user_code`'s
         `locate`; `record/capture/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
-        if self._stack is None:
+        if self._stack is None or self._pass is not None:
             return None
         capture = self.session.module_capture
         if self.phase in (Phase.OPEN, Phase.FORWARD):

@@ -61,6 +61,7 @@ from oneiter.judge.iteration.blame import (
 from oneiter.judge.iteration.collectives import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
+from oneiter.judge.iteration.impact import read_impact
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.verdict import STATS_REASON, calibration_reason, culprit_reason, settle_rows
@@ -447,7 +448,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
         notes=notes + ([unjudged] if unjudged else []),
-        stored=stored, compiled=compiled,
+        stored=stored, compiled=compiled, impact=read_impact(tgt),
     )
 
 

@@ -37,6 +37,7 @@ from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
+from oneiter.judge.iteration.impact import Impact
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
@@ -74,6 +75,7 @@ class Evidence(Protocol):
     precision: Optional[dict]
     compiled: Optional[dict]
     rounding: set[int]
+    impact: Optional[Impact]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
 
@@ -167,6 +169,10 @@ class Verdict:
     findings: tuple[dict, ...] = ()
     """Every finding it chose among (`Finding.as_dict`: kind, priority, entry, reason), in the order recorded: the
     JSON report's `verdict.findings`, in the same shape as a multi-step comparison's."""
+    impact: Optional[Impact] = None
+    """The flagged calls ranked by the share of the gap fixing each closes (`record --impact`,
+    `judge/iteration/impact.py`); None when the target was recorded without it. The details say which fix matters
+    most."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -217,6 +223,7 @@ class Verdict:
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
             "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
             "untrusted": list(self.untrusted), "findings": list(self.findings),
+            "impact": self.impact.as_dict() if self.impact is not None else None,
         }
 
     @classmethod
@@ -232,6 +239,7 @@ class Verdict:
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
                                                            "warnings", "untrusted", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
+            "impact": Impact.from_dict(d.get("impact")),
         })
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -243,7 +251,7 @@ _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "c
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
         "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings",
-        "compiled")
+        "compiled", "impact")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision", "compiled")
@@ -303,7 +311,7 @@ def decide(result: Evidence) -> Verdict:
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
         compiled=result.compiled, untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
-        findings=tuple(f.as_dict() for f in findings),
+        findings=tuple(f.as_dict() for f in findings), impact=result.impact,
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -522,7 +530,7 @@ def _numbers(e: dict) -> str:
 
 
 def _details(v: Verdict) -> list[str]:
-    lines = [v.hint] if v.hint else []
+    lines = [*_first_fix(v.impact), *([v.hint] if v.hint else [])]
     lines += [f"warning: {w}" for w in v.warnings]  # they change what the headline means: early
     if v.nan_origin:
         lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
@@ -539,8 +547,52 @@ def _details(v: Verdict) -> list[str]:
         lines += _precision_lines(v.precision)
         lines += _local_lines(v)
         lines += _untrusted_lines(v.untrusted)
+        lines += _impact_lines(v.impact)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
+    return lines
+
+
+def _pct(value: float) -> str:
+    return "n/a" if num(value) is None or math.isnan(value) else f"{100 * value:.0f} %"
+
+
+def _first_fix(impact: Optional[Impact]) -> list[str]:
+    """The line naming the fix that matters most (`record --impact`): the first of the ranking, what it closes."""
+    if impact is None or impact.note or not impact.fixes or not impact.fixes[0].measured:
+        return []
+    fix, n = impact.fixes[0], len(impact.fixes)
+    of = f", the most of the {n} flagged calls fixed one at a time" if n > 1 else ""
+    if impact.by_loss:
+        return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): fixing it closes {_pct(fix.share)} of the loss "
+                f"gap (gradients {_pct(fix.grad_share)}, updated weights {_pct(fix.weight_share)}){of}"]
+    return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): the loss is the reference's bit for bit; fixing it "
+            f"closes {_pct(fix.grad_share)} of the gradients' gap (updated weights {_pct(fix.weight_share)}){of}"]
+
+
+def _impact_lines(impact: Optional[Impact]) -> list[str]:
+    """What every fix together leaves (the precision's part), whether the fixes interact, what was not fixed."""
+    if impact is None or (not impact.fixes and not impact.note):
+        return []  # not asked for, or nothing flagged: no ranking
+    if impact.note:
+        return [f"impact: {impact.note}"]
+    what = "loss gap" if impact.by_loss else "gradients' gap"
+    lines = []
+    measured = [f for f in impact.fixes if f.measured]
+    if measured and not math.isnan(impact.leaves):
+        every = f"with all {len(impact.fixes)} fixed" if len(impact.fixes) > 1 else "with it fixed"
+        lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what} (compare's "
+                     f"impact table ranks every fix)")
+    if impact.interacts:
+        lines.append(f"impact: the shares of the {len(measured)} fixes add up to {_pct(impact.total)}, all of them "
+                     f"together close {_pct(1 - impact.leaves)}: the fixes interact (each share is measured with "
+                     f"the other calls as they are)")
+    if impact.top is not None and impact.num_flagged > len(impact.fixes):
+        lines.append(f"impact: the {len(impact.fixes)} largest own errors of {impact.num_flagged} flagged calls "
+                     f"were fixed (--impact-top {impact.top})")
+    missed = [f for f in impact.fixes if not f.measured]
+    if missed:
+        lines.append("impact: " + "; ".join(f"{f.name} {f.note or 'not measured'}" for f in missed))
     return lines
 
 

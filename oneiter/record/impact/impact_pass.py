@@ -1,0 +1,125 @@
+"""One impact run: the iteration run again from its start, some calls fixed, and how far it lands from the reference.
+
+Where this sits: `runs.py` calls the loop's iteration (`Recorder.run(fn)`'s `fn`) once per run inside an
+`ImpactPass`, with the start swapped in (`start.py`). The pass gives the iteration what the recorded one had: the
+reference's batch (handed out by `inputs`, or swapped into the model's first call), its random values, the autocast
+and `--fallback` of the recording; the calls to fix (`fixed_call.Fixes`). Its loss is the tensor the first backward
+runs on (or the one `loss` names); the parameter gradients are measured when that backward returns, the updated
+weights when the iteration is over (`gaps.py`). Nothing is written to the recording while a pass runs.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import ExitStack
+
+import torch
+
+from oneiter.errors import OneIterError
+from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.capture.hooks import unscaled
+from oneiter.record.impact.fixed_call import Fixes
+from oneiter.record.impact.gaps import Gaps, ReferenceGaps
+from oneiter.record.modes.fallback import OpFallback
+from oneiter.record.modes.randomness import RandomReplayer
+from oneiter.runtime.precision import autocast_for
+
+__all__ = ["ImpactPass"]
+
+
+class ImpactPass:
+    """The block runs the iteration once more (`targets`: (module path, call index) of the calls to fix)."""
+
+    def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0):
+        self.model, self.ref, self.options, self.device = model, ref, options, device
+        self.reference, self.targets, self.scale = gaps, list(targets), float(loss_scale)
+        self.fixes: Fixes | None = None
+        self._loss = None
+        self._explicit = self._taken = self._backward_seen = False
+        self._grad_gap = math.nan
+        self._autocast = None
+
+    def __enter__(self) -> "ImpactPass":
+        opts = self.options
+        self._swap = BatchSwap(read_batch(self.ref), self.ref.path.name)
+        stack = ExitStack()
+        try:
+            replayer = stack.enter_context(RandomReplayer(self.ref, self.device, replay=opts.random_replay))
+            if opts.fallback:
+                stack.enter_context(OpFallback(opts.fallback))
+            if self.targets:
+                self.fixes = stack.enter_context(Fixes(self.model, self.targets, replayer))
+            stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
+                                                                prepend=True).remove)
+            self._patch_backward(stack)
+            if opts.amp and opts.manage_autocast:
+                self._autocast = autocast_for(self.device, opts.amp)
+                self._autocast.__enter__()
+                stack.callback(self._end_autocast)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._end_autocast()
+        self._stack.__exit__(*exc)
+
+    def gaps(self) -> Gaps:
+        """How far this run landed from the reference (call once the block has ended)."""
+        if self._loss is None:
+            raise OneIterError("an impact run ran no backward: the iteration function must run the whole iteration "
+                               "(forward, loss, backward, the optimizer's step)", param="impact")
+        loss = float((self._loss if self._explicit else unscaled(self._loss, self.scale)).float())
+        return Gaps(loss, self.reference.loss_gap(loss), self._grad_gap, self.reference.weights())
+
+    def _end_autocast(self) -> None:
+        autocast, self._autocast = self._autocast, None
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+
+    def _patch_backward(self, stack: ExitStack) -> None:
+        original = torch.Tensor.backward
+        owner = self
+
+        def backward(tensor, *args, **kwargs):
+            if owner._backward_seen:
+                return original(tensor, *args, **kwargs)
+            owner._backward_seen = True  # the first backward: autocast ends, its tensor is the loss
+            owner._end_autocast()
+            if not owner._explicit:
+                owner._loss = tensor.detach()
+            result = original(tensor, *args, **kwargs)
+            owner._grad_gap = owner.reference.grads(owner.scale)  # before anything (clipping) changes them
+            return result
+
+        torch.Tensor.backward = backward
+        stack.callback(setattr, torch.Tensor, "backward", original)
+
+    def _first_forward(self, module, args, kwargs):
+        if self._taken:
+            return None
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        return args, kwargs
+
+    # -- what the loop calls (through the Recorder) -----------------------------------------------------------------
+    def inputs(self, *args, **kwargs):
+        if self._taken:
+            raise OneIterError("rec.inputs() was already called (or the model already ran) in this iteration",
+                               param="inputs")
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        if kwargs:
+            return args, kwargs
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def loss(self, tensor):
+        self._loss, self._explicit = tensor.detach(), True
+        return tensor
+
+    def note(self, **attrs) -> None:
+        """Notes are the recorded iteration's; an impact run keeps none."""

@@ -123,13 +123,13 @@ class RecordOptions:
             raise OneIterError("impact_top bounds how many calls impact fixes: give impact too", param="impact_top")
         if not self.impact:
             return
-        why = ("it needs a reference to replay (replay=)" if self.replay is None else
-               "it fixes the calls the replay's per-call judgement flags, which isolate=False turns off"
+        why = ("ranks the calls a replay flags: give replay too" if self.replay is None else
+               "ranks the calls the replay's per-call judgement flags, which isolate off turns off"
                if not self.isolate else
-               "it needs each call's own error, which level='stats' does not measure" if self.level == "stats" else
-               "the calls inside compiled code cannot be fixed one by one" if self.compile else "")
+               "needs each call's own error, which level stats does not measure" if self.level == "stats" else
+               "cannot fix the calls inside compiled code one by one: drop compile" if self.compile else "")
         if why:
-            raise OneIterError(f"impact: {why}", param="impact")
+            raise OneIterError(f"impact {why}", param="impact")
 
     def _check_compile(self) -> None:
         """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""

@@ -426,8 +426,7 @@ class Recorder:
         from oneiter.record.impact.runs import Impact, measure  # imports torch
 
         if self._iteration is None:
-            raise OneIterError("impact runs the iteration again from its start: give it as a function, rec.run(fn), "
-                               "inside the block", param="impact")
+            raise _no_iteration()
         capture, progress = self.session.module_capture, self.progress
         job = Impact(self.model, self.ref, self.options, self.device, self._impact_start, self._impact_run,
                      float(self._loss.float()), 1.0 if self._explicit_loss else capture.grad_scale,
@@ -507,6 +506,8 @@ class Recorder:
             raise OneIterError(f"rec.{what}() works only inside `with Recorder(...) as rec:`", param=what)
 
     def _take_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.options.impact and self._iteration is None:  # refused before the iteration and its probes run
+            raise _no_iteration()
         if self._swap is not None:
             args, kwargs = map_call(args, kwargs, self._swap)
             self._swap.check_complete()
@@ -793,6 +794,11 @@ def _never_called() -> OneIterError:
     return OneIterError("the model was never called inside the Recorder block, so there is no batch to record: "
                         "give the Recorder the module your training code calls, or hand the batch to "
                         "rec.inputs(...)", param="model")
+
+
+def _no_iteration() -> OneIterError:
+    return OneIterError("impact runs the iteration again from its start: give it as a function, rec.run(fn), inside "
+                        "the block", param="impact")
 
 
 def optimizer_list(optimizer) -> list:

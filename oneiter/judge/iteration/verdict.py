@@ -547,7 +547,7 @@ def _details(v: Verdict) -> list[str]:
         lines += _precision_lines(v.precision)
         lines += _local_lines(v)
         lines += _untrusted_lines(v.untrusted)
-        lines += _impact_lines(v.impact)
+    lines += _impact_lines(v.impact)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
     return lines

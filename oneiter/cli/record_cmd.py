@@ -112,6 +112,10 @@ def record_command(
             "iteration per call; compare shows the ranking.")] = False,
     impact_top: Annotated[Optional[int], typer.Option(*flags.IMPACT_TOP.decls, min=1, help=
             "With --impact: fix at most N flagged calls, largest own error first (default: all).")] = None,
+    impact_from: Annotated[Optional[Path], typer.Option(*flags.IMPACT_FROM.decls, help=
+            "With --impact and a multi-step --replay: a one-iteration replay recorded in full (the --step S replay "
+            "the steps' comparison prints) whose flagged calls are each fixed at every step; ranked by the loss gap "
+            "at the last step.")] = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -129,7 +133,7 @@ def record_command(
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
         data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [], impact=impact,
-        impact_top=impact_top,
+        impact_top=impact_top, impact_from=impact_from,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed

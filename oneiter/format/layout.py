@@ -62,7 +62,7 @@ from oneiter.format.schema import (
 from oneiter.format.signature import Signature
 from oneiter.format.stats import Stats, array_stats
 
-__all__ = ["FileWriter", "IterationFile", "Entry", "reading"]
+__all__ = ["FileWriter", "IterationFile", "Entry", "reading", "impact_dataset"]
 
 
 class FileWriter:
@@ -162,9 +162,7 @@ class FileWriter:
 
     def impact_table(self, rows: list[ImpactRow], attrs: dict[str, Any]) -> None:
         """`/impact` (one row per run of the iteration from its start: `record --impact`), with its attrs."""
-        table = np.array([tuple(getattr(r, n) for n, _ in IMPACT_FIELDS) for r in rows],
-                         dtype=_table_dtype(IMPACT_FIELDS))
-        self.file.create_dataset(IMPACT, data=table).attrs.update(_clean_attrs(attrs))
+        impact_dataset(self.file, rows, attrs)
 
     def finish(self, attrs: dict[str, Any]) -> None:
         if self._stats:
@@ -565,6 +563,12 @@ def _ranges(steps: list[int]) -> str:
         return "no steps"
     return f"steps {steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else \
         "steps " + ", ".join(map(str, steps))
+
+
+def impact_dataset(group, rows: list[ImpactRow], attrs: dict[str, Any]) -> None:
+    """`/impact` in the open h5py `group` (a file's root, one iteration's or a multi-step recording's)."""
+    table = np.array([tuple(getattr(r, n) for n, _ in IMPACT_FIELDS) for r in rows], dtype=_table_dtype(IMPACT_FIELDS))
+    group.create_dataset(IMPACT, data=table).attrs.update(_clean_attrs(attrs))
 
 
 def _table_dtype(fields) -> np.dtype:

@@ -87,6 +87,9 @@ class RecordOptions:
     closes (`record/impact/`; the iteration must be given as a function, `Recorder.run(fn)`)."""
     impact_top: int | None = None
     """With `impact`: fix at most this many flagged calls, largest own error first (None: every one)."""
+    impact_from: Path | None = None
+    """With `impact` over several steps (a replay of a multi-step reference): a one-iteration replay with per-call
+    local error (the `--step S` replay the steps' comparison prints) whose flagged calls are fixed at every step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, (str, os.PathLike)):
@@ -121,6 +124,13 @@ class RecordOptions:
         self.impact = bool(self.impact)
         if top is not None and not self.impact:
             raise OneIterError("impact_top bounds how many calls impact fixes: give impact too", param="impact_top")
+        if self.impact_from is not None:
+            if not isinstance(self.impact_from, (str, os.PathLike)):
+                raise OneIterError(f"impact_from must be a recording's path, got {self.impact_from!r}",
+                                   param="impact_from")
+            self.impact_from = Path(self.impact_from)
+            if not self.impact:
+                raise OneIterError("impact_from names the calls impact fixes: give impact too", param="impact_from")
         if not self.impact:
             return
         why = ("ranks the calls a replay flags: give replay too" if self.replay is None else

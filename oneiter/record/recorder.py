@@ -277,6 +277,9 @@ class Recorder:
         if self.phase is not Phase.IDLE:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
+        if opts.impact_from is not None:
+            raise OneIterError("impact_from names the calls to fix at every step of a multi-step replay; a replay of "
+                               "one iteration fixes the calls it flags itself: drop impact_from", param="impact_from")
         check_output(self.out, opts.force)
         # a sharded (FSDP2) tensor is stored as this rank's shard
         state = sum(local(t).numel() * t.element_size() for _, t, _ in state_tensors(self.model))
@@ -423,13 +426,18 @@ class Recorder:
 
     def _measure_impact(self) -> dict:
         """`impact`: the runs of `record/impact/runs.py`, their table into the file; returns their count and seconds."""
-        from oneiter.record.impact.runs import Impact, measure  # imports torch
+        from oneiter.record.impact.gaps import ReferenceGaps  # imports torch
+        from oneiter.record.impact.runs import Impact, measure, one_pass
 
         if self._iteration is None:
             raise _no_iteration()
         capture, progress = self.session.module_capture, self.progress
-        job = Impact(self.model, self.ref, self.options, self.device, self._impact_start, self._impact_run,
-                     float(self._loss.float()), 1.0 if self._explicit_loss else capture.grad_scale,
+        scale = 1.0 if self._explicit_loss else capture.grad_scale
+        gaps = ReferenceGaps(self.ref, self.model)
+        job = Impact(self._impact_start,
+                     lambda targets: one_pass(self.model, self.ref, self.options, self.device, targets,
+                                              self._impact_run, scale, gaps),
+                     float(self._loss.float()), self.device.type,
                      (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None)
         run_dtype = amp_dtype_name(self.options.amp) or str(_param_dtype(self.model) or "float32").replace("torch.", "")
         self.session.enter_phase("impact")

@@ -35,20 +35,24 @@ def impact_cells(impact: Impact) -> list[list[str]]:
         shares = [_pct(fix.share), _pct(fix.grad_share), _pct(fix.weight_share)] if fix.measured else \
             [fix.note or "not measured", "", ""]
         rows.append([str(rank), fix.name, f"{fix.phase} {fix.tensor}", sci(fix.rel_l2), f"{fix.ratio:.1f}x",
-                     *shares, *(sci(v) for v in (fix.loss_gap, fix.grad_gap, fix.weight_gap))])
+                     *shares, *(sci(v, nan="-") for v in (fix.loss_gap, fix.grad_gap, fix.weight_gap))])
     plain = impact.plain
     rows.append(["", "nothing fixed", "", "", "", "", "", "",
-                 *(sci(plain.get(k)) for k in ("loss_gap", "grad_gap", "weight_gap"))])
+                 *(sci(plain.get(k), nan="-") for k in ("loss_gap", "grad_gap", "weight_gap"))])
     every = impact.every
     if every is not None and len(impact.fixes) > 1:
         rows.append(["", f"all {len(impact.fixes)} fixed", "", "", "",
                      *(_pct(every.get(k)) for k in ("share", "grad_share", "weight_share")),
-                     *(sci(every.get(k)) for k in ("loss_gap", "grad_gap", "weight_gap"))])
+                     *(sci(every.get(k), nan="-") for k in ("loss_gap", "grad_gap", "weight_gap"))])
     return rows
 
 
 def caption(impact: Impact) -> str:
     measure = "the loss gap" if impact.by_loss else "the gradients' gap (the loss is the reference's bit for bit)"
+    if impact.step is not None:
+        return (f"which fix matters: each flagged call fixed alone at every step (float64 on the trusted path), "
+                f"ranked by the share of the loss gap at step {impact.step} it closes (a multi-step reference keeps "
+                f"statistics of its gradients and weights: only the loss is compared)")
     return (f"which fix matters: each flagged call fixed alone (float64 on the trusted path), ranked by the share of "
             f"{measure} it closes; gaps are what is left to the reference")
 

@@ -26,7 +26,8 @@ from oneiter.outputs import Destination, destination, open_text
 from oneiter.report.impact_table import CSV_IMPACT, HEADERS, csv_columns, impact_cells
 from oneiter.report.impact_table import caption as impact_caption
 
-__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "rows_to_show",
+__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "print_impact",
+           "rows_to_show",
            "print_wide", "plain_table", "metric_text", "safe_text", "cell", "BEFORE", "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
@@ -248,19 +249,20 @@ def print_report(console: Console, result: CompareResult, *, show_all: bool = Fa
     indices, shown = rows_to_show(result, show_all=show_all)
     if indices:
         print_wide(console, _rows_table(result, indices, shown))
-    impact = result.verdict_obj.impact
-    if impact is not None and impact.fixes:
-        print_wide(console, _impact_table(impact))
+    print_impact(console, result.verdict_obj.impact)
 
 
-def _impact_table(impact) -> Table:
-    """Which fix matters (`record --impact`): `report/impact_table.py`'s rows, laid out as every terminal table."""
+def print_impact(console: Console, impact) -> None:
+    """Which fix matters (`record --impact`): `report/impact_table.py`'s rows, laid out as every terminal table;
+    nothing when there is no ranking (one iteration's and several steps' alike)."""
+    if impact is None or not impact.fixes:
+        return
     table = plain_table(impact_caption(impact))
     for name in HEADERS:
         table.add_column(name, justify="left" if name in ("call fixed", "flagged row") else "right", no_wrap=True)
     for row in impact_cells(impact):
         table.add_row(*(cell(c) for c in row))
-    return table
+    print_wide(console, table)
 
 
 def print_wide(console: Console, table: Table) -> None:

@@ -157,6 +157,48 @@ def test_a_llama_ranks_its_mlp_and_attention_projection_faults_as_the_ground_tru
         assert fix.share == pytest.approx(truth[fix.module], abs=0.01)
 
 
+def test_over_several_steps_each_call_fixed_at_every_step_is_ranked_by_the_last_step_s_loss_gap(tmp_path,
+                                                                                                 monkeypatch):
+    faults = {"first": THREE["first"], "layers.4": THREE["layers.4"]}
+    ref_steps, ref_one = tmp_path / "ref_steps.h5", tmp_path / "ref.step0.h5"
+    record_small(ref_steps, PLANTED, batch_size=8, steps=3)
+    record_small(ref_one, PLANTED, batch_size=8, step=0)  # what the steps' comparison prints for step 0
+    _replay(ref_one, tmp_path / "npu.step0.h5", faults, list(faults), monkeypatch)  # its calls judged
+    summary = _replay(ref_steps, tmp_path / "npu_steps.h5", faults, list(faults), monkeypatch, impact=True,
+                      impact_from=tmp_path / "npu.step0.h5")
+    assert summary.impact_runs == 4  # nothing fixed, each of the two, both: three steps each
+    with IterationFile(ref_steps) as f:
+        loss_ref = float(f.signature().values[-1][0])
+    gap = abs(summary.loss - loss_ref)
+    truth = {}
+    for name in faults:  # the multi-step replay without that fault, plainly: its loss at the last step
+        left = abs(_replay(ref_steps, tmp_path / "rest.h5", faults, [n for n in faults if n != name],
+                           monkeypatch).loss - loss_ref)
+        truth[name] = (gap - left) / gap
+    res = run_cli("compare", ref_steps, tmp_path / "npu_steps.h5", "--json", tmp_path / "r.json")
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 1 and doc["verdict"]["step"] == 0
+    assert [f["module"] for f in doc["impact"]] == sorted(truth, key=lambda n: -truth[n])
+    for fix in doc["impact"]:
+        assert fix["share"] == pytest.approx(truth[fix["module"]], abs=0.01)
+    first = doc["impact"][0]
+    assert (f"fix first: {first['module']}@0 (forward output), fixed at every step: it closes "
+            f"{100 * first['share']:.0f} % of the loss gap at step 2") in res.output
+
+
+def test_impact_over_several_steps_needs_the_calls_to_fix_and_one_iteration_finds_its_own(tmp_path):
+    from oneiter.errors import OneIterError
+    from oneiter.record.run import SpecOptions, record
+
+    ref_steps = tmp_path / "ref_steps.h5"
+    record_small(ref_steps, PLANTED, batch_size=8, steps=1)
+    with pytest.raises(OneIterError, match="give impact_from, a replay of one iteration recorded in full"):
+        record(SpecOptions(out=tmp_path / "x.h5", replay=ref_steps, model=PLANTED, impact=True))
+    res = run_cli("record", "--replay", ref_steps, "--model", PLANTED, "--step", "0", "--impact", "--impact-from",
+                  ref_steps, "-o", tmp_path / "y.h5")
+    assert res.exit_code == 2 and "error: --impact-from" in res.output
+
+
 # -- the ranking and its sentences, on hand-built results (no recording) --------------------------------------------
 def _fix(module: str, share: float, note: str = "", grad_share: float = 0.5):
     from oneiter.judge.iteration.impact import Fix

@@ -97,6 +97,8 @@ class Impact:
     top: Optional[int]
     note: str = ""
     """Why nothing was measured ("" when it was)."""
+    step: Optional[int] = None
+    """Over several steps: the step whose gaps are ranked (each call fixed at every step up to it)."""
 
     @property
     def by_loss(self) -> bool:
@@ -127,7 +129,8 @@ class Impact:
     def as_dict(self) -> dict[str, Any]:
         return {"fixes": [f.as_dict() for f in self.fixes], "plain": dict(self.plain),
                 "every": None if self.every is None else dict(self.every), "num_flagged": self.num_flagged,
-                "top": self.top, "note": self.note, "leaves": self.leaves, "interacts": self.interacts}
+                "top": self.top, "note": self.note, "step": self.step, "leaves": self.leaves,
+                "interacts": self.interacts}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> Optional["Impact"]:
@@ -136,7 +139,8 @@ class Impact:
             return None
         return cls(tuple(Fix.from_dict(f) for f in d.get("fixes") or ()), dict(d.get("plain") or {}),
                    dict(d["every"]) if d.get("every") else None, int(d.get("num_flagged") or 0),
-                   None if d.get("top") is None else int(d["top"]), str(d.get("note") or ""))
+                   None if d.get("top") is None else int(d["top"]), str(d.get("note") or ""),
+                   None if d.get("step") is None else int(d["step"]))
 
 
 def _gaps(row: ImpactRow) -> dict:
@@ -157,11 +161,12 @@ def read_impact(tgt: IterationFile) -> Optional[Impact]:
     top = int(attrs.get("top", -1))
     top = None if top < 0 else top
     flagged = int(attrs.get("num_flagged", 0))
+    step = int(attrs["step"]) if "step" in attrs else None
     plain = next((r for r in rows if r.kind == "plain"), None)
     if plain is None:
-        return Impact((), {}, None, flagged, top)
+        return Impact((), {}, None, flagged, top, step=step)
     if plain.note:
-        return Impact((), _gaps(plain), None, flagged, top, plain.note)
+        return Impact((), _gaps(plain), None, flagged, top, plain.note, step)
     calls = [r for r in rows if r.kind == "call"]
     fixes = [Fix(r.module, r.call, r.phase, r.tensor, r.rel_l2, r.ratio, **_shares(plain, r), loss_gap=r.loss_gap,
                  grad_gap=r.grad_gap, weight_gap=r.weight_gap, note=r.note) for r in calls]
@@ -170,7 +175,7 @@ def read_impact(tgt: IterationFile) -> Optional[Impact]:
     fixes.sort(key=lambda f: _rank(f, by_loss))
     return Impact(tuple(fixes), _gaps(plain), None if every is None else {**_gaps(every), **_shares(plain, every),
                                                                           "note": every.note},
-                  flagged, top)
+                  flagged, top, step=step)
 
 
 def _rank(fix: Fix, by_loss: bool) -> tuple:

@@ -41,7 +41,8 @@ from oneiter.judge.iteration.impact import Impact
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
-           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name",
+           "impact_lines"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
@@ -563,11 +564,20 @@ def _first_fix(impact: Optional[Impact]) -> list[str]:
         return []
     fix, n = impact.fixes[0], len(impact.fixes)
     of = f", the most of the {n} flagged calls fixed one at a time" if n > 1 else ""
+    if impact.step is not None:  # over several steps: the loss gap of the last step, each call fixed at every step
+        return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}), fixed at every step: it closes "
+                f"{_pct(fix.share)} of the loss gap at step {impact.step}{of}"]
     if impact.by_loss:
         return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): fixing it closes {_pct(fix.share)} of the loss "
                 f"gap (gradients {_pct(fix.grad_share)}, updated weights {_pct(fix.weight_share)}){of}"]
     return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): the loss is the reference's bit for bit; fixing it "
             f"closes {_pct(fix.grad_share)} of the gradients' gap (updated weights {_pct(fix.weight_share)}){of}"]
+
+
+def impact_lines(impact: Optional[Impact]) -> list[str]:
+    """Every sentence about the ranking (`record --impact`): the fix that matters most first (a multi-step
+    comparison's verdict states them too: `judge/steps/step_verdict.py`)."""
+    return [*_first_fix(impact), *_impact_lines(impact)]
 
 
 def _impact_lines(impact: Optional[Impact]) -> list[str]:
@@ -577,6 +587,7 @@ def _impact_lines(impact: Optional[Impact]) -> list[str]:
     if impact.note:
         return [f"impact: {impact.note}"]
     what = "loss gap" if impact.by_loss else "gradients' gap"
+    what += f" at step {impact.step}" if impact.step is not None else ""
     lines = []
     measured = [f for f in impact.fixes if f.measured]
     if measured and not math.isnan(impact.leaves):

@@ -18,11 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE
+from oneiter.errors import OneIterError
+from oneiter.format.layout import IterationFile
+from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow
 from oneiter.record.local.rows import JudgedRow
-from oneiter.runtime.precision import FLAG_FACTOR, expected_noise, unit_roundoff
+from oneiter.runtime.precision import FLAG_FACTOR, amp_dtype_name, expected_noise, unit_roundoff
 
-__all__ = ["Candidate", "flagged", "choose"]
+__all__ = ["Candidate", "flagged", "choose", "judged_in"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +91,22 @@ def choose(rows: Iterable[JudgedRow], run_dtype: str, top: int | None = None) ->
         best.append((largest.rel_l2, largest.ratio, named))
     ranked = [c for _, _, c in sorted(best, key=lambda b: (-b[0], -b[1], b[2].module, b[2].call))]
     return (ranked if top is None else ranked[:top]), len(ranked)
+
+
+def _judged(row: LocalRow) -> JudgedRow:
+    stats = {k: getattr(row, k) for k in ("numel", "rel_l2", "max_abs", "cosine", "nan_ref", "inf_ref", "nan", "inf",
+                                          "mismatch")}
+    return JudgedRow(row.module, row.call, row.phase, row.tensor, row.dtype, stats, row.seq, row.noise_target,
+                     row.noise_reference, row.calibration, row.noise_bound)
+
+
+def judged_in(path) -> tuple[list[JudgedRow], str]:
+    """The judged rows of a replay's `/local` table, and the run's compute dtype: the calls a multi-step replay fixes
+    at every step (`impact_from`)."""
+    with IterationFile(path) as f:
+        if f.steps() or f.local_kind() != "teacher_forced":
+            raise OneIterError(f"impact_from '{path}' holds no per-call local error of one iteration: give a replay "
+                               f"recorded in full with --replay (the `--step S` replay the steps' comparison prints)",
+                               param="impact_from")
+        run = amp_dtype_name(f.meta.get("amp")) or str(f.meta.get("dtype") or "float32")
+        return [_judged(r) for r in f.local_rows()], run

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from oneiter.errors import OneIterError
 from oneiter.record.capture.recompute import in_backward
 from oneiter.record.impact.float64 import (
     FixRecord,
@@ -37,6 +38,7 @@ from oneiter.record.impact.float64 import (
     trusted_path,
     write_back,
 )
+from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer
 from oneiter.runtime import host_random
 from oneiter.runtime.names import module_paths
@@ -108,6 +110,16 @@ class _Frame:
 
 
 @dataclass
+class _Call:
+    """A call the float64 code of a fixed call made, as it is in progress."""
+
+    module: Any
+    entry: _Entry | None
+    fixed: bool
+    pause: Any  # the trusted path paused while a live child (its hooks too) runs; None: it runs in float64
+
+
+@dataclass
 class _World:
     """Where module calls happen now: the run's own code (`live`) or a fixed call's float64 code (`f64`)."""
 
@@ -120,6 +132,7 @@ class _World:
     anchor64: Any = None
     autocast: Any = None
     owner: Any = None  # the `Fixes`
+    calls: list = field(default_factory=list)  # f64: the calls of its code in progress, (module, entry, fixed, pause)
 
     @property
     def device(self):
@@ -149,7 +162,10 @@ class Fixes:
         self.wanted: dict[int, set[int]] = {}
         self.paths: dict[int, str] = {}
         for path, index in targets:
-            module = modules[path if path != "(root)" else ""]
+            module = modules.get(path if path != "(root)" else "")
+            if module is None:
+                raise OneIterError(f"impact fixes {path}@{index}, but this model has no module '{path}' (the calls "
+                                   f"to fix come from another model's recording?)", param="impact_from")
             self.wanted.setdefault(id(module), set()).add(index)
             self.paths[id(module)] = path
         self.done: dict[tuple[str, int], str] = {}
@@ -162,11 +178,15 @@ class Fixes:
 
     # -- the block --------------------------------------------------------------------------------------------------
     def __enter__(self) -> "Fixes":
-        for _, module in self.model.named_modules(remove_duplicate=True):
+        modules = [m for _, m in self.model.named_modules(remove_duplicate=True)]
+        for module in modules:
             self._patch(module)
             if id(module) in self.wanted:
                 self._handles.append(module.register_forward_pre_hook(self._before, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._after, with_kwargs=True))
+        for module in modules:  # around every other hook: a call of float64 code decided, its hooks live or not
+            self._handles.append(module.register_forward_pre_hook(self._enter_call, with_kwargs=True, prepend=True))
+            self._handles.append(module.register_forward_hook(self._leave_call, with_kwargs=True, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,15 +226,39 @@ class Fixes:
                     continue
                 frame.seq.append(_Entry(id(module), _dtypes(args, kwargs), index))
             return orig(*args, **kwargs)
-        entry = world.source.entry(module)  # a call of the float64 code: a child of the recomputed call
-        index = entry.index if entry is not None else None
-        if index is not None and index in self.wanted.get(id(module), ()):
+        call = world.calls[-1] if world.calls and world.calls[-1].module is module else None
+        entry = call.entry if call is not None else None  # a call of the float64 code: a child of the recomputed one
+        if call is not None and call.fixed:
             with in_float64(module, _called(world.frame), world.record):
-                self.done[(self.paths[id(module)], index)] = FIXED  # fixed as part of the recomputation
+                self.done[(self.paths[id(module)], entry.index)] = FIXED  # fixed as part of the recomputation
                 return orig(*args, **kwargs)
         fallback = next((p.dtype for p in module.parameters() if p.is_floating_point()), world.frame.copies_dtype)
         return live_child(orig, module, entry.dtypes if entry is not None else None, args, kwargs, world=world,
                           anchor64=world.anchor64, fallback_dtype=(fallback, self.device))
+
+    def _enter_call(self, module, args: tuple, kwargs: dict) -> None:
+        """A call the float64 code makes: which one of the live forward it is, whether it is fixed too (it then runs
+        in float64 as part of the recomputation) or runs live — its hooks too (`--inject-fault`'s stand for the
+        device's kernels: they apply to a live child), the trusted path paused until it returns."""
+        world = self.worlds[-1]
+        if in_backward() or world.kind != "f64":
+            return
+        entry = world.source.entry(module)
+        index = entry.index if entry is not None else None
+        fixed = index is not None and index in self.wanted.get(id(module), ())
+        pause = None
+        if not fixed:
+            pause = trusted.paused()
+            pause.__enter__()
+        world.calls.append(_Call(module, entry, fixed, pause))
+
+    def _leave_call(self, module, args: tuple, kwargs: dict, output) -> None:
+        world = self.worlds[-1]
+        if world.kind != "f64" or not world.calls or world.calls[-1].module is not module:
+            return
+        call = world.calls.pop()
+        if call.pause is not None:
+            call.pause.__exit__(None, None, None)
 
     def _before(self, module, args: tuple, kwargs: dict) -> None:
         world = self.worlds[-1]

@@ -9,7 +9,7 @@ replay is of; `runs.py` writes them into `/impact`, and compare turns them into 
     weight_gap = ||w' - w'_ref|| / ||w'_ref - w_0||      the updated weights against the reference's update
 
 Buffers are left out; a parameter the reference holds no gradient (or update) of is too. NaN where nothing is left to
-measure (no optimizer: no update).
+measure (no optimizer: no update; a multi-step reference, whose steps keep statistics of their tensors: only the loss).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Gaps:
     loss_gap: float
     grad_gap: float
     weight_gap: float
+    reference_loss: float = math.nan
 
 
 def _sums(pairs) -> tuple[float, float]:
@@ -60,16 +61,22 @@ class ReferenceGaps:
         self.params = [(name, p) for name, p in parameters(model)]
         values = ref.read(LOSS).reshape(-1) if ref.has(LOSS) else []
         self.loss = float(values[0]) if len(values) == 1 else math.nan
-        self._grads = ref.state(PARAM_GRADS)
-        self._after = ref.state(STATE_AFTER)
-        self._before = ref.state(STATE_BEFORE)
+        # a multi-step reference keeps statistics of its steps' tensors: only its loss is compared there
+        self._grads = self._full(ref.state(PARAM_GRADS))
+        self._after = self._full(ref.state(STATE_AFTER))
+        self._before = self._full(ref.state(STATE_BEFORE))
         self._update_norm: float | None = None
+
+    def _full(self, paths: dict[str, str]) -> dict[str, str]:
+        return {} if any(self.ref.is_stats(p) for p in paths.values()) else paths
 
     def loss_gap(self, loss: float) -> float:
         return abs(loss - self.loss)
 
     def grads(self, scale: float = 1.0) -> float:
         """`grad_gap` of the model's gradients now (divided by a loss scale: the reference's are unscaled)."""
+        if not self._grads:
+            return math.nan
         pairs = ((unscaled(p.grad, scale), self.ref.tensor(self._grads[name]))
                  for name, p in self.params if p.grad is not None and name in self._grads)
         return _ratio(*_sums(pairs))
@@ -77,6 +84,8 @@ class ReferenceGaps:
     def weights(self) -> float:
         """`weight_gap` of the model's weights now (after the step)."""
         names = [(name, p) for name, p in self.params if name in self._after and name in self._before]
+        if not names:
+            return math.nan
         diff, _ = _sums((p, self.ref.tensor(self._after[name])) for name, p in names)
         if self._update_norm is None:  # the reference's own update, read once
             self._update_norm = sum(float(torch.sum((self.ref.tensor(self._after[n]).to(torch.float64)

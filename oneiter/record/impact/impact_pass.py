@@ -72,7 +72,7 @@ class ImpactPass:
             raise OneIterError("an impact run ran no backward: the iteration function must run the whole iteration "
                                "(forward, loss, backward, the optimizer's step)", param="impact")
         loss = float((self._loss if self._explicit else unscaled(self._loss, self.scale)).float())
-        return Gaps(loss, self.reference.loss_gap(loss), self._grad_gap, self.reference.weights())
+        return Gaps(loss, self.reference.loss_gap(loss), self._grad_gap, self.reference.weights(), self.reference.loss)
 
     def _end_autocast(self) -> None:
         autocast, self._autocast = self._autocast, None

@@ -30,25 +30,33 @@ from oneiter.record.impact.gaps import Gaps, ReferenceGaps
 from oneiter.record.impact.impact_pass import ImpactPass
 from oneiter.record.impact.start import Start
 
-__all__ = ["Impact", "measure", "PLAIN", "CALL", "ALL"]
+__all__ = ["Impact", "measure", "one_pass", "PLAIN", "CALL", "ALL"]
 
 PLAIN, CALL, ALL = "plain", "call", "all"  # the rows of `/impact`: nothing fixed, one call fixed, every one fixed
 
 
 @dataclass
 class Impact:
-    """What `measure` needs of the recording: the live model and its optimizers, the open reference, the options,
-    the start, the iteration (`run(fn)`, the pass set while it runs), and the recorded iteration's loss."""
+    """What `measure` needs of the recording: the start, one run of it (`once(targets)`: the iteration run again
+    from the start with `targets` fixed, its gaps and, per target, `FIXED` or why it was not), the recorded loss the
+    run with nothing fixed must give, where it ran, and a progress callback."""
 
-    model: object
-    ref: object
-    options: object
-    device: object
     start: Start
-    run: Callable[[ImpactPass], None]
+    once: Callable[[list[tuple[str, int]]], tuple[Gaps, dict]]
     recorded_loss: float
-    loss_scale: float = 1.0
+    device_type: str = "cpu"
     progress: Callable[[str], None] | None = None
+    step: int | None = None  # a multi-step replay: the step whose gaps are ranked (the last one)
+
+
+def one_pass(model, ref, options, device, targets, run: Callable[[ImpactPass], None], loss_scale: float = 1.0,
+             gaps: ReferenceGaps | None = None) -> tuple[Gaps, dict]:
+    """The iteration of reference `ref` once more (`run(pass)` runs it), `targets` fixed: its gaps to `ref` and, per
+    target, `FIXED` or why it was not (the caller swaps the start in)."""
+    step = ImpactPass(model, ref, options, device, gaps or ReferenceGaps(ref, model), targets, loss_scale)
+    with step:
+        run(step)
+    return step.gaps(), dict(step.fixes.done) if step.fixes is not None else {}
 
 
 def _row(kind: str, gaps: Gaps | None, candidate: Candidate | None = None, note: str = "") -> ImpactRow:
@@ -61,14 +69,9 @@ def _row(kind: str, gaps: Gaps | None, candidate: Candidate | None = None, note:
                      note=note)
 
 
-def _once(job: Impact, gaps: ReferenceGaps, targets: list[tuple[str, int]]) -> tuple[Gaps, dict]:
-    """One run from the start, `targets` fixed: its gaps and, per target, `FIXED` or why it was not."""
+def _once(job: Impact, targets: list[tuple[str, int]]) -> tuple[Gaps, dict]:
     with job.start.swapped_in():
-        step = ImpactPass(job.model, job.ref, job.options, job.device, gaps, targets, job.loss_scale)
-        with step:
-            job.run(step)
-        done = dict(step.fixes.done) if step.fixes is not None else {}
-        return step.gaps(), done
+        return job.once(targets)
 
 
 def _note(done: dict, key: tuple[str, int]) -> str:
@@ -81,29 +84,28 @@ def measure(job: Impact, judged_rows, run_dtype: str, top: int | None) -> tuple[
     """The `/impact` rows and the table's attributes (see the module docstring)."""
     began = time.perf_counter()
     candidates, num_flagged = choose(judged_rows, run_dtype, top)
-    attrs = {"num_flagged": num_flagged, "top": -1 if top is None else int(top), "recorded_loss": job.recorded_loss}
+    attrs = {"num_flagged": num_flagged, "top": -1 if top is None else int(top), "recorded_loss": job.recorded_loss,
+             **({"step": job.step} if job.step is not None else {})}
     if not candidates:
         return [], {**attrs, "seconds": time.perf_counter() - began}
-    gaps = ReferenceGaps(job.ref, job.model)
-    attrs["reference_loss"] = gaps.loss
     runs = len(candidates) + 1 + (len(candidates) > 1)
     _say(job, f"impact 1/{runs}: nothing fixed")
-    plain, _ = _once(job, gaps, [])
+    plain, _ = _once(job, [])
     check = _check(plain.loss, job.recorded_loss)
-    attrs["check"] = check
-    if check and job.device.type == "cpu":
+    attrs.update(check=check, reference_loss=plain.reference_loss)
+    if check and job.device_type == "cpu":
         why = (f"not measured: the iteration run again from its start gives loss {plain.loss!r}, the recorded one "
                f"{job.recorded_loss!r} (the iteration function has side effects of its own?)")
         return [_row(PLAIN, plain, note=why)], {**attrs, "seconds": time.perf_counter() - began}
     rows = [_row(PLAIN, plain)]
     for number, candidate in enumerate(candidates, start=2):
         _say(job, f"impact {number}/{runs}: {candidate.name} fixed")
-        fixed, done = _once(job, gaps, [(candidate.module, candidate.call)])
+        fixed, done = _once(job, [(candidate.module, candidate.call)])
         rows.append(_row(CALL, fixed, candidate, _note(done, (candidate.module, candidate.call))))
     if len(candidates) > 1:
         _say(job, f"impact {runs}/{runs}: all {len(candidates)} fixed")
         keys = [(c.module, c.call) for c in candidates]
-        every, done = _once(job, gaps, keys)
+        every, done = _once(job, keys)
         missed = [f"{m}@{c}: {_note(done, (m, c))}" for m, c in keys if _note(done, (m, c))]
         rows.append(_row(ALL, every, note="; ".join(missed)))
     return rows, {**attrs, "seconds": time.perf_counter() - began}

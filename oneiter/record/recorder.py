@@ -427,19 +427,21 @@ class Recorder:
     def _measure_impact(self) -> dict:
         """`impact`: the runs of `record/impact/runs.py`, their table into the file; returns their count and seconds."""
         from oneiter.record.impact.gaps import ReferenceGaps  # imports torch
-        from oneiter.record.impact.runs import Impact, measure, one_pass
+        from oneiter.record.impact.runs import Impact, measure, one_pass, perturbation
 
         if self._iteration is None:
             raise _no_iteration()
         capture, progress = self.session.module_capture, self.progress
         scale = 1.0 if self._explicit_loss else capture.grad_scale
         gaps = ReferenceGaps(self.ref, self.model)
-        job = Impact(self._impact_start,
-                     lambda targets: one_pass(self.model, self.ref, self.options, self.device, targets,
-                                              self._impact_run, scale, gaps),
-                     float(self._loss.float()), self.device.type,
-                     (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None)
         run_dtype = amp_dtype_name(self.options.amp) or str(_param_dtype(self.model) or "float32").replace("torch.", "")
+        job = Impact(self._impact_start,
+                     lambda targets, perturb=0.0: one_pass(self.model, self.ref, self.options, self.device, targets,
+                                                           self._impact_run, scale, gaps, perturb=perturb,
+                                                           optimizers=self.optimizers),
+                     float(self._loss.float()), self.device.type,
+                     (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None,
+                     roundoff=perturbation(run_dtype, self.ref.meta, self.precision_modes))
         self.session.enter_phase("impact")
         with capture.suspended():
             rows, attrs = measure(job, self.session.probe.rows if self.session.probe else [], run_dtype,

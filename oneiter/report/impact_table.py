@@ -3,8 +3,9 @@
 Sits after the verdict (`judge/iteration/impact.py` ranks, `verdict.py` says which fix matters most), before the
 terminal report (`terminal.py` lays these cells out) and the page (`html.py`): one row per flagged call fixed,
 largest share first — its own error, the share of the loss gap, the gradients' and the updated
-weights' gaps fixing it closes, and the gaps left — then the run with nothing fixed and the one with all fixed (what
-the precision alone leaves). Nothing is decided here. The CSV marks the entry each fix is named by (`csv_columns`).
+weights' gaps fixing it closes, and the gaps left — then the run with nothing fixed, the one with nothing fixed and
+its weights perturbed by one rounding (how far a rounding moves each gap) and the one with all fixed (what the
+precision alone leaves). Nothing is decided here. The CSV marks the entry each fix is named by (`csv_columns`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def impact_cells(impact: Impact) -> list[list[str]]:
     plain = impact.plain
     rows.append(["", "nothing fixed", "", "", "", "", "", "",
                  *(sci(plain.get(k), nan="-") for k in ("loss_gap", "grad_gap", "weight_gap"))])
+    moved = impact.perturbed
+    if moved is not None:  # what one rounding of the weights does to each gap: the shares' resolution
+        rows.append(["", "one rounding", "nothing fixed", "", "",
+                     *(_pct(moved.get(k)) for k in ("share", "grad_share", "weight_share")),
+                     *(sci(moved.get(k), nan="-") for k in ("loss_gap", "grad_gap", "weight_gap"))])
     every = impact.every
     if every is not None and len(impact.fixes) > 1:
         rows.append(["", f"all {len(impact.fixes)} fixed", "", "", "",

@@ -145,6 +145,19 @@ def test_a_bf16_replay_ranks_its_fault_first_and_says_what_the_precision_leaves(
     assert f"the precision alone leaves {100 * leaves:.0f} % of the loss gap" in terminal
 
 
+def test_an_iteration_a_rounding_moves_as_far_as_a_fix_ranks_nothing(resnet_ref, tmp_path):
+    """resnet18 at 32x32 and batch 2: its last BatchNorms normalise over two samples of a 1x1 map, which amplify one
+    rounding as much as a 2 % fault (docs/steps.md): the shares would be noise, and the verdict says so."""
+    faults = ["layer1.0.conv1:forward=0.05", "layer3.0.conv1:forward=0.02"]  # stand for device kernels
+    replay(resnet_ref, tmp_path / "npu.h5", faults=faults, impact=True)
+    code, doc, terminal = _compare(resnet_ref, tmp_path / "npu.h5", tmp_path)
+    impact = doc["verdict"]["impact"]
+    assert code == 1 and len(doc["impact"]) == 2 and not impact["evidence"] and impact["sensitivity"] >= 0.5
+    assert "fix first" not in terminal
+    assert (f"impact: no ranking: one rounding of the weights moves the loss gap by "
+            f"{100 * impact['sensitivity']:.0f} %, as far as a fix does") in terminal
+
+
 def test_a_llama_ranks_its_mlp_and_attention_projection_faults_as_the_ground_truth_does(references, tmp_path,
                                                                                        monkeypatch):
     ref = references(LLAMA)
@@ -166,7 +179,7 @@ def test_over_several_steps_each_call_fixed_at_every_step_is_ranked_by_the_last_
     _replay(ref_one, tmp_path / "npu.step0.h5", faults, list(faults), monkeypatch)  # its calls judged
     summary = _replay(ref_steps, tmp_path / "npu_steps.h5", faults, list(faults), monkeypatch, impact=True,
                       impact_from=tmp_path / "npu.step0.h5")
-    assert summary.impact_runs == 4  # nothing fixed, each of the two, both: three steps each
+    assert summary.impact_runs == 5  # nothing fixed (and one rounding off), each of the two, both: 3 steps each
     with IterationFile(ref_steps) as f:
         loss_ref = float(f.signature().values[-1][0])
     gap = abs(summary.loss - loss_ref)
@@ -258,3 +271,24 @@ def test_a_saved_report_states_the_same_ranking():
     verdict = _verdict([_fix("a", 0.8), _fix("b", 0.7)], every_share=0.97)
     again = Verdict.from_dict(json.loads(json.dumps(json_ready(verdict.as_dict()))))
     assert again.details == verdict.details and again.impact == verdict.impact
+
+
+def test_shares_within_what_one_rounding_moves_are_not_told_apart():
+    from dataclasses import replace
+
+    verdict = _verdict([_fix("a", 0.5), _fix("b", 0.45)], every_share=0.95)
+    impact = replace(verdict.impact, perturbed={"loss_gap": 0.9, "share": 0.1, "grad_share": 0.1,
+                                                "weight_share": 0.1})
+    from oneiter.judge.iteration.verdict import impact_lines
+
+    lines = impact_lines(impact)
+    assert lines[0].endswith("the most of the 2 flagged calls fixed one at a time (b@0 within one rounding's reach "
+                             "of it: not told apart)")
+    assert "impact: one rounding of the weights moves the loss gap by 10 %: shares closer than that are not told " \
+           "apart" in lines
+    chaotic = replace(impact, perturbed={**impact.perturbed, "share": -0.8})
+    assert not chaotic.evidence
+    lines = impact_lines(chaotic)
+    assert not any(line.startswith("fix first") for line in lines)
+    assert lines[0].startswith("impact: no ranking: one rounding of the weights moves the loss gap by 80 %, as far "
+                               "as a fix does")

@@ -12,6 +12,12 @@ gap, 0 leaves it, below 0 widens it. Calls are ranked by their loss share, large
 when the loss is the reference's bit for bit); calls that could not be fixed come last. The run with every call fixed
 says what the precision alone leaves (`leaves`); shares that do not add up to what all fixes close together mean
 the fixes interact (each was measured with the others in place).
+
+**How far a rounding moves the gaps.** One more run, nothing fixed, its weights perturbed by one rounding of the
+run's precision, says how sensitive the gaps are (`sensitivity`: the share of the gap that perturbation moves, either
+way). Shares closer than that are not told apart; where it reaches `NO_EVIDENCE` the gaps move as far under a
+rounding as under a fix (a BatchNorm over a few samples of a 1x1 map amplifies either), and the ranking is no
+evidence of which fix matters: the verdict says so instead of naming one.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import ImpactRow
 from oneiter.formatting import num
 
-__all__ = ["Fix", "Impact", "read_impact", "share", "INTERACTION"]
+__all__ = ["Fix", "Impact", "read_impact", "share", "INTERACTION", "NO_EVIDENCE"]
 
 INTERACTION = 0.1  # shares adding up to more than this off what all fixes close together: the fixes interact
+NO_EVIDENCE = 0.5  # one rounding of the weights moving the gap by this share of it or more: the ranking says nothing
 
 
 def share(before: float, after: float) -> float:
@@ -99,6 +106,8 @@ class Impact:
     """Why nothing was measured ("" when it was)."""
     step: Optional[int] = None
     """Over several steps: the step whose gaps are ranked (each call fixed at every step up to it)."""
+    perturbed: Optional[dict] = None
+    """The gaps with nothing fixed and the weights perturbed by one rounding, and their shares (signed)."""
 
     @property
     def by_loss(self) -> bool:
@@ -112,6 +121,18 @@ class Impact:
         if self.every is None:
             return math.nan
         return 1.0 - _float(self.every.get("share" if self.by_loss else "grad_share"))
+
+    @property
+    def sensitivity(self) -> float:
+        """The share of the gap one rounding of the weights moves, either way (NaN: not measured)."""
+        if self.perturbed is None:
+            return math.nan
+        return abs(_float(self.perturbed.get("share" if self.by_loss else "grad_share")))
+
+    @property
+    def evidence(self) -> bool:
+        """Whether the gaps move less under a rounding than `NO_EVIDENCE` of them (else the ranking says nothing)."""
+        return not self.sensitivity >= NO_EVIDENCE
 
     @property
     def total(self) -> float:
@@ -129,8 +150,9 @@ class Impact:
     def as_dict(self) -> dict[str, Any]:
         return {"fixes": [f.as_dict() for f in self.fixes], "plain": dict(self.plain),
                 "every": None if self.every is None else dict(self.every), "num_flagged": self.num_flagged,
-                "top": self.top, "note": self.note, "step": self.step, "leaves": self.leaves,
-                "interacts": self.interacts}
+                "top": self.top, "note": self.note, "step": self.step,
+                "perturbed": None if self.perturbed is None else dict(self.perturbed), "leaves": self.leaves,
+                "sensitivity": self.sensitivity, "evidence": self.evidence, "interacts": self.interacts}
 
     @classmethod
     def from_dict(cls, d: Optional[dict]) -> Optional["Impact"]:
@@ -140,7 +162,8 @@ class Impact:
         return cls(tuple(Fix.from_dict(f) for f in d.get("fixes") or ()), dict(d.get("plain") or {}),
                    dict(d["every"]) if d.get("every") else None, int(d.get("num_flagged") or 0),
                    None if d.get("top") is None else int(d["top"]), str(d.get("note") or ""),
-                   None if d.get("step") is None else int(d["step"]))
+                   None if d.get("step") is None else int(d["step"]),
+                   dict(d["perturbed"]) if d.get("perturbed") else None)
 
 
 def _gaps(row: ImpactRow) -> dict:
@@ -171,11 +194,13 @@ def read_impact(tgt: IterationFile) -> Optional[Impact]:
     fixes = [Fix(r.module, r.call, r.phase, r.tensor, r.rel_l2, r.ratio, **_shares(plain, r), loss_gap=r.loss_gap,
                  grad_gap=r.grad_gap, weight_gap=r.weight_gap, note=r.note) for r in calls]
     every = next((r for r in rows if r.kind == "all"), calls[0] if len(calls) == 1 else None)
+    perturbed = next((r for r in rows if r.kind == "perturbed"), None)
     by_loss = plain.loss_gap > 0
     fixes.sort(key=lambda f: _rank(f, by_loss))
     return Impact(tuple(fixes), _gaps(plain), None if every is None else {**_gaps(every), **_shares(plain, every),
                                                                           "note": every.note},
-                  flagged, top, step=step)
+                  flagged, top, step=step,
+                  perturbed=None if perturbed is None else {**_gaps(perturbed), **_shares(plain, perturbed)})
 
 
 def _rank(fix: Fix, by_loss: bool) -> tuple:

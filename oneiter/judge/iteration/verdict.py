@@ -47,6 +47,7 @@ __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "deci
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
+SENSITIVITY_SAID = 0.05  # a rounding moving the impact ranking's gap by more than this share of it: said
 # what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
 FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "collective": "collective",
          "culprit": "culprit", "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss",
@@ -559,11 +560,15 @@ def _pct(value: float) -> str:
 
 
 def _first_fix(impact: Optional[Impact]) -> list[str]:
-    """The line naming the fix that matters most (`record --impact`): the first of the ranking, what it closes."""
-    if impact is None or impact.note or not impact.fixes or not impact.fixes[0].measured:
+    """The line naming the fix that matters most (`record --impact`): the first of the ranking, what it closes; none
+    where a rounding moves the gaps as far as a fix (`Impact.evidence`: `_impact_lines` says so)."""
+    if impact is None or impact.note or not impact.fixes or not impact.fixes[0].measured or not impact.evidence:
         return []
     fix, n = impact.fixes[0], len(impact.fixes)
     of = f", the most of the {n} flagged calls fixed one at a time" if n > 1 else ""
+    close = [f for f in impact.fixes[1:] if f.measured and _apart(fix, f, impact) <= impact.sensitivity]
+    if close:  # within what one rounding moves: their order is not told apart
+        of += f" ({', '.join(f.name for f in close)} within one rounding's reach of it: not told apart)"
     if impact.step is not None:  # over several steps: the loss gap of the last step, each call fixed at every step
         return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}), fixed at every step: it closes "
                 f"{_pct(fix.share)} of the loss gap at step {impact.step}{of}"]
@@ -580,8 +585,14 @@ def impact_lines(impact: Optional[Impact]) -> list[str]:
     return [*_first_fix(impact), *_impact_lines(impact)]
 
 
+def _apart(a, b, impact: Impact) -> float:
+    key = "share" if impact.by_loss else "grad_share"
+    return abs(getattr(a, key) - getattr(b, key))
+
+
 def _impact_lines(impact: Optional[Impact]) -> list[str]:
-    """What every fix together leaves (the precision's part), whether the fixes interact, what was not fixed."""
+    """How far a rounding moves the gaps, what every fix together leaves (the precision's part), whether the fixes
+    interact, what was not fixed."""
     if impact is None or (not impact.fixes and not impact.note):
         return []  # not asked for, or nothing flagged: no ranking
     if impact.note:
@@ -589,11 +600,17 @@ def _impact_lines(impact: Optional[Impact]) -> list[str]:
     what = "loss gap" if impact.by_loss else "gradients' gap"
     what += f" at step {impact.step}" if impact.step is not None else ""
     lines = []
+    if not impact.evidence:
+        return [f"impact: no ranking: one rounding of the weights moves the {what} by {_pct(impact.sensitivity)}, "
+                f"as far as a fix does: this iteration is too sensitive to tell the {len(impact.fixes)} fixes apart "
+                f"(the table's shares are no evidence)"]
+    if impact.sensitivity > SENSITIVITY_SAID:
+        lines.append(f"impact: one rounding of the weights moves the {what} by {_pct(impact.sensitivity)}: shares "
+                     f"closer than that are not told apart")
     measured = [f for f in impact.fixes if f.measured]
     if measured and not math.isnan(impact.leaves):
         every = f"with all {len(impact.fixes)} fixed" if len(impact.fixes) > 1 else "with it fixed"
-        lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what} (compare's "
-                     f"impact table ranks every fix)")
+        lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what}")
     if impact.interacts:
         lines.append(f"impact: the shares of the {len(measured)} fixes add up to {_pct(impact.total)}, all of them "
                      f"together close {_pct(1 - impact.leaves)}: the fixes interact (each share is measured with "

@@ -6,6 +6,11 @@ reference's batch (handed out by `inputs`, or swapped into the model's first cal
 and `--fallback` of the recording; the calls to fix (`fixed_call.Fixes`). Its loss is the tensor the first backward
 runs on (or the one `loss` names); the parameter gradients are measured when that backward returns, the updated
 weights when the iteration is over (`gaps.py`). Nothing is written to the recording while a pass runs.
+
+A *perturbed* pass (`perturb`: a unit roundoff u) runs nothing fixed, its weights multiplied by (1 ± 2u) with random
+signs from a fixed seed until the optimizer steps (the multi-step twin's perturbation, `record/steps/twin.py`: the
+gradients at perturbed weights, the update on the clean ones): how far one rounding of the run's precision moves
+each gap, against which the fixes' shares are read.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import torch
 from oneiter.errors import OneIterError
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
 from oneiter.record.capture.hooks import unscaled
+from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.impact.fixed_call import Fixes
 from oneiter.record.impact.gaps import Gaps, ReferenceGaps
+from oneiter.record.local.rerun import scaled_by_signs
 from oneiter.record.modes.fallback import OpFallback
-from oneiter.record.modes.randomness import RandomReplayer
+from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
 from oneiter.runtime.precision import autocast_for
+
+PERTURBATION_SEED = 0x1A7C  # the perturbed pass's signs: a generator seeded with this plus the parameter's position
 
 __all__ = ["ImpactPass"]
 
@@ -30,9 +39,12 @@ __all__ = ["ImpactPass"]
 class ImpactPass:
     """The block runs the iteration once more (`targets`: (module path, call index) of the calls to fix)."""
 
-    def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0):
+    def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0, *,
+                 perturb: float = 0.0, optimizers=()):
         self.model, self.ref, self.options, self.device = model, ref, options, device
         self.reference, self.targets, self.scale = gaps, list(targets), float(loss_scale)
+        self.perturb, self.optimizers = float(perturb), list(optimizers)
+        self._clean: list = []
         self.fixes: Fixes | None = None
         self._loss = None
         self._explicit = self._taken = self._backward_seen = False
@@ -44,7 +56,9 @@ class ImpactPass:
         self._swap = BatchSwap(read_batch(self.ref), self.ref.path.name)
         stack = ExitStack()
         try:
-            replayer = stack.enter_context(RandomReplayer(self.ref, self.device, replay=opts.random_replay))
+            replayer = None
+            if recorded_random_ops(self.ref):  # every op goes through it: only where there are random ops to replay
+                replayer = stack.enter_context(RandomReplayer(self.ref, self.device, replay=opts.random_replay))
             if opts.fallback:
                 stack.enter_context(OpFallback(opts.fallback))
             if self.targets:
@@ -52,6 +66,8 @@ class ImpactPass:
             stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
                                                                 prepend=True).remove)
             self._patch_backward(stack)
+            if self.perturb:
+                self._perturb_weights(stack)
             if opts.amp and opts.manage_autocast:
                 self._autocast = autocast_for(self.device, opts.amp)
                 self._autocast.__enter__()
@@ -73,6 +89,23 @@ class ImpactPass:
                                "(forward, loss, backward, the optimizer's step)", param="impact")
         loss = float((self._loss if self._explicit else unscaled(self._loss, self.scale)).float())
         return Gaps(loss, self.reference.loss_gap(loss), self._grad_gap, self.reference.weights(), self.reference.loss)
+
+    def _perturb_weights(self, stack: ExitStack) -> None:
+        """Every floating weight times (1 ± 2u) until the optimizer steps (then the clean ones again)."""
+        for index, p in enumerate(self.model.parameters()):
+            if p.is_floating_point():
+                gen = torch.Generator().manual_seed(PERTURBATION_SEED + index)
+                signs = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.int8)
+                self._clean.append((p, p.data))
+                p.data = scaled_by_signs(p.data, signs, 2.0 * self.perturb)
+        for opt in self.optimizers:
+            stack.callback(before_update(opt, self._unperturb).remove)
+        stack.callback(self._unperturb)
+
+    def _unperturb(self) -> None:
+        for p, clean in self._clean:
+            p.data = clean
+        self._clean = []
 
     def _end_autocast(self) -> None:
         autocast, self._autocast = self._autocast, None

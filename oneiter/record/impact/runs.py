@@ -9,7 +9,10 @@ iteration is over and its calls are judged (`record/local/probe.py`), before the
 2. once per candidate (`candidates.py`: each flagged call, largest own error first, at most `top`) with that call
    fixed (`fixed_call.py`: its output and input gradients what its own code computes in float64 on the trusted path
    from what it receives in that run);
-3. once with every candidate fixed (`all`), when there are several: what the precision alone leaves.
+3. once with every candidate fixed (`all`), when there are several: what the precision alone leaves;
+4. once with nothing fixed and the weights perturbed by one rounding of the run's precision (`perturbed`,
+   `impact_pass.py`): how far a rounding moves each gap — shares closer than that are not told apart, and where it
+   moves them as far as the fixes do, the ranking is no evidence (compare says so).
 
 Each run's loss, gradients and updated weights are measured against the reference (`gaps.py`) and kept as one row;
 compare turns them into the share of the gap each fix closes (`judge/iteration/impact.py`). Cost: one iteration per
@@ -23,16 +26,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from oneiter.format.schema import ImpactRow
+from oneiter.format.schema import PRECISION_MODES, ImpactRow
 from oneiter.record.impact.candidates import Candidate, choose
 from oneiter.record.impact.fixed_call import FIXED
 from oneiter.record.impact.gaps import Gaps, ReferenceGaps
 from oneiter.record.impact.impact_pass import ImpactPass
 from oneiter.record.impact.start import Start
+from oneiter.runtime import precision_modes
+from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
 
-__all__ = ["Impact", "measure", "one_pass", "PLAIN", "CALL", "ALL"]
+__all__ = ["Impact", "measure", "one_pass", "perturbation", "PLAIN", "CALL", "ALL", "PERTURBED"]
 
-PLAIN, CALL, ALL = "plain", "call", "all"  # the rows of `/impact`: nothing fixed, one call fixed, every one fixed
+# the rows of `/impact`: nothing fixed, one call fixed, every one fixed, nothing fixed and the weights perturbed
+PLAIN, CALL, ALL, PERTURBED = "plain", "call", "all", "perturbed"
 
 
 @dataclass
@@ -42,18 +48,21 @@ class Impact:
     run with nothing fixed must give, where it ran, and a progress callback."""
 
     start: Start
-    once: Callable[[list[tuple[str, int]]], tuple[Gaps, dict]]
+    once: Callable[..., tuple[Gaps, dict]]  # once(targets, perturb=u)
     recorded_loss: float
     device_type: str = "cpu"
     progress: Callable[[str], None] | None = None
     step: int | None = None  # a multi-step replay: the step whose gaps are ranked (the last one)
+    roundoff: float = 0.0  # the unit roundoff of the coarser run's precision: the perturbed run's
 
 
 def one_pass(model, ref, options, device, targets, run: Callable[[ImpactPass], None], loss_scale: float = 1.0,
-             gaps: ReferenceGaps | None = None) -> tuple[Gaps, dict]:
-    """The iteration of reference `ref` once more (`run(pass)` runs it), `targets` fixed: its gaps to `ref` and, per
-    target, `FIXED` or why it was not (the caller swaps the start in)."""
-    step = ImpactPass(model, ref, options, device, gaps or ReferenceGaps(ref, model), targets, loss_scale)
+             gaps: ReferenceGaps | None = None, *, perturb: float = 0.0, optimizers=()) -> tuple[Gaps, dict]:
+    """The iteration of reference `ref` once more (`run(pass)` runs it), `targets` fixed (or the weights perturbed by
+    one rounding `perturb`): its gaps to `ref` and, per target, `FIXED` or why it was not (the caller swaps the start
+    in)."""
+    step = ImpactPass(model, ref, options, device, gaps or ReferenceGaps(ref, model), targets, loss_scale,
+                      perturb=perturb, optimizers=optimizers)
     with step:
         run(step)
     return step.gaps(), dict(step.fixes.done) if step.fixes is not None else {}
@@ -69,9 +78,18 @@ def _row(kind: str, gaps: Gaps | None, candidate: Candidate | None = None, note:
                      note=note)
 
 
-def _once(job: Impact, targets: list[tuple[str, int]]) -> tuple[Gaps, dict]:
+def perturbation(run_dtype: str, ref_meta: dict, modes: dict) -> float:
+    """The perturbed run's unit roundoff: of the coarser of the two runs' precisions, their reduced float32 modes
+    (TF32: `runtime/precision_modes.py`) counted, as the multi-step twin's."""
+    theirs = amp_dtype_name(ref_meta.get("amp")) or str(ref_meta.get("dtype") or "float32")
+    ref_modes = precision_modes.from_attr(ref_meta.get(PRECISION_MODES))
+    return max(unit_roundoff(run_dtype), unit_roundoff(theirs), precision_modes.roundoff(modes),
+               precision_modes.roundoff(ref_modes))
+
+
+def _once(job: Impact, targets: list[tuple[str, int]], perturb: float = 0.0) -> tuple[Gaps, dict]:
     with job.start.swapped_in():
-        return job.once(targets)
+        return job.once(targets, perturb=perturb)
 
 
 def _note(done: dict, key: tuple[str, int]) -> str:
@@ -88,7 +106,7 @@ def measure(job: Impact, judged_rows, run_dtype: str, top: int | None) -> tuple[
              **({"step": job.step} if job.step is not None else {})}
     if not candidates:
         return [], {**attrs, "seconds": time.perf_counter() - began}
-    runs = len(candidates) + 1 + (len(candidates) > 1)
+    runs = len(candidates) + 2 + (len(candidates) > 1)
     _say(job, f"impact 1/{runs}: nothing fixed")
     plain, _ = _once(job, [])
     check = _check(plain.loss, job.recorded_loss)
@@ -98,7 +116,10 @@ def measure(job: Impact, judged_rows, run_dtype: str, top: int | None) -> tuple[
                f"{job.recorded_loss!r} (the iteration function has side effects of its own?)")
         return [_row(PLAIN, plain, note=why)], {**attrs, "seconds": time.perf_counter() - began}
     rows = [_row(PLAIN, plain)]
-    for number, candidate in enumerate(candidates, start=2):
+    _say(job, f"impact 2/{runs}: nothing fixed, the weights perturbed by one rounding")
+    perturbed, _ = _once(job, [], perturb=job.roundoff)
+    rows.append(_row(PERTURBED, perturbed, note=f"weights x (1 +- {2 * job.roundoff:.1e}) until the step"))
+    for number, candidate in enumerate(candidates, start=3):
         _say(job, f"impact {number}/{runs}: {candidate.name} fixed")
         fixed, done = _once(job, [(candidate.module, candidate.call)])
         rows.append(_row(CALL, fixed, candidate, _note(done, (candidate.module, candidate.call))))

@@ -436,9 +436,8 @@ class Recorder:
         gaps = ReferenceGaps(self.ref, self.model)
         run_dtype = amp_dtype_name(self.options.amp) or str(_param_dtype(self.model) or "float32").replace("torch.", "")
         job = Impact(self._impact_start,
-                     lambda targets, perturb=0.0: one_pass(self.model, self.ref, self.options, self.device, targets,
-                                                           self._impact_run, scale, gaps, perturb=perturb,
-                                                           optimizers=self.optimizers),
+                     lambda targets, **how: one_pass(self.model, self.ref, self.options, self.device, targets,
+                                                     self._impact_run, scale, gaps, optimizers=self.optimizers, **how),
                      float(self._loss.float()), self.device.type,
                      (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None,
                      roundoff=perturbation(run_dtype, self.ref.meta, self.precision_modes))

@@ -34,7 +34,7 @@ def impact_cells(impact: Impact) -> list[list[str]]:
     rows = []
     for rank, fix in enumerate(impact.fixes, start=1):
         shares = [_pct(fix.share), _pct(fix.grad_share), _pct(fix.weight_share)] if fix.measured else \
-            [fix.note or "not measured", "", ""]
+            [(fix.note or "not measured").split(" (")[0].split(": the ")[0], "", ""]  # why in short: the verdict's
         rows.append([str(rank), fix.name, f"{fix.phase} {fix.tensor}", sci(fix.rel_l2), f"{fix.ratio:.1f}x",
                      *shares, *(sci(v, nan="-") for v in (fix.loss_gap, fix.grad_gap, fix.weight_gap))])
     plain = impact.plain

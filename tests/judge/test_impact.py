@@ -124,6 +124,24 @@ def test_a_single_fault_closes_more_than_nine_tenths_of_every_gap(planted_ref, t
     assert "impact: with it fixed, the precision alone leaves 0 % of the loss gap" in terminal
 
 
+def test_a_difference_in_the_model_s_own_code_is_not_fixed_and_says_so(planted_ref, tmp_path, monkeypatch):
+    """A wrapper wrong in every precision (forward, or backward only) runs in float64 too: its fix changes nothing,
+    and the ranking says why instead of ranking it as harmless; a kernel wrong below float64 beside them is fixed."""
+    faults = {"first": "instance:first:0.02", "layers.4": "instance_bwd:layers.4:0.01",
+              "layers.6": "instance_below64:layers.6:0.01"}
+    _replay(planted_ref, tmp_path / "code.h5", faults, list(faults), monkeypatch, impact=True)
+    _, doc, terminal = _compare(planted_ref, tmp_path / "code.h5", tmp_path)
+    ranking = doc["impact"]
+    assert [(f["module"], f["phase"]) for f in ranking] == [("layers.6", "forward"), ("first", "forward"),
+                                                            ("layers.4", "backward")]
+    assert ranking[0]["note"] == "" and ranking[0]["share"] > 0.5
+    for fix in ranking[1:]:
+        assert fix["note"].startswith("not fixed: its float64 recomputation gives what it computed")
+    assert doc["verdict"]["details"][0].startswith("fix first: layers.6@0 (forward output)")
+    assert "impact: with all 3 fixed (2 could not be: below)" in terminal
+    assert "the precision alone leaves" not in terminal
+
+
 @pytest.mark.parametrize("amp", [None, "bf16"])
 def test_a_clean_replay_has_no_ranking(planted_ref, tmp_path, monkeypatch, amp):
     summary = _replay(planted_ref, tmp_path / "clean.h5", THREE, [], monkeypatch, impact=True, amp=amp)

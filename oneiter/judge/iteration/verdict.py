@@ -610,7 +610,11 @@ def _impact_lines(impact: Optional[Impact]) -> list[str]:
     measured = [f for f in impact.fixes if f.measured]
     if measured and not math.isnan(impact.leaves):
         every = f"with all {len(impact.fixes)} fixed" if len(impact.fixes) > 1 else "with it fixed"
-        lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what}")
+        if len(measured) == len(impact.fixes):
+            lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what}")
+        else:
+            lines.append(f"impact: {every} ({len(impact.fixes) - len(measured)} could not be: below), "
+                         f"{_pct(impact.leaves)} of the {what} is left")
     if impact.interacts:
         lines.append(f"impact: the shares of the {len(measured)} fixes add up to {_pct(impact.total)}, all of them "
                      f"together close {_pct(1 - impact.leaves)}: the fixes interact (each share is measured with "

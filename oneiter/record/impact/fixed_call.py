@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oneiter.errors import OneIterError
+from oneiter.format.schema import BACKWARD, FORWARD
 from oneiter.record.capture.recompute import in_backward
 from oneiter.record.impact.float64 import (
     FixRecord,
@@ -35,6 +36,7 @@ from oneiter.record.impact.float64 import (
     in_float64,
     live_child,
     live_mode,
+    moved_forward,
     trusted_path,
     write_back,
 )
@@ -42,6 +44,7 @@ from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer
 from oneiter.runtime import host_random
 from oneiter.runtime.names import module_paths
+from oneiter.runtime.precision import FLAG_FACTOR
 
 __all__ = ["Fixes", "FIXED"]
 
@@ -153,10 +156,13 @@ class Fixes:
     """Fix the calls `targets` ((module path, call index), paths as files name them) in the run the block holds.
 
     `replayer`: the run's random-op replayer (a fixed call's recomputation replays the random values its live call
-    drew). After the block, `done[(path, index)]` is `FIXED` or why the call was not fixed; a target missing there
-    never ran."""
+    drew). `expected[(path, index)]`: (phase, tensor, rel_l2) of the call's flagged own error: where that is its own
+    outputs (or input gradients), a fix that moves them by less than `FLAG_FACTOR` times less did not remove it — its
+    trusted recomputation runs the same wrong code (a difference in the model's own Python, which runs in float64
+    too) — and the call counts as not fixed. After the block, `done[(path, index)]` is `FIXED` or why the call was
+    not fixed; a target missing there never ran."""
 
-    def __init__(self, model, targets: Iterable[tuple[str, int]], replayer=None):
+    def __init__(self, model, targets: Iterable[tuple[str, int]], replayer=None, expected: dict | None = None):
         self.model = model
         modules = dict(module_paths(model))
         self.wanted: dict[int, set[int]] = {}
@@ -169,6 +175,7 @@ class Fixes:
             self.wanted.setdefault(id(module), set()).add(index)
             self.paths[id(module)] = path
         self.done: dict[tuple[str, int], str] = {}
+        self.expected = dict(expected or {})
         self.device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
         self.worlds = [_World("live", _Counter(), replayer, owner=self)]
         self._pending: dict[int, int | None] = {}
@@ -293,13 +300,26 @@ class Fixes:
                                                                                        strict=True)):
                 raise Unfixable("it writes an input in place")
             _restore(frame.buffers)  # its recomputation runs the call again
-            fixed = fixed_output(_Compute(self, frame, world), tuple(leaves), output)
+            phase, tensor, own = self.expected.get(frame.key, ("", "", 0.0))
+            check = self._checker(frame.key, own) if phase == BACKWARD and tensor.startswith("grad_") else None
+            fixed = fixed_output(_Compute(self, frame, world), tuple(leaves), output, check)
         except Exception as err:  # noqa: BLE001 - the call stays as it ran; the table says why
             _restore(after)
             self.done[frame.key] = f"not fixed: {_first_line(err)}"
             return None
         self.done[frame.key] = FIXED
+        if phase == FORWARD and tensor.startswith("output"):
+            self._checker(frame.key, own)(moved_forward(output, fixed))
         return fixed
+
+    def _checker(self, key: tuple[str, int], own: float):
+        """What tells whether a fix moved the call's own values by anything like its own error."""
+        def check(moved: float) -> None:
+            if own > 0 and moved < own / FLAG_FACTOR and self.done.get(key) == FIXED:
+                self.done[key] = (f"not fixed: its float64 recomputation gives what it computed (moved by "
+                                  f"{moved:.1e}, its own error {own:.1e}): the difference is in code the trusted "
+                                  f"path runs too (the model's own Python), which no kernel fix removes")
+        return check
 
     def push_f64(self, frame: _Frame, replayer, record: FixRecord, anchor64, autocast) -> _World:
         world = _World("f64", _Log(frame.seq), replayer, frame=frame, record=record, anchor64=anchor64,

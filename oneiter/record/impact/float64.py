@@ -29,10 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from oneiter.record.capture.recompute import checkpoint_disabled
+from oneiter.record.local.rerun import rel_l2
 from oneiter.record.modes import trusted
 from oneiter.runtime import host_random
 
-__all__ = ["float64_copy", "own_tensors", "in_float64", "fixed_output", "live_child", "Unfixable", "FixRecord"]
+__all__ = ["float64_copy", "own_tensors", "in_float64", "fixed_output", "live_child", "Unfixable", "FixRecord",
+           "moved_forward"]
 
 _CPU = torch.device("cpu")
 
@@ -178,15 +180,16 @@ def _grad_inputs(leaves: list) -> list[int]:
     return found
 
 
-def fixed_output(compute, live_inputs: tuple, output: Any) -> Any:
+def fixed_output(compute, live_inputs: tuple, output: Any, check_backward=None) -> Any:
     """`output` (the live call's) with every floating tensor replaced by the float64 recomputation's, cast as the
     live one is. `live_inputs`: the call's flattened args and kwargs as received; `compute.copies`: their float64
     copies, taken when the call began; `compute(leaves64)` runs the recomputation on those and returns (its output,
-    what it touched, the anchor its live children hang on)."""
+    what it touched, the anchor its live children hang on). `check_backward(moved)`, when given, is told in backward
+    how far the fixed input gradients are from the live call's own (the largest rel_l2 over its inputs)."""
     leaves, spec = tree_flatten(output)
     flat_in = list(live_inputs)
     grads = _grad_inputs(flat_in)
-    info = _FixedInfo(compute, flat_in, grads, leaves, spec)
+    info = _FixedInfo(compute, flat_in, grads, leaves, spec, check=check_backward)
     anchor = torch.zeros((), requires_grad=True)  # the node is in the graph even when no input takes a gradient
     values = _fixed().apply(info, anchor, *[flat_in[i] for i in grads])
     fixed = list(leaves)
@@ -207,6 +210,7 @@ class _FixedInfo:
     leaves64: list = field(default_factory=list)
     record: FixRecord | None = None
     anchor64: Any = None
+    check: Any = None
 
 
 def _run_fixed(info: _FixedInfo) -> tuple:
@@ -242,7 +246,31 @@ def _backward_fixed(info: _FixedInfo, grads: tuple) -> list:
     for i in info.grads:
         grad = info.leaves64[i].grad
         back.append(None if grad is None else grad.to(info.inputs[i].device, info.inputs[i].dtype))
+    if info.check is not None:
+        info.check(_moved_backward(info, grads, back))
     return back
+
+
+def _moved_backward(info: _FixedInfo, grads: tuple, fixed: list) -> float:
+    """How far the fixed input gradients are from what the live call's own backward gives for the same output
+    gradients (its graph is still there: the live outputs the fix replaced)."""
+    pairs = [(info.live_out[i], g) for i, g in zip(info.positions, grads, strict=True)
+             if g is not None and info.live_out[i].requires_grad]
+    inputs = [info.inputs[i] for i in info.grads]
+    if not pairs or not inputs:
+        return 0.0
+    with _live(None, None):
+        live = torch.autograd.grad([o for o, _ in pairs], inputs, [g.to(o.dtype) for o, g in pairs],
+                                   retain_graph=True, allow_unused=True)
+    moved = [rel_l2(a, b) for a, b in zip(live, fixed, strict=True) if a is not None and b is not None]
+    return max(moved, default=0.0)
+
+
+def moved_forward(live: Any, fixed: Any) -> float:
+    """How far a fixed call's outputs are from its live ones (the largest rel_l2 over its floating outputs)."""
+    a, b = tree_flatten(live)[0], tree_flatten(fixed)[0]
+    return max((rel_l2(x, y) for x, y in zip(a, b, strict=False) if isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor) and x.is_floating_point()), default=0.0)
 
 
 @functools.lru_cache(maxsize=None)

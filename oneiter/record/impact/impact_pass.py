@@ -40,10 +40,10 @@ class ImpactPass:
     """The block runs the iteration once more (`targets`: (module path, call index) of the calls to fix)."""
 
     def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0, *,
-                 perturb: float = 0.0, optimizers=()):
+                 perturb: float = 0.0, optimizers=(), expected: dict | None = None):
         self.model, self.ref, self.options, self.device = model, ref, options, device
         self.reference, self.targets, self.scale = gaps, list(targets), float(loss_scale)
-        self.perturb, self.optimizers = float(perturb), list(optimizers)
+        self.perturb, self.optimizers, self.expected = float(perturb), list(optimizers), expected
         self._clean: list = []
         self.fixes: Fixes | None = None
         self._loss = None
@@ -62,7 +62,7 @@ class ImpactPass:
             if opts.fallback:
                 stack.enter_context(OpFallback(opts.fallback))
             if self.targets:
-                self.fixes = stack.enter_context(Fixes(self.model, self.targets, replayer))
+                self.fixes = stack.enter_context(Fixes(self.model, self.targets, replayer, self.expected))
             stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
                                                                 prepend=True).remove)
             self._patch_backward(stack)

@@ -48,7 +48,7 @@ class Impact:
     run with nothing fixed must give, where it ran, and a progress callback."""
 
     start: Start
-    once: Callable[..., tuple[Gaps, dict]]  # once(targets, perturb=u)
+    once: Callable[..., tuple[Gaps, dict]]  # once(targets, perturb=u, expected=...): `one_pass`'s keywords
     recorded_loss: float
     device_type: str = "cpu"
     progress: Callable[[str], None] | None = None
@@ -57,12 +57,13 @@ class Impact:
 
 
 def one_pass(model, ref, options, device, targets, run: Callable[[ImpactPass], None], loss_scale: float = 1.0,
-             gaps: ReferenceGaps | None = None, *, perturb: float = 0.0, optimizers=()) -> tuple[Gaps, dict]:
+             gaps: ReferenceGaps | None = None, *, perturb: float = 0.0, optimizers=(),
+             expected: dict | None = None) -> tuple[Gaps, dict]:
     """The iteration of reference `ref` once more (`run(pass)` runs it), `targets` fixed (or the weights perturbed by
     one rounding `perturb`): its gaps to `ref` and, per target, `FIXED` or why it was not (the caller swaps the start
     in)."""
     step = ImpactPass(model, ref, options, device, gaps or ReferenceGaps(ref, model), targets, loss_scale,
-                      perturb=perturb, optimizers=optimizers)
+                      perturb=perturb, optimizers=optimizers, expected=expected)
     with step:
         run(step)
     return step.gaps(), dict(step.fixes.done) if step.fixes is not None else {}
@@ -87,9 +88,11 @@ def perturbation(run_dtype: str, ref_meta: dict, modes: dict) -> float:
                precision_modes.roundoff(ref_modes))
 
 
-def _once(job: Impact, targets: list[tuple[str, int]], perturb: float = 0.0) -> tuple[Gaps, dict]:
+def _once(job: Impact, targets: list[Candidate], perturb: float = 0.0) -> tuple[Gaps, dict]:
+    """One run from the start, the `targets` fixed (each checked against its own error: `fixed_call.Fixes`)."""
+    expected = {(c.module, c.call): (c.phase, c.tensor, c.rel_l2) for c in targets}
     with job.start.swapped_in():
-        return job.once(targets, perturb=perturb)
+        return job.once([(c.module, c.call) for c in targets], perturb=perturb, expected=expected)
 
 
 def _note(done: dict, key: tuple[str, int]) -> str:
@@ -121,12 +124,12 @@ def measure(job: Impact, judged_rows, run_dtype: str, top: int | None) -> tuple[
     rows.append(_row(PERTURBED, perturbed, note=f"weights x (1 +- {2 * job.roundoff:.1e}) until the step"))
     for number, candidate in enumerate(candidates, start=3):
         _say(job, f"impact {number}/{runs}: {candidate.name} fixed")
-        fixed, done = _once(job, [(candidate.module, candidate.call)])
+        fixed, done = _once(job, [candidate])
         rows.append(_row(CALL, fixed, candidate, _note(done, (candidate.module, candidate.call))))
     if len(candidates) > 1:
         _say(job, f"impact {runs}/{runs}: all {len(candidates)} fixed")
         keys = [(c.module, c.call) for c in candidates]
-        every, done = _once(job, keys)
+        every, done = _once(job, candidates)
         missed = [f"{m}@{c}: {_note(done, (m, c))}" for m, c in keys if _note(done, (m, c))]
         rows.append(_row(ALL, every, note="; ".join(missed)))
     return rows, {**attrs, "seconds": time.perf_counter() - began}

@@ -339,7 +339,7 @@ class StepRecorder:
         source, top = self.impact
         judged, run_dtype = judged_in(source)
         progress = self.progress
-        job = Impact(self._impact_start, lambda targets, perturb=0.0: self._impact_steps(targets, fn, perturb),
+        job = Impact(self._impact_start, lambda targets, **how: self._impact_steps(targets, fn, **how),
                      float(self._rows[-1][0]), self._device().type,
                      (lambda text: progress(text, len(self._done))) if progress else None, step=self.steps[-1],
                      roundoff=self._roundoff())
@@ -348,10 +348,10 @@ class StepRecorder:
         self.impact_runs, self.impact_seconds = len(rows), float(attrs.get("seconds", 0.0))
         self._impact_done = True
 
-    def _impact_steps(self, targets, fn, perturb: float = 0.0):
+    def _impact_steps(self, targets, fn, **how):
         """Every step once more, `targets` fixed at each (or the weights perturbed by one rounding `perturb` at each):
         the last step's gaps, and per target whether it was fixed (at every step: else the first reason it was
-        not)."""
+        not). `how`: `one_pass`'s keywords (`perturb`, `expected`)."""
         done: dict = {}
         gaps = None
         for step in self.steps:
@@ -363,7 +363,7 @@ class StepRecorder:
                     self._current = None
 
             gaps, mine = one_pass(self.model, self.ref.step(step), self.options, self._device(), targets, run,
-                                  perturb=perturb, optimizers=self.optimizers)
+                                  optimizers=self.optimizers, **how)
             for key, why in mine.items():
                 if done.get(key, FIXED) == FIXED:
                     done[key] = why

@@ -377,7 +377,7 @@ class Recorder:
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
             self.session = self._modes = self.ref = self._swap = self._watch = None
-            self._first_call = self._failed_backward = None
+            self._first_call = self._failed_backward = self._impact_start = self._iteration = None
 
     def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
         self._end_autocast()

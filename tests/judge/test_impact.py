@@ -115,6 +115,26 @@ def test_the_terminal_csv_and_html_show_the_ranking(three_faults, planted_ref, t
     assert "<h2>Which fix matters</h2>" in page and page.index("layers.4@0") < page.index("branch@0</td>")
 
 
+def test_a_damaged_impact_table_is_refused_in_one_line(three_faults, tmp_path):
+    import shutil
+
+    import h5py
+    import numpy as np
+
+    from oneiter.errors import FormatError
+
+    damaged = tmp_path / "damaged.h5"
+    shutil.copy(three_faults["tgt"], damaged)
+    with h5py.File(damaged, "r+") as f:
+        table = f["impact"][()]
+        del f["impact"]
+        names = [n for n in table.dtype.names if n != "loss_gap"]
+        f.create_dataset("impact", data=np.array([tuple(r[n] for n in names) for r in table],
+                                                 dtype=[(n, table.dtype[n]) for n in names]))
+    with pytest.raises(FormatError, match="'/impact': column 'loss_gap': expected f8, got no such column"):
+        IterationFile(damaged)
+
+
 def test_a_single_fault_closes_more_than_nine_tenths_of_every_gap(planted_ref, tmp_path, monkeypatch):
     _replay(planted_ref, tmp_path / "one.h5", THREE, ["layers.4"], monkeypatch, impact=True)
     _, doc, terminal = _compare(planted_ref, tmp_path / "one.h5", tmp_path)

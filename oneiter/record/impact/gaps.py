@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from oneiter.format.schema import LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE
+from oneiter.format.stats import pair_sums
 from oneiter.record.capture.hooks import unscaled
 from oneiter.runtime.names import parameters
 
@@ -38,12 +39,19 @@ class Gaps:
 
 
 def _sums(pairs) -> tuple[float, float]:
-    """(sum of ||a - b||^2, sum of ||b||^2) in float64 over (a, b) pairs of tensors."""
+    """(sum of ||a - b||^2, sum of ||b||^2) in float64 over (a, b) pairs of tensors: the C kernel's one pass over
+    each (`format.stats.pair_sums`) where it applies, else torch's reductions."""
     diff = norm = 0.0
     for mine, theirs in pairs:
-        a, b = mine.detach().to("cpu", torch.float64).reshape(-1), theirs.to(torch.float64).reshape(-1)
-        diff += float(torch.sum((a - b) ** 2))
-        norm += float(torch.sum(b ** 2))
+        work = torch.promote_types(torch.promote_types(mine.dtype, theirs.dtype), torch.float32)
+        a = mine.detach().reshape(-1).to("cpu", work).contiguous()
+        b = theirs.reshape(-1).to(work).contiguous()
+        sums = pair_sums(a, b)
+        if sums is None:
+            a, b = a.double(), b.double()
+            sums = (0.0, float(torch.sum(b ** 2)), float(torch.sum((a - b) ** 2)))
+        diff += sums[2]
+        norm += sums[1]
     return diff, norm
 
 

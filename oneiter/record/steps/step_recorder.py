@@ -332,6 +332,7 @@ class StepRecorder:
             self._twin_rows.append(self._twin_step(self._twin, step, fn, perturb=True))
         if self.impact is not None and len(self._done) == len(self.steps):
             self._measure_impact(fn)
+            self._impact_start = None  # a copy of the first step's start: not kept past the runs
 
     def _measure_impact(self, fn) -> None:
         """`impact`: every step run again from the first one's start per call `impact_from` flags, that call fixed

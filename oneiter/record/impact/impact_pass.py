@@ -1,16 +1,17 @@
-"""One impact run: the iteration run again from its start, some calls fixed, and how far it lands from the reference.
+"""One run of the iteration fed what the reference's had (`ReferencePass`), and the impact run on it (`ImpactPass`).
 
-Where this sits: `runs.py` calls the loop's iteration (`Recorder.run(fn)`'s `fn`) once per run inside an
-`ImpactPass`, with the start swapped in (`start.py`). The pass gives the iteration what the recorded one had: the
-reference's batch (handed out by `inputs`, or swapped into the model's first call), its random values, the autocast
-and `--fallback` of the recording; the calls to fix (`fixed_call.Fixes`). Its loss is the tensor the first backward
-runs on (or the one `loss` names); the parameter gradients are measured when that backward returns, the updated
-weights when the iteration is over (`gaps.py`). Nothing is written to the recording while a pass runs.
+Where this sits: `runs.py` calls the loop's iteration (`Recorder.run(fn)`'s `fn`) once per impact run inside an
+`ImpactPass`, with the start swapped in (`start.py`); the multi-step twin's pass (`record/steps/twin.py`) is the same
+`ReferencePass`. A pass gives the iteration what the recorded one had: the reference's batch (handed out by
+`inputs`, or swapped into the model's first call), its random values, the autocast and `--fallback` of the
+recording. Its loss is the tensor the first backward runs on (or the one `loss` names). An impact run also fixes
+calls (`fixed_call.Fixes`), measures the parameter gradients when that backward returns and the updated weights when
+the iteration is over (`gaps.py`). Nothing is written to the recording while a pass runs.
 
-A *perturbed* pass (`perturb`: a unit roundoff u) runs nothing fixed, its weights multiplied by (1 ± 2u) with random
-signs from a fixed seed until the optimizer steps (the multi-step twin's perturbation, `record/steps/twin.py`: the
-gradients at perturbed weights, the update on the clean ones): how far one rounding of the run's precision moves
-each gap, against which the fixes' shares are read.
+A *perturbed* impact run (`perturb`: a unit roundoff u) runs nothing fixed, its weights multiplied by (1 ± 2u) with
+random signs from a fixed seed until the optimizer steps (the multi-step twin's perturbation: the gradients at
+perturbed weights, the update on the clean ones): how far one rounding of the run's precision moves each gap,
+against which the fixes' shares are read.
 """
 
 from __future__ import annotations
@@ -31,43 +32,35 @@ from oneiter.record.modes.fallback import OpFallback
 from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
 from oneiter.runtime.precision import autocast_for
 
+__all__ = ["ReferencePass", "ImpactPass"]
+
 PERTURBATION_SEED = 0x1A7C  # the perturbed pass's signs: a generator seeded with this plus the parameter's position
 
-__all__ = ["ImpactPass"]
 
+class ReferencePass:
+    """The block runs the iteration of reference `view` (an open recording of one iteration) once more."""
 
-class ImpactPass:
-    """The block runs the iteration once more (`targets`: (module path, call index) of the calls to fix)."""
-
-    def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0, *,
-                 perturb: float = 0.0, optimizers=(), expected: dict | None = None):
-        self.model, self.ref, self.options, self.device = model, ref, options, device
-        self.reference, self.targets, self.scale = gaps, list(targets), float(loss_scale)
-        self.perturb, self.optimizers, self.expected = float(perturb), list(optimizers), expected
-        self._clean: list = []
-        self.fixes: Fixes | None = None
+    def __init__(self, model, view, options, device):
+        self.model, self.view, self.options, self.device = model, view, options, device
+        self.replayer = None  # the random values' replayer (None: the reference drew none)
         self._loss = None
         self._explicit = self._taken = self._backward_seen = False
-        self._grad_gap = math.nan
         self._autocast = None
 
-    def __enter__(self) -> "ImpactPass":
+    def __enter__(self):
         opts = self.options
-        self._swap = BatchSwap(read_batch(self.ref), self.ref.path.name)
+        self._swap = BatchSwap(read_batch(self.view), self.view.path.name)
         stack = ExitStack()
         try:
-            replayer = None
-            if recorded_random_ops(self.ref):  # every op goes through it: only where there are random ops to replay
-                replayer = stack.enter_context(RandomReplayer(self.ref, self.device, replay=opts.random_replay))
+            if recorded_random_ops(self.view):  # every op goes through it: only where there are random ops
+                self.replayer = stack.enter_context(RandomReplayer(self.view, self.device,
+                                                                   replay=opts.random_replay))
             if opts.fallback:
                 stack.enter_context(OpFallback(opts.fallback))
-            if self.targets:
-                self.fixes = stack.enter_context(Fixes(self.model, self.targets, replayer, self.expected))
+            self._enter(stack)
             stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
                                                                 prepend=True).remove)
             self._patch_backward(stack)
-            if self.perturb:
-                self._perturb_weights(stack)
             if opts.amp and opts.manage_autocast:
                 self._autocast = autocast_for(self.device, opts.amp)
                 self._autocast.__enter__()
@@ -81,6 +74,87 @@ class ImpactPass:
     def __exit__(self, *exc) -> None:
         self._end_autocast()
         self._stack.__exit__(*exc)
+
+    def _enter(self, stack: ExitStack) -> None:  # noqa: B027 - a hook: what a kind of pass adds
+        """What a kind of pass adds when it starts (its undo on `stack`)."""
+
+    def _after_backward(self) -> None:  # noqa: B027 - a hook: what a kind of pass measures
+        """The first backward has returned."""
+
+    def _end_autocast(self) -> None:
+        autocast, self._autocast = self._autocast, None
+        if autocast is not None:
+            autocast.__exit__(None, None, None)
+
+    def _patch_backward(self, stack: ExitStack) -> None:
+        original = torch.Tensor.backward
+        owner = self
+
+        def backward(tensor, *args, **kwargs):
+            if owner._backward_seen:
+                return original(tensor, *args, **kwargs)
+            owner._backward_seen = True  # the first backward: autocast ends, and its tensor is the loss
+            owner._end_autocast()
+            if not owner._explicit:
+                owner._loss = tensor.detach()
+            result = original(tensor, *args, **kwargs)
+            owner._after_backward()
+            return result
+
+        torch.Tensor.backward = backward
+        stack.callback(setattr, torch.Tensor, "backward", original)
+
+    def _first_forward(self, module, args, kwargs):
+        if self._taken:
+            return None
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        return args, kwargs
+
+    # -- what the loop calls (through the Recorder or StepRecorder) -------------------------------------------------
+    def inputs(self, *args, **kwargs):
+        if self._taken:
+            raise OneIterError("rec.inputs() was already called (or the model already ran) in this iteration",
+                               param="inputs")
+        self._taken = True
+        args, kwargs = map_call(args, kwargs, self._swap)
+        self._swap.check_complete()
+        if kwargs:
+            return args, kwargs
+        return args[0] if len(args) == 1 else tuple(args)
+
+    def loss(self, tensor):
+        self._loss, self._explicit = tensor.detach(), True
+        return tensor
+
+    def note(self, **attrs) -> None:
+        """Notes are the recorded iteration's; a pass keeps none."""
+
+    def loss_value(self) -> float:
+        return math.nan if self._loss is None else float(self._loss.float())
+
+
+class ImpactPass(ReferencePass):
+    """The block runs the iteration once more (`targets`: (module path, call index) of the calls to fix)."""
+
+    def __init__(self, model, ref, options, device, gaps: ReferenceGaps, targets=(), loss_scale: float = 1.0, *,
+                 perturb: float = 0.0, optimizers=(), expected: dict | None = None):
+        super().__init__(model, ref, options, device)
+        self.reference, self.targets, self.scale = gaps, list(targets), float(loss_scale)
+        self.perturb, self.optimizers, self.expected = float(perturb), list(optimizers), expected
+        self.fixes: Fixes | None = None
+        self._grad_gap = math.nan
+        self._clean: list = []
+
+    def _enter(self, stack: ExitStack) -> None:
+        if self.targets:
+            self.fixes = stack.enter_context(Fixes(self.model, self.targets, self.replayer, self.expected))
+        if self.perturb:
+            self._perturb_weights(stack)
+
+    def _after_backward(self) -> None:
+        self._grad_gap = self.reference.grads(self.scale)  # before anything (clipping) changes them
 
     def gaps(self) -> Gaps:
         """How far this run landed from the reference (call once the block has ended)."""
@@ -106,53 +180,3 @@ class ImpactPass:
         for p, clean in self._clean:
             p.data = clean
         self._clean = []
-
-    def _end_autocast(self) -> None:
-        autocast, self._autocast = self._autocast, None
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-
-    def _patch_backward(self, stack: ExitStack) -> None:
-        original = torch.Tensor.backward
-        owner = self
-
-        def backward(tensor, *args, **kwargs):
-            if owner._backward_seen:
-                return original(tensor, *args, **kwargs)
-            owner._backward_seen = True  # the first backward: autocast ends, its tensor is the loss
-            owner._end_autocast()
-            if not owner._explicit:
-                owner._loss = tensor.detach()
-            result = original(tensor, *args, **kwargs)
-            owner._grad_gap = owner.reference.grads(owner.scale)  # before anything (clipping) changes them
-            return result
-
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
-
-    def _first_forward(self, module, args, kwargs):
-        if self._taken:
-            return None
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
-        return args, kwargs
-
-    # -- what the loop calls (through the Recorder) -----------------------------------------------------------------
-    def inputs(self, *args, **kwargs):
-        if self._taken:
-            raise OneIterError("rec.inputs() was already called (or the model already ran) in this iteration",
-                               param="inputs")
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
-        if kwargs:
-            return args, kwargs
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def loss(self, tensor):
-        self._loss, self._explicit = tensor.detach(), True
-        return tensor
-
-    def note(self, **attrs) -> None:
-        """Notes are the recorded iteration's; an impact run keeps none."""

@@ -28,19 +28,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
 
-from oneiter.errors import OneIterError
-from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.impact.impact_pass import ReferencePass
 from oneiter.record.local.rerun import scaled_by_signs
-from oneiter.record.modes.fallback import OpFallback
-from oneiter.record.modes.randomness import RandomReplayer
-from oneiter.runtime.precision import autocast_for
 
 __all__ = ["Twin", "TwinPass", "perturbation_seed"]
 
@@ -147,87 +142,8 @@ def _devices(params) -> dict[str, list[int]]:
     return {kind: sorted(indices) for kind, indices in found.items()}
 
 
-class TwinPass:
+class TwinPass(ReferencePass):
     """What a twin's pass runs under: the reference step's batch (handed out by `inputs`, or swapped into the
     model's first call) and random values, autocast as the recording has it, the op fallback; its loss is the
-    tensor the first backward runs on (or the one `loss` names)."""
-
-    def __init__(self, model, view, options, device):
-        self.model, self.view, self.options, self.device = model, view, options, device
-        self._loss = None
-        self._explicit = self._taken = self._backward_seen = False
-        self._autocast = None
-
-    def __enter__(self) -> "TwinPass":
-        opts = self.options
-        self._swap = BatchSwap(read_batch(self.view), self.view.path.name)
-        stack = ExitStack()
-        try:
-            stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))
-            if opts.fallback:
-                stack.enter_context(OpFallback(opts.fallback))
-            stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
-                                                                prepend=True).remove)
-            self._patch_backward(stack)
-            if opts.amp and opts.manage_autocast:
-                self._autocast = autocast_for(self.device, opts.amp)
-                self._autocast.__enter__()
-                stack.callback(self._end_autocast)
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._end_autocast()
-        self._stack.__exit__(*exc)
-
-    def _end_autocast(self) -> None:
-        autocast, self._autocast = self._autocast, None
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-
-    def _patch_backward(self, stack: ExitStack) -> None:
-        original = torch.Tensor.backward
-        owner = self
-
-        def backward(tensor, *args, **kwargs):
-            if not owner._backward_seen:  # the first backward: autocast ends, and its tensor is the loss
-                owner._backward_seen = True
-                owner._end_autocast()
-                if not owner._explicit:
-                    owner._loss = tensor.detach()
-            return original(tensor, *args, **kwargs)
-
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
-
-    def _first_forward(self, module, args, kwargs):
-        if self._taken:
-            return None
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
-        return args, kwargs
-
-    def inputs(self, *args, **kwargs):
-        if self._taken:
-            raise OneIterError("rec.inputs() was already called (or the model already ran) in this step",
-                               param="inputs")
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
-        if kwargs:
-            return args, kwargs
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def loss(self, tensor):
-        self._loss, self._explicit = tensor.detach(), True
-        return tensor
-
-    def note(self, **attrs) -> None:
-        """Notes are the recorded step's; the twin's pass keeps none."""
-
-    def loss_value(self) -> float:
-        return math.nan if self._loss is None else float(self._loss.float())
+    tensor the first backward runs on (or the one `loss` names): `record/impact/impact_pass.py`'s `ReferencePass`,
+    which an impact run is too."""

@@ -42,6 +42,9 @@ a run in full (--step S).
 
   oneiter record --model my_model.py:build --step 37 -o ref_step37.h5
 
+  oneiter record --replay ref.h5 --impact --impact-top 5 -o npu.h5
+  [dim](which flagged call matters: the iteration again with each fixed; compare ranks them)[/dim]
+
   oneiter record --replay ref.h5 --model my_model.py:build --compile -o compiled.h5
   [dim](the model compiled with inductor: each compiled block judged against the eager reference)[/dim]
 
@@ -109,6 +112,17 @@ def record_command(
     compile_modules: Annotated[Optional[List[str]], typer.Option(*flags.COMPILE_MODULES.decls, help=
             "With --compile: regex on module paths; each outermost matching module is compiled on its own, so "
             "module boundaries stay visible (repeatable).")] = None,
+    impact: Annotated[bool, typer.Option(*flags.IMPACT.decls, help=
+            "With --replay: rank the flagged calls by how much of the gap fixing each closes (loss, gradients, "
+            "updated weights): the iteration runs again from its start once per flagged call with that call's "
+            "output and input gradients computed in float64 on the trusted path, and once with all fixed. One "
+            "iteration per call; compare shows the ranking.")] = False,
+    impact_top: Annotated[Optional[int], typer.Option(*flags.IMPACT_TOP.decls, min=1, help=
+            "With --impact: fix at most N flagged calls, largest own error first (default: all).")] = None,
+    impact_from: Annotated[Optional[Path], typer.Option(*flags.IMPACT_FROM.decls, help=
+            "With --impact and a multi-step --replay: a one-iteration replay recorded in full (the --step S replay "
+            "the steps' comparison prints) whose flagged calls are each fixed at every step; ranked by the loss gap "
+            "at the last step.")] = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
@@ -126,6 +140,7 @@ def record_command(
         against=against,
         random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
         data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [], float8=float8,
+        impact=impact, impact_top=impact_top, impact_from=impact_from,
     )
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
@@ -140,6 +155,8 @@ def record_command(
     if summary.num_steps:
         what = f"{summary.num_steps} steps ({what} each)"
     compiling = f", plus {summary.compile_seconds:.2f} s compiling" if summary.compile_seconds else ""
+    if summary.impact_runs:
+        compiling += f" ({summary.impact_runs} impact runs: {summary.impact_seconds:.2f} s)"
     err.print(
         f"{prefix}recorded {what}, {summary.file_bytes / 1e6:.1f} MB in {summary.seconds:.2f} s{compiling} (loss "
         f"{summary.loss:.6g}) -> {summary.path}",

@@ -27,6 +27,8 @@ from oneiter.format.schema import (
     COLLECTIVES,
     COMPILED,
     FORWARD,
+    IMPACT,
+    IMPACT_FIELDS,
     LOCAL,
     LOCAL_FIELDS,
     LOCAL_OPTIONAL,
@@ -50,6 +52,7 @@ from oneiter.format.schema import (
     TWIN_SIGNATURE,
     UNPROBED,
     UNPROBED_FIELDS,
+    ImpactRow,
     LocalRow,
     call_path,
     decode,
@@ -63,7 +66,7 @@ from oneiter.format.schema import (
 from oneiter.format.signature import Signature
 from oneiter.format.stats import Stats, array_stats
 
-__all__ = ["FileWriter", "IterationFile", "Entry", "reading"]
+__all__ = ["FileWriter", "IterationFile", "Entry", "reading", "impact_dataset"]
 
 
 class FileWriter:
@@ -160,6 +163,10 @@ class FileWriter:
         self.file.create_dataset(LOCAL, data=table).attrs.update(_clean_attrs(attrs))
         skipped = np.array(unprobed, dtype=_table_dtype(UNPROBED_FIELDS))
         self.file.create_dataset(UNPROBED, data=skipped)
+
+    def impact_table(self, rows: list[ImpactRow], attrs: dict[str, Any]) -> None:
+        """`/impact` (one row per run of the iteration from its start: `record --impact`), with its attrs."""
+        impact_dataset(self.file, rows, attrs)
 
     def finish(self, attrs: dict[str, Any]) -> None:
         if self._stats:
@@ -466,6 +473,14 @@ class IterationFile:
     def local_attrs(self) -> dict[str, Any]:
         return self.attrs(LOCAL)
 
+    def impact(self) -> tuple[list[ImpactRow], dict[str, Any]] | None:
+        """The rows of `/impact` and its attributes (`record --impact`); None when the file holds none."""
+        table = self.file.get(IMPACT)
+        if table is None:
+            return None
+        rows = [ImpactRow(**{n: plain(rec[n]) for n, _ in IMPACT_FIELDS}) for rec in table[()]]
+        return rows, self.attrs(IMPACT)
+
     def unprobed(self) -> list[tuple[str, int, str]]:
         """(module, call, reason) of every call the local probe could not rerun."""
         table = self.file.get(UNPROBED)
@@ -576,6 +591,12 @@ def _ranges(steps: list[int]) -> str:
         return "no steps"
     return f"steps {steps[0]}..{steps[-1]}" if steps == list(range(steps[0], steps[-1] + 1)) else \
         "steps " + ", ".join(map(str, steps))
+
+
+def impact_dataset(group, rows: list[ImpactRow], attrs: dict[str, Any]) -> None:
+    """`/impact` in the open h5py `group` (a file's root, one iteration's or a multi-step recording's)."""
+    table = np.array([tuple(getattr(r, n) for n, _ in IMPACT_FIELDS) for r in rows], dtype=_table_dtype(IMPACT_FIELDS))
+    group.create_dataset(IMPACT, data=table).attrs.update(_clean_attrs(attrs))
 
 
 def _table_dtype(fields) -> np.dtype:

@@ -62,7 +62,8 @@ __all__ = [
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
     "step_group",
     "split_step", "COLLECTIVES", "UNREDUCED_GRADS", "COLLECTIVE_OPS", "REDUCE_OPS", "COLLECTIVE_ATTRS",
-    "P2P_OPS", "P2P_ATTRS", "collective_group", "collective_path", "collective_index",
+    "P2P_OPS", "P2P_ATTRS", "collective_group", "collective_path", "collective_index", "IMPACT", "IMPACT_FIELDS",
+    "ImpactRow",
 ]
 
 SCHEMA = "oneiter.iteration"
@@ -384,6 +385,36 @@ STATS_FIELDS = (("path", "str"), *((n, "f8") for n in STATS_VALUES), ("checksum0
 
 UNPROBED_FIELDS = (("module", "str"), ("call", "i8"), ("reason", "str"))
 """Columns of `/unprobed`: the calls the local probe could not rerun, and why."""
+
+# -- the impact table -----------------------------------------------------------------------------------------------
+IMPACT = "impact"
+IMPACT_FIELDS = (
+    ("kind", "str"), ("module", "str"), ("call", "i8"), ("phase", "str"), ("tensor", "str"), ("rel_l2", "f8"),
+    ("ratio", "f8"), ("loss", "f8"), ("loss_gap", "f8"), ("grad_gap", "f8"), ("weight_gap", "f8"), ("note", "str"),
+)
+"""Columns of `/impact` (`record --impact`, `record/impact/runs.py`): one row per run of the iteration from its start —
+`kind` `plain` (nothing fixed), `call` (the call `module`/`call` fixed: its flagged row `phase`/`tensor`, own error
+`rel_l2` and its ratio to its expected noise) or `all` (every candidate fixed) — with the run's `loss`, and its gaps to
+the reference: `loss_gap` |loss - loss_ref|, `grad_gap` the parameter gradients' rel_l2 over all of them, `weight_gap`
+the updated weights' distance relative to the reference's update (NaN: not measured); `note` says why a call was not
+fixed, or why nothing was measured. Attributes: `num_flagged`, `top` (-1: no bound), `recorded_loss`,
+`reference_loss`, `check` (the plain run's loss against the recorded one, relative: 0 bit for bit), `seconds`."""
+
+
+@dataclass(frozen=True)
+class ImpactRow:
+    kind: str
+    module: str
+    call: int
+    phase: str
+    tensor: str
+    rel_l2: float
+    ratio: float
+    loss: float
+    loss_gap: float
+    grad_gap: float
+    weight_gap: float
+    note: str
 
 
 def plain(value: Any) -> Any:

@@ -41,6 +41,7 @@ from oneiter.format.schema import (
     COMPILED,
     GLOBAL_OFFSET,
     GLOBAL_SHAPE,
+    IMPACT_FIELDS,
     LOCAL_FIELDS,
     LOCAL_OPTIONAL,
     MICROBATCH,
@@ -90,7 +91,7 @@ _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START,
                   UNREDUCED_GRADS, STEP_GRADS)
 _COLLECTIVE_TENSOR = re.compile(r"(input|output)\.(0|[1-9]\d{0,8})")
-_TABLES = ("local", "unprobed", "stats")
+_TABLES = ("local", "unprobed", "stats", "impact")
 # a multi-step recording's root tables, one row per step (`signature.py`)
 _STEP_TABLES = (SIGNATURE, TWIN_SIGNATURE)
 _STEP_NAME = re.compile(r"0|[1-9]\d{0,11}")  # its number as written: no leading zero
@@ -672,7 +673,7 @@ def _check_matrix(shape, dtype, full: str, path) -> None:
 
 
 def _check_table(shape, dtype, table: str, full: str, path) -> None:
-    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": STATS_FIELDS}[table]
+    fields = {"local": LOCAL_FIELDS, "unprobed": UNPROBED_FIELDS, "stats": STATS_FIELDS, "impact": IMPACT_FIELDS}[table]
     if dtype.names is None or len(shape) != 1:
         raise _fail(path, f"'/{full}': expected a one-dimensional table, got {dtype} with shape {shape}")
     kinds = {"str": "OSU", "i8": "iu", "f8": "f"}

@@ -213,6 +213,10 @@ class BackgroundWriter:
         self._raise_pending()
         self._queue.put(("local", rows, unprobed, attrs))
 
+    def impact_table(self, rows: list, attrs: dict[str, Any]) -> None:
+        self._raise_pending()
+        self._queue.put(("impact", rows, attrs))
+
     def close(self, final_attrs: dict[str, Any]) -> tuple[int, int]:
         """Drain the queue, write the groups' attributes, mark the file complete, close it. Returns (datasets incl.
         links, tensor bytes)."""
@@ -281,6 +285,8 @@ class BackgroundWriter:
             self._file.set_attrs(*item[1:])
         elif kind == "local":
             self._file.local_table(*item[1:])
+        elif kind == "impact":
+            self._file.impact_table(*item[1:])
         elif kind == "finish":
             self._file.finish(item[1])
 

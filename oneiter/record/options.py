@@ -85,6 +85,15 @@ class RecordOptions:
     float8: str | None = None
     """`tensorwise` / `rowwise`: the model's Linears converted to torchao's float8 training for the recording and
     converted back after it (`record/modes/float8.py`; needs the `oneiter[float8]` extra)."""
+    impact: bool = False
+    """With `replay`: after the recorded iteration, run it again from its start once per flagged call with that call
+    fixed (its float64 recomputation on the trusted path), and once with all fixed: how much of the gap each fix
+    closes (`record/impact/`; the iteration must be given as a function, `Recorder.run(fn)`)."""
+    impact_top: int | None = None
+    """With `impact`: fix at most this many flagged calls, largest own error first (None: every one)."""
+    impact_from: Path | None = None
+    """With `impact` over several steps (a replay of a multi-step reference): a one-iteration replay with per-call
+    local error (the `--step S` replay the steps' comparison prints) whose flagged calls are fixed at every step."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out, (str, os.PathLike)):
@@ -109,6 +118,7 @@ class RecordOptions:
         self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
         self._check_compile()
         self._check_float8()
+        self._check_impact()
 
     def _check_float8(self) -> None:
         """float8: one of torchao's recipes, and not with amp (the recipe quantizes from the model's own dtype)."""
@@ -121,6 +131,32 @@ class RecordOptions:
             raise OneIterError("float8 computes the converted Linears in float8 from the model's own dtype, and "
                                "autocast would recast their operands and scales: drop amp (for a bfloat16 model, "
                                "record with dtype bfloat16)", param="float8")
+
+    def _check_impact(self) -> None:
+        """impact: a full-level replay with its calls judged, not compiled; impact_top: an int >= 1, with impact."""
+        top = self.impact_top
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise OneIterError(f"impact_top must be an integer >= 1 (how many flagged calls to fix), got {top!r}",
+                               param="impact_top")
+        self.impact = bool(self.impact)
+        if top is not None and not self.impact:
+            raise OneIterError("impact_top bounds how many calls impact fixes: give impact too", param="impact_top")
+        if self.impact_from is not None:
+            if not isinstance(self.impact_from, (str, os.PathLike)):
+                raise OneIterError(f"impact_from must be a recording's path, got {self.impact_from!r}",
+                                   param="impact_from")
+            self.impact_from = Path(self.impact_from)
+            if not self.impact:
+                raise OneIterError("impact_from names the calls impact fixes: give impact too", param="impact_from")
+        if not self.impact:
+            return
+        why = ("ranks the calls a replay flags: give replay too" if self.replay is None else
+               "ranks the calls the replay's per-call judgement flags, which isolate off turns off"
+               if not self.isolate else
+               "needs each call's own error, which level stats does not measure" if self.level == "stats" else
+               "cannot fix the calls inside compiled code one by one: drop compile" if self.compile else "")
+        if why:
+            raise OneIterError(f"impact {why}", param="impact")
 
     def _check_compile(self) -> None:
         """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""

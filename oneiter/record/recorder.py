@@ -86,7 +86,7 @@ from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.names import state_tensors
-from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
+from oneiter.runtime.precision import AMP_DTYPES, active_autocast, amp_dtype_name, autocast_for
 from oneiter.runtime.sharding import class_name, is_sharded, local, reduction
 from oneiter.runtime.wrappers import (
     accumulation_steps,
@@ -116,6 +116,8 @@ class RecordSummary:
     compile_seconds: float = 0.0  # torch.compile's compiling inside the block (never part of the seconds above)
     # a multi-step recording (`record/steps/step_recorder.py`): its iterations (num_entries: its tensors)
     num_steps: int = 0
+    impact_runs: int = 0  # `impact=True`: the iterations run again from the start (`record/impact/runs.py`)
+    impact_seconds: float = 0.0  # what they took (part of `seconds`)
 
 
 class Phase(enum.IntEnum):
@@ -178,6 +180,10 @@ class Recorder:
         float8: "tensorwise" / "rowwise": the model's Linears converted to torchao's float8 training for the block
             and converted back after it (`record/modes/float8.py`: those with dimensions divisible by 16, not the
             output projection; needs `pip install -c constraints.txt 'oneiter[float8]'`).
+        impact: with `replay`, rank the flagged calls by how much of the gap fixing each closes: the iteration, given
+            as a function (`rec.run(fn)`), runs again from its start once per flagged call with that call fixed, and
+            once with all fixed (`record/impact/`, docs/impact.md).
+        impact_top: with `impact`, fix at most this many flagged calls, largest own error first.
 
     `out` and every keyword but `optimizer`, `progress` and `notify` become one checked `RecordOptions`
     (`self.options`); `Recorder.from_options` takes one built beforehand. The block's progress is one `Phase`
@@ -213,6 +219,8 @@ class Recorder:
         compile: str | bool | None = None,
         compile_modules: str | Sequence[str] | None = None,
         float8: str | None = None,
+        impact: bool = False,
+        impact_top: int | None = None,
     ):
         model = model_of(model)
         options = RecordOptions(
@@ -220,7 +228,7 @@ class Recorder:
             calibrate=calibrate, against=against, random_replay=random_replay, fallback=fallback, force=force,
             name=name, meta=meta, manage_autocast=manage_autocast, skip=skip,
             queue_bytes=queue_bytes or DEFAULT_QUEUE_BYTES, level=level, compile=compile,
-            compile_modules=compile_modules, float8=float8,
+            compile_modules=compile_modules, float8=float8, impact=impact, impact_top=impact_top,
         )
         self._setup(model, options, optimizer, progress, notify)
 
@@ -283,6 +291,12 @@ class Recorder:
         self._step_of = False
         self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
         self._meta_batch_size = 0  # the batch size the file's attributes state (0: its batch's rows, once taken)
+        self._iteration: Callable[[], Any] | None = None  # `run(fn)`'s fn: what `impact` runs again
+        self._impact_start = None  # `impact`: the iteration's start (`record/impact/start.py`)
+        self._pass = None  # the impact run in progress: `inputs`, `loss` and `note` are its
+        if options.impact and self.rank.distributed:
+            raise OneIterError("impact runs the iteration again in one process: record without torchrun",
+                               param="impact")
 
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
@@ -302,6 +316,9 @@ class Recorder:
         if self.phase is not Phase.IDLE:
             raise OneIterError("a Recorder records one block: make a new one for another iteration", param="model")
         opts = self.options
+        if opts.impact_from is not None:
+            raise OneIterError("impact_from names the calls to fix at every step of a multi-step replay; a replay of "
+                               "one iteration fixes the calls it flags itself: drop impact_from", param="impact_from")
         check_output(self.out, opts.force)
         # a sharded (FSDP2) tensor is stored as this rank's shard
         state = sum(local(t).numel() * t.element_size() for _, t, _ in state_tensors(self.model))
@@ -344,6 +361,10 @@ class Recorder:
             self._before_bytes = self.session.sink.num_bytes
             if opts.seed is not None:
                 seed_all(opts.seed)  # torch's, Python's and numpy's generators
+            if opts.impact:
+                from oneiter.record.impact.start import Start  # imports torch
+
+                self._impact_start = Start(self.model, self.optimizers)
             self._attach(stack)
         except BaseException:
             stack.__exit__(*sys.exc_info())  # with the exception: atomic_output deletes, never renames
@@ -396,7 +417,7 @@ class Recorder:
             # what the block needed (the session, its probe's caches of reference tensors, the random modes,
             # the open reference) goes now: a loop that records again must not hold the previous recording's
             self.session = self._modes = self.ref = self._swap = self._watch = None
-            self._first_call = self._failed_backward = None
+            self._first_call = self._failed_backward = self._impact_start = self._iteration = None
 
     def _finish(self, stack: ExitStack, exc_type, exc, tb) -> None:
         self._end_autocast()
@@ -421,6 +442,7 @@ class Recorder:
             if self._mb.count > 1:
                 self.session.microbatch_losses(self._mb.as_floats(losses))
                 self.session.extra_attrs[MICROBATCHES] = self._mb.count
+            impact = self._measure_impact() if self.options.impact else {}
             reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
             compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
@@ -433,6 +455,8 @@ class Recorder:
             float(self._loss.float()), self.session.module_capture.num_calls, compile_seconds=compiling,
         )
         self.summary.iteration_seconds = self.summary.seconds
+        if impact:
+            self.summary.impact_runs, self.summary.impact_seconds = impact["runs"], impact["seconds"]
 
     @property
     def num_microbatches(self) -> int:
@@ -441,6 +465,48 @@ class Recorder:
         return self._mb.count
 
     # -- what the loop calls -----------------------------------------------------------------------------------------
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run the block's iteration `fn()` (the loop's body: its batch through `rec.inputs`, forward, loss, backward,
+        the optimizer's step) and return what it returns. With `impact=True` this is how the iteration is given: it
+        runs again from its start once per flagged call when the block ends (keep other side effects out of it)."""
+        self._active("run")
+        if self._iteration is not None:
+            raise OneIterError("rec.run() runs the block's one iteration: call it once", param="run")
+        self._iteration = fn
+        return fn()
+
+    def _measure_impact(self) -> dict:
+        """`impact`: the runs of `record/impact/runs.py`, their table into the file; returns their count and seconds."""
+        from oneiter.record.impact.gaps import ReferenceGaps  # imports torch
+        from oneiter.record.impact.runs import Impact, measure, one_pass, perturbation
+
+        if self._iteration is None:
+            raise _no_iteration()
+        capture, progress = self.session.module_capture, self.progress
+        scale = capture.grad_scale  # a loss `rec.loss` named is taken as it is (`ReferencePass.loss_tensor`)
+        gaps = ReferenceGaps(self.ref, self.model)
+        run_dtype = amp_dtype_name(self.options.amp) or str(_param_dtype(self.model) or "float32").replace("torch.", "")
+        job = Impact(self._impact_start,
+                     lambda targets, **how: one_pass(self.model, self.ref, self.options, self.device, targets,
+                                                     self._impact_run, scale, gaps, optimizers=self.optimizers, **how),
+                     float(self._loss.float()), self.device.type,
+                     (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None,
+                     roundoff=perturbation(run_dtype, self.ref.meta, self.precision_modes))
+        self.session.enter_phase("impact")
+        with capture.suspended():
+            rows, attrs = measure(job, self.session.probe.rows if self.session.probe else [], run_dtype,
+                                  self.options.impact_top)
+        self.session.writer.impact_table(rows, attrs)
+        return {"runs": len(rows), "seconds": float(attrs.get("seconds", 0.0))}
+
+    def _impact_run(self, step) -> None:
+        """One impact run: the iteration again, `step` (an `ImpactPass`) handing out its batch and taking its loss."""
+        self._pass = step
+        try:
+            self._iteration()
+        finally:
+            self._pass = None
+
     def inputs(self, *args, **kwargs):
         """Store these model inputs as the recording's batch; on replay return the reference's in their place.
 
@@ -449,6 +515,8 @@ class Recorder:
         cast to the dtype of the tensor it replaces. Each call begins a microbatch: call it once per microbatch
         when the iteration accumulates gradients over several before its step (docs/format.md "Microbatches").
         """
+        if self._pass is not None:
+            return self._pass.inputs(*args, **kwargs)
         self._active("inputs")
         if not self._begin_microbatch():
             raise OneIterError("rec.inputs() after the optimizer's step: a Recorder block records one iteration, "
@@ -463,6 +531,8 @@ class Recorder:
     def loss(self, tensor):
         """Name the loss of this iteration (of the microbatch whose forward runs) explicitly (default: the tensor the
         first backward runs on)."""
+        if self._pass is not None:
+            return self._pass.loss(tensor)
         self._active("loss")
         import torch
 
@@ -489,6 +559,8 @@ class Recorder:
 
     def note(self, **attrs) -> None:
         """Extra root attributes for the file (JSON-able values), written when the block ends."""
+        if self._pass is not None:
+            return
         self._active("note")
         self.session.extra_attrs.update(attrs)
 
@@ -499,6 +571,8 @@ class Recorder:
 
     def _take_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The batch of the microbatch that just began: stored, and on replay the reference's in its place."""
+        if self.options.impact and self._iteration is None:  # refused before the iteration and its probes run
+            raise _no_iteration()
         args, kwargs = self._mb.take(self.session.sink, args, kwargs, self._swap,
                                      self.ref.path.name if self.ref is not None else "")
         if not self._meta_batch_size and self._mb.current == 0:  # nothing said how large: its first tensor's rows
@@ -551,7 +625,7 @@ class Recorder:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
         layers.1.mlp@0`, `at file.py:31, in forward` — or None when it cannot say (`errors.user_code`'s
         `locate`; `record/capture/raised_at.py` finds it). Call it inside the block, before the exception leaves it."""
-        if self._stack is None:
+        if self._stack is None or self._pass is not None:
             return None
         capture = self.session.module_capture
         if self.phase in (Phase.OPEN, Phase.FORWARD):
@@ -953,6 +1027,11 @@ def _never_called() -> OneIterError:
     return OneIterError("the model was never called inside the Recorder block, so there is no batch to record: "
                         "give the Recorder the module your training code calls, or hand the batch to "
                         "rec.inputs(...)", param="model")
+
+
+def _no_iteration() -> OneIterError:
+    return OneIterError("impact runs the iteration again from its start: give it as a function, rec.run(fn), inside "
+                        "the block", param="impact")
 
 
 def optimizer_list(optimizer) -> list:

@@ -226,7 +226,7 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         recorder = Recorder.from_options(bundle.model, replace(opts, seed=None) if step and ref is None else opts,
                                          optimizer=setup.optimizer, progress=progress, notify=notify)
         with recorder as rec:
-            _one_step(setup, rec)
+            rec.run(lambda: _one_step(setup, rec))  # a function: `--impact` runs it again from its start
     summary = recorder.summary
     summary.seconds = time.perf_counter() - started - summary.compile_seconds
     return summary

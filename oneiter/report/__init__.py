@@ -6,4 +6,5 @@
 - `tensorboard.py` TensorBoard curves and histograms
 - `multistep.py`   two multi-step recordings compared: the per-step table, CSV and page with the curves and the band
 - `op_table.py`    the aten ops of one call (`replay --ops`, `compare --drill`): terminal table and HTML section
+- `impact_table.py` which fix matters (`record --impact`): the ranking's cells, its HTML section, its CSV columns
 """

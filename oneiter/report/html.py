@@ -8,6 +8,8 @@ saved `--json` report can be rendered again later. The page holds, top to bottom
 - with `compare --drill` (the document's `drill`), right under it, the culprit call's ops: their verdict and table
   (`report/op_table.py`), or the `oneiter replay ... --ops` command to run where the target's stack is;
 - both runs' metadata and the per-status counts;
+- with `record --impact`, the flagged calls ranked by the share of the gap fixing each closes
+  (`report/impact_table.py`);
 - an error-vs-depth plot (inline SVG drawn here, no JavaScript library): x is the causal position (the `#` of the
   table), y is rel_l2 on a log scale, one colour per phase; one flat dashed line per rtol the rows were held to
   (float32 and bfloat16 rows of a mixed run have two), labelled with their dtypes; exact zeros sit on the `0` band
@@ -37,6 +39,7 @@ from oneiter.judge.iteration.entries import NOT_DIVERGED, PHASES
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.verdict import Verdict, entry_name
 from oneiter.outputs import Destination, destination, write_text
+from oneiter.report.impact_table import impact_section
 from oneiter.report.op_table import ops_section
 
 __all__ = [
@@ -478,7 +481,7 @@ def render_html(result: Union[CompareResult, Document]) -> str:
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare: {status}</title>"
             f"<style>{_CSS}</style></head><body>{banner(verdict)}"
             f"{ops_section(doc.get('drill'))}"
-            f"<section><h2>Runs</h2>{_runs(doc)}</section>"
+            f"<section><h2>Runs</h2>{_runs(doc)}</section>{impact_section(verdict.impact)}"
             f"<section><h2>Error along the iteration</h2>{render_svg(doc)}{_legend(doc)}</section>"
             f"<section><h2>Entries</h2><p class='controls'><input id='filter' placeholder='filter by name'> "
             f"<label><input type='checkbox' id='divergent-only'> divergent only (<span id='divergent-count'>"

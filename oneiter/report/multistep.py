@@ -25,7 +25,8 @@ from oneiter.formatting import rel_diff
 from oneiter.judge.steps.step_compare import StepRow, StepsResult
 from oneiter.outputs import Destination, destination, open_text, write_text
 from oneiter.report.html import _CSS, MARK_COLOR, NOISE_COLOR, PHASE_COLORS, _embedded, _esc, banner
-from oneiter.report.terminal import metric_text, plain_table, print_verdict, print_wide, safe_text
+from oneiter.report.impact_table import impact_section
+from oneiter.report.terminal import metric_text, plain_table, print_impact, print_verdict, print_wide, safe_text
 
 __all__ = ["print_steps", "write_steps_csv", "render_steps_html", "write_steps_html", "MAX_ROWS"]
 
@@ -76,6 +77,7 @@ def print_steps(console: Console, result: StepsResult, *, show_all: bool = False
         style = "bold red" if row.step == result.step else ("red" if row.outside else "")
         table.add_row(*(Text(safe_text(c)) for c in cells), style=style)
     print_wide(console, table)
+    print_impact(console, result.verdict_obj.impact)
 
 
 def write_steps_csv(result: StepsResult, path: Union[str, Path, Destination]) -> None:
@@ -236,7 +238,7 @@ def render_steps_html(result: StepsResult) -> str:
     return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>oneiter compare (steps): "
             f"{verdict.status}</title><style>{_CSS}</style></head><body>{banner(verdict)}<section><h2>Runs</h2>"
             f"<div class='scroll'><table class='runs'><tr><th>run</th><th>file</th><th>model</th><th>device</th>"
-            f"<th>dtype</th><th>amp</th></tr>{runs}</table></div></section>"
+            f"<th>dtype</th><th>amp</th></tr>{runs}</table></div></section>{impact_section(verdict.impact)}"
             f"<section><h2>Curves</h2>{legend}{curves}</section>"
             f"<section><h2>Error per step</h2>{_errors(result, index)}</section>"
             f"<section><h2>Steps</h2><div class='scroll'><table id='rows'><thead><tr>{head}</tr></thead><tbody>"

@@ -23,8 +23,11 @@ from oneiter.formatting import sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Row, nan_inf_text
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.outputs import Destination, destination, open_text
+from oneiter.report.impact_table import CSV_IMPACT, HEADERS, csv_columns, impact_cells
+from oneiter.report.impact_table import caption as impact_caption
 
-__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "rows_to_show",
+__all__ = ["to_json", "write_csv", "row_basis", "CSV_LOCAL", "print_report", "print_verdict", "print_impact",
+           "rows_to_show",
            "print_wide", "plain_table", "metric_text", "safe_text", "cell", "BEFORE", "AFTER"]
 
 BEFORE, AFTER, TOP = 5, 10, 10  # rows shown before/after the first divergence; largest errors shown on a match
@@ -95,14 +98,27 @@ def _csv_row(result: CompareResult, index: int) -> dict[str, Any]:
     extra["basis"] = row_basis(result, index)
     keys = list(data)
     at = keys.index("nan_inf") + 1  # after the status, its role and the NaN/Inf counts; before the metrics
-    return {k: data[k] for k in keys[:at]} | extra | {k: data[k] for k in keys[at:]}
+    row = result.rows[index]
+    ranked = _ranked(result).get((row.module, row.call, row.phase, row.tensor), dict.fromkeys(CSV_IMPACT, ""))
+    return {k: data[k] for k in keys[:at]} | extra | {k: data[k] for k in keys[at:]} | ranked
+
+
+def _ranked(result: CompareResult) -> dict:
+    """Row key -> its impact columns (`record --impact`: the entry each fix is named by), computed once."""
+    found = getattr(result, "_csv_impact", None)
+    if found is None:
+        found = csv_columns(result.verdict_obj.impact)
+        result._csv_impact = found
+    return found
 
 
 def write_csv(result: CompareResult, path: str | Path | Destination) -> None:
     """One line per row, causal order; shapes as `8x64x56x56`; `role` marks the verdict's entry, the culprit and
     the first divergence; `nan_inf` (NaN/Inf counts, reference|target), then `local_rel_l2`, `expected_noise`,
     `ratio`, `flagged`, `basis` (`row_basis`), `recipe` and `format_cost` (a call that runs a low-precision recipe:
-    `local_rel_l2` is its deviation from the recipe, `format_cost` what the format costs) come before the metrics.
+    `local_rel_l2` is its deviation from the recipe, `format_cost` what the format costs) come before the metrics;
+    last, with `record --impact`, the rank and shares of the fix each flagged call's entry names (`impact_rank`,
+    `loss_share`, `grad_share`, `weight_share`).
     `path`: a file (written whole or not at all), `-` (stdout), a device or FIFO (`oneiter.outputs`)."""
 
     rows = [_csv_row(result, i) for i in range(len(result.rows))]
@@ -235,9 +251,10 @@ def print_report(console: Console, result: CompareResult, *, show_all: bool = Fa
         console.print(Text(safe_text(f"{label:<9} {path} ({_describe(meta)}{loss_text})")))
     counts = ", ".join(f"{n} {status}" for status, n in result.counts().items() if n)
     console.print(Text(f"entries   {len(result.rows)}: {counts}"))
-    indices, caption = rows_to_show(result, show_all=show_all)
+    indices, shown = rows_to_show(result, show_all=show_all)
     if indices:
-        print_wide(console, _rows_table(result, indices, caption))
+        print_wide(console, _rows_table(result, indices, shown))
+    print_impact(console, result.verdict_obj.impact)
     formats = result.verdict_obj.formats
     if formats:
         print_wide(console, formats_table(formats["calls"], show_all=show_all))
@@ -266,6 +283,19 @@ def formats_table(calls: list[dict], *, show_all: bool = False) -> Table:
             "cost_output", "cost_grad_input", "cost_weight", "deviation", "noise")), ratio)),
             style="red" if c["flagged"] else "")
     return table
+
+
+def print_impact(console: Console, impact) -> None:
+    """Which fix matters (`record --impact`): `report/impact_table.py`'s rows, laid out as every terminal table;
+    nothing when there is no ranking (one iteration's and several steps' alike)."""
+    if impact is None or not impact.fixes:
+        return
+    table = plain_table(impact_caption(impact))
+    for name in HEADERS:
+        table.add_column(name, justify="left" if name in ("call fixed", "flagged row") else "right", no_wrap=True)
+    for row in impact_cells(impact):
+        table.add_row(*(cell(c) for c in row))
+    print_wide(console, table)
 
 
 def print_wide(console: Console, table: Table) -> None:

@@ -20,7 +20,7 @@ from oneiter.runtime.modelspec import is_file_spec
 
 __all__ = ["Flag", "MODEL", "DEVICE", "OUT", "BATCH_SIZE", "SEED", "DTYPE", "AMP", "THREADS", "MODEL_ARG",
            "OPTIMIZER", "REPLAY", "STEP", "STEPS", "INJECT_FAULT", "FALLBACK", "LAYER", "CALL", "OPS", "COMPILE",
-           "COMPILE_MODULES", "PARAMS",
+           "COMPILE_MODULES", "IMPACT", "IMPACT_TOP", "IMPACT_FROM", "PARAMS",
            "record_step_commands", "replay_ops_command", "model_arg_flags"]
 
 
@@ -57,6 +57,9 @@ OPS = Flag("--ops")
 COMPILE = Flag("--compile")
 COMPILE_MODULES = Flag("--compile-modules")
 FLOAT8 = Flag("--float8")
+IMPACT = Flag("--impact")
+IMPACT_TOP = Flag("--impact-top")
+IMPACT_FROM = Flag("--impact-from")
 
 PARAMS = {"faults": INJECT_FAULT.name, "replay": REPLAY.name, "out": OUT.name}
 """The library's parameter names whose CLI flag is not `--` + the name with dashes (`cli/common.py` rewrites an

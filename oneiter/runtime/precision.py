@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from oneiter.errors import OneIterError
 
-__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "NOISE_BOUND_FACTOR", "unit_roundoff", "amp_dtype_name",
-           "torch_dtype", "apply_dtype", "autocast_for", "active_autocast"]
+__all__ = ["DTYPES", "AMP_DTYPES", "UNIT_ROUNDOFF", "NOISE_BOUND_FACTOR", "FLAG_FACTOR", "unit_roundoff",
+           "amp_dtype_name", "torch_dtype", "apply_dtype", "autocast_for", "active_autocast", "expected_noise"]
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -18,6 +20,29 @@ UNIT_ROUNDOFF = {
 # one unit roundoff) is no noise (docs/blame.md "A noise estimate is itself checked"): the probe measures the bound
 # of a call whose noise is above this many unit roundoffs, the judge holds the noise to it
 NOISE_BOUND_FACTOR = 16.0
+# a call's own error more than this many times its expected noise is flagged (`judge/measure/tolerance.NoisePolicy`'s
+# default factor; `record --impact` chooses its candidates by it, `record/impact/candidates.py`)
+FLAG_FACTOR = 4.0
+
+
+def expected_noise(noise_target: float, noise_reference: float, noise_bound: float, floor: float,
+                   run_floor: float) -> tuple[float | None, float, float | None]:
+    """(calibrated, expected, bound) of one `/local` row: the one rule of what its own error is held to.
+
+    NaN noise means "not calibrated" (the error was within one unit roundoff), and the expected noise is then the
+    larger `floor` of the tensor's dtype and `run_floor` of the run's compute precision; an infinite or negative
+    noise is no measurement and falls back to that floor too, never to "anything goes". A calibrated noise more than
+    `NOISE_BOUND_FACTOR` times the `bound` (what the precision can produce for the call, measured on the trusted
+    path) is no noise: the bound is expected instead. Otherwise the calibrated noise, `floor` at least."""
+    stored = (noise_target, noise_reference)
+    parts = [v for v in stored if math.isfinite(v) and v >= 0]
+    calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
+    bound = noise_bound if math.isfinite(noise_bound) and noise_bound >= 0 else None
+    if calibrated is None:
+        return None, max(floor, run_floor), bound
+    if bound is not None and calibrated > NOISE_BOUND_FACTOR * max(bound, floor):
+        return calibrated, max(bound, floor), bound
+    return calibrated, max(calibrated, floor), bound
 
 
 def amp_dtype_name(amp) -> str:

@@ -5,13 +5,19 @@ torch functions at import time, before any model binds them) and `apply_fault(mo
 environment variable `ONEITER_TEST_FAULT` (unset or empty: a clean model) and change the *model's computation*
 the way a vendor's stack would, never through oneiter:
 
-    FAMILY:TARGET[:REL][@SHAPE]        REL: relative error, default 1e-3
+    FAMILY:TARGET[:REL][@SHAPE][;FAMILY:TARGET...]        REL: relative error, default 1e-3
+
+Several instance faults at once are separated by `;` (`instance_below64:first:0.02;instance_below64:layers.4:0.01`);
+`fault_spec()` and `fault_scale()` read the first.
 
 - `instance:<module path>`  wrap that module instance's `forward` (what accelerate-style hooks and vendor wrappers
   do): its floating outputs are scaled by (1 + REL). `@N` only for calls whose input's last dimension is N (a
   kernel wrong for one shape: a shared block's second call on a smaller feature map); `@rows=N` only for calls
   whose input's first dimension is N (a kernel wrong for one batch size: in a loop of microbatches, the one of N
   rows).
+- `instance_below64:<module path>` the same wrapper, outputs scaled unless they are float64 (a device kernel wrong in
+  the precisions the run uses, float32 and lower: the same code in float64, which a calibration and a fix run, is
+  exact).
 - `instance_bwd:<module path>` the same wrapper, exact forward, the gradients flowing back into that call scaled
   (a wrong backward kernel of one module: its output gradient is right, what it hands back is not).
 - `class:<ClassName>`       replace `ClassName.forward` for every instance (a vendor plugin's fused-kernel patch).
@@ -54,9 +60,15 @@ def undo_faults() -> None:
 
 
 def _parse() -> tuple[str, str, float, int | None] | None:
-    text = os.environ.get(ENV, "").strip()
-    if not text:
-        return None
+    specs = _specs()
+    return specs[0] if specs else None
+
+
+def _specs() -> list[tuple[str, str, float, int | None]]:
+    return [_one(text.strip()) for text in os.environ.get(ENV, "").split(";") if text.strip()]
+
+
+def _one(text: str) -> tuple[str, str, float, int | None]:
     text, _, shape = text.partition("@")
     family, _, rest = text.partition(":")
     target, _, rel = rest.partition(":")
@@ -136,14 +148,17 @@ def patch_functions() -> None:
 
 
 def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
-    """Apply an `instance` or `class` fault to the built `model`; returns the model."""
-    spec = _parse()
-    if spec is None:
-        return model
-    family, target, rel, shape = spec
+    """Apply the `instance` and `class` faults to the built `model`; returns the model."""
+    for spec in _specs():
+        _apply(model, *spec)
+    return model
+
+
+def _apply(model: torch.nn.Module, family: str, target: str, rel: float, shape: int | None) -> None:
     scale = 1.0 + rel
-    if family in ("instance", "instance_bwd"):
-        _wrap_instance(model.get_submodule(target), scale, shape, backward_only=family == "instance_bwd")
+    if family in ("instance", "instance_bwd", "instance_below64"):
+        _wrap_instance(model.get_submodule(target), scale, shape, backward_only=family == "instance_bwd",
+                       below64=family == "instance_below64")
     elif family == "class":
         classes = {type(m).__name__: type(m) for m in model.modules()}
         if target not in classes:
@@ -152,13 +167,16 @@ def apply_fault(model: torch.nn.Module) -> torch.nn.Module:
     elif family not in ("root", "function", "function_bwd", "function_f32", "stride", "stride_bwd", "optimizer",
                         "ids", "ids_lowp"):
         raise ValueError(f"{ENV}: unknown fault family {family!r}")
-    return model
 
 
-def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None, backward_only: bool = False) -> None:
+def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None, backward_only: bool = False,
+                   below64: bool = False) -> None:
     had = "forward" in module.__dict__
     original = module.forward
     wrong = _grad_scaled if backward_only else _scaled
+    if below64:
+        def wrong(out, scale):
+            return _mapped(out, lambda t: t if t.dtype == torch.float64 else t * scale)
 
     def forward(*args, **kwargs):
         out = original(*args, **kwargs)

@@ -42,7 +42,7 @@ from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
-from oneiter.runtime.precision import NOISE_BOUND_FACTOR, UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
+from oneiter.runtime.precision import UNIT_ROUNDOFF, amp_dtype_name, expected_noise, unit_roundoff
 
 __all__ = ["UNIT_ROUNDOFF", "ROUNDING_NOISE", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
@@ -64,23 +64,12 @@ def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
 def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
                            row.inf, row.mismatch)
-    stored = (row.noise_target, row.noise_reference)
-    parts = [v for v in stored if math.isfinite(v) and v >= 0]
-    # NaN means "not calibrated" (the error was within one unit roundoff); an infinite or negative noise is no
-    # measurement at all and must not excuse any error: both fall back to the floor below, never to "anything goes"
-    calibrated = sum(parts) if parts and len(parts) == sum(not math.isnan(v) for v in stored) else None
-    bound = row.noise_bound if math.isfinite(row.noise_bound) and row.noise_bound >= 0 else None
+    # not calibrated (NaN: within one unit roundoff of the tensor's dtype and of the run's compute precision, bf16
+    # under --amp bf16), or calibrated far above what the precision can produce: `precision.expected_noise`
+    calibrated, expected, bound = expected_noise(row.noise_target, row.noise_reference, row.noise_bound,
+                                                 noise.floor(row.dtype), noise.floor(run_dtype))
     if row.recipe:
         return _judge_recipe(row, noise, metrics, calibrated)
-    if calibrated is None:
-        # not calibrated: the error was within one unit roundoff of the tensor's dtype and of the run's compute
-        # precision (bf16 under --amp bf16), which is then what it is expected to differ by
-        expected = max(noise.floor(row.dtype), noise.floor(run_dtype))
-    elif bound is not None and calibrated > NOISE_BOUND_FACTOR * max(bound, noise.floor(row.dtype)):
-        # far above what the precision can produce for this call: no noise; what the trusted path measured is
-        expected = max(bound, noise.floor(row.dtype))
-    else:
-        expected = max(calibrated, noise.floor(row.dtype))
     factor = noise.factor_for(row.module)
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)

@@ -64,6 +64,7 @@ from oneiter.judge.iteration.blame import (
 from oneiter.judge.iteration.collectives import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
+from oneiter.judge.iteration.impact import read_impact
 from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.verdict import STATS_REASON, calibration_reason, culprit_reason, settle_rows
@@ -491,6 +492,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         stored=stored, compiled=compiled, microbatches=tgt.call_microbatches() or ref.call_microbatches(),
         microbatch_loss={side: f.microbatch_losses() for side, f in (("reference", ref), ("target", tgt))
                          if f.microbatch_losses()},
+        impact=read_impact(tgt),
     )
 
 

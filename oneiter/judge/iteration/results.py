@@ -15,6 +15,7 @@ from typing import Any, Optional
 from oneiter.formatting import json_ready
 from oneiter.judge.iteration.entries import STATUSES, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding
+from oneiter.judge.iteration.impact import Impact
 from oneiter.judge.iteration.verdict import Culprit, Verdict, decide
 
 __all__ = ["CompareResult"]
@@ -64,6 +65,8 @@ class CompareResult:
     (gradient accumulation: docs/format.md "Microbatches"); {} for one of a single microbatch."""
     microbatch_loss: dict[str, list[float]] = field(default_factory=dict)
     """Each side's loss of each microbatch (`reference`, `target`), for an iteration of several; {} otherwise."""
+    impact: Optional[Impact] = None
+    """The flagged calls ranked by the share of the gap fixing each closes (`record --impact`); None without it."""
 
     @property
     def has_local(self) -> bool:
@@ -119,6 +122,7 @@ class CompareResult:
         rows = [{**self.row_dict(i), "local": _local_dict(self.local_for(row))} for i, row in enumerate(self.rows)]
         return {
             "verdict": self.verdict(),
+            "impact": [f.as_dict() for f in self.impact.fixes] if self.impact is not None else None,
             "reference": self.reference,
             "target": self.target,
             "meta": {"reference": self.meta_reference, "target": self.meta_target},

@@ -41,14 +41,17 @@ from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, sta
 from oneiter.judge.iteration.formats import lines as format_lines
 from oneiter.judge.iteration.formats import recipe_error
 from oneiter.judge.iteration.formats import summary as format_summary
+from oneiter.judge.iteration.impact import Impact
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
-           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name"]
+           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name",
+           "impact_lines"]
 
 # inconclusive: recordings that cannot be judged are bad input for judging (2), never a pass; 3 is an internal error
 EXIT_CODES = {"match": 0, "diverged": 1, "inconclusive": 2}
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
+SENSITIVITY_SAID = 0.05  # a rounding moving the impact ranking's gap by more than this share of it: said
 # what the verdict calls the entry it names, by the kind of the finding it rests on (`findings.PRIORITY`)
 FOCUS = {"first_divergence": "first divergence", "structural": "structural difference", "collective": "collective",
          "culprit": "culprit", "nan_inf": "NaN/Inf difference", "unexplained": "unexplained entry", "loss": "loss",
@@ -82,6 +85,7 @@ class Evidence(Protocol):
     precision: Optional[dict]
     compiled: Optional[dict]
     rounding: set[int]
+    impact: Optional[Impact]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
     microbatches: dict[tuple[str, int], int]
@@ -189,6 +193,10 @@ class Verdict:
     findings: tuple[dict, ...] = ()
     """Every finding it chose among (`Finding.as_dict`: kind, priority, entry, reason), in the order recorded: the
     JSON report's `verdict.findings`, in the same shape as a multi-step comparison's."""
+    impact: Optional[Impact] = None
+    """The flagged calls ranked by the share of the gap fixing each closes (`record --impact`,
+    `judge/iteration/impact.py`); None when the target was recorded without it. The details say which fix matters
+    most."""
     title: str = ""
     reason: str = ""
     details: tuple[str, ...] = ()
@@ -240,6 +248,7 @@ class Verdict:
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
             "num_not_judged": self.num_not_judged, "warnings": list(self.warnings), "compiled": self.compiled,
             "untrusted": list(self.untrusted), "findings": list(self.findings), "formats": self.formats,
+            "impact": self.impact.as_dict() if self.impact is not None else None,
         }
 
     @classmethod
@@ -256,6 +265,7 @@ class Verdict:
                                                            "warnings", "untrusted", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
             "num_rounding_values": int(d.get("num_rounding_values") or 0),
+            "impact": Impact.from_dict(d.get("impact")),
         })
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -267,7 +277,7 @@ _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "c
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
         "num_drift", "num_rounding", "num_rounding_values", "num_diverged", "local_kind", "num_local",
         "num_local_calls", "num_flagged", "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings",
-        "untrusted", "findings", "compiled", "formats")
+        "untrusted", "findings", "compiled", "formats", "impact")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision", "compiled", "formats")
@@ -342,7 +352,7 @@ def decide(result: Evidence) -> Verdict:
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
         precision=result.precision, num_not_judged=counts[NOT_JUDGED], warnings=tuple(result.notes),
         compiled=result.compiled, untrusted=tuple(_untrusted(r) for r in result.local if r.untrusted),
-        findings=tuple(f.as_dict() for f in findings), formats=format_summary(result.local),
+        findings=tuple(f.as_dict() for f in findings), formats=format_summary(result.local), impact=result.impact,
     )
     title, reason, details = render(verdict)
     return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -605,7 +615,7 @@ def _numbers(e: dict) -> str:
 
 
 def _details(v: Verdict) -> list[str]:
-    lines = [v.hint] if v.hint else []
+    lines = [*_first_fix(v.impact), *([v.hint] if v.hint else [])]
     lines += [f"warning: {w}" for w in v.warnings]  # they change what the headline means: early
     if v.nan_origin:
         lines.append(f"NaN/Inf origin: {entry_name(v.nan_origin)} (its inputs are finite)")
@@ -628,8 +638,82 @@ def _details(v: Verdict) -> list[str]:
         lines += _local_lines(v)
         lines += _untrusted_lines(v.untrusted)
         lines += format_lines(v.formats)
+    lines += _impact_lines(v.impact)
     if v.first_divergence and v.basis != "first_divergence":  # that basis line names it already
         lines.append(_first_divergence_line(v.first_divergence))
+    return lines
+
+
+def _pct(value: float) -> str:
+    return "n/a" if num(value) is None or math.isnan(value) else f"{100 * value:.0f} %"
+
+
+def _first_fix(impact: Optional[Impact]) -> list[str]:
+    """The line naming the fix that matters most (`record --impact`): the first of the ranking, what it closes; none
+    where a rounding moves the gaps as far as a fix (`Impact.evidence`: `_impact_lines` says so)."""
+    if impact is None or impact.note or not impact.fixes or not impact.fixes[0].measured or not impact.evidence:
+        return []
+    fix, n = impact.fixes[0], len(impact.fixes)
+    of = f", the most of the {n} flagged calls fixed one at a time" if n > 1 else ""
+    close = [f for f in impact.fixes[1:] if f.measured and _apart(fix, f, impact) <= impact.sensitivity]
+    if close:  # within what one rounding moves: their order is not told apart
+        of += f" ({', '.join(f.name for f in close)} within one rounding's reach of it: not told apart)"
+    if impact.step is not None:  # over several steps: the loss gap of the last step, each call fixed at every step
+        return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}), fixed at every step: it closes "
+                f"{_pct(fix.share)} of the loss gap at step {impact.step}{of}"]
+    if impact.by_loss:
+        return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): fixing it closes {_pct(fix.share)} of the loss "
+                f"gap (gradients {_pct(fix.grad_share)}, updated weights {_pct(fix.weight_share)}){of}"]
+    return [f"fix first: {fix.name} ({fix.phase} {fix.tensor}): the loss is the reference's bit for bit; fixing it "
+            f"closes {_pct(fix.grad_share)} of the gradients' gap (updated weights {_pct(fix.weight_share)}){of}"]
+
+
+def impact_lines(impact: Optional[Impact]) -> list[str]:
+    """Every sentence about the ranking (`record --impact`): the fix that matters most first (a multi-step
+    comparison's verdict states them too: `judge/steps/step_verdict.py`)."""
+    return [*_first_fix(impact), *_impact_lines(impact)]
+
+
+def _apart(a, b, impact: Impact) -> float:
+    key = "share" if impact.by_loss else "grad_share"
+    return abs(getattr(a, key) - getattr(b, key))
+
+
+def _impact_lines(impact: Optional[Impact]) -> list[str]:
+    """How far a rounding moves the gaps, what every fix together leaves (the precision's part), whether the fixes
+    interact, what was not fixed."""
+    if impact is None or (not impact.fixes and not impact.note):
+        return []  # not asked for, or nothing flagged: no ranking
+    if impact.note:
+        return [f"impact: {impact.note}"]
+    what = "loss gap" if impact.by_loss else "gradients' gap"
+    what += f" at step {impact.step}" if impact.step is not None else ""
+    lines = []
+    if not impact.evidence:
+        return [f"impact: no ranking: one rounding of the weights moves the {what} by {_pct(impact.sensitivity)}, "
+                f"as far as a fix does: this iteration is too sensitive to tell the {len(impact.fixes)} fixes apart "
+                f"(the table's shares are no evidence)"]
+    if impact.sensitivity > SENSITIVITY_SAID:
+        lines.append(f"impact: one rounding of the weights moves the {what} by {_pct(impact.sensitivity)}: shares "
+                     f"closer than that are not told apart")
+    measured = [f for f in impact.fixes if f.measured]
+    if measured and not math.isnan(impact.leaves):
+        every = f"with all {len(impact.fixes)} fixed" if len(impact.fixes) > 1 else "with it fixed"
+        if len(measured) == len(impact.fixes):
+            lines.append(f"impact: {every}, the precision alone leaves {_pct(impact.leaves)} of the {what}")
+        else:
+            lines.append(f"impact: {every} ({len(impact.fixes) - len(measured)} could not be: below), "
+                         f"{_pct(impact.leaves)} of the {what} is left")
+    if impact.interacts:
+        lines.append(f"impact: the shares of the {len(measured)} fixes add up to {_pct(impact.total)}, all of them "
+                     f"together close {_pct(1 - impact.leaves)}: the fixes interact (each share is measured with "
+                     f"the other calls as they are)")
+    if impact.top is not None and impact.num_flagged > len(impact.fixes):
+        lines.append(f"impact: the {len(impact.fixes)} largest own errors of {impact.num_flagged} flagged calls "
+                     f"were fixed (--impact-top {impact.top})")
+    missed = [f for f in impact.fixes if not f.measured]
+    if missed:
+        lines.append("impact: " + "; ".join(f"{f.name} {f.note or 'not measured'}" for f in missed))
     return lines
 
 

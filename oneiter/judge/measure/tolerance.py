@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Protocol
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import Entry
-from oneiter.runtime.precision import unit_roundoff
+from oneiter.runtime.precision import FLAG_FACTOR, unit_roundoff
 
 __all__ = ["Tolerance", "TolerancePolicy", "DtypeTolerance", "DTYPE_DEFAULTS", "default_tolerance", "looser",
            "NoisePolicy"]
@@ -118,7 +118,7 @@ class DtypeTolerance:
 class NoisePolicy:
     """How far above its expected noise a layer's local error may go (per-module overrides from a tolerance file)."""
 
-    factor: float = 4.0
+    factor: float = FLAG_FACTOR
     """A layer is flagged when local rel-L2 > factor x expected noise."""
     floor_ulps: float = 1.0
     """The expected noise is at least this many unit roundoffs of the tensor's dtype."""

@@ -70,7 +70,10 @@ class StepsResult:
         return self.verdict_obj.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": "steps", "verdict": self.verdict(), "reference": self.reference, "target": self.target,
+        impact = self.verdict_obj.impact
+        return {"kind": "steps", "verdict": self.verdict(),
+                "impact": [f.as_dict() for f in impact.fixes] if impact is not None else None,
+                "reference": self.reference, "target": self.target,
                 "meta": {"reference": self.meta_reference, "target": self.meta_target},
                 "steps": [row.as_dict() for row in self.rows]}
 

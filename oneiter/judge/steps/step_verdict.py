@@ -26,7 +26,8 @@ from typing import Any, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.judge.iteration.findings import Finding, status_of, strongest
-from oneiter.judge.iteration.verdict import EXIT_CODES
+from oneiter.judge.iteration.impact import Impact, read_impact
+from oneiter.judge.iteration.verdict import EXIT_CODES, impact_lines
 from oneiter.judge.steps.band import BAND_FACTOR, DECORRELATED, StepRow, first_entry, tolerance_band
 from oneiter.runtime.commands import record_step_commands
 
@@ -59,6 +60,9 @@ class StepVerdict:
     index: Optional[int] = None
     """The row of the step it names (None: it names none)."""
     first_difference_index: Optional[int] = None
+    impact: Optional[Impact] = None
+    """The calls of `record --steps N --impact --impact-from FILE` ranked by the share of the loss gap at the last
+    step that fixing each at every step closes (`judge/iteration/impact.py`); None without it."""
 
     @property
     def focus(self) -> Optional[str]:
@@ -86,7 +90,8 @@ class StepVerdict:
         return {"status": self.status, "basis": self.basis, "focus": self.focus, "step": self.step,
                 "headline": self.headline, "details": list(self.details), "warnings": list(self.warnings),
                 "commands": self.commands, "first_difference_step": self.first_difference, "entry": self.entry,
-                "band_factor": self.factor, "num_steps": self.num_steps, "findings": list(self.findings)}
+                "band_factor": self.factor, "num_steps": self.num_steps, "findings": list(self.findings),
+                "impact": self.impact.as_dict() if self.impact is not None else None}
 
 
 def decide_steps(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], notes: list[str]) -> StepVerdict:
@@ -115,11 +120,13 @@ def decide_steps(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], no
     commands = None if at is None else _commands(ref, tgt, at.step)
     title, reason = _headline(status, basis, rows, named, unjudged, first_diff)
     details += _next(status, rows, named, unjudged, commands)
+    impact = read_impact(tgt)
+    details += impact_lines(impact)
     return StepVerdict(
         status, basis, None if named is None else named.step, title, reason, details, warnings, commands,
         None if first_diff is None else rows[first_diff].step, entry, num_steps=len(rows),
         findings=tuple(f.as_dict() for f in found), index=None if top is None else top.entry,
-        first_difference_index=first_diff)
+        first_difference_index=first_diff, impact=impact)
 
 
 def _basis(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], warnings: list[str]) -> str:

@@ -43,7 +43,7 @@ from oneiter.runtime import kernels
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.roundoff import inject, meta_outputs
 
-__all__ = ["active", "running", "routes", "Route", "route_for", "TrustedKernels", "SEED", "mark", "met_since",
+__all__ = ["active", "running", "paused", "routes", "Route", "route_for", "TrustedKernels", "SEED", "mark", "met_since",
            "met_kernels"]
 
 SEED = 0x7255  # the float64 route's perturbation signs come from a generator seeded with this, per recomputation
@@ -86,6 +86,19 @@ def running(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _state.depth -= 1
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """The block is the run's own code again, inside a trusted recomputation (`record --impact`: the children of a
+    fixed call run as they ran live): oneiter's faults and fallback apply there. The caller takes the routing mode
+    off the dispatch stack itself (`_disable_current_modes`)."""
+    depth = getattr(_state, "depth", 0)
+    _state.depth = 0
+    try:
+        yield
+    finally:
+        _state.depth = depth
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,14 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import IterationFile
+from oneiter.format.layout import IterationFile, impact_dataset
 from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.signature import signature_columns
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.impact.candidates import judged_in
+from oneiter.record.impact.fixed_call import FIXED
+from oneiter.record.impact.runs import Impact, measure, one_pass
+from oneiter.record.impact.start import Start
 from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
 from oneiter.record.session import atomic_output, check_output
@@ -122,6 +126,9 @@ class StepRecorder:
         steps: the iterations to record: N (0..N-1) or increasing step numbers; with `replay=` of a multi-step
             recording, the first of its steps (default: all of them).
         twin: when replaying, run each step of `run()` again by the perturbed twin (the band: docs/steps.md).
+        impact, impact_top, impact_from: when replaying, with `run()`: every step run again from the first one's
+            start per call the one-iteration replay `impact_from` flags, that call fixed at every step, ranked by the
+            loss gap at the last step (docs/impact.md).
         **options: `oneiter.Recorder`'s keywords (`replay`, `amp`, `seed`, `include`, ...), checked as for one
             iteration; the level is always "stats".
 
@@ -157,7 +164,15 @@ class StepRecorder:
         if info.distributed:  # under torchrun each rank writes (and replays) its own file, as for one iteration
             options = replace(options, out=rank_path(options.out, info.rank, info.world_size),
                               replay=replay_path(options.replay, info) if options.replay is not None else None)
-        self.model, self.options = model, replace(options, level="stats")
+        if options.impact and options.impact_from is None:
+            raise OneIterError("impact over several steps fixes at every step the calls a replay of one of them "
+                               "flags: give impact_from, a replay of one iteration recorded in full (the --step S "
+                               "replay the steps' comparison prints)", param="impact")
+        self.impact = (options.impact_from, options.impact_top) if options.impact else None
+        self._impact_start: Start | None = None
+        self.impact_runs, self.impact_seconds, self._impact_done = 0, 0.0, False
+        self.model, self.options = model, replace(options, level="stats", impact=False, impact_top=None,
+                                                  impact_from=None)
         self.optimizers = optimizer_list(optimizer)
         self.progress, self.notify, self.twin_enabled = progress, notify, bool(twin)
         self.wanted = None if steps is None else check_steps(steps)
@@ -221,11 +236,15 @@ class StepRecorder:
             if not self._done:
                 raise OneIterError("no step was recorded: call rec.run(fn) or record each step in `with rec.step(s)`",
                                    param="steps")
+            if self.impact is not None and not self._impact_done:
+                raise OneIterError("impact runs every step again: give the loop's body as a function, rec.run(fn)",
+                                   param="impact")
             self._finish()
         path = self.options.out
         self.summary = RecordSummary(path, self._num_entries, 0, path.stat().st_size,
                                      time.perf_counter() - self._started, float(self._rows[-1][0]),
-                                     self._num_calls, num_steps=len(self._done))
+                                     self._num_calls, num_steps=len(self._done), impact_runs=self.impact_runs,
+                                     impact_seconds=self.impact_seconds)
 
     def _finish(self) -> None:
         """The signature tables and the root attributes; the file is renamed into place when the block closes."""
@@ -273,6 +292,8 @@ class StepRecorder:
         with metrics, recorder:
             if first and self.ref is not None and self.twin_enabled:
                 self._twin = Twin(self.model, self.optimizers, self._roundoff(), seed=self.options.seed or 0)
+            if first and self.impact is not None:  # where every impact run starts (`record/impact/start.py`)
+                self._impact_start = Start(self.model, self.optimizers)
             self._current = recorder
             try:
                 yield recorder
@@ -309,6 +330,45 @@ class StepRecorder:
                 check = self._twin_step(self._twin.copy(), step, fn, perturb=False)
                 self.twin_check = _distance(check, self._rows[-1])
             self._twin_rows.append(self._twin_step(self._twin, step, fn, perturb=True))
+        if self.impact is not None and len(self._done) == len(self.steps):
+            self._measure_impact(fn)
+            self._impact_start = None  # a copy of the first step's start: not kept past the runs
+
+    def _measure_impact(self, fn) -> None:
+        """`impact`: every step run again from the first one's start per call `impact_from` flags, that call fixed
+        at every step (`record/impact/runs.py`); ranked by the gaps at the last step. Its table goes into the file."""
+        source, top = self.impact
+        judged, run_dtype = judged_in(source)
+        progress = self.progress
+        job = Impact(self._impact_start, lambda targets, **how: self._impact_steps(targets, fn, **how),
+                     float(self._rows[-1][0]), self._device().type,
+                     (lambda text: progress(text, len(self._done))) if progress else None, step=self.steps[-1],
+                     roundoff=self._roundoff())
+        rows, attrs = measure(job, judged, run_dtype, top)
+        impact_dataset(self._file, rows, {**attrs, "impact_from": str(source)})
+        self.impact_runs, self.impact_seconds = len(rows), float(attrs.get("seconds", 0.0))
+        self._impact_done = True
+
+    def _impact_steps(self, targets, fn, **how):
+        """Every step once more, `targets` fixed at each (or the weights perturbed by one rounding `perturb` at each):
+        the last step's gaps, and per target whether it was fixed (at every step: else the first reason it was
+        not). `how`: `one_pass`'s keywords (`perturb`, `expected`)."""
+        done: dict = {}
+        gaps = None
+        for step in self.steps:
+            def run(step_pass, step=step):
+                self._current = step_pass
+                try:
+                    fn(step)
+                finally:
+                    self._current = None
+
+            gaps, mine = one_pass(self.model, self.ref.step(step), self.options, self._device(), targets, run,
+                                  optimizers=self.optimizers, **how)
+            for key, why in mine.items():
+                if done.get(key, FIXED) == FIXED:
+                    done[key] = why
+        return gaps, done
 
     def _twin_step(self, twin: Twin, step: int, fn, *, perturb: bool) -> np.ndarray:
         view = self.ref.step(step)

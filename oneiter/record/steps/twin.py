@@ -28,21 +28,14 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
 
-from oneiter.errors import OneIterError
-from oneiter.record.capture.batch import map_call
-from oneiter.record.capture.hooks import next_node_number as _next_node
-from oneiter.record.capture.microbatches import Microbatches, reference_swaps
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.impact.impact_pass import ReferencePass
 from oneiter.record.local.rerun import scaled_by_signs
-from oneiter.record.modes.fallback import OpFallback
-from oneiter.record.modes.randomness import RandomReplayer
-from oneiter.runtime.precision import autocast_for
 
 __all__ = ["Twin", "TwinPass", "perturbation_seed"]
 
@@ -149,102 +142,8 @@ def _devices(params) -> dict[str, list[int]]:
     return {kind: sorted(indices) for kind, indices in found.items()}
 
 
-class TwinPass:
-    """What a twin's pass runs under: the reference step's batch (handed out by `inputs`, or swapped into the
-    model's first call; one per microbatch, begun as the Recorder begins them) and random values, autocast as the
-    recording has it (entered again for each microbatch's forward), the op fallback; its loss is the tensor the
-    first backward of each microbatch runs on (or the one `loss` names), summed over microbatches."""
-
-    def __init__(self, model, view, options, device):
-        self.model, self.view, self.options, self.device = model, view, options, device
-        self._mb = Microbatches()
-        self._backward_since = False  # a backward returned since the current microbatch began
-        self._autocast = None
-
-    def __enter__(self) -> "TwinPass":
-        opts = self.options
-        self._swaps = reference_swaps(self.view)
-        stack = ExitStack()
-        try:
-            stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))
-            if opts.fallback:
-                stack.enter_context(OpFallback(opts.fallback))
-            stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
-                                                                prepend=True).remove)
-            self._patch_backward(stack)
-            self._enter_autocast()
-            stack.callback(self._end_autocast)
-        except BaseException:
-            stack.close()
-            raise
-        self._stack = stack
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._end_autocast()
-        self._stack.__exit__(*exc)
-
-    def _enter_autocast(self) -> None:
-        opts = self.options
-        if opts.amp and opts.manage_autocast and self._autocast is None:
-            self._autocast = autocast_for(self.device, opts.amp)
-            self._autocast.__enter__()
-
-    def _end_autocast(self) -> None:
-        autocast, self._autocast = self._autocast, None
-        if autocast is not None:
-            autocast.__exit__(None, None, None)
-
-    def _patch_backward(self, stack: ExitStack) -> None:
-        original = torch.Tensor.backward
-        owner = self
-
-        def backward(tensor, *args, **kwargs):
-            owner._end_autocast()  # the first backward of a microbatch: autocast ends, its tensor is the loss
-            owner._mb.note_loss(owner._mb.of_tensor(tensor), tensor.detach())
-            result = original(tensor, *args, **kwargs)
-            owner._backward_since = True
-            return result
-
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
-
-    def _begin(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The next microbatch: the reference's batch of it in place of `args`/`kwargs`."""
-        micro = self._mb.begin(_next_node())
-        if micro >= len(self._swaps):
-            raise OneIterError(f"the twin began microbatch {micro}, the reference step ran {len(self._swaps)}",
-                               param="inputs")
-        if micro:
-            self._enter_autocast()
-        self._backward_since = False
-        args, kwargs = map_call(args, kwargs, self._swaps[micro])
-        self._swaps[micro].check_complete()
-        return args, kwargs
-
-    def _first_forward(self, module, args, kwargs):
-        if self._mb.from_inputs:
-            self._mb.from_inputs = False
-            return None
-        if self._mb.count and not self._backward_since:
-            return None  # another call in this microbatch
-        return self._begin(args, kwargs)
-
-    def inputs(self, *args, **kwargs):
-        args, kwargs = self._begin(args, kwargs)
-        self._mb.from_inputs = True
-        if kwargs:
-            return args, kwargs
-        return args[0] if len(args) == 1 else tuple(args)
-
-    def loss(self, tensor):
-        self._mb.note_loss(self._mb.current, tensor.detach(), explicit=True)
-        return tensor
-
-    def note(self, **attrs) -> None:
-        """Notes are the recorded step's; the twin's pass keeps none."""
-
-    def loss_value(self) -> float:
-        if not self._mb.has_loss():
-            return math.nan
-        return float(self._mb.total(self._mb.values(lambda t: t)).float())
+class TwinPass(ReferencePass):
+    """What a twin's pass runs under: the reference step's batch of each microbatch (handed out by `inputs`, or
+    swapped into the model's call that begins it) and random values, autocast as the recording has it, the op
+    fallback; its loss is each microbatch's first backward's tensor (or the one `loss` names), summed:
+    `record/impact/impact_pass.py`'s `ReferencePass`, which an impact run is too."""

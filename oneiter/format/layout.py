@@ -237,8 +237,9 @@ class IterationFile:
             raise FormatError(f"'{self.path}' cannot be read: truncated or corrupt HDF5 ({_first_line(exc)})") from None
         self._mapped = MappedReader(self.path)
         try:
-            self.meta = validate.read_attrs(self.file, "the root group", self.path)
-            self._validate()
+            with reading(self.path):  # a damaged table read while validating: one line, not h5py's traceback
+                self.meta = validate.read_attrs(self.file, "the root group", self.path)
+                self._validate()
         except BaseException:
             self.close()
             raise

@@ -48,7 +48,16 @@ from typing import Any, Callable, Iterable, Sequence
 from oneiter.errors import OneIterError, warn
 from oneiter.format.layout import IterationFile
 from oneiter.format.optimizer_state import LOADED, NOT_RECORDED, OPTIMIZER_STATE, RECORDED, updates_not_judged
-from oneiter.format.schema import BATCH, GRAD_REDUCTION, LOSS, OPTIMIZER, PRECISION_MODES, RANDOM, STATE_BEFORE
+from oneiter.format.schema import (
+    BATCH,
+    GRAD_REDUCTION,
+    LOSS,
+    OPTIMIZER,
+    PRECISION_MODES,
+    RANDOM,
+    ROOT_MODULE,
+    STATE_BEFORE,
+)
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
 from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_batch, store_batch
@@ -60,7 +69,7 @@ from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.runtime import precision_modes
-from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
+from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call, recordable_compiles
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
@@ -332,7 +341,9 @@ class Recorder:
         if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
             stack.callback(self._forward_cast.uncast())
         capture = stack.enter_context(self.session.capture())
-        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
+        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref)
+        if capture.blocks:  # compiled code draws random numbers the random modes see (`runtime/compiled.py`)
+            stack.enter_context(recordable_compiles())
         self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
         stack.enter_context(self._modes)
         stack.callback(self._remove_hooks)
@@ -679,7 +690,7 @@ class _Modes:
         if ref is None:
             self.random = RandomRecorder(sink)
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
-            self.random = RandomReplayer(ref, device, replay=random_replay)
+            self.random = RandomReplayer(ref, device, replay=random_replay, inside=lambda: _open_block(capture))
         self.fallback = OpFallback(fallback) if fallback else None
         self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
         self._stack, self._until_end = ExitStack(), ExitStack()
@@ -712,6 +723,14 @@ class _Modes:
             "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),
         }
+
+
+def _open_block(capture) -> str:
+    """The compiled block whose call is open now, in words ("the compiled block layers.0 (inductor)"), or ""."""
+    path = capture.open_block() if capture is not None else None
+    if path is None:
+        return ""
+    return f"the compiled block {path or ROOT_MODULE} ({capture.blocks.by_path[path].backend})"
 
 
 def model_of(model):

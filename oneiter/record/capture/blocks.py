@@ -20,8 +20,11 @@ __all__ = ["refuse", "compiled_attr", "compiled_notes"]
 
 def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
     """Refuse what a recording of compiled blocks cannot do: a torch without `set_stance` (reruns standing for
-    eager code force it), op fallback, and replaying random values a block's compiled code draws itself (`ref`: the
-    reference whose random values are replayed, None when none are)."""
+    eager code force it), op fallback, and replaying a reference (`ref`, or None) whose calls inside a block ran
+    collectives (tensor parallelism): compiled code reduces other values than eager code (inductor folds a
+    row-parallel layer's bias into the partial sums before its all-reduce), so the block's rerun cannot be handed
+    the reference's results. Random numbers a block draws are replayed (`runtime/compiled.py`:
+    `recordable_compiles`); a backend that draws its own is said when it draws (`record/modes/randomness.py`)."""
     if not blocks:
         return
     import torch
@@ -33,15 +36,17 @@ def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
     if fallback:
         raise OneIterError(f"fallback moves single aten ops to the CPU, which the compiled code of {first} does "
                            f"not run: drop fallback", param="fallback")
-    for _key, attrs in ref.calls() if ref is not None else ():
-        path = str(attrs.get("module") or "")
-        block = blocks.by_path.get(path) or blocks.around(path)
-        if block is not None and int(attrs.get("random_end", 0) or 0) > int(attrs.get("random_begin", 0) or 0):
+    modules = {key: str(attrs.get("module") or "") for key, attrs in ref.calls()} if ref is not None else {}
+    for _name, attrs in ref.collectives() if ref is not None else ():
+        path = modules.get(str(attrs.get("call") or ""))
+        block = None if path is None else (blocks.by_path.get(path) or blocks.around(path))
+        if block is not None:
             raise OneIterError(
-                f"the reference drew random numbers in {path or ROOT_MODULE} (dropout), which runs inside the "
-                f"compiled block {block.path or ROOT_MODULE} here: compiled code draws its own, which a replay "
-                f"cannot give the reference's; turn dropout off (p=0, or eval() of the dropout modules) on both "
-                f"sides, or leave that module uncompiled (compile_modules)", param="replay")
+                f"the reference ran a collective ({attrs.get('op')}) in {path or ROOT_MODULE}, which runs inside the "
+                f"compiled block {block.path or ROOT_MODULE} here: compiled code reduces other values than eager code "
+                f"(inductor moves a row-parallel layer's bias into the partial sums), so the block's rerun cannot be "
+                f"handed the reference's results; leave the modules that run collectives (tensor parallelism) "
+                f"uncompiled (compile_modules)", param="compile")
 
 
 def compiled_attr(blocks: Blocks, watch: CompileWatch) -> dict[str, Any]:

@@ -3,6 +3,7 @@ again and again: how many runs end with exit 0 on every rank.
 
     python bench/trainer_torchrun_loop.py --runs 20                  # 20 faulty replays of one reference
     python bench/trainer_torchrun_loop.py --runs 20 --fault ""       # clean replays
+    python bench/trainer_torchrun_loop.py --runs 20 --plain          # the same Trainer runs, without oneiter
 
 Each run is one `torchrun --nproc-per-node 2` launch of this file (`--worker`): a tiny random-config Llama
 (`tests/model_files/hf_llama.py`) trained 4 steps by the Trainer (plain SGD, `use_cpu=True`: accelerate joins gloo and
@@ -30,7 +31,9 @@ MODEL_FILES = HERE.parent.parent / "tests" / "model_files"
 FAULT = "instance:model.layers.1.mlp.down_proj"
 
 
-def worker(out: str, replay: str | None, seed: int) -> None:
+def worker(folder: Path, out: str, replay: str | None, seed: int) -> None:
+    """One rank of one run: the Trainer's 4 steps, step 2 recorded into `out` (replaying `replay`), or nothing
+    recorded (`out` "-": the Trainer alone)."""
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -51,11 +54,11 @@ def worker(out: str, replay: str | None, seed: int) -> None:
 
     torch.manual_seed(seed)
     model = hf_llama.build(2)[0]
-    callback = OneIterCallback(step=2, out=out, replay=replay, force=True)
-    args = TrainingArguments(output_dir=str(Path(out).parent / "trainer"), max_steps=4, per_device_train_batch_size=2,
+    callbacks = [] if out == "-" else [OneIterCallback(step=2, out=out, replay=replay, force=True)]
+    args = TrainingArguments(output_dir=str(folder / "trainer"), max_steps=4, per_device_train_batch_size=2,
                              report_to="none", save_strategy="no", use_cpu=True, seed=seed, dataloader_num_workers=0,
                              optim="sgd", learning_rate=0.05, logging_strategy="no", disable_tqdm=True)
-    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback]).train()
+    Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks).train()
 
 
 def _free_port() -> int:
@@ -66,7 +69,8 @@ def _free_port() -> int:
 
 def launch(folder: Path, out: str, replay: str | None, fault: str, seed: int) -> tuple[int, dict[int, int], str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE), "--worker", "--out", str(folder / out), "--seed", str(seed)]
+           "--master-port", str(_free_port()), str(HERE), "--worker", "--folder", str(folder),
+           "--out", out if out == "-" else str(folder / out), "--seed", str(seed)]
     if replay:
         cmd += ["--replay", str(folder / replay)]
     env = {**os.environ, "ONEITER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "ONEITER_TEST_FAULT": fault}
@@ -81,24 +85,28 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--fault", default=FAULT, help="ONEITER_TEST_FAULT of the replays ('' for clean ones)")
     parser.add_argument("--folder", type=Path, default=None)
+    parser.add_argument("--plain", action="store_true", help="the same Trainer runs without oneiter's callback")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--replay", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.out, args.replay, args.seed)
+        worker(args.folder, args.out, args.replay, args.seed)
         return
     folder = args.folder or Path(tempfile.mkdtemp(prefix="trainer_loop_"))
     folder.mkdir(parents=True, exist_ok=True)
     code, ranks, err = launch(folder, "ref.h5", None, "", 0)
     if code != 0:
-        sys.exit(f"the reference failed (exit {code}):\n{err[-3000:]}")
-    print(f"load average {os.getloadavg()[0]:.1f}; reference {folder / 'ref.rank0.h5'}, .rank1.h5; fault {args.fault!r}")
+        (folder / "ref.stderr").write_text(err)
+        sys.exit(f"the reference failed (exit {code}, its stderr in {folder / 'ref.stderr'}):\n{err[-3000:]}")
+    print(f"load average {os.getloadavg()[0]:.1f}; reference {folder / 'ref.rank0.h5'}, .rank1.h5; "
+          f"{'no callback' if args.plain else f'fault {args.fault!r}'}")
     clean = 0
     for run in range(args.runs):
         started = time.perf_counter()
-        code, ranks, err = launch(folder, "tgt.h5", "ref.h5", args.fault, 3)
+        code, ranks, err = launch(folder, "-" if args.plain else "tgt.h5", None if args.plain else "ref.h5",
+                                  args.fault, 3)
         clean += code == 0
         aborted = "terminate called" in err
         if code != 0:

@@ -389,7 +389,7 @@ class Recorder:
                 self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
             reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
-            compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
+            compiled = compiled_attr(self.session.module_capture.blocks, self._watch, self._modes.random.num_compiled)
             counts = self.session.finish(self._loss, {**self._modes.summary(), GRAD_REDUCTION: reduced, **compiled})
             for line in compiled_notes(compiled) if self.notify is not None and not self._step_of else ():
                 self.notify(line)
@@ -688,7 +688,7 @@ class _Modes:
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
         if ref is None:
-            self.random = RandomRecorder(sink)
+            self.random = RandomRecorder(sink, inside=lambda: _open_block(capture))
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay, inside=lambda: _open_block(capture))
         self.fallback = OpFallback(fallback) if fallback else None

@@ -46,7 +46,7 @@ from oneiter.errors import OneIterError
 from oneiter.runtime.sharding import is_fsdp_hook
 
 __all__ = ["WRAPPED", "eager_name", "Block", "Blocks", "find_blocks", "outside_call", "skipped", "skip_dispatch",
-           "check_backend", "recordable_compiles", "RANDOM_THROUGH_ATEN",
+           "check_backend", "recordable_compiles", "RANDOM_THROUGH_ATEN", "random_lines",
            "compile_modules", "CompileWatch", "eager", "dynamo_loaded", "backend_name", "inductor_cache_dir"]
 
 WRAPPED = "_orig_mod"  # where `torch.compile(module)` keeps the module it wraps
@@ -295,6 +295,17 @@ def recordable_compiles() -> Iterator[None]:
 
     with inductor_config.patch(fallback_random=True), functorch_config.patch(donated_buffer=False):
         yield
+
+
+def random_lines(info: dict, side: str) -> list[str]:
+    """The line that says how the random ops a side's compiled code drew were drawn (and replayed), or none."""
+    count = int(info.get("random_ops") or 0)
+    if not count:
+        return []
+    whose = f"the {side}'s" if side else "the"
+    return [f"compiled: {count} random op(s) in {whose} compiled code (dropout) drawn through aten ops "
+            f"({info.get('random') or RANDOM_THROUGH_ATEN}), which oneiter records and a replay gives the "
+            f"reference's values"]
 
 
 # -- compiling on request -------------------------------------------------------------------------------------------

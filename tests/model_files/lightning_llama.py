@@ -3,9 +3,9 @@
 `LitLlama` is what a Lightning user writes: `training_step` unpacks the batch, calls the Hugging Face model (which
 computes its own loss from `labels`), returns the loss; `configure_optimizers` gives AdamW. With `manual=True` it
 uses manual optimization (`self.optimizers()`, `manual_backward`, `opt.step()`); with `compile=True` its
-`configure_model` compiles the Hugging Face decoder (`torch.compile`), as Lightning's docs show. The model is faultable from inside
-(`faultkit`, env ONEITER_TEST_FAULT, e.g. `instance:model.model.layers.1.mlp.down_proj:0.001`): the model and its
-faults import nothing of oneiter; only `main`, the user's training script, adds the callback.
+`configure_model` compiles the Hugging Face decoder (`torch.compile`), as Lightning's docs show. The model is
+faultable from inside (`faultkit`, env ONEITER_TEST_FAULT, e.g. `instance:model.model.layers.1.mlp.down_proj:0.001`):
+the model and its faults import nothing of oneiter; only `main`, the user's training script, adds the callback.
 
 `fit(callbacks, model_seed=, data_seed=, **trainer_args)` runs `Trainer.fit` on 16 random sequences for
 `max_steps` (default 4) steps. Run as a script, it is a DDP job (`strategy="ddp"` on the CPU, gloo): Lightning

@@ -37,6 +37,7 @@ from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
+from oneiter.runtime.compiled import random_lines
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
@@ -592,6 +593,7 @@ def _compiled_lines(c: Optional[dict]) -> list[str]:
         for path, b in list(blocks.items())[:6]:
             if b.get("eager"):
                 lines.append(f"compiled: {path or ROOT_MODULE} in the {side}: {b['eager']}")
+        lines += random_lines(info, side)
     for side, other in (("target", "reference"), ("reference", "target")):
         hidden = [h for h in c.get("hidden") or [] if h.get("side") == side]
         if not hidden:

@@ -13,7 +13,7 @@ from typing import Any
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import COMPILED, ROOT_MODULE
-from oneiter.runtime.compiled import Blocks, CompileWatch, inductor_cache_dir
+from oneiter.runtime.compiled import RANDOM_THROUGH_ATEN, Blocks, CompileWatch, inductor_cache_dir, random_lines
 
 __all__ = ["refuse", "compiled_attr", "compiled_notes"]
 
@@ -49,8 +49,9 @@ def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
                 f"uncompiled (compile_modules)", param="compile")
 
 
-def compiled_attr(blocks: Blocks, watch: CompileWatch) -> dict[str, Any]:
-    """{`compiled`: JSON} for the file: its blocks, what compiling cost, the graph breaks; {} when nothing was."""
+def compiled_attr(blocks: Blocks, watch: CompileWatch, random_ops: int = 0) -> dict[str, Any]:
+    """{`compiled`: JSON} for the file: its blocks, what compiling cost, the graph breaks, the random ops their code
+    drew and how (`random_ops`, `random`); {} when nothing was."""
     if not blocks and not watch.total_seconds:
         return {}
     graphs = dict(watch.graphs)
@@ -67,6 +68,7 @@ def compiled_attr(blocks: Blocks, watch: CompileWatch) -> dict[str, Any]:
         "other_graphs": sum(graphs.values()), "graph_breaks": watch.breaks,
         "compile_seconds": round(watch.seconds, 3), "rerun_compile_seconds": round(watch.rerun_seconds, 3),
         "rerun_graphs": watch.rerun_graphs,
+        "random_ops": int(random_ops), "random": RANDOM_THROUGH_ATEN if random_ops else "",
         "cache_dir": inductor_cache_dir() if any(b.backend == "inductor" for b in blocks.by_path.values()) else "",
     }
     return {COMPILED: json.dumps(info, sort_keys=True)}
@@ -88,4 +90,4 @@ def compiled_notes(attr: dict[str, Any]) -> list[str]:
              f"break(s){where}; the {hidden} module(s) inside them are not recorded (a block shows its inputs, "
              f"outputs and their gradients)"]
     lines += [f"compiled: {path or ROOT_MODULE}: {b['eager']}" for path, b in blocks.items() if b["eager"]]
-    return lines
+    return lines + random_lines(info, "")

@@ -125,8 +125,10 @@ def _mask_index(packet: str) -> int:
 class RandomRecorder(IterationMode):
     """Records the values of every random aten op, in order, into `random/` through a `TensorSink`."""
 
-    def __init__(self, sink, group: str = RANDOM):
+    def __init__(self, sink, group: str = RANDOM, *, inside: Callable[[], str] | None = None):
         super().__init__()
+        self.inside = inside  # the compiled block running now, in words ("": none)
+        self.num_compiled = 0  # random ops compiled code drew (through aten: `runtime/compiled.py`)
         self.sink = sink
         self.group = group
         self.num_ops = 0
@@ -149,6 +151,7 @@ class RandomRecorder(IterationMode):
             return result
         if key is not None:
             self._drawn.setdefault(key, self.num_ops)
+        self.num_compiled += bool(self.inside is not None and self.inside())
         self._record(func, args, result)
         return result
 
@@ -231,6 +234,7 @@ class RandomReplayer(IterationMode):
                  inside: Callable[[], str] | None = None):
         super().__init__()
         self.inside = inside  # the compiled block running now, in words ("": none), for a mismatch's message
+        self.num_compiled = 0  # random ops compiled code drew (through aten: `runtime/compiled.py`), replayed
         self.reader = reader
         self.device = device
         self.ops = list(recorded_random_ops(reader) if ops is None else ops)
@@ -275,6 +279,7 @@ class RandomReplayer(IterationMode):
             ok = rec is not None and {rec.packet, name} <= _DROPOUT_MASK and \
                 _key_shape(rec) == shapes[_mask_index(name)]
         if ok:
+            self.num_compiled += bool(self.inside is not None and self.inside())
             return rec
         expected = "none" if rec is None else f"{rec.op} shape {_shape(_key_shape(rec))}"
         block = self.inside() if self.inside is not None else ""

@@ -67,17 +67,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(folder: Path, out: str, replay: str | None, fault: str, seed: int) -> tuple[int, dict[int, int], str]:
+def launch(folder: Path, out: str, replay: str | None, fault: str, seed: int,
+           gdb: bool = False) -> tuple[int, dict[int, int], str]:
+    worker_cmd = [str(HERE), "--worker", "--folder", str(folder), "--out", out if out == "-" else str(folder / out),
+                  "--seed", str(seed)]
+    if gdb:  # each rank under gdb: a rank that aborts prints every thread's native stack
+        worker_cmd = ["--no-python", "gdb", "-q", "-batch", "-ex", "run", "-ex", "thread apply all bt", "--args",
+                      sys.executable, *worker_cmd]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE), "--worker", "--folder", str(folder),
-           "--out", out if out == "-" else str(folder / out), "--seed", str(seed)]
+           "--master-port", str(_free_port()), *worker_cmd]
     if replay:
         cmd += ["--replay", str(folder / replay)]
     env = {**os.environ, "ONEITER_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "ONEITER_TEST_FAULT": fault}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     # torchrun names each failed rank: "rank      : 1 (local_rank: 1)" then "exitcode  : -6 (pid: ...)"
     ranks = {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", proc.stderr)}
-    return proc.returncode, ranks, proc.stderr
+    return proc.returncode, ranks, proc.stderr + (proc.stdout if gdb else "")
 
 
 def main() -> None:
@@ -86,6 +91,7 @@ def main() -> None:
     parser.add_argument("--fault", default=FAULT, help="ONEITER_TEST_FAULT of the replays ('' for clean ones)")
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--plain", action="store_true", help="the same Trainer runs without oneiter's callback")
+    parser.add_argument("--gdb", action="store_true", help="every rank under gdb (native stacks of an abort)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--replay", help=argparse.SUPPRESS)
@@ -96,7 +102,7 @@ def main() -> None:
         return
     folder = args.folder or Path(tempfile.mkdtemp(prefix="trainer_loop_"))
     folder.mkdir(parents=True, exist_ok=True)
-    code, ranks, err = launch(folder, "ref.h5", None, "", 0)
+    code, ranks, err = launch(folder, "ref.h5", None, "", 0, gdb=args.gdb)
     if code != 0:
         (folder / "ref.stderr").write_text(err)
         sys.exit(f"the reference failed (exit {code}, its stderr in {folder / 'ref.stderr'}):\n{err[-3000:]}")
@@ -106,10 +112,10 @@ def main() -> None:
     for run in range(args.runs):
         started = time.perf_counter()
         code, ranks, err = launch(folder, "-" if args.plain else "tgt.h5", None if args.plain else "ref.h5",
-                                  args.fault, 3)
+                                  args.fault, 3, gdb=args.gdb)
         clean += code == 0
         aborted = "terminate called" in err
-        if code != 0:
+        if code != 0 or aborted:
             (folder / f"run{run + 1}.stderr").write_text(err)
         print(f"run {run + 1:2d}: torchrun exit {code}, failed ranks {ranks or '-'}"
               f"{', terminate called' if aborted else ''} ({time.perf_counter() - started:.1f} s)", flush=True)

@@ -54,6 +54,14 @@ class LitLlama(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+def build(batch_size, manual=False):
+    """The model contract, for `oneiter replay --layer` of a recording of this module: the `LitLlama` (its layers; the
+    file's weights are loaded into them), a batch of token ids and its loss."""
+    module = LitLlama(manual=manual)
+    ids = torch.randint(0, 100, (batch_size, SEQ_LEN))
+    return module, (ids,), lambda out: out
+
+
 def loader(data_seed: int, batch_size: int = 2) -> torch.utils.data.DataLoader:
     ids = torch.randint(0, 100, (DATA, SEQ_LEN), generator=torch.Generator().manual_seed(data_seed))
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=batch_size)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import run_cli
+from conftest import assert_reads_back
 
 import oneiter
 from oneiter.api import compare_ranks
@@ -132,34 +132,19 @@ def test_a_compiled_block_under_ddp_is_the_culprit_on_its_rank_across_ranks(rank
     assert verdicts[0]["status"] == "match"
 
 
-def _reads_back(path: Path, layer: str | None) -> None:
-    """`inspect` and `compare FILE FILE` take the file; `replay --layer` replays `layer` from it, or (None) refuses it
-    in one line."""
-    res = run_cli("inspect", path)
-    assert res.exit_code == 0, res.output
-    res = run_cli("compare", path, path, "--json", "-")
-    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"]["status"] == "match", res.output
-    res = run_cli("replay", path, "--layer", layer or "blocks.0", "-m", matrix_run.SPEC)
-    if layer is None:
-        assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
-    else:
-        assert res.exit_code == 0, res.output
+WRITERS = [  # (run, file stem, whether `replay --layer` refuses it)
+    (run, stem, stem != "ref" or run in ("fsdp2", "tp"))
+    for run in RUNS for stem in ("ref", "steps_ref", "stats_clean")]
 
 
-WRITERS = [  # (run, file stem, the layer `replay` replays from it; None: refused in one line)
-    *((run, stem, layer) for run, layer in (("one", "blocks.0"), ("ddp", "blocks.0"), ("fsdp2", None), ("tp", None))
-      for stem in ("ref", "steps_ref", "stats_clean")),
-]
-
-
-@pytest.mark.parametrize("run, stem, layer", [
-    pytest.param(run, stem, None if stem == "steps_ref" else layer, marks=_marks(run), id=f"{run}-{stem}")
-    for run, stem, layer in WRITERS])
-def test_every_file_the_cli_writes_reads_back(request, run, stem, layer):
+@pytest.mark.parametrize("run, stem, refused", [pytest.param(*w, marks=_marks(w[0]), id=f"{w[0]}-{w[1]}")
+                                                for w in WRITERS])
+def test_every_file_the_cli_writes_reads_back(request, run, stem, refused):
     """One iteration (`record`), several steps (`--steps`) and statistics (`--level stats`), in one process and per
-    rank under DDP, FSDP2 and tensor parallelism: `inspect`, `compare` and `replay` take them. A stats-level file
-    replays no layer (it holds statistics), and says so in one line as a steps file and a rank's shard do."""
+    rank under DDP, FSDP2 and tensor parallelism: `inspect` and `compare` take them, `replay --layer` replays a layer
+    of a full one-iteration file (a DDP rank's gradients judged against its own, before DDP averaged them) and refuses
+    in one line the others: several steps, statistics, a rank's shard of a model split over ranks."""
     folder = _runs_of(request, run)
     names = [f"{stem}.h5"] if run == "one" else [f"{stem}.rank{r}.h5" for r in (0, 1)]
     for name in names:
-        _reads_back(folder / name, None if stem == "stats_clean" else layer)
+        assert_reads_back(folder / name, "blocks.0", matrix_run.SPEC, refused=refused)

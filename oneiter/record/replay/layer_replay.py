@@ -60,7 +60,7 @@ from oneiter.record.local.rerun import with_layout
 from oneiter.record.modes import trusted
 from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
 from oneiter.record.replay.graph_ops import GraphTracer
-from oneiter.record.start.reference import load_reference
+from oneiter.record.start.reference import load_state
 from oneiter.runtime.compiled import check_backend, compile_modules, eager_name, find_blocks
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import load_model, spec_for_replay
@@ -328,7 +328,7 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
                             int(meta["seed"]),
                             json.loads(meta.get("model_args") or "{}"))
     apply_dtype(bundle, meta.get("dtype") or "float32")  # before loading, so that float64 states load exactly
-    load_reference(bundle, ref)
+    load_state(bundle.model, ref)  # the weights; the layer runs on its own recorded inputs, never the batch
     modules = {eager_name(path): m for path, m in bundle.model.named_modules()}  # a wrapper's module: the eager one
     if layer not in modules:
         raise OneIterError(

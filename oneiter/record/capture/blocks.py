@@ -1,21 +1,30 @@
 """Compiled blocks as a recording sees them: what it refuses up front, and what it writes and says about them.
 
 Where this sits: `runtime/compiled.py` finds a model's compiled blocks (torch.compile) and watches its compiling;
-`ModuleCapture` hooks each block at its call. The `Recorder` asks this module, once the hooks are attached, what a
-recording of those blocks cannot do (`refuse`), and at its end for the file's `compiled` attribute (`compiled_attr`,
-docs/format.md) and the lines that tell the user (`compiled_notes`).
+`ModuleCapture` hooks each block at its call (a compiled FSDP2 unit also with `gathered_through_call`). The
+`Recorder` asks this module, once the hooks are attached, what a recording of those blocks cannot do (`refuse`), and
+at its end for the file's `compiled` attribute (`compiled_attr`, docs/format.md) and the lines that tell the user
+(`compiled_notes`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import COMPILED, ROOT_MODULE
-from oneiter.runtime.compiled import RANDOM_THROUGH_ATEN, Blocks, CompileWatch, inductor_cache_dir, random_lines
+from oneiter.runtime.compiled import (
+    RANDOM_THROUGH_ATEN,
+    Blocks,
+    CompileWatch,
+    inductor_cache_dir,
+    outside_call,
+    random_lines,
+)
+from oneiter.runtime.sharding import GatheredThroughCall
 
-__all__ = ["refuse", "compiled_attr", "compiled_notes"]
+__all__ = ["refuse", "gathered_through_call", "compiled_attr", "compiled_notes"]
 
 
 def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
@@ -47,6 +56,16 @@ def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
                 f"(inductor moves a row-parallel layer's bias into the partial sums), so the block's rerun cannot be "
                 f"handed the reference's results; leave the modules that run collectives (tensor parallelism) "
                 f"uncompiled (compile_modules)", param="compile")
+
+
+def gathered_through_call(module, paused: Callable[[], bool]) -> list:
+    """The handles of a compiled block that is an FSDP2 unit: its parameters stay gathered from its forward until its
+    own rerun is done (`runtime/sharding.py`: `GatheredThroughCall`), hooked outside its compiled code, first before
+    the call and last after it; nothing for any other block. `paused`: in a rerun, or in backward (recomputation)."""
+    held = GatheredThroughCall(module, paused)
+    if not held:
+        return []
+    return [*outside_call(module, held.before, prepend=True), *outside_call(module, post=held.after), held]
 
 
 def compiled_attr(blocks: Blocks, watch: CompileWatch, random_ops: int = 0) -> dict[str, Any]:

@@ -43,12 +43,13 @@ from oneiter.format.schema import (
     shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
+from oneiter.record.capture.blocks import gathered_through_call
 from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random, module_state
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
-from oneiter.runtime.sharding import GatheredThroughCall, is_fsdp_hook, local, placement_of
+from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
            "unscaled"]
@@ -259,10 +260,8 @@ class ModuleCapture:
             # torch's tensor-parallel styles convert inputs there), after FSDP2's (parameter management, which
             # reruns leave out); the post-hook last; both outside any compiled code of the module
             self._handles.extend(outside_call(module, self._pre_hook, self._post_hook, prepend=True))
-            held = GatheredThroughCall(module, self.is_suspended) if path in self.blocks.by_path else None
-            if held:  # a compiled FSDP2 unit: its rerun needs its parameters gathered (`runtime/sharding.py`)
-                self._handles += [*outside_call(module, held.before, prepend=True),
-                                  *outside_call(module, post=held.after), held]
+            if path in self.blocks.by_path:  # a compiled FSDP2 unit's rerun needs its parameters gathered
+                self._handles += gathered_through_call(module, lambda: self._suspended or in_backward())
             hooks = module._forward_pre_hooks
             for key in reversed([k for k, h in hooks.items() if is_fsdp_hook(h)]):
                 hooks.move_to_end(key, last=False)

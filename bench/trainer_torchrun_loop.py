@@ -11,7 +11,17 @@ wraps the model in DDP), `OneIterCallback(step=2, replay=...)` recording its ste
 (`ONEITER_TEST_FAULT`, default `instance:model.layers.1.mlp.down_proj`). The reference is recorded once, first. Printed:
 per run, torchrun's exit code and each rank's (from torchrun's `exitcode` lines; -6 is SIGABRT, what `terminate called
 without an active exception` ends with), and at the end the count of runs that ended with 0 everywhere; a failed
-run's stderr is kept in the folder (`run<N>.stderr`; `PYTHONFAULTHANDLER=1` adds every thread's Python stack).
+run's stderr is kept in the folder (`run<N>.stderr`; `--gdb` runs every rank under gdb for its native stacks).
+
+The abort, found this way (a `std::set_terminate` handler preloaded into the ranks printed the aborting thread's
+stack): a gloo worker thread (`ProcessGroupGloo::runLoop`) destroying a finished all-gather (`~AsyncAllgatherWork`:
+the Trainer's last collective, `store_flos`'s, right before `train()` returns) whose tensors' Python objects the
+caller had already let go, so freeing them takes the GIL (`TensorImpl::decref_pyobject`); the main thread had
+begun finalizing by then, CPython ends a thread that takes the GIL then (`pthread_exit`), and that unwinding through
+the noexcept run loop calls `std::terminate`. The Trainer never destroys its process group (accelerate's
+`end_training` is never called). Measured on 2 cores (load 2-3), before the fix: 47 of 60 plain Trainer runs
+(`--plain`, no oneiter) and 53 of 60 faulty replays ended with exit 0; with `OneIterCallback` destroying the group at
+exit (`runtime/distributed.py`: `destroy_at_exit`), 40 of 40 replays.
 """
 
 from __future__ import annotations

@@ -36,6 +36,11 @@ compiled model (one block, `(root)`: `docs/compiled.md`), and from `on_train_beg
 inductor draws its random numbers through the aten ops a replay hands the reference's (`fallback_random`), so a
 compiled GPT-2 with dropout replays an eager reference.
 
+Under torchrun the Trainer never destroys the process group accelerate made for it, and a gloo run may then abort
+as the process ends (`terminate called without an active exception`, exit -6, after a run that succeeded: the
+Trainer's own race with Python's shutdown, without oneiter too); the callback has the group destroyed at exit,
+before Python finalizes (`runtime/distributed.py`: `destroy_at_exit`).
+
 Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call). If the recorded
 step raises, the Trainer calls no callback: `close()` (or the end of training) removes the hooks and the temporary
 file.
@@ -57,6 +62,7 @@ from oneiter.errors import OneIterError
 from oneiter.integrations.hf_profile import ProfileCallback
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
+from oneiter.runtime.distributed import current_rank, destroy_at_exit
 from oneiter.runtime.wrappers import compiled_wrapper
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
@@ -90,6 +96,8 @@ class OneIterCallback(DrivenCallback, TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._driver.end_run()
         self.close()
+        if current_rank().distributed:  # the Trainer never destroys its process group: at exit, before Python
+            destroy_at_exit()  # finalizes (`runtime/distributed.py`: else gloo may abort the process as it ends)
 
     def close(self) -> None:
         """Abandon a step that did not end (the Trainer raised inside it): hooks removed, no file left."""

@@ -40,6 +40,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -687,10 +688,12 @@ class _Modes:
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
+        held = weakref.ref(capture) if capture is not None else lambda: None  # the capture counts this mode's ops:
+        inside = lambda: _open_block(held())  # noqa: E731 - no cycle between them, which would outlive the block
         if ref is None:
-            self.random = RandomRecorder(sink, inside=lambda: _open_block(capture))
+            self.random = RandomRecorder(sink, inside=inside)
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
-            self.random = RandomReplayer(ref, device, replay=random_replay, inside=lambda: _open_block(capture))
+            self.random = RandomReplayer(ref, device, replay=random_replay, inside=inside)
         self.fallback = OpFallback(fallback) if fallback else None
         self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
         self._stack, self._until_end = ExitStack(), ExitStack()

@@ -97,7 +97,9 @@ def record_command(
     data_parallel: Annotated[str, typer.Option("--data-parallel", help=
             "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
             "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
-            "layers).")] = "auto",
+            "layers), and then over the dimensions of its device mesh its parameters leave free (tensor "
+            "parallelism on 'tp' of a (dp, tp) mesh: DDP over 'dp'); DIM=ddp|none,... decides per mesh dimension "
+            "(dp=ddp,tp=none).")] = "auto",
     compile: opt.Compile = None,
     compile_modules: Annotated[Optional[List[str]], typer.Option(*flags.COMPILE_MODULES.decls, help=
             "With --compile: regex on module paths; each outermost matching module is compiled on its own, so "

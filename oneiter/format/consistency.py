@@ -18,7 +18,11 @@ NaN counts that contradict their mismatch count, a call whose rows were deleted)
 - **`/collectives`** (`check_collectives`): collectives numbered 0..num_ops-1 with no gap, each an op, reduction and
   phase oneiter knows, a group of distinct ranks below the run's `world_size` that holds this file's `rank`, one
   collective per (group, place on the group), a root inside the group (or -1), split sizes one per rank of the
-  group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap;
+  group, a `call` that is "" or a call of the file, and tensors `input.<i>`, `output.<i>` numbered without a gap; a
+  point-to-point op (send, recv) a peer in its group other than this rank, one op per place on its channel (group,
+  direction, peer, tag), a tag >= 0, a microbatch the iteration ran, and no place on the group (`group_seq` -1);
+- **microbatches** (`check_microbatches`): every call's and batch tensor's `microbatch` below the root's
+  `microbatches`, and `/microbatch_loss` there exactly when it is above 1, one value per microbatch;
 - **`batch_size`** (`check_batch_size`): no larger than the number of elements the recorded batch holds (a
   builder makes at least one per sample): a replay builds the model with it before it loads the recorded batch;
 - **`/local`, `/unprobed`** (`check_local`): rows name calls of the file (parameter rows: a recorded parameter or
@@ -50,9 +54,15 @@ from oneiter.format.schema import (
     BACKWARD,
     BATCH,
     CALLS,
+    CLIP_ROW,
     COLLECTIVE_OPS,
     COLLECTIVES,
     FORWARD,
+    MICROBATCH,
+    MICROBATCH_LOSS,
+    MICROBATCHES,
+    OPTIMIZER_MODULE,
+    P2P_OPS,
     RANDOM,
     RANDOM_OPS,
     RANDOM_OUTPUTS,
@@ -70,11 +80,12 @@ from oneiter.format.schema import (
 )
 from oneiter.format.signature import check_columns
 
-__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_local", "check_step_start",
+__all__ = ["check_calls", "stats_index", "check_random", "check_batch_size", "check_microbatches",
+           "check_local", "check_step_start",
            "OPTIMIZER_CALL", "LOCAL_PHASES", "check_optimizer_state", "check_steps"]
 
 _RANDOM_OP = re.compile(r"aten\.(?P<packet>[A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+")
-OPTIMIZER_CALL = ("(optimizer)", 0)  # how /unprobed names the optimizer's shadow step
+OPTIMIZER_CALL = (OPTIMIZER_MODULE, 0)  # how /unprobed names the optimizer's shadow step (and /local its clipping)
 LOCAL_PHASES = ("forward", "backward", "param_grad", "optimizer")
 _TENSOR_DTYPES = {"float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16",
                   "uint32", "uint64", "bool", "complex64", "complex128", *RAW_BITS}
@@ -214,10 +225,16 @@ def check_collectives(meta: dict[str, Any], groups: dict[str, tuple[dict, list]]
     places: set[tuple[str, int]] = set()
     for index in indices:
         group = collective_group(index)
-        _check_collective(groups[group][0], index, world, rank, groups, path)
-        place = (groups[group][0]["group"], groups[group][0]["group_seq"])
+        attrs = groups[group][0]
+        _check_collective(attrs, index, world, rank, groups, path)
+        if attrs["op"] in P2P_OPS:
+            _check_p2p(attrs, index, rank, int(meta.get(MICROBATCHES) or 1), path)
+            place = (attrs["group"], attrs["op"], attrs["peer"], attrs["tag"], attrs["p2p_seq"])
+        else:
+            place = (attrs["group"], attrs["group_seq"])
         if place in places:
-            raise _fail(path, f"collective {index}: a second collective at place {place[1]} of group '{place[0]}'")
+            raise _fail(path, f"collective {index}: a second op at place {place[-1]} of group '{place[0]}'" + (
+                f" with rank {place[2]} (tag {place[3]})" if len(place) > 2 else ""))
         places.add(place)
         held = {p.rpartition("/")[2] for p in (*datasets, *stats) if p.startswith(group + "/")}
         for kind in ("input", "output"):
@@ -237,13 +254,29 @@ def _check_collective(attrs: dict[str, Any], index: int, world: int, rank, group
         (0 < len(ranks) == len(set(ranks)) and all(0 <= r < world for r in ranks),
          f"group_ranks {ranks} are not distinct ranks below the run's world_size {world}"),
         (rank is None or rank in ranks, f"group_ranks {ranks} do not hold this file's rank {rank}"),
-        (attrs["group_seq"] >= 0 and attrs["seq"] >= 0 and attrs["bucket"] >= -1,
+        ((attrs["group_seq"] >= 0 or attrs["op"] in P2P_OPS) and attrs["seq"] >= 0 and attrs["bucket"] >= -1,
          "group_seq and seq must be >= 0, bucket >= -1"),
         (attrs["root"] == -1 or attrs["root"] in ranks, f"root {attrs['root']} is not a rank of its group {ranks}"),
         (all(not s or (len(s) == len(ranks) and min(s) >= 0) for s in (attrs["in_splits"], attrs["out_splits"])),
          f"split sizes {attrs['in_splits']} / {attrs['out_splits']}: expected one size >= 0 per rank of the group"),
         (attrs["call"] == "" or f"{CALLS}/{attrs['call']}" in groups, f"call '{attrs['call']}' is not a call of the "
                                                                       f"file"),
+    )
+    for ok, why in checks:
+        if not ok:
+            raise _fail(path, f"{where}: {why}")
+
+
+def _check_p2p(attrs: dict[str, Any], index: int, rank, microbatches: int, path) -> None:
+    where = f"collective {index} ({attrs['op']})"
+    checks = (
+        (attrs["microbatch"] < microbatches,
+         f"microbatch {attrs['microbatch']} is not one the iteration ran (it ran {microbatches})"),
+        (attrs["peer"] in attrs["group_ranks"] and attrs["peer"] != rank,
+         f"peer {attrs['peer']} is not another rank of its group {attrs['group_ranks']}"),
+        (attrs["group_seq"] == -1,
+         f"group_seq {attrs['group_seq']}: a point-to-point op has no place on its group (-1)"),
+        (min(attrs["tag"], attrs["p2p_seq"], attrs["microbatch"]) >= 0, "tag, p2p_seq and microbatch must be >= 0"),
     )
     for ok, why in checks:
         if not ok:
@@ -262,6 +295,28 @@ def check_batch_size(meta: dict[str, Any], datasets: dict, stats: dict[str, tupl
     if held and size > held:
         raise _fail(path, f"root attribute 'batch_size' is {size}, but the recorded batch holds {held} elements "
                           f"in all (a builder makes at least one per sample)")
+
+
+# -- microbatches ---------------------------------------------------------------------------------------------------
+def check_microbatches(meta: dict[str, Any], groups: dict[str, tuple[dict, list]], datasets: dict, path) -> None:
+    """The microbatch of every call and batch tensor is one of the iteration's (`microbatches`, absent: 1), and
+    `/microbatch_loss` holds one loss per microbatch, exactly when there are several (docs/format.md)."""
+    count = int(meta.get(MICROBATCHES) or 1)
+    named = [(f"call group '{key}'", groups[f"{CALLS}/{key}"][0]) for key in groups.get(CALLS, ({}, []))[1]]
+    named += [(f"batch tensor '/{p}'", d.attrs) for p, d in datasets.items() if p.startswith(BATCH + "/")]
+    for where, attrs in named:
+        value = attrs.get(MICROBATCH, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < count:
+            raise _fail(path, f"{where} has microbatch {value!r}, expected an integer from 0 to {count - 1} (the "
+                              f"root attribute '{MICROBATCHES}' is {count})")
+    losses = datasets.get(MICROBATCH_LOSS)
+    if count > 1 and (losses is None or tuple(losses.shape) != (count,)):
+        shape = "none" if losses is None else f"shape {list(losses.shape)}"
+        raise _fail(path, f"/{MICROBATCH_LOSS} should hold the {count} microbatches' losses (shape [{count}]), "
+                          f"got {shape}")
+    if count == 1 and losses is not None:
+        raise _fail(path, f"/{MICROBATCH_LOSS} is there, but the root attribute '{MICROBATCHES}' says one "
+                          f"microbatch")
 
 
 # -- /local and /unprobed -------------------------------------------------------------------------------------------
@@ -314,7 +369,8 @@ def _check_local_row(i: int, row: LocalRow, calls: dict, params: set[str], path)
         raise _fail(path, f"{where}: phase '{row.phase}' is none of {', '.join(LOCAL_PHASES)}")
     if row.phase in (FORWARD, BACKWARD) and (row.module, row.call) not in calls:
         raise _fail(path, f"{where}: {row.module}@{row.call} is no call of the file")
-    if row.phase not in (FORWARD, BACKWARD):
+    clipping = (row.module, row.call, row.phase, row.tensor) == (*OPTIMIZER_CALL, "optimizer", CLIP_ROW)
+    if row.phase not in (FORWARD, BACKWARD) and not clipping:
         name = row.tensor if row.module == ROOT_MODULE else f"{row.module}.{row.tensor}"
         if name not in params or row.call != 0:
             raise _fail(path, f"{where}: '{name}' (call {row.call}) is no recorded parameter or buffer (whose rows "
@@ -378,11 +434,12 @@ def check_optimizer_state(meta: dict[str, Any], names: list[str], params: set[st
             raise _fail(path, f"/optimizer_state/{name}: '{param}' is no parameter of the file")
 
 
-def check_step_start(names: list[str], params: set[str], path) -> None:
-    """Each parameter in `/step_start` (what the model wrote itself before the step) is a recorded parameter."""
+def check_step_start(names: list[str], params: set[str], path, group: str = STEP_START) -> None:
+    """Each parameter in `/step_start` (what the model wrote itself before the step; `group`: another group of
+    parameters, such as `/step_grads`) is a recorded parameter."""
     for name in names:
         if name not in params:
-            raise _fail(path, f"/{STEP_START}/{name}: no parameter of the file")
+            raise _fail(path, f"/{group}/{name}: no parameter of the file")
 
 
 # -- a multi-step recording -----------------------------------------------------------------------------------------

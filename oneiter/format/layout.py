@@ -31,6 +31,9 @@ from oneiter.format.schema import (
     LOCAL_FIELDS,
     LOCAL_OPTIONAL,
     LOSS,
+    MICROBATCH,
+    MICROBATCH_LOSS,
+    MICROBATCHES,
     OPTIMIZER,
     PARAM_GRADS,
     ROOT_MODULE,
@@ -41,6 +44,7 @@ from oneiter.format.schema import (
     STATE_BEFORE,
     STATS,
     STATS_FIELDS,
+    STEP_GRADS,
     STEP_START,
     STEPS,
     TWIN_SIGNATURE,
@@ -266,9 +270,11 @@ class IterationFile:
         consistency.check_random(groups, datasets, self.path)
         consistency.check_collectives(self.meta, groups, datasets, self._stats_raw, self.path)
         consistency.check_batch_size(self.meta, datasets, self._stats_raw, self.path)
+        consistency.check_microbatches(self.meta, groups, datasets, self.path)
         params = set(self._named(STATE_BEFORE)) | set(self._named(STATE_AFTER))
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
         consistency.check_step_start(self._names_in(STEP_START), params, self.path)
+        consistency.check_step_start(self._names_in(STEP_GRADS), params, self.path, STEP_GRADS)
         self._pass_through: set[tuple[str, int]] = set()
         if self.local_kind() and LOCAL in datasets:
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,
@@ -472,9 +478,31 @@ class IterationFile:
         """Parameter/buffer name -> dataset path, in recorded order."""
         return self._named(which)
 
-    def batch_paths(self) -> list[str]:
+    def batch_paths(self, microbatch: int | None = None) -> list[str]:
+        """The batch's tensors in order (`batch/input.<n>`); `microbatch`: only that microbatch's."""
         names = sorted(self._names_in(BATCH), key=lambda n: int(n.rpartition(".")[2]))
-        return [f"{BATCH}/{n}" for n in names]
+        paths = [f"{BATCH}/{n}" for n in names]
+        if microbatch is None:
+            return paths
+        return [p for p in paths if int(self.attrs(p).get(MICROBATCH, 0) or 0) == microbatch]
+
+    def microbatches(self) -> int:
+        """How many microbatches the iteration ran before its step (docs/format.md "Microbatches"); 1 for most."""
+        return int(self.meta.get(MICROBATCHES) or 1)
+
+    def call_microbatches(self) -> dict[tuple[str, int], int]:
+        """(module, call) -> the microbatch whose forward made the call, for a recording of several microbatches;
+        {} for one of a single microbatch (every call is microbatch 0's)."""
+        if self.microbatches() <= 1:
+            return {}
+        return {(str(a["module"] or ROOT_MODULE), int(a["call"])): int(a.get(MICROBATCH, 0) or 0)
+                for _key, a in self.calls()}
+
+    def microbatch_losses(self) -> list[float]:
+        """Each microbatch's loss (`/microbatch_loss`), [] for a recording of a single microbatch."""
+        if MICROBATCH_LOSS not in self._tree.datasets:
+            return []
+        return [float(v) for v in np.asarray(self.read(MICROBATCH_LOSS), dtype=np.float64).reshape(-1)]
 
     def _named(self, group_name: str) -> dict[str, str]:
         if group_name not in self._tree.groups:

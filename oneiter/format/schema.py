@@ -47,11 +47,13 @@ import numpy as np
 from oneiter.errors import OneIterError
 
 __all__ = [
-    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
-    "STEP_START",
+    "SCHEMA", "SCHEMA_VERSION", "ROOT_MODULE", "BATCH", "LOSS", "CALLS", "MICROBATCHES", "MICROBATCH",
+    "MICROBATCH_LOSS", "STATE_BEFORE", "PARAM_GRADS", "STATE_AFTER",
+    "STEP_START", "STEP_GRADS", "CLIP_ROW", "OPTIMIZER_MODULE", "OPTIMIZER_CLASS", "STATE_NAMES",
     "RANDOM", "RANDOM_OPS", "RANDOM_OUTPUTS",
     "FORWARD", "BACKWARD", "LOCAL", "UNPROBED", "STATS", "PRECISION_MODES", "COMPILED", "REDUCED_TARGET",
-    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "LOCAL_OPTIONAL", "RAW_BITS",
+    "REDUCED_CALLS", "REDUCED_REFERENCE", "REDUCED_CALLS_REFERENCE", "FOREIGN_KERNELS", "UNBOUNDED", "LOCAL_OPTIONAL",
+    "RAW_BITS",
     "check_name", "call_key",
     "split_call_key", "tensor_path", "grad_name", "child_tensor", "split_child_tensor", "group_path", "call_path",
     "arg_name", "kwarg_name", "is_input", "natural_key", "decode", "to_torch", "tensor_to_numpy", "seq_kind",
@@ -60,7 +62,7 @@ __all__ = [
     "OPTIMIZER", "optimizer_entry", "split_optimizer_entry", "STEPS", "SIGNATURE", "TWIN_SIGNATURE",
     "step_group",
     "split_step", "COLLECTIVES", "UNREDUCED_GRADS", "COLLECTIVE_OPS", "REDUCE_OPS", "COLLECTIVE_ATTRS",
-    "collective_group", "collective_path", "collective_index",
+    "P2P_OPS", "P2P_ATTRS", "collective_group", "collective_path", "collective_index",
 ]
 
 SCHEMA = "oneiter.iteration"
@@ -74,6 +76,10 @@ SCHEMA_VERSION = 4  # 3: `level` and the `/stats` table (record --level stats); 
 ROOT_MODULE = "(root)"  # how the model itself (module path "") is named in files and reports
 
 BATCH, LOSS, CALLS = "batch", "loss", "calls"
+# an iteration of several microbatches (gradient accumulation; docs/format.md "Microbatches"): the root attribute
+# with their number (absent: 1), the attribute of a call group or batch tensor naming its microbatch (absent: 0),
+# and the dataset of each microbatch's loss (float [K])
+MICROBATCHES, MICROBATCH, MICROBATCH_LOSS = "microbatches", "microbatch", "microbatch_loss"
 OPTIMIZER = "optimizer_state"  # group: the optimizer's state when the recorded step began, `<param>.<key>`
 STEPS = "steps"  # group of a multi-step recording: one iteration's tree per `/steps/<step>`
 # multi-step tables, one row per step (`format/signature.py`): the run's, and its perturbed twin's
@@ -83,6 +89,15 @@ STATE_BEFORE, PARAM_GRADS, STATE_AFTER = "state_before", "param_grads", "state_a
 # nn.Embedding(max_norm) renormalises the rows it looks up, in forward), as the optimizer step found them; every
 # other parameter starts its step as `state_before` holds it
 STEP_START = "step_start"
+# the gradients as the optimizer step saw them, where code between backward and the step changed them (clipping,
+# unscaling); group attributes: coefficient (NaN: no single one), grad_norm, step_norm, spread (`record/local/
+# clipping.py`)
+STEP_GRADS = "step_grads"
+# root attributes: the optimizers' classes (`module.qualname`, comma separated) and, in a replay whose optimizer keeps
+# the reference's state under other names, JSON {its key: the reference's key} (`record/start/state_names.py`)
+OPTIMIZER_CLASS, STATE_NAMES = "optimizer_class", "optimizer_state_names"
+# the /local row of the clipping itself: (optimizer)@0 optimizer clip_coef
+OPTIMIZER_MODULE, CLIP_ROW = "(optimizer)", "clip_coef"
 RANDOM = "random"  # values of random ops (dropout masks, randn...), recorded on the reference, replayed on targets
 FORWARD, BACKWARD, LOCAL, UNPROBED = "forward", "backward", "local", "unprobed"
 STATS = "stats"  # `--level stats`: one table row per entry (path, statistics, checksum), no per-entry dataset
@@ -97,6 +112,9 @@ REDUCED_REFERENCE, REDUCED_CALLS_REFERENCE = "reduced_reference", "reduced_calls
 # /local attribute (JSON): the ops whose kernels were not torch's own where the calibration ran (`record/modes/
 # trusted.py`): {"cpu": [{op, key, registered, route}], "device": {"type", "plugin", "ops": [...]}}
 FOREIGN_KERNELS = "foreign_kernels"
+# /local attribute (JSON): the noise bounds the calibration had to measure and could not (`record/local/probe.py`
+# `_bound`): [{"what": a call key or a parameter name, "reason": the error}]; absent or [] when none failed
+UNBOUNDED = "unbounded"
 
 # overload packet names of aten ops whose values come from an RNG (what `/random` holds), and those that record more
 # than one tensor: native_dropout keeps its output and its mask
@@ -129,6 +147,13 @@ REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "pre
 COLLECTIVE_ATTRS = {"op": str, "kernel": str, "reduce_op": str, "group": str, "group_ranks": list, "group_seq": int,
                     "root": int, "phase": str, "call": str, "site": str, "via": str, "bucket": int,
                     "recomputed": bool, "seq": int, "in_splits": list, "out_splits": list}
+# a point-to-point op (`op` one of P2P_OPS: `record/modes/p2p.py`) is one entry of /collectives too, its `group_seq`
+# -1 (its place is on its channel, not on the group), with these attributes more: `peer` the other rank (global),
+# `tag`, `p2p_seq` how many ops of the same direction this rank ran with that peer on that group and tag before (the
+# n-th send from rank a to rank b is the n-th recv of rank b from rank a), `microbatch` the microbatch it moved
+# (docs/format.md "Microbatches"; 0 for an iteration of one); a send holds `input.0`..., a recv `output.0`...
+P2P_OPS = ("send", "recv")
+P2P_ATTRS = {"peer": int, "tag": int, "p2p_seq": int, "microbatch": int}
 
 
 def collective_group(index: int) -> str:

@@ -43,13 +43,21 @@ from oneiter.format.schema import (
     GLOBAL_SHAPE,
     LOCAL_FIELDS,
     LOCAL_OPTIONAL,
+    MICROBATCH,
+    MICROBATCH_LOSS,
+    MICROBATCHES,
     OPTIMIZER,
+    OPTIMIZER_CLASS,
+    P2P_ATTRS,
+    P2P_OPS,
     PLACEMENTS,
     RAW_BITS,
     SCHEMA,
     SCHEMA_VERSION,
     SIGNATURE,
+    STATE_NAMES,
     STATS_FIELDS,
+    STEP_GRADS,
     STEP_START,
     STEPS,
     STORAGE_OFFSET,
@@ -70,16 +78,17 @@ _BUILTIN_FILTERS = {1: "deflate", 2: "shuffle", 3: "fletcher32", 4: "szip", 5: "
 MAX_EXPANSION = 1024  # a compressed dataset may unpack to at most this many times its stored bytes (+ 1 MiB)
 
 _INT_ATTRS = ("batch_size", "seed", "num_calls", "num_threads", "num_random_ops", "rank", "world_size", "iteration",
-              "steps")
+              "steps", MICROBATCHES)
 _STR_ATTRS = ("model", "device", "device_type", "device_name", "dtype", "amp", "optimizer", "torch_version",
-              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction")
+              "oneiter_version", "command", "created", "replay_of", "framework", "mmengine_version", "grad_reduction",
+              OPTIMIZER_CLASS)
 _JSON_ATTRS = {"model_args": dict, "include": list, "exclude": list, "faults": list, "fallback": list, COMPILED: dict,
-               "fallback_counts": dict}
+               "fallback_counts": dict, STATE_NAMES: dict}
 _CHOICES = {"level": ("full", "stats"), "local": ("", "teacher_forced", "against_cpu"), OPTIMIZER_STATE: VALUES}
 _CALL_INT_ATTRS = ("exec_index", "random_begin", "random_end", "seq_input", "seq_output", "seq_grad_output",
-                   "seq_grad_input")
+                   "seq_grad_input", MICROBATCH)
 _TENSOR_GROUPS = ("batch", "state_before", "param_grads", "state_after", "random", OPTIMIZER, STEP_START,
-                  UNREDUCED_GRADS)
+                  UNREDUCED_GRADS, STEP_GRADS)
 _COLLECTIVE_TENSOR = re.compile(r"(input|output)\.(0|[1-9]\d{0,8})")
 _TABLES = ("local", "unprobed", "stats")
 # a multi-step recording's root tables, one row per step (`signature.py`)
@@ -216,8 +225,9 @@ def _check_int_attrs(meta: dict[str, Any], path) -> None:
     for name in ("batch_size", "num_calls", "num_threads", "num_random_ops", "rank", "iteration"):
         if name in meta and meta[name] < 0:
             raise _expect(path, "root ", name, "an integer >= 0", meta[name])
-    if "world_size" in meta and meta["world_size"] < 1:
-        raise _expect(path, "root ", "world_size", "an integer >= 1", meta["world_size"])
+    for name in ("world_size", MICROBATCHES):
+        if name in meta and meta[name] < 1:
+            raise _expect(path, "root ", name, "an integer >= 1", meta[name])
     if "steps" in meta and not 1 <= meta["steps"] <= 10**9:
         raise _expect(path, "root ", "steps", "an integer from 1 to 10**9 (the iterations a multi-step recording "
                       "holds)", meta["steps"])
@@ -437,7 +447,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
     if not parts:  # /steps/<step>: one iteration of a multi-step recording
         return _check_step_group(group, full, path)
     top = parts[0]
-    if top in (*_TABLES, "loss"):
+    if top in (*_TABLES, "loss", MICROBATCH_LOSS):
         raise _fail(path, f"'/{full}' is a group, expected a dataset")
     if top in _TENSOR_GROUPS and len(parts) > 1:
         raise _fail(path, f"'/{full}' is a group, expected a dataset (tensor)")
@@ -446,7 +456,7 @@ def _check_group(group, full: str, path) -> dict[str, Any]:
         _check_calls_group(parts, attrs, full, path)
     if top == COLLECTIVES:
         _check_collectives_group(parts, attrs, full, path)
-    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS) \
+    if top in ("state_before", "param_grads", "state_after", OPTIMIZER, STEP_START, UNREDUCED_GRADS, STEP_GRADS) \
             and len(parts) == 1:
         order = attrs.get("order")
         if order is not None and not (isinstance(order, list) and all(isinstance(n, str) for n in order)):
@@ -499,7 +509,8 @@ def _check_collectives_group(parts: list[str], attrs: dict[str, Any], full: str,
     if collective_index(parts[1]) is None:
         raise _fail(path, f"'/{full}': expected a collective group named by its index (00000, 00001, ...)")
     where = f"collective group '/{full}' "
-    for name, kind in COLLECTIVE_ATTRS.items():
+    wanted_attrs = {**COLLECTIVE_ATTRS, **(P2P_ATTRS if attrs.get("op") in P2P_OPS else {})}
+    for name, kind in wanted_attrs.items():
         value = attrs.get(name)
         ok = _is_int(value) if kind is int else isinstance(value, kind)
         if kind is list and ok:
@@ -558,7 +569,7 @@ def _check_dataset(dset, full: str, path, addr: int, storage: tuple) -> Stored:
     if full in _STEP_TABLES:
         _check_matrix(shape, dtype, full, path)
         return Stored(addr, shape, dtype, None, offset, read_attrs(dset, f"'/{full}'", path))
-    tensor = (top == "loss" and len(parts) == 1) or (top in _TENSOR_GROUPS and len(parts) == 2) or \
+    tensor = (top in ("loss", MICROBATCH_LOSS) and len(parts) == 1) or (top in _TENSOR_GROUPS and len(parts) == 2) or \
         (top == "calls" and len(parts) == 4 and parts[2] in ("forward", "backward")) or \
         (top == COLLECTIVES and len(parts) == 3)
     if (top == "calls" and len(parts) < 4) or (top == COLLECTIVES and len(parts) < 3):

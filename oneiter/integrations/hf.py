@@ -15,8 +15,11 @@ so the file reads, compares and replays like one `oneiter record` writes. What t
 - the batch is the keyword arguments of the model's first forward call (`input_ids`, `attention_mask`,
   `labels`, ...), named `kwarg.<name>`; with `replay=` the reference's tensors are put in their place;
 - the loss is the tensor the Trainer's backward runs on (divided by the accumulation steps when there are any);
-- parameter gradients are read when that backward returns, *before* the Trainer's gradient clipping (which then
-  changes them in place: the optimizer's update is reported as not judged by the per-call probe, with that
+- gradient accumulation (`gradient_accumulation_steps=K`): the step's K microbatches, each its own forward and
+  backward, are one recording (docs/format.md "Microbatches"): each forward call takes its microbatch's batch (with
+  `num_items_in_batch`, the step's label count, among its keyword arguments);
+- parameter gradients are read when the last backward returns, *before* the Trainer's gradient clipping (which
+  then changes them in place: the optimizer's update is reported as not judged by the per-call probe, with that
   reason, and the accumulated comparison of the updated weights still runs);
 - autocast (`bf16=True` / `fp16=True`) is the Trainer's own; the Recorder notes its dtype. accelerate also casts
   the model's outputs to float32 after the model returns them; for the recorded step the Recorder takes that cast
@@ -41,9 +44,8 @@ as the process ends (`terminate called without an active exception`, exit -6, af
 Trainer's own race with Python's shutdown, without oneiter too); the callback has the group destroyed at exit,
 before Python finalizes (`runtime/distributed.py`: `destroy_at_exit`).
 
-Limits: `gradient_accumulation_steps` must be 1 (a replay swaps the batch of one forward call). If the recorded
-step raises, the Trainer calls no callback: `close()` (or the end of training) removes the hooks and the temporary
-file.
+If the recorded step raises, the Trainer calls no callback: `close()` (or the end of training) removes the hooks
+and the temporary file.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
         f"oneiter.integrations.hf needs transformers ({_err}); install it with `pip install transformers`"
     ) from _err
 
-from oneiter.errors import OneIterError
 from oneiter.integrations.hf_profile import ProfileCallback
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
@@ -77,10 +78,6 @@ class OneIterCallback(DrivenCallback, TrainerCallback):
 
     # -- Trainer events --------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if args.gradient_accumulation_steps != 1:
-            raise OneIterError(f"gradient_accumulation_steps must be 1 to record a step (a replay swaps the batch of "
-                               f"one forward call), got {args.gradient_accumulation_steps}",
-                               param="gradient_accumulation_steps")
         self._driver.check_steps(state.max_steps)
         # with torch_compile=True the Trainer calls accelerate's torch.compile(model): the compiled model is recorded
         self._model = compiled_wrapper(model) if args.torch_compile and model is not None else model

@@ -32,11 +32,13 @@ record` writes. What the Recorder takes from Lightning:
 - the optimizer(s) are `trainer.optimizers`: their state when the step begins (AdamW's moments) is in the file, and
   a replay loads it;
 - under DDP (`strategy="ddp"`) rank R writes `<stem>.rank<R>.h5` and replays `<ref stem>.rank<R>.h5`, as under
-  torchrun.
+  torchrun;
+- gradient accumulation (`accumulate_grad_batches=K`): optimizer step N is K batches, each its own `training_step`
+  and backward; the Recorder opens at the first batch of step N and closes after the batch that steps, each
+  `training_step`'s batch one microbatch of the recording (docs/format.md "Microbatches").
 
 `every=K` records the statistics of steps 0, K, 2K, ... into one multi-step file (no twin: compare holds the steps
-to the tolerance). Limits: `accumulate_grad_batches` must be 1 (a replay swaps the batch of one `training_step`).
-An exception inside the step reaches `on_exception`: hooks removed, no file left.
+to the tolerance). An exception inside the step reaches `on_exception`: hooks removed, no file left.
 """
 
 from __future__ import annotations
@@ -54,11 +56,10 @@ except ImportError:  # the older package name: the same API
         raise ImportError(f"oneiter.integrations.lightning needs PyTorch Lightning ({_err}); install it with "
                           f"`pip install lightning` (or oneiter's extra: `pip install 'oneiter[lightning]'`)") from _err
 
-from oneiter.errors import OneIterError
 from oneiter.integrations.profile_callback import ProfileEvents
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
-from oneiter.record.recorder import Phase, Recorder
+from oneiter.record.recorder import Recorder
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
 
@@ -83,30 +84,32 @@ class OneIterCallback(DrivenCallback, pl.Callback):
     ):
         super().__init__(step=step, every=every, options=options, **record)
         self._routed: Optional[Any] = None  # the LightningModule whose next training_step goes through a Recorder
+        self._step = -1  # the optimizer step being recorded (its batches end when `global_step` moves past it)
 
     # -- Lightning events -------------------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise OneIterError(f"accumulate_grad_batches must be 1 to record a step (a replay swaps the batch of one "
-                               f"training_step), got {trainer.accumulate_grad_batches}",
-                               param="accumulate_grad_batches")
         max_steps = _max_steps(trainer)
         self._driver.check_steps(max_steps)
         self._driver.start_run(pl_module, trainer.optimizers, self._options(trainer, None), max_steps)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
-        recorder = self._driver.begin(step, pl_module, trainer.optimizers, lambda: self._options(trainer, step))
+        opened = self._driver.current  # the step's later batches under gradient accumulation: more microbatches
+        recorder = opened or self._driver.begin(step, pl_module, trainer.optimizers,
+                                                lambda: self._options(trainer, step))
         if recorder is None:
             return
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: backward runs on the scaled loss
-        if scaler is not None and scaler.is_enabled():
-            recorder.loss_scale(scaler)
+        if opened is None:
+            self._step = step
+            scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: backward runs on the scaled loss
+            if scaler is not None and scaler.is_enabled():
+                recorder.loss_scale(scaler)
         self._route(pl_module, recorder)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._unroute()
-        self._driver.end()
+        if self._driver.recording and trainer.global_step != self._step:  # this batch's optimizer step ran
+            self._driver.end()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._driver.end_run()
@@ -125,10 +128,11 @@ class OneIterCallback(DrivenCallback, pl.Callback):
         """The module's next `training_step` call hands its batch to the Recorder (an instance attribute that
         removes itself on that call)."""
         original = pl_module.training_step
+        taken = recorder.num_microbatches  # under DDP the module's own call takes the batch first
 
         def training_step(*args, **kwargs):
             self._unroute()
-            if recorder.phase is Phase.OPEN:  # the batch not taken yet (under DDP, the module's own call took it)
+            if recorder.num_microbatches == taken:  # this batch not taken yet: it begins a microbatch
                 args, kwargs = _through(recorder, args, kwargs)
             return original(*args, **kwargs)
 

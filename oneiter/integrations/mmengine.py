@@ -17,11 +17,16 @@ runs the real `train_step` inside the Recorder. What the Recorder takes from mme
 - the batch is what the data preprocessor delivered: the Recorder stores the arguments of the model's first
   forward call (and, with `replay=`, replaces them by the reference's batch first); the preprocessor itself is
   never captured;
+- gradient accumulation (`OptimWrapper(accumulative_counts=K)`): the optimizer steps once every K iterations, so
+  the hook records the whole window of iterations that step closes, each `train_step` one microbatch of the
+  recording (docs/format.md "Microbatches"): `iteration=N` records the window holding iteration N (iterations
+  N - N % K to the one that steps), and `every` must be a multiple of K;
 - parameter gradients are read by a step pre-hook on every optimizer of the `OptimWrapper(Dict)`, right before
-  the step (or when `train_step` returns, if this iteration does not step, under gradient accumulation);
+  the step;
 - autocast is mmengine's own (`AmpOptimWrapper`); the Recorder only notes its dtype;
-- the loss is `outputs['loss']`, the sum `parse_losses` built and backward ran on; every entry of the loss
-  dict is in the root attribute `loss_dict` (JSON).
+- the loss is `outputs['loss']`, the sum `parse_losses` built and backward ran on (each microbatch's); every
+  entry of the loss dict is in the root attribute `loss_dict` (JSON; a list of one dict per microbatch under
+  accumulation).
 
 `every=K` instead of `iteration=N` records the statistics of every K-th iteration (0, K, 2K, ...) into one
 multi-step file (`record/steps/step_recorder.py`; no twin: the runner's iteration cannot be run twice, so `oneiter
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -152,8 +158,12 @@ class OneIterRecordHook(Hook):
         if self.replay is not None and not self.replay.is_file():
             raise FileNotFoundError(f"replay should be an existing recording (.h5), but got '{self.replay}'")
         self._check_out(_rank_path(self.out))
-        self._wrapped = None  # the model whose train_step is shadowed, until that call starts
+        self._wrapped = None  # the model whose train_step is shadowed, until the window's last call starts
         self._previous: Any = _ABSENT  # the instance attribute train_step had before (a compiled one), if any
+        self._window: Optional[tuple[int, int]] = None  # the iterations recorded as one (first, last): accumulation
+        self._open: Optional[Any] = None  # the recording's block while its window runs (a Recorder, or a step's)
+        self._called = False  # the wrapped train_step ran in this iteration
+        self._losses: list[dict[str, float]] = []  # each microbatch's loss dict
         self.summary: Optional[dict[str, Any]] = None  # file, tensors, bytes, seconds, loss once recorded
 
     def _check_out(self, out: Path) -> None:
@@ -163,6 +173,10 @@ class OneIterRecordHook(Hook):
     def before_train(self, runner) -> None:
         self._check_out(_rank_path(self.out))
         max_iters = getattr(runner, "max_iters", None)
+        counts = _accumulative_counts(runner.optim_wrapper)
+        if self.every is not None and self.every % counts:
+            raise ValueError(f"every should be a multiple of the optimizer wrapper's accumulative_counts ({counts}: "
+                             f"each recorded step is a window of {counts} iterations), but got {self.every}")
         if self.iteration is not None and isinstance(max_iters, int) and self.iteration >= max_iters:
             raise ValueError(
                 f"iteration should be less than the number of training iterations ({max_iters}), "
@@ -187,14 +201,25 @@ class OneIterRecordHook(Hook):
         return str(amp) if amp is not None else None
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        self._called = False
         wanted = self._steps.next_step if self._steps is not None else self.iteration
-        if runner.iter != wanted or (self._steps is None and self.summary is not None):
+        if self._wrapped is not None or wanted is None or (self._steps is None and self.summary is not None):
+            return  # a window under way keeps its wrapper
+        counts = _accumulative_counts(runner.optim_wrapper)
+        first = wanted - wanted % counts  # the first iteration of the window holding `wanted`
+        if runner.iter != first:
             return
+        max_iters = getattr(runner, "max_iters", None)
+        last = first + counts - 1 if not isinstance(max_iters, int) else min(first + counts, max_iters) - 1
+        self._window, self._losses = (first, last), []
+        if counts > 1 and self._steps is None:
+            runner.logger.info(f"oneiter: iteration {wanted} accumulates gradients with iterations {first}..{last} "
+                               f"(accumulative_counts {counts}): recording them as one iteration of {last - first + 1}"
+                               f" microbatches")
         model = runner.model
         original = model.train_step
 
         def train_step(*args, **kwargs):
-            self._restore()  # one call only
             return self._record(runner, original, args, kwargs)
 
         # an instance attribute shadows the class's method (nn.Module.__setattr__ stores a function as is); one may
@@ -204,15 +229,15 @@ class OneIterRecordHook(Hook):
         self._wrapped = model
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
-        if self._wrapped is not None:
-            self._restore()
+        if self._wrapped is not None and not self._called:
+            self._abandon()
             raise RuntimeError(
-                f"OneIterRecordHook: iteration {self.iteration} did not call runner.model.train_step; "
+                f"OneIterRecordHook: iteration {runner.iter} did not call runner.model.train_step; "
                 "this training loop is not supported"
             )
 
     def after_train(self, runner) -> None:
-        self._restore()
+        self._abandon()
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.__exit__(None, None, None)
@@ -229,7 +254,7 @@ class OneIterRecordHook(Hook):
             )
 
     def after_run(self, runner) -> None:
-        self._restore()
+        self._abandon()
         steps, self._steps = self._steps, None
         if steps is not None:  # training stopped before after_train: no file
             steps.__exit__(RuntimeError, RuntimeError("the run did not end"), None)
@@ -244,22 +269,48 @@ class OneIterRecordHook(Hook):
 
     # -- the recorded iteration -------------------------------------------------------------------------------------
     def _record(self, runner, train_step, args: tuple, kwargs: dict):
-        if self._steps is not None:  # `every`: one more step of the multi-step recording
-            with self._steps.step(runner.iter) as rec:
-                outputs = train_step(*args, **kwargs)
-                loss, loss_dict = _loss_of(outputs)
-                rec.loss(loss)
-                rec.note(loss_dict=json.dumps(loss_dict))
-            return outputs
-        model = _unwrap(runner.model)
-        options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
-        recorder = Recorder.from_options(model, options, optimizer=_optimizers(runner.optim_wrapper))
-        with recorder as rec:
+        """One `train_step` of the window being recorded (one iteration, or the iterations one accumulated step
+        spans): the recording's block opens at its first call and closes after its last."""
+        self._called = True
+        first, last = self._window
+        if self._open is None:
+            self._open = self._block(runner, first)
+            self._rec = self._open.__enter__()
+        try:
             outputs = train_step(*args, **kwargs)
             loss, loss_dict = _loss_of(outputs)
-            rec.loss(loss)
-            rec.note(loss_dict=json.dumps(loss_dict))
-        summary = recorder.summary
+            self._rec.loss(loss)  # this microbatch's
+            self._losses.append(loss_dict)
+            self._rec.note(loss_dict=json.dumps(self._losses[0] if len(self._losses) == 1 else self._losses))
+        except BaseException:
+            self._abandon(sys.exc_info())
+            raise
+        if runner.iter >= last:
+            self._restore()
+            block, self._open, self._rec = self._open, None, None
+            block.__exit__(None, None, None)
+            if isinstance(block, Recorder):
+                self._recorded(runner, block.summary)
+        return outputs
+
+    def _block(self, runner, first: int):
+        """The recording's block for the window starting at iteration `first`: one more step of the multi-step
+        recording (`every`), or a Recorder of its own."""
+        if self._steps is not None:
+            return self._steps.step(first)
+        model = _unwrap(runner.model)
+        options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        return Recorder.from_options(model, options, optimizer=_optimizers(runner.optim_wrapper))
+
+    def _abandon(self, exc_info=None) -> None:
+        """The window did not end (an exception inside it, or training stopped): the wrapper goes, and the block is
+        left with the exception (no file)."""
+        self._restore()
+        block, self._open, self._rec = self._open, None, None
+        if block is not None:
+            block.__exit__(*(exc_info or (RuntimeError, RuntimeError("the recorded iteration did not end"), None)))
+
+    def _recorded(self, runner, summary) -> None:
         self.summary = {
             "file": str(summary.path), "num_entries": summary.num_entries, "num_bytes": summary.num_bytes,
             "seconds": summary.seconds, "loss": summary.loss,
@@ -269,7 +320,6 @@ class OneIterRecordHook(Hook):
             f"{summary.num_bytes / 2**20:.1f} MB, {summary.seconds:.2f} s, loss {summary.loss:.6g}"
             + (f" (replay of {self.replay})" if self.replay else "")
         )
-        return outputs
 
     def _meta(self, runner) -> dict[str, Any]:
         """What only the runner knows, on top of the root attributes the Recorder writes."""
@@ -279,6 +329,15 @@ class OneIterRecordHook(Hook):
             **({"iteration": self.iteration} if self.iteration is not None else {}),
             "framework": "mmengine", "mmengine_version": _mmengine_version(),
         }
+
+
+def _accumulative_counts(optim_wrapper) -> int:
+    """How many iterations the optimizer wrapper(s) accumulate gradients over before a step (1: every iteration
+    steps); the largest of an `OptimWrapperDict`'s."""
+    from mmengine.optim import OptimWrapperDict
+
+    wrappers = list(optim_wrapper.values()) if isinstance(optim_wrapper, OptimWrapperDict) else [optim_wrapper]
+    return max([int(getattr(w, "_accumulative_counts", 1) or 1) for w in wrappers] or [1])
 
 
 def _check_types(record: dict[str, Any]) -> None:

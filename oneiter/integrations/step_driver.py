@@ -65,6 +65,7 @@ class StepDriver:
         self._steps: Optional[StepRecorder] = None  # every=K: the multi-step recording of the run
         self._block: Optional[AbstractContextManager] = None  # every=K: the step being recorded
         self._random: Optional[AbstractContextManager] = None  # a compiled model's random numbers, replayable
+        self._open: Optional[Recorder] = None  # the Recorder of the step being recorded (either way)
         self.check_output()
 
     @property
@@ -105,14 +106,20 @@ class StepDriver:
                 return None
             block = self._steps.step(step)
             recorder = block.__enter__()
-            self._block = block
+            self._block, self._open = block, recorder
             return recorder
         if step != self.step or self.summary is not None or self._recorder is not None:
             return None
         recorder = Recorder.from_options(model, options(), optimizer=optimizers)
         recorder.__enter__()
-        self._recorder = recorder
+        self._recorder = self._open = recorder
         return recorder
+
+    @property
+    def current(self) -> Optional[Recorder]:
+        """The Recorder of the step being recorded (its block open), or None: a step of several microbatches
+        (gradient accumulation) hands each microbatch's batch to it."""
+        return self._open if self.recording else None
 
     @property
     def recording(self) -> bool:
@@ -121,6 +128,7 @@ class StepDriver:
 
     def end(self) -> None:
         """The step ended: its file (or its part of the multi-step file) is written."""
+        self._open = None
         block, self._block = self._block, None
         if block is not None:
             block.__exit__(None, None, None)
@@ -146,6 +154,7 @@ class StepDriver:
     def close(self) -> None:
         """Abandon whatever did not end (the framework raised inside a step): hooks removed, no file left."""
         failed = (RuntimeError, RuntimeError("the recorded step did not end"), None)
+        self._open = None
         block, self._block = self._block, None
         try:
             if block is not None:

@@ -19,11 +19,17 @@ What it does inside the block, in order:
 - the batch: `rec.inputs(...)` stores its arguments as `batch/` and, on replay, returns the reference's tensors
   in their place. Without `rec.inputs`, the arguments of the model's first forward call are the batch (and are
   swapped the same way) — what the framework integrations use;
-- the loss: the tensor the first `.backward()` in the block runs on (autocast ends there), unless `rec.loss(t)`
-  names it explicitly (do that under a GradScaler, whose backward runs on the scaled loss);
-- parameter gradients: read when that backward returns (before clipping or unscaling changes them; else right
-  before the first step of `optimizer`, or when the block ends); the teacher-forced probes judge the optimizer's
-  update right before it steps, when there is exactly one optimizer and nothing changed the gradients in between;
+- microbatches (gradient accumulation): each further `rec.inputs(...)`, or without it a call of the model after a
+  backward returned, begins the next microbatch of the same iteration, with its own batch (on replay the
+  reference's microbatch's), random values and loss; autocast is entered again for its forward. Everything up to
+  the optimizer's step is one recording (docs/format.md "Microbatches");
+- the loss: the tensor the first `.backward()` of each microbatch runs on (autocast ends there), unless
+  `rec.loss(t)` names it explicitly (do that under a GradScaler, whose backward runs on the scaled loss); with
+  several microbatches the file's loss is their sum;
+- parameter gradients: as accumulated when the last backward returned (before clipping or unscaling changes
+  them: a host copy is kept after each backward), stored right before the first step of `optimizer`, or when the
+  block ends; the teacher-forced probes judge the optimizer's update right before it steps, when there is exactly
+  one optimizer and nothing changed the gradients in between;
 - on exit: `state_after`, the loss, the `/local` table; the file is renamed into place only now. An exception
   in the block removes every hook and leaves no file behind.
 
@@ -53,22 +59,28 @@ from oneiter.format.schema import (
     BATCH,
     GRAD_REDUCTION,
     LOSS,
+    MICROBATCHES,
     OPTIMIZER,
+    OPTIMIZER_CLASS,
     PRECISION_MODES,
     RANDOM,
     ROOT_MODULE,
     STATE_BEFORE,
+    STATE_NAMES,
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.capture import raised_at
-from oneiter.record.capture.batch import BatchSwap, batch_rows, map_call, read_batch, store_batch
+from oneiter.record.capture.batch import BatchSwap, batch_rows
 from oneiter.record.capture.blocks import compiled_attr, compiled_notes, refuse
 from oneiter.record.capture.hooks import next_node_number, unscaled
+from oneiter.record.capture.microbatches import Microbatches, reference_swaps, refuse_accumulated
 from oneiter.record.capture.optimizer_step import before_update
+from oneiter.record.modes.pipeline import PipelineWatch
 from oneiter.record.options import CALIBRATIONS, LEVELS, RecordOptions, amp_name, module_selector, regex_list
 from oneiter.record.session import RecordingSession, atomic_output, check_output
 from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
+from oneiter.record.start.state_names import qualified, renamed
 from oneiter.runtime import precision_modes
 from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call, recordable_compiles
 from oneiter.runtime.devices import device_name
@@ -77,7 +89,13 @@ from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.names import state_tensors
 from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
 from oneiter.runtime.sharding import class_name, is_sharded, local, reduction
-from oneiter.runtime.wrappers import grad_scalers, model_forward_cast, unwrap_model, unwrap_optimizers
+from oneiter.runtime.wrappers import (
+    accumulation_steps,
+    grad_scalers,
+    model_forward_cast,
+    unwrap_model,
+    unwrap_optimizers,
+)
 from oneiter.version import __version__
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
@@ -102,23 +120,25 @@ class RecordSummary:
 
 
 class Phase(enum.IntEnum):
-    """Where the recorded iteration is. It only moves forward, along `_MOVES`; what an event does depends on it
-    alone (a second backward, a later forward or a second step find the phase past theirs and do nothing)."""
+    """Where the recorded iteration is, along `_MOVES`: forward, backward and gradients once per microbatch (a
+    further microbatch goes back to FORWARD), then the step; what an event does depends on it alone (a later
+    forward or a second step after the step find the phase past theirs and do nothing)."""
 
     IDLE = 0  # constructed, the block not entered
     OPEN = 1  # inside the block: hooks attached, no batch yet
-    FORWARD = 2  # the batch is taken (rec.inputs, or the model's first call): forward runs
-    BACKWARD = 3  # the first backward began: autocast ended, the loss is known
-    GRADS = 4  # parameter gradients read: random/fallback modes closed, deferred probes run
-    STEPPED = 5  # the optimizer's first step began: its update judged
+    FORWARD = 2  # a microbatch's batch is taken (rec.inputs, or the model's call): its forward runs
+    BACKWARD = 3  # a backward runs: autocast ended, its microbatch's loss is known
+    GRADS = 4  # the backward returned: gradients as accumulated so far kept, random/fallback modes paused
+    STEPPED = 5  # the optimizer's first step began: gradients stored, deferred probes run, its update judged
     CLOSED = 6  # the block ended
 
 
-# each phase, and the phases it may be entered from (the only place the order of an iteration is written down)
+# each phase, and the phases it may be entered from (the only place the order of an iteration is written down);
+# once the gradients are stored (`Recorder._settle_grads`: the step began, or the block ends) no microbatch follows
 _MOVES: dict[Phase, frozenset[Phase]] = {
     Phase.OPEN: frozenset({Phase.IDLE}),
-    Phase.FORWARD: frozenset({Phase.OPEN}),
-    Phase.BACKWARD: frozenset({Phase.FORWARD}),
+    Phase.FORWARD: frozenset({Phase.OPEN, Phase.FORWARD, Phase.GRADS}),  # the next microbatch
+    Phase.BACKWARD: frozenset({Phase.FORWARD, Phase.GRADS}),  # GRADS: a second backward of a microbatch
     Phase.GRADS: frozenset({Phase.FORWARD, Phase.BACKWARD}),  # no backward seen: read at the step or the end
     Phase.STEPPED: frozenset({Phase.GRADS}),
     Phase.CLOSED: frozenset(Phase) - {Phase.CLOSED},
@@ -237,6 +257,7 @@ class Recorder:
             self.options = options = _forward_autocast(options, self._forward_cast)
         self.optimizers = optimizer_list(optimizer)
         self._scalers = grad_scalers(optimizer)  # accelerate's AcceleratedOptimizer steps through its GradScaler
+        self._accumulation = accumulation_steps(optimizer)  # what its wrapper says it accumulates over (the errors)
         self.progress, self.notify = progress, notify
         self.estimated_bytes: int | None = None  # the whole file, estimated once forward is done
         self.rank = current_rank()
@@ -247,10 +268,13 @@ class Recorder:
         self.summary: RecordSummary | None = None
         self.phase = Phase.IDLE
         self._stack: ExitStack | None = None
-        self._loss = None
-        self._explicit_loss = False
+        self._loss = None  # the iteration's loss, once the block ends
+        self._mb = Microbatches()  # the microbatches begun, and each one's loss
+        self._settled = False  # the gradients are stored (the step began, or the block ends): no microbatch follows
+        self._backwards = 0  # backwards run in the block
+        self._swap: list[BatchSwap] | None = None  # a replay: the reference's batch of each microbatch
         self._grad_versions: dict[str, int] = {}
-        self._first_call: tuple | None = None  # the model's first call: (args, kwargs, its first node number)
+        self._first_call: tuple | None = None  # the model's call of this microbatch: (args, kwargs, first node)
         self._failed_backward: tuple | None = None  # (the exception backward raised, the tensor it ran on)
         self._given_ref, self._start = None, True  # `from_options`: a step of a multi-step recording
         self._step_of = False
@@ -260,6 +284,8 @@ class Recorder:
     def _advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`_MOVES`); whether it did. A backward
         or a step before the model ran has no batch to go with: refused, as the block's end would refuse it."""
+        if self._settled and to in (Phase.FORWARD, Phase.BACKWARD):
+            return False
         if self.phase in _MOVES[to]:
             self.phase = to
             return True
@@ -377,17 +403,22 @@ class Recorder:
             return
         with stack:
             self._remove_hooks()
-            if self._loss is None:
+            if not self._mb.has_backward():
                 raise OneIterError("the Recorder block ended before any backward ran, so it holds no training "
                                    "iteration: run the loss's backward (and the optimizer's step) inside the `with` "
                                    "block, or name the loss with rec.loss(tensor)", param="model")
             if self.phase is Phase.OPEN:
                 raise _never_called()
-            self._read_grads()
+            self._mb.check_replayed(self._swap, self.ref.path.name if self.ref is not None else "")
+            self._settle_grads()
             self.session.enter_phase("writing")
             self.session.state_after()
-            if not self._explicit_loss:  # the tensor backward ran on: the loss times the GradScaler's scale
-                self._loss = unscaled(self._loss, self.session.module_capture.grad_scale)
+            # the tensor each backward ran on: the loss times the GradScaler's scale
+            losses = self._mb.values(lambda t: unscaled(t, self.session.module_capture.grad_scale))
+            self._loss = self._mb.total(losses)
+            if self._mb.count > 1:
+                self.session.microbatch_losses(self._mb.as_floats(losses))
+                self.session.extra_attrs[MICROBATCHES] = self._mb.count
             reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
             compiled = compiled_attr(self.session.module_capture.blocks, self._watch, self._modes.random.num_compiled)
@@ -401,31 +432,41 @@ class Recorder:
         )
         self.summary.iteration_seconds = self.summary.seconds
 
+    @property
+    def num_microbatches(self) -> int:
+        """How many microbatches of the iteration have begun (each `rec.inputs`, or the model's call after a
+        backward: docs/format.md "Microbatches")."""
+        return self._mb.count
+
     # -- what the loop calls -----------------------------------------------------------------------------------------
     def inputs(self, *args, **kwargs):
         """Store these model inputs as the recording's batch; on replay return the reference's in their place.
 
         One argument comes back as one value, several as a tuple (`model(*rec.inputs(x, y))`), keyword arguments
         as `(args, kwargs)`. Tensors may be nested in lists, tuples and dicts; each is moved to the device and
-        cast to the dtype of the tensor it replaces.
+        cast to the dtype of the tensor it replaces. Each call begins a microbatch: call it once per microbatch
+        when the iteration accumulates gradients over several before its step (docs/format.md "Microbatches").
         """
         self._active("inputs")
-        if not self._advance(Phase.FORWARD):
-            raise OneIterError("rec.inputs() was already called (or the model already ran) in this block: "
-                               "the batch is recorded once", param="inputs")
+        if not self._begin_microbatch():
+            raise OneIterError("rec.inputs() after the optimizer's step: a Recorder block records one iteration, "
+                               "its microbatches before its step; record the next one in a new block",
+                               param="inputs")
+        self._mb.from_inputs = True
         args, kwargs = self._take_batch(args, kwargs)
         if kwargs:
             return args, kwargs
         return args[0] if len(args) == 1 else tuple(args)
 
     def loss(self, tensor):
-        """Name the loss of this iteration explicitly (default: the tensor the first backward runs on)."""
+        """Name the loss of this iteration (of the microbatch whose forward runs) explicitly (default: the tensor the
+        first backward runs on)."""
         self._active("loss")
         import torch
 
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != 1:
             raise OneIterError(f"loss must be a one-element tensor, got {type(tensor).__name__}", param="loss")
-        self._loss, self._explicit_loss = tensor.detach(), True
+        self._mb.note_loss(self._mb.current, tensor.detach(), explicit=True)
         return tensor
 
     def loss_scale(self, scale) -> None:
@@ -455,26 +496,54 @@ class Recorder:
             raise OneIterError(f"rec.{what}() works only inside `with Recorder(...) as rec:`", param=what)
 
     def _take_batch(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._swap is not None:
-            args, kwargs = map_call(args, kwargs, self._swap)
-            self._swap.check_complete()
-        store_batch(self.session.sink, args, kwargs)
-        if not self._meta_batch_size:  # nothing said how large the batch is: its first tensor's rows
+        """The batch of the microbatch that just began: stored, and on replay the reference's in its place."""
+        args, kwargs = self._mb.take(self.session.sink, args, kwargs, self._swap,
+                                     self.ref.path.name if self.ref is not None else "")
+        if not self._meta_batch_size and self._mb.current == 0:  # nothing said how large: its first tensor's rows
             rows = batch_rows(args, kwargs)
             if rows:
                 self.session.extra_attrs.setdefault("batch_size", rows)
         return args, kwargs
 
     def _first_forward(self, module, args, kwargs):
+        """The model's outermost call: it takes a microbatch's batch when it begins one (the first call, or the first
+        after a backward returned), unless `rec.inputs` began the microbatch and handed the batch already."""
+        if self.session.module_capture.is_suspended():  # a pipeline schedule's shape inference: no call of it
+            return None
         if self._first_call is None:
             self._check_autocast()
-        if not self._advance(Phase.FORWARD):
-            if self._first_call is None:  # after rec.inputs(): the arguments are the batch already
-                self._first_call = (args, kwargs, next_node_number())
+        if self._mb.from_inputs:  # after rec.inputs(): the arguments are the batch already
+            self._mb.from_inputs = False
+            self._first_call = (args, kwargs, next_node_number())
             return None
+        if not self._call_begins_microbatch() or not self._begin_microbatch():
+            return None  # another call in this microbatch (two views of one batch), or after the step
         new_args, new_kwargs = self._take_batch(args, kwargs)
         self._first_call = (new_args, new_kwargs, next_node_number())
         return (new_args, new_kwargs) if self._swap is not None else None
+
+    def _call_begins_microbatch(self) -> bool:
+        """Whether a call of the model (without `rec.inputs` before it) begins a microbatch: the first call, or the
+        first after a backward returned; a model called twice before its backward runs both calls in one."""
+        return self.phase in (Phase.OPEN, Phase.GRADS)
+
+    def _begin_microbatch(self) -> bool:
+        """The next microbatch begins (its forward comes): numbered, its calls marked with it, and after a backward
+        the random/fallback modes and the managed autocast on again. False after the step (none may begin)."""
+        first = self.phase is Phase.OPEN
+        if not self._advance(Phase.FORWARD):
+            return False
+        micro = self._mb.begin(next_node_number())
+        self.session.module_capture.microbatch = micro
+        if first:
+            return True
+        self._modes.resume()
+        opts = self.options
+        if opts.amp and opts.manage_autocast and self._autocast is None:
+            self._autocast = autocast_for(self.device, opts.amp)
+            self._autocast.__enter__()
+        self.session.enter_phase("forward")
+        return True
 
     def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
         """Where in the model an exception of this block was raised: (what, where) — `the forward of
@@ -500,25 +569,81 @@ class Recorder:
         return raised_at.backward_place(capture, node, created, note)
 
     def _patch_backward(self, stack: ExitStack) -> None:
+        """`Tensor.backward` and `torch.autograd.backward` (what pipeline schedules call) begin a backward: the
+        tensor it runs on is its microbatch's loss, unless gradients are handed to it (a pipeline stage before the
+        last runs its backward from the gradients the next stage sent: no loss of its own)."""
         import torch
 
-        original = torch.Tensor.backward
-        recorder = self
+        originals = (torch.Tensor.backward, torch.autograd.backward)
+        recorder, running = self, []
 
-        def backward(tensor, *args, **kwargs):
-            if not recorder._advance(Phase.BACKWARD):
-                return recorder._backward(original, tensor, args, kwargs)
-            recorder._estimate()
-            recorder._end_autocast()
-            recorder.session.enter_phase("backward")
-            if not recorder._explicit_loss:
-                recorder._loss = tensor.detach()
-            result = recorder._backward(original, tensor, args, kwargs)
-            recorder._read_grads()  # before anything (clipping, unscaling) changes them
-            return result
+        def patched(original, fed):
+            def backward(tensor, *args, **kwargs):
+                if running or not recorder._advance(Phase.BACKWARD):  # Tensor.backward calls autograd.backward
+                    return recorder._backward(original, tensor, args, kwargs)
+                running.append(True)
+                try:
+                    return recorder._run_backward(original, tensor, args, kwargs, fed(args, kwargs))
+                finally:
+                    running.clear()
+            return backward
 
-        torch.Tensor.backward = backward
-        stack.callback(setattr, torch.Tensor, "backward", original)
+        torch.Tensor.backward = patched(originals[0], lambda a, k: k.get("gradient", a[0] if a else None))
+        torch.autograd.backward = patched(originals[1], lambda a, k: k.get("grad_tensors", a[0] if a else None))
+        stack.callback(setattr, torch.Tensor, "backward", originals[0])
+        stack.callback(setattr, torch.autograd, "backward", originals[1])
+
+    def _run_backward(self, original, tensor, args: tuple, kwargs: dict, grads):
+        """One backward of the block (`_patch_backward`); `grads` the gradients handed to it, or None."""
+        if not self._backwards:  # the block's first backward
+            refuse_accumulated(self.model, self._accumulation)
+            self._estimate()
+        self._backwards += 1
+        self._end_autocast()
+        self._modes.resume()  # a second backward of a microbatch, after the first paused them
+        self.session.enter_phase("backward")
+        roots = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+        micro = self._mb.of_tensor(roots[0])
+        given = [g for g in (grads if isinstance(grads, (list, tuple)) else [grads]) if g is not None]
+        if given and any(getattr(r, "numel", lambda: 1)() > 1 for r in roots):  # not a loss (one times a scale)
+            self._mb.backwards.add(micro)
+            self._modes.backward_from(given, micro)
+        else:
+            self._mb.note_loss(micro, roots[0].detach())
+        result = self._backward(original, tensor, args, kwargs)
+        self._after_backward()  # before anything (clipping, unscaling) changes the gradients
+        return result
+
+    def _on_scaled(self, params: list, factor: float) -> None:
+        """A pipeline schedule divided these parameters' gradients by `factor` after its last backward (before the
+        step): the stored gradients stay as the last backward left them, and the step's are known exactly."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        divided = {}
+        for param in params:
+            name = names.get(id(param))
+            if name is not None and param.grad is not None and name in self._grad_versions:
+                divided[name] = factor
+                self._grad_versions[name] = param.grad._version
+        self.session.gradients_divided(divided)
+
+    def _on_chunk(self, phase: str, chunk: int) -> None:
+        """A pipeline schedule runs the forward or backward of its microbatch `chunk` on one of this rank's stages
+        (`record/modes/pipeline.py`): the stage's calls belong to that microbatch, which begins here unless it
+        did already (on another stage of this rank, or at `rec.inputs`)."""
+        if self._settled:
+            return
+        if phase == "backward":
+            self._mb.scheduled = chunk
+            return
+        self._mb.scheduled = -1
+        while self._mb.count <= chunk:
+            if not self._begin_microbatch():
+                return
+            self._mb.from_inputs = self._mb.count == 1 and self._first_call is None  # no batch in a stage call
+        if self.phase is Phase.GRADS:  # a microbatch begun before: its forward on another of this rank's stages
+            self._advance(Phase.FORWARD)
+            self._modes.resume()
+        self.session.module_capture.microbatch = chunk
 
     def _backward(self, original, tensor, args: tuple, kwargs: dict):
         """Run backward; if it raises, keep the tensor it ran on: `locate` walks its graph for the failing node."""
@@ -548,7 +673,7 @@ class Recorder:
 
     def _before_step(self) -> None:
         """Right before the optimizer updates the weights (after the closure of a closure step: `before_update`)."""
-        self._read_grads()
+        self._settle_grads()
         if self._advance(Phase.STEPPED):
             self.session.enter_phase("step")
             changed = any(p.grad is not None and p.grad._version != self._grad_versions.get(n)
@@ -565,18 +690,32 @@ class Recorder:
                            f"given amp={self.options.amp!r}: give amp={on!r} (with manage_autocast=False when your "
                            f"code enters autocast itself)", param="amp")
 
-    def _read_grads(self) -> None:
-        """Backward is done: end the random/fallback modes, run the probes, store parameter gradients (once).
-        The optimizer's update is judged right before it steps (`_before_step`), when there is an optimizer."""
-        if not self._advance(Phase.GRADS):
+    def _after_backward(self) -> None:
+        """A backward returned: the gradients as accumulated so far kept (the next microbatch's backward adds to
+        them; clipping or unscaling may change them before the step), the random/fallback modes paused until the
+        next microbatch's forward."""
+        self._advance(Phase.GRADS)
+        self._modes.pause()
+        self.session.keep_grads()
+        self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def _settle_grads(self) -> None:
+        """The step begins (or the block ends): the last microbatch is done. End the random/fallback modes, run the
+        probes, store the parameter gradients as the last backward left them (once). The optimizer's update is
+        judged right before it steps (`_before_step`), when there is an optimizer."""
+        if self._settled:
             return
+        self._advance(Phase.GRADS)  # from FORWARD when no backward ran
+        self._settled = True
         self._modes.close()
         if self.session.probe is not None:
             self.session.enter_phase("probes")
         self.session.step_start()  # before the probes: the optimizer rows of a replay read the reference's
         self.session.after_backward(step_later=bool(self.optimizers))
-        self.session.param_grads(unreduced=self._modes.reduced_grads())
-        self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters() if p.grad is not None}
+        self.session.param_grads(unreduced=self._modes.own_grads_kept())
+        if not self._grad_versions:  # no backward ran: the gradients as the step finds them
+            self._grad_versions = {n: p.grad._version for n, p in self.model.named_parameters()
+                                   if p.grad is not None}
 
     def _compile(self) -> Callable[[], None]:
         """`compile=`: compile the model (or the modules `compile_modules` names) in place; returns the undo."""
@@ -590,9 +729,10 @@ class Recorder:
             handle.remove()
         self._hooks = []
 
-    def _load_reference(self):
+    def _load_reference(self) -> list[BatchSwap]:
         """Load the reference's weights, buffers and optimizer state into the model and its optimizers (not for a
-        step that continues a multi-step replay: `start=False`); return the swap that hands out its batch."""
+        step that continues a multi-step replay: `start=False`); return the swaps that hand out its batch, one per
+        microbatch."""
         _check_world_size(self.ref, self.rank)
         if self.ref.steps():
             raise OneIterError(f"replay '{self.ref.path.name}' records {len(self.ref.steps())} steps: replay them with "
@@ -607,13 +747,13 @@ class Recorder:
                                      _optimizer_names(self.optimizers))
             if why:
                 warn(why, stacklevel=3)
-        return BatchSwap(read_batch(self.ref), self.ref.path.name)
+        return reference_swaps(self.ref)
 
     def _make_modes(self) -> "_Modes":
         """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
         opts = self.options
         modes = _Modes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
-                       self.session.module_capture, self.session.live_collective)
+                       self.session.module_capture, self.session.live_collective, self._on_chunk, self._on_scaled)
         self.session.attach_random(modes.random)
         self.session.attach_collectives(modes.collectives)
         if modes.collectives is not None and not is_sharded(self.model):
@@ -662,6 +802,7 @@ class Recorder:
             "device": str(self.device), "device_type": self.device.type, "device_name": device_name(self.device),
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32", "amp": opts.amp,
             "optimizer": _optimizer_names(self.optimizers), OPTIMIZER_STATE: self.optimizer_start,
+            OPTIMIZER_CLASS: ",".join(qualified(o) for o in self.optimizers),
             "num_threads": torch.get_num_threads(), "torch_version": str(torch.__version__),
             "oneiter_version": __version__, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -673,6 +814,9 @@ class Recorder:
             PRECISION_MODES: precision_modes.to_attr(self.precision_modes),
             GRAD_REDUCTION: reduction(self.model, self.rank.world_size),  # until backward shows a reducer
         }
+        names = {k: v for o in self.optimizers for k, v in renamed(o).items()}
+        if names:  # the target's optimizer keeps the reference's state under other names (`state_names.py`)
+            meta[STATE_NAMES] = json.dumps(names, sort_keys=True)
         meta.update(opts.meta)
         meta["local"] = self.local_kind
         self._meta_batch_size = int(meta.get("batch_size") or 0)
@@ -683,7 +827,8 @@ class _Modes:
     """The torch modes active during forward and backward: random record/replay, op fallback, and (with a process
     group) the collectives' recorder (`record/modes/collectives.py`)."""
 
-    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None):
+    def __init__(self, sink, ref, device, random_replay: bool, fallback: list[str], capture=None, on_output=None,
+                 on_chunk=None, on_scaled=None):
         from oneiter.record.modes.collectives import CollectiveRecorder, is_distributed
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
@@ -695,11 +840,15 @@ class _Modes:
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
             self.random = RandomReplayer(ref, device, replay=random_replay, inside=inside)
         self.fallback = OpFallback(fallback) if fallback else None
-        self.collectives = CollectiveRecorder(sink, capture, on_output) if is_distributed() else None
+        self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None), on_scaled) \
+            if is_distributed() else None
+        self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
+            else None
         self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "_Modes":
         if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            self._until_end.enter_context(self.pipeline)
             self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
             if mode is not None:
@@ -707,21 +856,75 @@ class _Modes:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
-        self._until_end.close()
+        self.close(check=exc[0] is None)
+        self._until_end.__exit__(*exc)  # after an error, a transfer nobody waited for is not waited for
 
-    def close(self) -> None:
+    def close(self, check: bool = True) -> None:
         """End the modes (before the optimizer step: its math is not part of what they judge); the collectives are
-        recorded until the block ends, the step's as its own phase (a tensor-parallel step reduces gradients)."""
+        recorded until the block ends, the step's as its own phase (a tensor-parallel step reduces gradients).
+        `check`: a replay replayed every random op of its reference."""
+        paused, self._paused = self._paused, False
         self._stack.close()
+        if paused and check and hasattr(self.random, "check_complete"):
+            self.random.check_complete()  # left paused: its exit did not check
         if self.collectives is not None:
             self.collectives.stepping = True
+
+    _paused = False
+
+    def pause(self) -> None:
+        """A backward returned: the random and fallback modes are left until the next microbatch's forward (or a
+        further backward): what runs now (clipping) is no part of what they judge, and inside a Python dispatch mode
+        torch's foreach in-place ops (clip_grad_norm_'s) do not move the version counters the Recorder reads. The
+        collectives count as the step's until then."""
+        self._backwards += 1
+        if self.collectives is not None:
+            self.collectives.backwards = self._backwards
+        if self._paused:
+            return
+        self._paused = True
+        self.random.pausing = True
+        try:
+            self._stack.close()
+        finally:
+            self.random.pausing = False
+        if self.collectives is not None:
+            self.collectives.stepping = True
+
+    def resume(self) -> None:
+        """A microbatch's forward (or a further backward) runs: the modes are entered again."""
+        if not self._paused:
+            return
+        self._paused = False
+        for mode in (self.random, self.fallback):
+            if mode is not None:
+                self._stack.enter_context(mode)
+        if self.collectives is not None:
+            self.collectives.stepping = False
+
+    def backward_from(self, grads: list, microbatch: int) -> None:
+        """A backward of `microbatch` runs from these gradients: a point-to-point op that received one moved a
+        gradient."""
+        if self.collectives is not None:
+            self.collectives.p2p.backward_from(grads, microbatch)
 
     def reduced_grads(self) -> bool:
         """Whether a reducer (DDP's) averaged the parameter gradients over ranks in backward."""
         return self.collectives is not None and self.collectives.reduced_grads
 
+    def own_grads_kept(self) -> bool:
+        """Whether the gradients kept before the reducer averaged them are this rank's own sums: a reducer ran, in
+        the last backward only. A pipeline schedule over DDP (`torch.distributed.pipelining`) lets DDP reduce in an
+        earlier microbatch's backward too; the next backward then adds to averaged gradients, and no rank's own sum
+        is ever held: nothing is stored as one (`param_grads_unreduced`), and the parameter rows go unjudged."""
+        return self.reduced_grads() and self.collectives.reduced_only_last(self._backwards)
+
+    _backwards = 0  # backwards returned so far
+
     def summary(self) -> dict:
+        """The modes' root attributes; the point-to-point ops completed and described first (the file closes next)."""
+        if self.collectives is not None:
+            self.collectives.settle()
         return {
             "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),

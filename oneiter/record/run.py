@@ -12,7 +12,8 @@ replaying such a file (`--replay`, `--steps` optional) runs the reference's iter
 
 Under torchrun (several ranks) each rank records its own `out.rank<R>.h5` through DistributedDataParallel, or, for
 a model whose builder parallelises it itself (FSDP2's `fully_shard`, `torch.distributed.tensor.parallel`,
-Megatron-style layers: `runtime.sharding.parallelizes_itself`), as it is (`--data-parallel` decides otherwise); see
+Megatron-style layers: `runtime.sharding.parallelizes_itself`), as it is, or through DDP over the dimensions of
+its device mesh its parameters leave free (`--data-parallel` decides, per mesh dimension: `runtime/meshes.py`); see
 `oneiter.runtime.distributed` for what changes (seed + rank for the batch, averaged gradients, per-rank replay
 files).
 """
@@ -36,15 +37,14 @@ from oneiter.runtime.compiled import compile_modules, find_blocks, recordable_co
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.host_random import seed_all
+from oneiter.runtime.meshes import WORLD, check_choice, ddp_over
 from oneiter.runtime.modelspec import canonical_spec, load_model, spec_for_replay
 from oneiter.runtime.precision import DTYPES, apply_dtype, torch_dtype
-from oneiter.runtime.sharding import is_sharded, parallelizes_itself
 from oneiter.runtime.training import OPTIMIZERS, prepare, set_threads, train_step, use_step
 
 __all__ = ["SpecOptions", "RecordSummary", "record", "check_output", "module_selector"]
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
-DATA_PARALLEL = ("auto", "ddp", "none")
 OptimizerName = Literal["sgd", "adamw"]
 
 
@@ -76,7 +76,8 @@ class SpecOptions(RecordOptions):
     """Record iteration `step` alone, in full, after running 0..step-1 plainly (with `replay`: the reference's)."""
     data_parallel: str = "auto"
     """Under torchrun: `ddp` wraps the model in DistributedDataParallel, `none` runs it as built, `auto` wraps it
-    unless it parallelises itself (`runtime.sharding.parallelizes_itself`)."""
+    unless it parallelises itself (`runtime.sharding.parallelizes_itself`), over the dimensions of its device mesh its
+    parameters leave free; `DIM=ddp|none,...` decides per mesh dimension (`runtime/meshes.py`)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,9 +95,7 @@ class SpecOptions(RecordOptions):
             raise OneIterError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got '{self.optimizer}'")
         if self.dtype not in DTYPES:
             raise OneIterError(f"--dtype must be one of {', '.join(DTYPES)}, got '{self.dtype}'")
-        if self.data_parallel not in DATA_PARALLEL:
-            raise OneIterError(f"data_parallel must be one of {', '.join(DATA_PARALLEL)}, got '{self.data_parallel}'",
-                               param="data_parallel")
+        check_choice(self.data_parallel)
 
 
 def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
@@ -203,8 +202,9 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         setup.dtype = torch_dtype(opts.dtype) if opts.dtype != "float32" else None
         # the call goes through DDP unless the model parallelises itself; hooks, faults and state stay on the inner
         # bundle.model
-        if info.distributed and _data_parallel(opts.data_parallel, bundle.model):
-            setup = wrap_ddp(setup)
+        over = ddp_over(opts.data_parallel, bundle.model) if info.distributed else None
+        if over is not None:
+            setup = wrap_ddp(setup, None if over == WORLD else over)
         if opts.compile:  # before the faults, whose hooks stay outside the compiled code; once for every step
             stack.callback(compile_modules(bundle.model, opts.compile, opts.compile_modules))
             opts = replace(opts, compile=None, compile_modules=[])
@@ -228,15 +228,6 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
     summary = recorder.summary
     summary.seconds = time.perf_counter() - started - summary.compile_seconds
     return summary
-
-
-def _data_parallel(choice: str, model) -> bool:
-    """Whether a multi-rank run wraps the model in DistributedDataParallel (`SpecOptions.data_parallel`)."""
-    if choice == "ddp" and is_sharded(model):
-        raise OneIterError("--data-parallel ddp: the model's parameters are DTensors (FSDP2 or tensor parallelism), "
-                           "which DistributedDataParallel does not take; leave --data-parallel at auto",
-                           param="data_parallel")
-    return choice == "ddp" or (choice == "auto" and not parallelizes_itself(model))
 
 
 def _reference_optimizer(ref: IterationFile | None) -> str:

@@ -27,19 +27,23 @@ from oneiter.errors import OneIterError
 from oneiter.format.schema import (
     BATCH,
     LOSS,
+    MICROBATCH_LOSS,
     OPTIMIZER,
     PARAM_GRADS,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     STEP_START,
     UNREDUCED_GRADS,
     arg_name,
+    shard_attrs,
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
 from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
+from oneiter.record.local.clipping import squared_norms, step_figures
 from oneiter.runtime.names import parameters, state_tensors
-from oneiter.runtime.sharding import is_dtensor
+from oneiter.runtime.sharding import is_dtensor, local, placement_of
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -167,6 +171,7 @@ class RecordingSession:
         self._finished = False
         self._unreduced: dict[str, Any] | None = None  # parameter -> its unreduced gradient (`watch_unreduced`)
         self._grad_hooks: list = []
+        self._kept: list | None = None  # the gradients as the last backward left them (`keep_grads`)
 
     def __enter__(self) -> "RecordingSession":
         return self
@@ -233,11 +238,39 @@ class RecordingSession:
             with self.module_capture.suspended():
                 self.probe.after_backward(step_later=step_later)
 
+    def gradients_divided(self, divisors: dict[str, float]) -> None:
+        """Code between the last backward and the step divided these parameters' gradients (name -> by what: a
+        pipeline schedule's scaling by the number of microbatches): the optimizer's update is judged from the
+        reference's gradients divided alike."""
+        if self.probe is not None and getattr(self.probe, "rerunner", None) is not None:
+            self.probe.rerunner.grad_divisor.update(divisors)
+
     def before_step(self, grads_changed: bool) -> None:
-        """The optimizer is about to step (after `after_backward(step_later=True)`)."""
+        """The optimizer is about to step (after `after_backward(step_later=True)`): the gradients as it sees them
+        (`step_grads`), then the probe judges the step."""
+        figures = self.step_grads(grads_changed)
         if self.probe is not None:
             with self.module_capture.suspended():
-                self.probe.before_step(grads_changed=grads_changed)
+                self.probe.before_step(grads_changed=grads_changed, figures=figures)
+
+    def step_grads(self, changed: bool) -> dict | None:
+        """Where code between backward and the step changed the gradients (`changed`: clipping, unscaling), store them
+        as the step sees them (`/step_grads`) with their figures against what backward left (`record/local/
+        clipping.py`); return the figures (coefficient 1 where nothing changed; None: not measured, a sharded
+        gradient)."""
+        before = getattr(self, "_grad_norms", None)
+        if before is None:
+            return None
+        named = [(n, p.grad) for n, p in parameters(self.model) if p.grad is not None]
+        if not changed:
+            return {"coefficient": 1.0, "grad_norm": sum(before.values()) ** 0.5, "own": {}, "count": len(named),
+                    "largest": max((g.numel() for _, g in named), default=1),
+                    "dtype": str(named[0][1].dtype).removeprefix("torch.") if named else "float32"}
+        figures = step_figures(before, named)
+        self._named(STEP_GRADS, named)
+        self.writer.attrs(STEP_GRADS, {k: float(figures[k]) for k in ("coefficient", "grad_norm", "step_norm",
+                                                                     "spread")})
+        return figures
 
     def state_before(self) -> None:
         state = state_tensors(self.model)
@@ -270,22 +303,50 @@ class RecordingSession:
         if self.progress is not None:
             self.progress(phase, self.sink.num_tensors)
 
+    def keep_grads(self) -> None:
+        """A backward returned: keep host copies of the parameter gradients as it left them (unscaled), what
+        `param_grads` stores unless another backward keeps newer ones. Between the last backward and the step the
+        loop may clip or unscale them in place; with several microbatches the last backward is known only when the
+        step begins. Costs one host copy of the gradients per backward (the file's copy: it is what is written)."""
+        scale = self.module_capture.grad_scale
+        self._kept = [(n, host_copy(local(unscaled(p.grad, scale))), shard_attrs(placement_of(p.grad)))
+                      for n, p in parameters(self.model) if p.grad is not None]
+        if self.probe is not None:
+            self.probe.kept_grads = {n: t for n, t, _ in self._kept}
+
     def param_grads(self, unreduced: bool = False) -> None:
-        """Store the parameter gradients; `unreduced`: they were reduced over ranks, and the copies
-        `watch_unreduced` kept of each rank's own are stored too (`param_grads_unreduced`)."""
+        """Store the parameter gradients (as the last backward left them: `keep_grads`; without a backward, as they
+        are); `unreduced`: they were reduced over ranks, and the copies `watch_unreduced` kept of each rank's own
+        are stored too (`param_grads_unreduced`)."""
         self.enter_phase("parameters")
         scale = self.module_capture.grad_scale
-        grads = [(n, unscaled(p.grad, scale)) for n, p in parameters(self.model) if p.grad is not None]
-        self._named(PARAM_GRADS, grads)
-        kept, self._unreduced = self._unreduced, None
+        kept, self._kept = self._kept, None
+        if kept is None:
+            kept = [(n, unscaled(p.grad, scale), None) for n, p in parameters(self.model) if p.grad is not None]
+        names = []
+        for name, grad, attrs in kept:
+            self.sink.put(PARAM_GRADS, name, grad, attrs, dedup=False)
+            names.append(name)
+        self.writer.attrs(PARAM_GRADS, {"order": names})
+        # what a change before the step (clipping) is measured against; none for a rank's shards (no total)
+        sharded = any(attrs is not None or is_dtensor(grad) for _, grad, attrs in kept)
+        self._grad_norms = None if sharded else squared_norms([(n, g) for n, g, _ in kept])
+        own, self._unreduced = self._unreduced, None
         self._unwatch()
-        if unreduced and kept:
-            self._named(UNREDUCED_GRADS, [(n, kept[n]) for n, _ in grads if n in kept])
+        if unreduced and own:
+            self._named(UNREDUCED_GRADS, [(n, own[n]) for n in names if n in own])
 
     def state_after(self) -> None:
         self._named(STATE_AFTER, [(name, t) for name, t, _ in state_tensors(self.model)])
         if self.probe is not None:
             self.probe.after_step()
+
+    def microbatch_losses(self, values: list[float]) -> None:
+        """Each microbatch's loss (an iteration of several: `/microbatch_loss`, float64, NaN for one without a
+        backward)."""
+        import torch
+
+        self.sink.put("", MICROBATCH_LOSS, torch.tensor(values, dtype=torch.float64), dedup=False)
 
     def finish(self, loss, attrs: dict[str, Any] | None = None) -> tuple[int, int]:
         """Write the loss, mark the file complete and close it. Returns (datasets incl. links, tensor bytes)."""

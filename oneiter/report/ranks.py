@@ -23,11 +23,14 @@ def print_ranked(console: Console, ranked: RankedResult, *, show_all: bool = Fal
     console.print(Text(safe_text(overall.headline), style="bold " + _STYLES[overall.status]))
     for rank, result in ranked.results.items():
         console.print(Text(safe_text(f"rank {rank:<3} {result.verdict_obj.headline}"), style=_STYLES[result.status]))
-    flagged = [j for j in ranked.collectives if j.flagged(ranked.factor)]
-    if ranked.collectives:
-        style = "red" if flagged else "green"
-        console.print(Text(safe_text(f"collectives: {len(ranked.collectives)} judged against the exact result of their "
-                                     f"group's recorded inputs, {len(flagged)} beyond their noise"), style=style))
+    for kind, line in (("collective", "judged against the exact result of their group's recorded inputs"),
+                       ("transfer", "judged against what their sending rank sent")):
+        judged = [j for j in ranked.collectives if j.kind == kind]
+        flagged = [j for j in judged if j.flagged(ranked.factor)]
+        if judged:
+            beyond = "beyond their noise" if kind == "collective" else "not what was sent"
+            console.print(Text(safe_text(f"{kind}s: {len(judged)} {line}, {len(flagged)} {beyond}"),
+                               style="red" if flagged else "green"))
     if overall.note:
         console.print(Text(safe_text(overall.note), style="yellow"))
     for rank, result in ranked.results.items():

@@ -13,6 +13,7 @@
 - `distributed.py` torchrun ranks, DDP, per-rank file names, the process group compare shares its work over
 - `sharding.py`    DTensor parameters (FSDP2, tensor parallelism), whether a model parallelises itself, how
                    gradients are reduced
+- `meshes.py`      which dimensions of a model's device mesh DDP wraps (`record --data-parallel`, per dimension)
 - `commands.py`    the CLI's flag names, and the command lines oneiter prints for a user to run
 - `wrappers.py`    what frameworks wrap around a model and an optimizer (DDP, accelerate, Lightning), and what is inside
 - `compiled.py`    torch.compile'd blocks: found, hooked from outside their compiled code, compiled on request

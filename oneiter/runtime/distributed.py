@@ -27,12 +27,16 @@ from typing import Iterator, Mapping
 
 from oneiter.errors import OneIterError
 from oneiter.runtime.devices import DEVICE_TYPES, device_type
+from oneiter.runtime.meshes import keep_parameters
 
 __all__ = [
     "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
     "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for", "cpu_device",
-    "broadcast_object", "all_gather_objects", "gather_objects", "destroy_at_exit",
+    "broadcast_object", "all_gather_objects", "gather_objects", "dist_timeout", "TIMEOUT_ENV", "destroy_at_exit",
 ]
+
+TIMEOUT_ENV = "ONEITER_DIST_TIMEOUT"  # seconds oneiter waits for another rank (its own collectives, a transfer)
+DEFAULT_TIMEOUT = 300.0
 
 # `run.rank3.h5` -> stem `run`, rank 3
 # a rank file's name: `<stem>.rank<R>.h5`, R written as torchrun numbers ranks (no leading zeros, at most 9 digits);
@@ -53,6 +57,23 @@ class RankInfo:
     def distributed(self) -> bool:
         """More than one rank: per-rank files, a process group and DDP."""
         return self.world_size > 1
+
+
+def dist_timeout(env: Mapping[str, str] | None = None) -> float:
+    """How long oneiter waits for other ranks, in seconds: for its own collectives (`compare` under torchrun) and for
+    a point-to-point op it records (`record/modes/p2p.py`), whose wait cannot be interrupted otherwise; a rank that
+    waits longer stops with one line naming what it waited for. `ONEITER_DIST_TIMEOUT` (default 300)."""
+    env = os.environ if env is None else env
+    text = env.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise OneIterError(f"environment variable {TIMEOUT_ENV} must be a number of seconds > 0, got '{text}'")
+    return value
 
 
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
@@ -120,8 +141,9 @@ def backend_for(type_name: str) -> str:
     return found
 
 
-def init_process_group(device, info: RankInfo | None = None) -> bool:
-    """Join torchrun's default process group with the backend for `device` (a torch.device).
+def init_process_group(device, info: RankInfo | None = None, timeout: float | None = None) -> bool:
+    """Join torchrun's default process group with the backend for `device` (a torch.device); `timeout` (seconds):
+    how long each of its collectives may wait for the other processes (None: the backend's default).
 
     Returns True if this call created the group (the caller destroys it), False with one rank or when the
     group already exists (a launcher owns it).
@@ -135,14 +157,20 @@ def init_process_group(device, info: RankInfo | None = None) -> bool:
         raise OneIterError("this torch build has no torch.distributed: multi-rank recording needs it")
     if dist.is_initialized():
         return False
-    dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size)
+    if timeout is not None:
+        from datetime import timedelta
+
+        dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size,
+                                timeout=timedelta(seconds=timeout))
+    else:
+        dist.init_process_group(backend_for(device.type), rank=info.rank, world_size=info.world_size)
     return True
 
 
 @contextmanager
-def process_group(device, info: RankInfo) -> Iterator[None]:
+def process_group(device, info: RankInfo, timeout: float | None = None) -> Iterator[None]:
     """`init_process_group` for the duration of a block; destroyed at exit if this block created it."""
-    created = init_process_group(device, info)
+    created = init_process_group(device, info, timeout)
     try:
         yield
     finally:
@@ -194,16 +222,24 @@ def local_device(device, info: RankInfo):
     return device
 
 
-def wrap_ddp(setup):
+def wrap_ddp(setup, device_mesh=None):
     """A `TrainSetup` whose model is `DistributedDataParallel(setup.bundle.model)`: same inputs and optimizer.
 
     The caller keeps hooking `setup.bundle.model` (the inner module). Wrapping broadcasts rank 0's parameters
-    and buffers to every rank; CPU modules take `device_ids=None`.
+    and buffers to every rank of its group (the default group, or `device_mesh`'s: a data-parallel dimension of the
+    model's mesh, `runtime/meshes.py`); CPU modules take `device_ids=None`.
     """
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = None if setup.device.type == "cpu" else [setup.device]
-    ddp = DistributedDataParallel(setup.bundle.model, device_ids=device_ids)
+    inner = setup.bundle.model
+    before = dict(inner.named_parameters())
+    ddp = DistributedDataParallel(inner, device_ids=device_ids, device_mesh=device_mesh)
+    if device_mesh is not None:  # DDP over a sub-mesh of tensor-parallel parameters: they become local Parameters
+        after = keep_parameters(inner)
+        swap = {id(before[n]): p for n, p in after.items() if n in before}
+        for group in setup.optimizer.param_groups if setup.optimizer is not None else ():
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
     return replace(setup, bundle=replace(setup.bundle, model=ddp))
 
 
@@ -214,12 +250,24 @@ def cpu_device():
     return torch.device("cpu")
 
 
+def _own(what: str, run):
+    """One of oneiter's own collectives: a process that stopped, or one that did not come within the group's timeout
+    (`dist_timeout`, given to `process_group`), ends this one with one line naming it (exit 2), not a traceback."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - the backend's: a peer gone, a timeout
+        text = " ".join(str(exc).split())[:300]
+        raise OneIterError(f"oneiter's {what} over the job's processes failed on this process: {type(exc).__name__}: "
+                           f"{text} (another process stopped, or took longer than {TIMEOUT_ENV}={dist_timeout():g} "
+                           f"seconds)") from exc
+
+
 def broadcast_object(obj):
     """Process 0's `obj` on every process of the default group (pickled)."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    _own("broadcast", lambda: dist.broadcast_object_list(box, src=0))
     return box[0]
 
 
@@ -228,7 +276,7 @@ def all_gather_objects(obj) -> list:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    _own("all-gather", lambda: dist.all_gather_object(out, obj))
     return out
 
 
@@ -237,5 +285,5 @@ def gather_objects(obj) -> list | None:
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    _own("gather", lambda: dist.gather_object(obj, out, dst=0))
     return out

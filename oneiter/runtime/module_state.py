@@ -9,6 +9,11 @@ from another state, and its backward runs on into the live graph and frees the t
 (torch's "Trying to backward through the graph a second time"). And the rerun must leave them as the live call left
 them: the model's next call starts from those.
 
+A call may also start from a tensor *an earlier call of the same iteration* left (a module called twice, its second
+call continuing the first's recurrence): that tensor's gradient reaches the first call through the attribute, no
+output of it, which no rerun of the first call can seed. `left(saved)` says what a call left (each tensor attribute
+that is not what it found), so the probe can tell such a pair of calls (`record/local/carried.py`).
+
 `state(module)` is taken when a call begins (`record/capture/hooks.py`, for `module` and every module under it: the
 call's code may read or set its children's attributes); `started(saved)` puts the attributes that hold a tensor
 back where the call found them for the length of a rerun, each tensor a fresh copy, detached (nothing the rerun
@@ -22,7 +27,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-__all__ = ["state", "started"]
+__all__ = ["state", "started", "left", "address"]
 
 _ABSENT = object()
 
@@ -60,6 +65,38 @@ def started(saved: list[tuple[Any, dict]] | None) -> Iterator[None]:
                 del own[name]
             for name, value in held.items():
                 _put(own, name, value)
+
+
+def left(saved: list[tuple[Any, dict]] | None) -> dict[tuple[int, str], int]:
+    """(id(module), attribute) -> storage address of each tensor attribute of the modules in `saved` (taken when a
+    call began) that is a tensor of the graph (it requires a gradient) and not the tensor `saved` holds there: what
+    the call left for a later call, with a gradient to come through it. A cache no gradient flows through (a rotary
+    table kept as an attribute) and a tensor without storage (a meta tensor) are left out."""
+    import torch
+
+    found = {}
+    for mod, then in saved or ():
+        for name, value in vars(mod).items():
+            if not isinstance(value, torch.Tensor) or not value.requires_grad:
+                continue
+            before = then.get(name)
+            at = address(value)
+            if at is not None and not (isinstance(before, torch.Tensor) and address(before) == at):
+                found[(id(mod), name)] = at
+    return found
+
+
+def address(value) -> int | None:
+    """Where a tensor's data starts (a detached copy of the reference shares it); None for anything else, or a
+    tensor without storage."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return int(value.data_ptr())
+    except RuntimeError:  # no storage (a meta tensor)
+        return None
 
 
 def _fresh(value):

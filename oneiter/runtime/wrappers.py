@@ -107,6 +107,18 @@ def grad_scalers(obj) -> list:
     return found[:1]  # one scaler scales the loss once
 
 
+def accumulation_steps(obj) -> int:
+    """How many microbatches the optimizer wrappers in `obj` accumulate gradients over before they step (accelerate's
+    `AcceleratedOptimizer` under `gradient_accumulation_steps`, mmengine's `OptimWrapper(accumulative_counts=...)`);
+    1 when none says."""
+    for item in obj if isinstance(obj, (list, tuple)) else [obj]:
+        state = getattr(item, "gradient_state", None)
+        count = getattr(state, "num_steps", None) if state is not None else getattr(item, "_accumulative_counts", None)
+        if isinstance(count, int) and count > 1:
+            return count
+    return 1
+
+
 @dataclass
 class ForwardCast:
     """accelerate's mixed-precision forward of one model: its autocast dtype and how to take the float32 cast off."""

@@ -151,6 +151,16 @@ REFUSED = {  # case: (base, edit, the one line compare and inspect print, after 
     "batch_size 2**31": ("plain", lambda f: f.attrs.__setitem__("batch_size", 2**31),
                          "root attribute 'batch_size' is 2147483648, but the recorded batch holds 12 elements in all "
                          "(a builder makes at least one per sample)"),
+    "a call of a microbatch the iteration did not run": (
+        "plain", lambda f: f["calls/1@0"].attrs.__setitem__("microbatch", 1),
+        "call group '1@0' has microbatch 1, expected an integer from 0 to 0 (the root attribute 'microbatches' is 1)"),
+    "a batch tensor of microbatch -1": (
+        "plain", lambda f: f["batch/input.0"].attrs.__setitem__("microbatch", -1),
+        "batch tensor '/batch/input.0' has microbatch -1, expected an integer from 0 to 0 (the root attribute "
+        "'microbatches' is 1)"),
+    "two microbatches without their losses": (
+        "plain", lambda f: f.attrs.__setitem__("microbatches", 2),
+        "/microbatch_loss should hold the 2 microbatches' losses (shape [2]), got none"),
 }
 
 

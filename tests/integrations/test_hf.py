@@ -14,6 +14,7 @@ from conftest import FAULT_ENV, MODEL_FILES, assert_reads_back, compare_verdict 
 
 import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
+from oneiter.format.layout import IterationFile  # noqa: E402
 from oneiter.integrations.hf import OneIterCallback  # noqa: E402
 from oneiter.record.options import RecordOptions  # noqa: E402
 
@@ -33,10 +34,12 @@ class _Tokens(torch.utils.data.Dataset):
 SGD = {"optim": "sgd", "learning_rate": 0.05, "logging_strategy": "no", "disable_tqdm": True}
 
 
-def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, model: str = "hf_llama", **args):
+def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, optimizer=None,
+           model: str = "hf_llama", **args):
     """A Trainer run of the tiny Llama (`model="hf_gpt2"`: the tiny GPT-2, dropout 0.1); `args`: TrainingArguments
     beyond the few a test needs (default: plain SGD, quiet; `defaults=True`: the Trainer's own defaults, AdamW and
-    gradient clipping)."""
+    gradient clipping); `optimizer`: the Trainer's `optimizer_cls_and_kwargs` (a vendor's optimizer class in place of
+    torch's)."""
     import importlib
 
     from transformers import Trainer, TrainingArguments
@@ -55,7 +58,8 @@ def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 
         per_device_train_batch_size=2, report_to="none", save_strategy="no", use_cpu=True, seed=data_seed,
         dataloader_num_workers=0, **extra,
     )
-    Trainer(model=model, args=args, train_dataset=_Tokens(data_seed), callbacks=[callback]).train()
+    Trainer(model=model, args=args, train_dataset=_Tokens(data_seed), callbacks=[callback],
+            optimizer_cls_and_kwargs=optimizer).train()
     return callback
 
 
@@ -83,9 +87,11 @@ def test_a_clean_replay_of_another_run_is_a_match(trainer_ref, tmp_path):
     result = oneiter.compare(ref, tmp_path / "tgt.h5")
     assert result.status == "match"
     assert all(row.metrics.max_abs == 0 for row in result.rows)
-    # the Trainer clips gradients between backward and the step: the update is said to be unjudged, not passed
-    unprobed = {(u["module"], u["reason"].split(" (")[0]) for u in result.verdict()["unprobed"]}
-    assert unprobed == {("(optimizer)", "the gradients changed between backward and the step")}
+    # the Trainer clips gradients between backward and the step: the clipping is judged as its own row, the update
+    # from the reference's clipped gradients
+    assert result.verdict()["unprobed"] == []
+    clip = [r for r in result.local if (r.module, r.tensor) == ("(optimizer)", "clip_coef")]
+    assert len(clip) == 1 and clip[0].rel_l2 < clip[0].expected  # the float32 coefficient against float64 norms
 
 
 def test_a_replay_with_a_model_code_fault_names_the_layer(trainer_ref, tmp_path, monkeypatch):
@@ -179,15 +185,12 @@ def defaults_ref(tmp_path_factory):
     return tmp / "ref.h5"
 
 
-CLIPPED = ("(optimizer)", "the gradients changed between backward and the step")
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_a_clean_replay_under_the_trainers_defaults_is_a_match(defaults_ref, tmp_path, bf16, recwarn):
     """AdamW's moments and step count from step 0 are in the reference; the replay's optimizer loads them, so its
     update at step 1 starts where the reference's did (no `not_judged` row, no warning). The Trainer clips the
-    gradients between backward and the step, which a recording does not hold: the shadow step is left out, with
-    that reason, and the updated weights are judged by their accumulated error."""
+    gradients between backward and the step: both files hold them as the step saw them (`/step_grads`), the
+    clipping is judged as its own row and the update from the reference's clipped gradients."""
     _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=defaults_ref), model_seed=3,
            data_seed=7, steps=2, defaults=True, bf16=bf16)
     with h5py.File(defaults_ref) as ref, h5py.File(tmp_path / "tgt.h5") as tgt:
@@ -196,8 +199,11 @@ def test_a_clean_replay_under_the_trainers_defaults_is_a_match(defaults_ref, tmp
     code, verdict = compare_verdict(defaults_ref, tmp_path / "tgt.h5", tmp_path)
     assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
     assert (verdict["warnings"], verdict["num_not_judged"], verdict["num_diverged"]) == ([], 0, 0)
-    assert [(u["module"], u["reason"].split(" (")[0]) for u in verdict["unprobed"]] == [CLIPPED]
+    assert verdict["unprobed"] == []
     result = oneiter.compare(defaults_ref, tmp_path / "tgt.h5")
+    with h5py.File(defaults_ref) as ref:
+        assert 0 < ref["step_grads"].attrs["coefficient"] < 1  # the clipping was active
+    assert [(r.module, r.tensor) for r in result.local if r.phase == "optimizer"][0] == ("(optimizer)", "clip_coef")
     if bf16:  # the loss and its logits: the same entries on both sides, whatever the precision
         keys = {(r.module, r.phase, r.tensor): r.status for r in result.rows if r.module == "(root)"}
         assert keys[("(root)", "backward", "grad_output.logits")] == "match"
@@ -220,6 +226,29 @@ def test_a_fault_in_the_model_file_is_named_under_the_trainers_defaults(defaults
 
 
 
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True], ids=["vendor", "eps_inside_sqrt"])
+def test_a_vendors_adamw_under_the_trainers_defaults_is_judged_on_the_clipped_gradients(defaults_ref, tmp_path,
+                                                                                        eps_inside_sqrt):
+    """The Trainer's defaults clip the gradients (max_grad_norm 1.0, active here) before AdamW steps. A vendor's AdamW
+    (`vendor_optim.VendorAdamW`: its own order of operations) replayed against torch's is a MATCH; with epsilon inside
+    the square root it is the culprit, at its update (phase `optimizer`), with its ratio."""
+    sys.path.insert(0, str(MODEL_FILES))
+    try:
+        from vendor_optim import VendorAdamW
+    finally:
+        sys.path.remove(str(MODEL_FILES))
+    options = {"lr": 5e-5, "eps": 1e-8, "weight_decay": 0.0, "eps_inside_sqrt": eps_inside_sqrt}
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=defaults_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, optimizer=(VendorAdamW, options))
+    code, verdict = compare_verdict(defaults_ref, tmp_path / "tgt.h5", tmp_path)
+    if not eps_inside_sqrt:
+        assert (code, verdict["status"], verdict["unprobed"]) == (0, "match", []), verdict["headline"]
+        return
+    assert (code, verdict["status"], verdict["basis"], verdict["phase"]) == (1, "diverged", "local_error", "optimizer")
+    assert verdict["culprit"]["ratio"] > 4 and verdict["headline"].startswith(
+        f"DIVERGED: culprit {verdict['module']}@0 optimizer {verdict['tensor']}")
+
+
 def test_every_k_steps_records_the_statistics_of_those_steps_and_a_replay_matches(tmp_path):
     """`every=2` over 5 steps: steps 0, 2 and 4 in one multi-step file; a replay (other initial weights, the same
     data pipeline: the steps in between are the target's own) starts from the reference's state at step 0 and takes
@@ -236,3 +265,59 @@ def test_every_k_steps_records_the_statistics_of_those_steps_and_a_replay_matche
     assert any("has no twin" in w for w in verdict["warnings"])
     with pytest.raises(OneIterError, match="give step .* or every"):
         OneIterCallback(step=1, every=2, out=tmp_path / "x.h5")
+
+
+# -- gradient accumulation: a step of two microbatches ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def accumulated_ref(tmp_path_factory):
+    """Step 1 of a default-argument Trainer run with `gradient_accumulation_steps=2`: its two microbatches (each a
+    forward and a backward), the clipping and AdamW's step, recorded as one iteration."""
+    tmp = tmp_path_factory.mktemp("hf_accumulated")
+    _train(tmp, OneIterCallback(step=1, out=tmp / "ref.h5"), model_seed=0, data_seed=0, steps=2, defaults=True,
+           gradient_accumulation_steps=2)
+    return tmp / "ref.h5"
+
+
+def test_a_step_of_two_microbatches_is_one_recording(accumulated_ref):
+    with h5py.File(accumulated_ref) as f:
+        assert f.attrs["microbatches"] == 2 and f["microbatch_loss"].shape == (2,)
+        batch = [(f["batch"][n].attrs["arg"], f["batch"][n].attrs.get("microbatch", 0)) for n in sorted(f["batch"])]
+        assert sorted(batch) == [(name, m) for name in ("kwarg.input_ids", "kwarg.labels", "kwarg.num_items_in_batch")
+                                 for m in (0, 1)]
+        # the Trainer's loss of each microbatch is normalised by the step's label count: their sum is the step's
+        assert float(f["loss"][()]) == pytest.approx(float(f["microbatch_loss"][()].sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_clean_replay_of_an_accumulated_step_is_a_match(accumulated_ref, tmp_path, bf16):
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=accumulated_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, gradient_accumulation_steps=2, bf16=bf16)
+    code, verdict = compare_verdict(accumulated_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    assert verdict["unprobed"] == []  # the clipped step judged from the reference's clipped gradients
+    if not bf16:  # both microbatches' batches swapped in, the gradients accumulated the same way: bit for bit
+        assert all(r.metrics.max_abs == 0 for r in oneiter.compare(accumulated_ref, tmp_path / "tgt.h5").rows)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_fault_in_an_accumulated_step_is_named_with_its_microbatch(accumulated_ref, tmp_path, monkeypatch, bf16):
+    monkeypatch.setenv(FAULT_ENV, f"instance:model.layers.1.mlp.down_proj:{0.05 if bf16 else 0.001}")
+    _train(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=accumulated_ref), model_seed=3,
+           data_seed=7, steps=2, defaults=True, gradient_accumulation_steps=2, bf16=bf16)
+    code, verdict = compare_verdict(accumulated_ref, tmp_path / "tgt.h5", tmp_path)
+    assert (code, verdict["basis"], verdict["focus"]) == (1, "local_error", "culprit")
+    assert (verdict["module"], verdict["phase"], verdict["culprit"]["microbatch"]) == (
+        "model.layers.1.mlp.down_proj", "forward", 0)
+
+
+def test_every_step_of_two_microbatches_is_screened_and_a_replay_matches(tmp_path):
+    """`every=1` with `gradient_accumulation_steps=2`: each recorded step of the multi-step file holds both
+    microbatches; a replay takes each step's two batches and matches bit for bit."""
+    _train(tmp_path, OneIterCallback(every=1, out=tmp_path / "ref.h5"), model_seed=0, data_seed=0, steps=2,
+           gradient_accumulation_steps=2)
+    _train(tmp_path, OneIterCallback(every=1, out=tmp_path / "tgt.h5", replay=tmp_path / "ref.h5"), model_seed=3,
+           data_seed=7, steps=2, gradient_accumulation_steps=2)
+    result = oneiter.compare(tmp_path / "ref.h5", tmp_path / "tgt.h5")
+    assert [r.step for r in result.rows] == [0, 1] and all(r.bitwise for r in result.rows)
+    with IterationFile(tmp_path / "tgt.h5") as f:
+        assert [f.step(s).microbatches() for s in f.steps()] == [2, 2]

@@ -217,13 +217,44 @@ def test_callback_arguments_are_checked(tmp_path, auto_ref):
         OneIterCallback(step=0, out=tmp_path / "x.h5", options=RecordOptions(out=tmp_path / "y.h5"))
     with pytest.raises(OneIterError, match="step must be below the run's 4 steps, got 9"):
         _fit(tmp_path, OneIterCallback(step=9, out=tmp_path / "late.h5"))
-    with pytest.raises(OneIterError, match="accumulate_grad_batches must be 1"):
-        _fit(tmp_path, OneIterCallback(step=1, out=tmp_path / "acc.h5"), accumulate_grad_batches=2)
     # a RecordOptions given whole: its settings are the recording's
     callback = OneIterCallback(step=0, options=RecordOptions(out=tmp_path / "o.h5", include=["layers\\.0"]))
     _fit(tmp_path, callback, max_steps=1)
     with h5py.File(tmp_path / "o.h5") as f:
         assert {f["calls"][k].attrs["module"].split(".layers.")[1][0] for k in f["calls"]} == {"0"}
+
+
+# -- gradient accumulation: optimizer step 1 is two batches -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def accumulated_ref(tmp_path_factory):
+    """Optimizer step 1 of a run with `accumulate_grad_batches=2`: batches 2 and 3, each its own training_step and
+    backward, then AdamW's step, recorded as one iteration of two microbatches."""
+    tmp = tmp_path_factory.mktemp("lightning_accumulated")
+    _fit(tmp, OneIterCallback(step=1, out=tmp / "ref.h5"), accumulate_grad_batches=2, max_steps=2)
+    return tmp / "ref.h5"
+
+
+def test_a_step_of_two_batches_is_one_recording_of_two_microbatches(accumulated_ref):
+    with h5py.File(accumulated_ref) as f:
+        assert (f.attrs["microbatches"], f.attrs["iteration"]) == (2, 1)
+        assert [(f["batch"][n].attrs["arg"], f["batch"][n].attrs.get("microbatch", 0)) for n in sorted(f["batch"])] \
+            == [("input.0.0", 0), ("input.0.0", 1)]  # each training_step's batch
+
+
+@pytest.mark.parametrize("precision,fault", [("bf16-mixed", ""), ("32-true", FAULT)], ids=["bf16_clean", "fault"])
+def test_an_accumulated_step_replays_clean_and_names_a_fault(accumulated_ref, tmp_path, monkeypatch, precision,
+                                                              fault):
+    if fault:
+        monkeypatch.setenv(FAULT_ENV, fault)
+    _fit(tmp_path, OneIterCallback(step=1, out=tmp_path / "tgt.h5", replay=accumulated_ref), model_seed=3,
+         data_seed=7, accumulate_grad_batches=2, max_steps=2, precision=precision)
+    code, verdict = compare_verdict(accumulated_ref, tmp_path / "tgt.h5", tmp_path)
+    if not fault:
+        assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+        assert verdict["num_not_judged"] == 0
+    else:
+        assert (code, verdict["basis"], verdict["module"], verdict["phase"]) == (1, "local_error", CULPRIT, "forward")
+        assert verdict["culprit"]["microbatch"] == 0
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ class ToyData(torch.utils.data.Dataset):
 
 
 def train(work_dir: Path, hooks: list, *, model_seed: int = 0, data_seed: int = 0, fault=None, max_iters: int = 3,
-          **runner_args):
+          accumulative_counts: int = 1, **runner_args):
     torch.manual_seed(model_seed)
     model = ToyNet()
     if fault is not None:
@@ -71,7 +71,7 @@ def train(work_dir: Path, hooks: list, *, model_seed: int = 0, data_seed: int = 
             dataset=ToyData(data_seed), sampler=dict(type="DefaultSampler", shuffle=False), batch_size=4,
             num_workers=0, collate_fn=dict(type="default_collate"),
         ),
-        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+        optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1), accumulative_counts=accumulative_counts),
         train_cfg=dict(by_epoch=False, max_iters=max_iters, val_interval=1000),
         default_hooks=dict(checkpoint=None, logger=dict(type="LoggerHook", interval=1)),
         custom_hooks=hooks, log_level="WARNING", default_scope=None, **runner_args,
@@ -265,3 +265,57 @@ def test_every_k_iterations_records_their_statistics_and_a_replay_matches(tmp_pa
     assert (result.exit_code, result.verdict()["basis"]) == (0, "tolerance")
     with pytest.raises(ValueError, match="one of iteration and every should be given, but got both"):
         integration.OneIterRecordHook(iteration=1, every=2, out=tmp_path / "x.h5")
+
+
+# -- gradient accumulation: OptimWrapper(accumulative_counts=2) steps every second iteration ---------------------------
+@pytest.fixture(scope="module")
+def window_ref(tmp_path_factory) -> Path:
+    """`iteration=3` under `accumulative_counts=2`: iteration 3 is the second of the window 2..3 its step closes, so
+    the hook records both iterations as one iteration of two microbatches."""
+    tmp = tmp_path_factory.mktemp("mmengine_window")
+    train(tmp / "ref", [dict(type="OneIterRecordHook", iteration=3, out=str(tmp / "ref.h5"))], max_iters=4,
+          accumulative_counts=2)
+    return tmp / "ref.h5"
+
+
+def test_an_iteration_inside_an_accumulation_window_records_the_whole_window(window_ref, tmp_path):
+    with IterationFile(window_ref) as f:
+        assert (f.microbatches(), f.meta["iteration"]) == (2, 3)
+        assert len(f.batch_paths(0)) == len(f.batch_paths(1)) == 2  # inputs and data_samples of each iteration
+        assert [len(d) for d in __import__("json").loads(f.meta["loss_dict"])] == [3, 3]
+    target = tmp_path / "tgt.h5"
+    train(tmp_path / "tgt", [{**record_hook(target, replay=str(window_ref)), "iteration": 3}], max_iters=4,
+          accumulative_counts=2, model_seed=1, data_seed=1)
+    result = compare_files(window_ref, target)
+    assert result.status == "match", result.verdict()
+    assert all(row.metrics.max_abs == 0 for row in result.rows)  # both iterations' batches and dropout masks swapped
+
+
+def test_a_fault_in_an_accumulation_window_is_named_with_its_microbatch(window_ref, tmp_path):
+    def scale_fc(model):
+        model.fc.register_forward_hook(lambda _m, _args, out: out * 1.001)
+
+    target = tmp_path / "fault.h5"
+    train(tmp_path / "fault", [{**record_hook(target, replay=str(window_ref)), "iteration": 2}], max_iters=4,
+          accumulative_counts=2, model_seed=1, data_seed=1, fault=scale_fc)
+    verdict = compare_files(window_ref, target).verdict()
+    assert (verdict["status"], verdict["basis"], verdict["module"], verdict["phase"]) == (
+        "diverged", "local_error", "fc", "forward")
+    assert verdict["culprit"]["microbatch"] == 0
+
+
+def test_every_k_windows_are_screened_and_every_must_be_a_multiple_of_the_window(tmp_path):
+    import oneiter
+
+    hook = dict(type="OneIterRecordHook", every=2, out=str(tmp_path / "ref.h5"))
+    seeded = dict(max_iters=4, randomness=dict(seed=0), accumulative_counts=2)
+    train(tmp_path / "ref", [hook], **seeded)
+    train(tmp_path / "tgt", [{**hook, "out": str(tmp_path / "tgt.h5"), "replay": str(tmp_path / "ref.h5")}],
+          model_seed=1, **seeded)
+    result = oneiter.compare(tmp_path / "ref.h5", tmp_path / "tgt.h5")
+    assert [r.step for r in result.rows] == [0, 2] and all(r.bitwise for r in result.rows)
+    with IterationFile(tmp_path / "tgt.h5") as f:
+        assert [f.step(s).microbatches() for s in f.steps()] == [2, 2]
+    with pytest.raises(ValueError, match=r"every should be a multiple of the optimizer wrapper's accumulative_counts "
+                                         r"\(2: each recorded step is a window of 2 iterations\), but got 3"):
+        train(tmp_path / "odd", [{**hook, "every": 3, "out": str(tmp_path / "odd.h5")}], **seeded)

@@ -235,3 +235,21 @@ def test_from_dict_reads_a_saved_json_verdict():
     assert saved["culprit"]["ratio"] == "inf"
     rebuilt = Verdict.from_dict(saved)
     assert rebuilt.culprit.ratio == math.inf and json_ready(rebuilt.as_dict()) == saved
+
+
+def test_a_culprit_that_ran_compiled_gets_the_next_commands():
+    """The calls inside a compiled block are not observable: the verdict says how to go further, the node of its graph
+    (`replay --layer --ops --compile`) or smaller blocks (`--compile-modules`); a culprit that did not run compiled
+    gets no such line."""
+    result = compare([row("a", "diverged", 1e-2), row("b")], local_kind=TF,
+                     local_results=(local("a", 1e-2, flagged=True), local("b")))
+    assert decide(result).hint is None
+    result.compiled = {"target": {"blocks": {"a": {"backend": "inductor", "graphs": 2}}}}
+    result.meta_target = {"model": "net.py:build"}
+    verdict = decide(result)
+    assert verdict.hint == (
+        "next: a ran compiled (inductor), so the calls inside it are not observable: `oneiter replay ref.h5 --layer a "
+        "--call 0 --ops -m net.py:build --compile inductor` judges each node of its graph (forward); `oneiter record "
+        "... --compile inductor --compile-modules '^a\\.[^.]+$'` compiles each of its children as a block of its own, "
+        "so the next compare names the call inside it")
+    assert verdict.lines[1] == verdict.hint and Verdict.from_dict(verdict.as_dict()).lines == verdict.lines

@@ -9,7 +9,9 @@ the way a vendor's stack would, never through oneiter:
 
 - `instance:<module path>`  wrap that module instance's `forward` (what accelerate-style hooks and vendor wrappers
   do): its floating outputs are scaled by (1 + REL). `@N` only for calls whose input's last dimension is N (a
-  kernel wrong for one shape: a shared block's second call on a smaller feature map).
+  kernel wrong for one shape: a shared block's second call on a smaller feature map); `@rows=N` only for calls
+  whose input's first dimension is N (a kernel wrong for one batch size: in a loop of microbatches, the one of N
+  rows).
 - `instance_bwd:<module path>` the same wrapper, exact forward, the gradients flowing back into that call scaled
   (a wrong backward kernel of one module: its output gradient is right, what it hands back is not).
 - `class:<ClassName>`       replace `ClassName.forward` for every instance (a vendor plugin's fused-kernel patch).
@@ -60,7 +62,19 @@ def _parse() -> tuple[str, str, float, int | None] | None:
     target, _, rel = rest.partition(":")
     if family == "root":  # no target: `root` or `root:REL`
         target, rel = "", target
+    if shape.startswith("rows="):  # the first dimension instead of the last (negative: `_matches` tells)
+        return family, target, float(rel) if rel else 1e-3, -int(shape[len("rows="):]) - 1
     return family, target, float(rel) if rel else 1e-3, int(shape) if shape else None
+
+
+def _matches(first, shape: int | None) -> bool:
+    """Whether a call whose first tensor argument is `first` is one the fault hits (`@N`: its last dimension is N;
+    `@rows=N`, held as -N-1: its first dimension is N)."""
+    if shape is None:
+        return True
+    if first is None or first.dim() == 0:
+        return False
+    return first.shape[-1] == shape if shape >= 0 else first.shape[0] == -shape - 1
 
 
 def fault_spec() -> tuple[str, str, float, int | None] | None:
@@ -148,8 +162,7 @@ def _wrap_instance(module: torch.nn.Module, scale: float, shape: int | None, bac
 
     def forward(*args, **kwargs):
         out = original(*args, **kwargs)
-        first = _first_tensor(args, kwargs)
-        if shape is None or (first is not None and first.shape[-1] == shape):
+        if _matches(_first_tensor(args, kwargs), shape):
             out = wrong(out, scale)
         return out
 

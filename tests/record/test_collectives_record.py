@@ -123,7 +123,8 @@ def test_a_model_that_parallelises_itself_is_not_wrapped_in_ddp_unless_asked(one
     from conftest import MODEL_FILES, run_cli
 
     from oneiter.errors import OneIterError
-    from oneiter.record.run import SpecOptions, _data_parallel
+    from oneiter.record.run import SpecOptions
+    from oneiter.runtime.meshes import WORLD, ddp_over
 
     monkeypatch.syspath_prepend(str(MODEL_FILES))
     import tensor_parallel
@@ -132,16 +133,19 @@ def test_a_model_that_parallelises_itself_is_not_wrapped_in_ddp_unless_asked(one
     megatron = tensor_parallel.build(4)[0]  # Megatron-LM's `tensor_model_parallel` mark on its sharded weights
     dtensor = tensor_parallel.parallelize(tensor_parallel.TokenMLP())  # torch.distributed.tensor.parallel
     models = (plain, megatron, dtensor)
-    assert [_data_parallel("auto", m) for m in models] == [True, False, False]
-    assert [_data_parallel("none", m) for m in models] == [False, False, False]
-    assert _data_parallel("ddp", plain) and _data_parallel("ddp", megatron)
-    with pytest.raises(OneIterError, match="^--data-parallel ddp: the model's parameters are DTensors"):
-        _data_parallel("ddp", dtensor)
-    with pytest.raises(OneIterError, match="^data_parallel must be one of auto, ddp, none, got 'fsdp'$"):
+    assert [ddp_over("auto", m) for m in models] == [WORLD, None, None]  # the mesh's one dimension holds dtensor's
+    assert [ddp_over("none", m) for m in models] == [None, None, None]
+    assert ddp_over("ddp", plain) == ddp_over("ddp", megatron) == WORLD
+    with pytest.raises(OneIterError, match=r"^--data-parallel ddp: every dimension of the model's mesh \(1 unnamed\)"):
+        ddp_over("ddp", dtensor)
+    wanted = ("data_parallel must be one of auto, ddp, none or DIM=ddp|none per mesh dimension (dp=ddp,tp=none), got "
+              "'fsdp'")
+    with pytest.raises(OneIterError) as refused:
         SpecOptions(out="x.h5", data_parallel="fsdp")
+    assert str(refused.value) == wanted
     res = run_cli("record", "--data-parallel", "fsdp", "-o", tmp_path / "x.h5")
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
-        "error: --data-parallel must be one of auto, ddp, none, got 'fsdp'"] and not (tmp_path / "x.h5").exists()
+        f"error: --{wanted.replace('_', '-', 1)}"] and not (tmp_path / "x.h5").exists()
 
 
 FAILING_MODEL = """

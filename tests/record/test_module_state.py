@@ -63,3 +63,43 @@ def test_without_a_saved_state_nothing_changes():
     module.state = torch.ones(2)
     with module_state.started(None):
         assert torch.equal(module.state, torch.ones(2))
+
+
+TWICE = f"{MODEL_FILES / 'stateful.py'}:build_twice"
+
+
+def _twice(tmp_path, monkeypatch, fault: str = "", **options):
+    from conftest import replay, replay_with_fault
+
+    from oneiter.judge.iteration.engine import compare_files
+
+    ref, tgt = tmp_path / "twice_ref.h5", tmp_path / "twice.h5"
+    if not ref.exists():
+        record_small(ref, TWICE, threads=1)
+    if fault:
+        replay_with_fault(ref, tgt, fault, monkeypatch, threads=1, force=True, **options)
+    else:
+        replay(ref, tgt, threads=1, force=True, **options)
+    return compare_files(ref, tgt).verdict_obj
+
+
+def test_state_carried_between_two_calls_of_one_iteration_replays_clean(tmp_path, monkeypatch):
+    """The scan called twice, its second call starting from the state its first left: the first call's rerun alone
+    cannot seed the gradient that reaches it through the attribute (was `block.scan@0 backward grad_input.0`, 4.9
+    million times its noise, on an exact replay). Neither is probed alone: both are listed, with the attribute."""
+    for options in ({}, {"amp": "bf16"}):
+        verdict = _twice(tmp_path, monkeypatch, **options)
+        assert verdict.status == "match" and verdict.basis == "local_error", verdict.headline
+        assert [(u["module"], u["call"]) for u in verdict.unprobed] == [("block.scan", 0), ("block.scan", 1)]
+        assert all("block.scan@1 starts from the tensor block.scan@0 left in block.scan.state" in u["reason"]
+                   for u in verdict.unprobed)
+
+
+def test_a_fault_in_calls_carrying_state_is_named_at_their_caller(tmp_path, monkeypatch):
+    """Backward: both calls run live in their caller's rerun, which is named, including them; forward: the first
+    call's own forward rows stand."""
+    verdict = _twice(tmp_path, monkeypatch, "instance_bwd:block.scan")
+    assert (verdict.culprit.module, verdict.culprit.phase) == ("block", "backward") and verdict.culprit.ratio > 4
+    assert [(u["module"], u["call"]) for u in verdict.culprit_includes] == [("block.scan", 0), ("block.scan", 1)]
+    verdict = _twice(tmp_path, monkeypatch, "instance:block.scan")
+    assert (verdict.culprit.module, verdict.culprit.call, verdict.culprit.phase) == ("block.scan", 0, "forward")

@@ -1,17 +1,19 @@
 """`judge/iteration/`: two recordings of one iteration compared.
 
-Imports go one way: `entries` -> `findings` -> `blame`, `pairing`, `verdict` -> `results` -> `engine` -> `ranks`,
-`suggest`. The result types have modules of their own (`entries.py`, `results.py`), so the engine, blame and the
-verdict read them without reading one another (the verdict reads a result as its `Evidence`).
+Imports go one way: `entries` -> `findings` -> `summed` -> `blame`, `pairing`, `verdict` -> `results` -> `engine` ->
+`ranks`, `suggest`. The result types have modules of their own (`entries.py`, `results.py`), so the engine, blame
+and the verdict read them without reading one another (the verdict reads a result as its `Evidence`).
 
 - `entries.py`  an entry of both files compared (`Row`), a call's own error (`LocalResult`), the row statuses
 - `findings.py` what blame found, and the one table of priorities the verdict picks among them by
 - `pairing.py`  which entries pair up, in causal order; whether two files may be compared (model, replay start)
 - `blame.py`    local (per-call) error against expected noise: the culprit; the NaN/Inf origin
+- `summed.py`   a gradient summed from its readers' gradients: which they are, and the drift it inherits
 - `verdict.py`  the verdict, decided once (status, basis, culprit, first divergence, counts, its sentences)
 - `results.py`  `CompareResult`: rows, findings, notes and the verdict decided from them; its JSON form
 - `engine.py`   `compare_files` / `compare_local`: pair entries, measure rows, blame, decide
 - `ranks.py`    torchrun recordings compared rank by rank, in parallel processes (or a torchrun job's)
 - `collectives.py` every rank's collectives against the exact reduction of its group's recorded inputs
+- `transfers.py` every point-to-point transfer: what the receiving rank got against what the sending rank sent
 - `suggest.py`  `compare --suggest`: from a `--level stats` screening to the region to record in full
 """

@@ -40,13 +40,17 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
 from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
+from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.precision import NOISE_BOUND_FACTOR, UNIT_ROUNDOFF, amp_dtype_name, unit_roundoff
 
-__all__ = ["UNIT_ROUNDOFF", "local_results", "find_culprit", "culprit_chain",
+__all__ = ["UNIT_ROUNDOFF", "ROUNDING_NOISE", "local_results", "find_culprit", "culprit_chain",
            "nan_origin", "unexplained_rows", "loss_unexplained", "own_values", "Sources", "PHASE_ORDER"]
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "param_grad": 2, "optimizer": 3}
+# an expected noise (relative to float64) this large says the value is rounding itself: its precision's own error is
+# as large as the value, which is 0 (or far below what it was computed from) in exact arithmetic
+ROUNDING_NOISE = 1.0
 
 
 def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
@@ -79,7 +83,7 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
     return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, bound)
+                       row.calibration, expected, factor, flagged, bound, not flagged and expected >= ROUNDING_NOISE)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
@@ -148,11 +152,22 @@ class Sources:
     reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
     or a child with no recorded output, is not). A collective a call's own code ran is one more thing it computed
     from (`consumed`: ((module, call, phase), key, error, bitwise) per collective output, from
-    `judge/iteration/collectives.consumed`)."""
+    `judge/iteration/collectives.consumed`).
+
+    A gradient of a tensor several calls read is the sum of what each hands back (`summed.py`): with `stored` (each
+    row's stored datasets, `CompareResult.stored`) the readers are known, and with `norm` (a key's reference L2 norm)
+    what the sum inherits from them is bounded in absolute terms, each term at least at `run_dtype`'s rounding.
+    `stepped_changed`: a step saw gradients changed after backward (clipping: `/step_grads`), so an update is no
+    longer computed from its recorded gradient alone."""
 
     def __init__(self, rows: list, loss: dict[str, Optional[float]], parents: Optional[dict] = None,
-                 consumed: tuple = ()):
+                 consumed: tuple = (), *, stored: Optional[list] = None,
+                 norm: Optional[Callable[[tuple], Optional[float]]] = None, run_dtype: str = "",
+                 stepped_changed: bool = False):
+        self.stepped_changed = stepped_changed
         self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+        self.summands = readers_gradients(rows, stored, parents or {}) if stored is not None else {}
+        self.norm, self.run_roundoff = norm, unit_roundoff(run_dtype) if run_dtype else 0.0
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
         self.keys: dict[tuple[str, int, str], list[tuple]] = {}
         for (module, call, phase, tensor), err in self.errors.items():
@@ -218,7 +233,7 @@ class Sources:
             return self.all_exact
         grad = (r.module, 0, "param_grad", r.tensor)
         if grad in self.errors:
-            return grad in self.bitwise
+            return grad in self.bitwise and not self.stepped_changed
         calls = self.calls_of.get(r.module, [])
         return bool(calls) and all(self.exact_call(r.module, c, FORWARD) for c in calls)
 
@@ -245,12 +260,22 @@ class Sources:
             sources = self._module_errors(r.module, ("forward.in",))
             return max(sources) if sources else self.everything
         if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
-            # from the loss (computed from the outputs), and from whatever the model's own backward summed into it
-            before = self.backward_before.get((r.module, r.call, r.phase, r.tensor), 0.0)
-            return max(self.root_out, self.loss_err or 0.0, before)
+            # from the loss (computed from the outputs), and from whatever the model's own backward summed into it:
+            # the gradients its readers handed back (`summed.py`), else every backward entry before it
+            key = (r.module, r.call, r.phase, r.tensor)
+            before = self.backward_before.get(key, 0.0)
+            return max(self.root_out, self.loss_err or 0.0, before, self.summed(key, r.dtype_target or r.dtype))
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
             return self._call_inputs(r)
         return None  # covered by a probe
+
+    def summed(self, key: tuple, dtype: Optional[str] = None) -> float:
+        """What the gradient `key` inherits from the readers' gradients it is the sum of (0.0: no readers known)."""
+        terms = self.summands.get(key)
+        if not terms:
+            return 0.0
+        floor = max(self.run_roundoff, unit_roundoff(dtype) if dtype else 0.0)
+        return inherited(terms, key, self.errors, floor, self.norm)
 
     def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
         """Whether everything an entry no probe covers was computed from is known and bitwise equal to the
@@ -258,7 +283,7 @@ class Sources:
         if (r.module, r.call, r.phase, r.tensor) in covered:
             return False
         if r.phase == "optimizer":
-            return (r.module, 0, "param_grad", r.tensor) in self.bitwise
+            return (r.module, 0, "param_grad", r.tensor) in self.bitwise and not self.stepped_changed
         if r.phase == "param_grad":  # summed over every call that used it (shared weights too): every entry
             return self.all_exact
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
@@ -277,18 +302,21 @@ class Sources:
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
                      loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "",
-                     sources: Optional[Sources] = None) -> list[Finding]:
+                     sources: Optional[Sources] = None, rounding: frozenset[int] | set[int] = frozenset()
+                     ) -> list[Finding]:
     """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision
     does not explain, in causal order.
 
     `rows` are the engine's accumulated rows in causal order; `unprobed` the (module, call)s whose probe failed
     (or that had nothing of their own to judge); `covered` the keys of parameter-gradient and optimizer entries
-    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one).
+    that have a local row of their own; `sources` the rows indexed with the call tree (built here without one);
+    `rounding` the rows known to be their call's own rounding (the same tensor as a local row that is: another
+    name of it is no other value).
     """
     upstream = sources or Sources(rows, loss)
     found = []
     for i, r in enumerate(rows):
-        if r.metrics is None or r.status not in ("match", "diverged"):
+        if r.metrics is None or r.status not in ("match", "diverged") or i in rounding:
             continue  # missing/shape/dtype rows are judged as structural divergences
         exact = upstream.exact(r, unprobed, covered)
         if same_precision and r.status != "diverged" and not exact:

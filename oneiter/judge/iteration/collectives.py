@@ -38,7 +38,7 @@ import numpy as np
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import ROOT_MODULE, collective_group, collective_index, decode, split_call_key
+from oneiter.format.schema import P2P_OPS, ROOT_MODULE, collective_group, collective_index, decode, split_call_key
 from oneiter.judge.iteration.findings import Finding
 from oneiter.runtime.precision import unit_roundoff
 
@@ -73,6 +73,9 @@ class Judged:
     exact: str  # what the exact result is, in words
     level: str = "data"  # "data", or "statistics" (`--level stats`: sums only)
     reason: str = ""  # why it could not be judged the usual way (ranks that disagree), or ""
+    peer: int = -1  # a point-to-point op's other rank (`transfers.py`); -1 for a collective
+    tag: int = 0
+    microbatch: int = -1  # the microbatch a point-to-point op moved; -1: a collective (not said)
 
     @property
     def ratio(self) -> float:
@@ -84,8 +87,16 @@ class Judged:
         return bool(self.reason) or not self.ratio <= factor  # NaN is flagged too
 
     @property
+    def kind(self) -> str:
+        """`transfer` for a point-to-point op (send, recv), `collective` for every other."""
+        return "transfer" if self.op in P2P_OPS else "collective"
+
+    @property
     def name(self) -> str:
-        """`all_reduce #0 (group 1 of ranks [0, 1], blocks.0.fc2@0 forward at tensor_parallel.py:50 in forward)`."""
+        """`all_reduce #0 (group 1 of ranks [0, 1], blocks.0.fc2@0 forward at tensor_parallel.py:50 in forward)`;
+        a transfer's `recv from rank 0 #3 (microbatch 1, forward at pipeline.py:30 in step, ...)`."""
+        if self.op in P2P_OPS:
+            return self._transfer_name()
         reduce = f" {self.reduce_op}" if self.reduce_op and self.op in ("all_reduce", "reduce_scatter") else ""
         where = [f"group {self.group or '?'} of ranks {list(self.group_ranks)}"]
         if self.bucket >= 0:
@@ -97,6 +108,14 @@ class Judged:
         if self.via:
             where.append(f"via {self.via}")
         return f"{self.op}{reduce} #{self.index} ({', '.join(where)})"
+
+    def _transfer_name(self) -> str:
+        way = "to" if self.op == "send" else "from"
+        where = [f"microbatch {self.microbatch}"] if self.microbatch >= 0 else []
+        where.append((f"{self.call} " if self.call else "") + self.phase + (f" at {self.site}" if self.site else ""))
+        where += [f"tag {self.tag}"] if self.tag else []
+        where += [f"via {self.via}"] if self.via else []
+        return f"{self.op} {way} rank {self.peer} #{self.index} ({', '.join(where)})"
 
     def why(self) -> str:
         """Its error against its expected noise, in the verdict's words."""
@@ -110,7 +129,8 @@ class Judged:
                 f"expected reduction noise {self.expected:.2e} ({self.dtype}, {len(self.group_ranks)} ranks)")
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "group_ranks": list(self.group_ranks), "ratio": self.ratio, "name": self.name}
+        return {**asdict(self), "group_ranks": list(self.group_ranks), "ratio": self.ratio, "name": self.name,
+                "kind": self.kind}
 
 
 # -- which collectives belong together ------------------------------------------------------------------------------
@@ -138,6 +158,8 @@ def instances(plans: dict[int, list[tuple[int, dict]]]) -> list[Instance]:
     found: dict[tuple, Instance] = {}
     for rank in sorted(plans):
         for index, attrs in plans[rank]:
+            if attrs["op"] in P2P_OPS:  # paired send to recv instead (`transfers.py`)
+                continue
             key = (str(attrs["group"]), tuple(int(r) for r in attrs["group_ranks"]), int(attrs["group_seq"]))
             found.setdefault(key, Instance(*key, {})).members[rank] = (index, attrs)
     return [found[k] for k in sorted(found, key=lambda k: (k[1], k[0], k[2]))]

@@ -37,6 +37,7 @@ from oneiter.format.schema import (
     FOREIGN_KERNELS,
     LOCAL,
     LOSS,
+    MICROBATCHES,
     PRECISION_MODES,
     REDUCED_CALLS,
     REDUCED_CALLS_REFERENCE,
@@ -45,7 +46,9 @@ from oneiter.format.schema import (
     ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     STEP_START,
+    UNBOUNDED,
     split_call_key,
 )
 from oneiter.judge.iteration.blame import (
@@ -75,7 +78,7 @@ __all__ = ["compare_files", "compare_local", "reading", "dataset_id"]
 
 # recording metadata copied into results (JSON `meta`): enough to tell what ran where
 META_KEYS = ("model", "device", "device_name", "dtype", "amp", "num_threads", "seed", "batch_size", "optimizer",
-             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction")
+             "faults", "torch_version", "oneiter_version", "world_size", "grad_reduction", MICROBATCHES)
 
 
 def _run_precision(meta: dict) -> tuple:
@@ -251,14 +254,21 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
     parents = _read_local(result, tgt, noise)
     result.precision = _precision(ref, tgt)
-    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)))
+    run_dtype = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
+    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)), stored=result.stored,
+                      norm=_reference_norms(ref), run_dtype=run_dtype,
+                      stepped_changed=ref.has(STEP_GRADS) or tgt.has(STEP_GRADS))
     own: list[Finding] = []
     if result.local_kind == "teacher_forced":
         own, result.rounding = own_values(
             result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
-            run_dtype=amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32"),
+            run_dtype=run_dtype,
             world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
             update_scale=functools.partial(_update_scale, ref))
+    # a value its precision cannot resolve (its local row's expected noise is as large as it: `LocalResult.rounding`)
+    result.rounding |= {i for i, row in enumerate(result.rows) if row.status in ("match", "diverged")
+                        and row.metrics is not None and row.metrics.rel_l2 > 0
+                        and getattr(result.local_for(row), "rounding", False)}
     if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
         same = {result.stored[i] for i in result.rounding}
         result.rounding = {i for i, ident in enumerate(result.stored) if ident is not None and ident in same}
@@ -278,6 +288,19 @@ def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy
     result.findings = [*found, *row_findings(result.rows, result.first_divergence, result.has_local)]
 
 
+def _reference_norms(ref: IterationFile):
+    """key -> the L2 norm of the reference's entry (its statistics: computed from a full entry, stored at the
+    statistics level), read on first use; None for an entry the reference lacks."""
+    paths = {e.key: e.path for e in ref.entries() if e.phase in ("forward", "backward")}
+
+    @functools.lru_cache(maxsize=None)
+    def norm(key: tuple) -> Optional[float]:
+        path = paths.get(key)
+        return None if path is None else float(ref.stats_of(path)["l2"])
+
+    return norm
+
+
 def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -> dict:
     """The target's local data into the result (its kind, each tensor judged, the calls no probe reran); returns
     each call's parent call."""
@@ -288,6 +311,7 @@ def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -
     result.local = local_results(tgt, noise) if result.local_kind else []
     if result.local_kind:
         result.notes.extend(foreign_notes(tgt.local_attrs()))
+        result.notes.extend(unbounded_notes(tgt.local_attrs()))
     result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
     parents = {}
     for _key, attrs in tgt.calls():
@@ -330,7 +354,7 @@ def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile,
     if step_reduced(ref, tgt):  # the step's own collectives (tensor-parallel gradients) differ: judged across ranks
         covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "optimizer"}
     found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
-                             amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources)
+                             amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources, rounding=result.rounding)
     return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
 
 
@@ -396,6 +420,23 @@ def foreign_notes(attrs: dict) -> list[str]:
     return notes
 
 
+def unbounded_notes(attrs: dict) -> list[str]:
+    """What the recording says about the noise bounds its calibration needed and could not measure (`UNBOUNDED`,
+    written by `record/local/probe.py`), in words: a calibrated noise above the gate is used unchecked there."""
+    try:
+        found = json.loads(str(attrs.get(UNBOUNDED) or "[]"))
+    except ValueError:
+        return []
+    found = [f for f in found if isinstance(f, dict)] if isinstance(found, list) else []
+    if not found:
+        return []
+    shown = "; ".join(f"{f.get('what')}: {f.get('reason')}" for f in found[:3])
+    more = f"; {len(found) - 3} more" if len(found) > 3 else ""
+    return [f"calibration: the noise bound (what the precision can produce, which checks a calibrated noise) could "
+            f"not be measured for {len(found)} calls or parameters, whose calibrated noise is used unchecked: "
+            f"{shown}{more}"]
+
+
 def _short(where: str) -> str:
     """A registration's place relative to the working folder when under it, else as recorded."""
     try:
@@ -447,7 +488,9 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
         meta_reference=_meta(ref), meta_target=_meta(tgt),
         rows=rows, first_divergence=first, loss={"reference": _loss(ref), "target": _loss(tgt)},
         notes=notes + ([unjudged] if unjudged else []),
-        stored=stored, compiled=compiled,
+        stored=stored, compiled=compiled, microbatches=tgt.call_microbatches() or ref.call_microbatches(),
+        microbatch_loss={side: f.microbatch_losses() for side, f in (("reference", ref), ("target", tgt))
+                         if f.microbatch_losses()},
     )
 
 

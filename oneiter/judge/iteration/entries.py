@@ -139,6 +139,10 @@ class LocalResult:
     flagged: bool
     bound: Optional[float] = None
     """What the precision can produce for the call, measured on the trusted path (None: not needed, not measured)."""
+    rounding: bool = False
+    """Whether the value is rounding itself: not flagged, and its expected noise (its precision's own error for it,
+    relative to float64) is as large as the value (`blame.ROUNDING_NOISE`): a gradient that is 0 in exact arithmetic,
+    such as a bias's before a BatchNorm."""
 
     @property
     def untrusted(self) -> bool:
@@ -176,7 +180,7 @@ class LocalResult:
             "rel_l2": self.rel_l2, "max_abs": self.metrics.max_abs, "expected": self.expected,
             "calibrated": self.calibrated, "calibration": self.calibration or None, "ratio": self.ratio,
             "factor": self.factor, "flagged": self.flagged, "nan_mismatch": self.metrics.num_mismatch,
-            "bound": self.bound, "calibration_trusted": not self.untrusted,
+            "bound": self.bound, "calibration_trusted": not self.untrusted, "rounding": self.rounding,
         }
 
     def verdict(self) -> dict[str, Any]:

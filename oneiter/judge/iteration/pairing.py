@@ -10,6 +10,7 @@ did, are refused before anything is measured.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
@@ -18,7 +19,16 @@ import numpy as np
 from oneiter.errors import FormatError
 from oneiter.format.layout import Entry, IterationFile
 from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE
-from oneiter.format.schema import OPTIMIZER, STATE_AFTER, STATE_BEFORE, natural_key, seq_kind
+from oneiter.format.schema import (
+    OPTIMIZER,
+    STATE_AFTER,
+    STATE_BEFORE,
+    STATE_NAMES,
+    natural_key,
+    optimizer_entry,
+    seq_kind,
+    split_optimizer_entry,
+)
 from oneiter.judge.iteration.entries import PHASES
 from oneiter.runtime.training import OPTIMIZERS
 
@@ -109,7 +119,10 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
     pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
     if tgt.meta.get(OPTIMIZER_STATE) == LOADED:  # the optimizer's state it loaded is the reference's too
-        opt_ref, opt_tgt = ref.state(OPTIMIZER), tgt.state(OPTIMIZER)
+        opt_ref, opt_tgt = ref.state(OPTIMIZER), _as_reference_names(tgt)
+        grouped = _kept_in_groups(tgt)  # the target keeps these in its param groups: no dataset to compare
+        opt_ref = {name: path for name, path in opt_ref.items()
+                   if (split_optimizer_entry(name) or ("", ""))[1] not in grouped}
         missing = sorted(set(opt_ref) - set(opt_tgt))
         if missing:
             raise FormatError(f"bad replay: the target's optimizer holds no '{missing[0]}' after loading the "
@@ -123,6 +136,29 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
                 f"reference's weights and batch (was it replayed from another file? its replay_of is "
                 f"'{tgt.meta.get('replay_of')}'); record the target again with --replay {ref.path}")
     return None
+
+
+def _as_reference_names(tgt: IterationFile) -> dict[str, str]:
+    """The target's `/optimizer_state` entries by the reference's names: a target optimizer that keeps the same
+    quantities under other names says which (`STATE_NAMES`, `record/start/state_names.py`)."""
+    try:
+        names = json.loads(str(tgt.meta.get(STATE_NAMES) or "{}"))
+    except ValueError:
+        names = {}
+    found = {}
+    for entry, path in tgt.state(OPTIMIZER).items():
+        param, key = split_optimizer_entry(entry) or (entry, "")
+        found[optimizer_entry(param, names.get(key, key)) if key else entry] = path
+    return found
+
+
+def _kept_in_groups(tgt: IterationFile) -> set[str]:
+    """The reference's state keys the target's optimizer keeps in its param groups (`group:<key>` in STATE_NAMES)."""
+    try:
+        names = json.loads(str(tgt.meta.get(STATE_NAMES) or "{}"))
+    except ValueError:
+        return set()
+    return {key for where, key in names.items() if where.startswith("group:")}
 
 
 def same_start(ref: IterationFile, tgt: IterationFile, ref_path: str, tgt_path: str) -> bool:

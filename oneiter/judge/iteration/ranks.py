@@ -8,7 +8,8 @@ each pair is compared in its own process (`ProcessPoolExecutor`, at most one wor
 - each rank gets the verdict `compare_files` gives its pair (two multi-step recordings: the first step outside the
   band, with `pair` dispatching to their comparison);
 - every rank's collectives are judged against the exact reduction of their group's recorded inputs
-  (`collectives.py`): a rank's first wrong collective is its `collective` finding;
+  (`collectives.py`), and every point-to-point transfer's receive against its send (`transfers.py`): a rank's first
+  wrong one is its `collective` finding (a transfer's: named as the transfer);
 - the overall verdict (`judge.iteration.verdict.decide_ranked`) is a divergence if any rank diverged, and names the
   rank whose
   divergence comes first in causal order (ties: the lowest rank). Gradients are averaged across ranks (DDP's
@@ -36,9 +37,10 @@ from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import COLLECTIVES
 from oneiter.formatting import json_ready
-from oneiter.judge.iteration.collectives import Judged, findings, instances, judge, read_plans
+from oneiter.judge.iteration.collectives import Judged, findings, read_plans
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.results import CompareResult
+from oneiter.judge.iteration.transfers import judge_planned, plan
 from oneiter.judge.iteration.verdict import RankedVerdict, decide_ranked
 from oneiter.judge.measure.tolerance import NoisePolicy
 from oneiter.runtime.distributed import (
@@ -48,6 +50,7 @@ from oneiter.runtime.distributed import (
     all_gather_objects,
     broadcast_object,
     cpu_device,
+    dist_timeout,
     gather_objects,
     process_group,
 )
@@ -108,6 +111,7 @@ class RankedResult:
         flagged = [j.as_dict() for j in self.collectives if j.flagged(self.factor)]
         return {"verdict": self.verdict(), "reference": self.reference, "target": self.target, "ranks": ranks,
                 "collectives": {"num_judged": len(self.collectives), "num_flagged": len(flagged),
+                                "num_transfers": sum(j.kind == "transfer" for j in self.collectives),
                                 "flagged": flagged}}
 
     def to_json(self) -> dict[str, Any]:
@@ -245,8 +249,8 @@ def compare_ranks(
                 results[rank], plans[rank] = future.result()
             except OneIterError as exc:
                 raise type(exc)(f"rank {rank}: {exc}") from None
-        planned = instances(plans)
-        shares = [pool.submit(judge, planned[p::workers], tgts) for p in range(min(workers, len(planned)))]
+        planned = plan(plans)
+        shares = [pool.submit(judge_planned, planned[p::workers], tgts) for p in range(min(workers, len(planned)))]
         judged = [j for share in shares for j in share.result()]
     return _ranked(reference, target, results, judged, _factor(kwargs))
 
@@ -272,7 +276,8 @@ def compare_ranks_distributed(
     `report(result)` runs on process 0 before the others get the exit code: torchrun stops every process of the job
     once one exits non-zero (a divergence), so process 0 must have reported by then."""
     pair = pair or compare_files
-    with process_group(cpu_device(), info):
+    # oneiter's own collectives (the plans, the results, the verdict) wait at most ONEITER_DIST_TIMEOUT for a process
+    with process_group(cpu_device(), info, dist_timeout()):
         refs, tgts = _shared_pairs(reference, target, info)
         mine, error = {}, None
         for rank in sorted(refs)[info.rank::info.world_size]:
@@ -284,8 +289,8 @@ def compare_ranks_distributed(
         plans = {}
         for part in all_gather_objects({r: plan for r, (_, plan) in mine.items()}):
             plans.update(part)
-        planned = instances(plans)
-        judged = judge(planned[info.rank::info.world_size], tgts) if error is None else []
+        planned = plan(plans)
+        judged = judge_planned(planned[info.rank::info.world_size], tgts) if error is None else []
         parts = gather_objects(({r: result for r, (result, _) in mine.items()}, judged, error))
         errors = [e for _, _, e in parts or [] if e is not None]
         failed = broadcast_object(errors[0] if errors else None)

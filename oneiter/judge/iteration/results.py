@@ -59,6 +59,11 @@ class CompareResult:
     is the next one's input): `rounding`, never drift."""
     stored: list = field(default_factory=list, repr=False)
     """Per row, the identity of the pair of datasets it compares (hard links share one); None when unmeasured."""
+    microbatches: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(module, call) -> the microbatch whose forward made the call, for an iteration of several microbatches
+    (gradient accumulation: docs/format.md "Microbatches"); {} for one of a single microbatch."""
+    microbatch_loss: dict[str, list[float]] = field(default_factory=dict)
+    """Each side's loss of each microbatch (`reference`, `target`), for an iteration of several; {} otherwise."""
 
     @property
     def has_local(self) -> bool:
@@ -103,6 +108,9 @@ class CompareResult:
         data = self.rows[index].as_dict()
         role = " ".join(self.verdict_obj.roles(index))
         head = {k: data.pop(k) for k in ("module", "call", "phase", "tensor", "status")}
+        if self.microbatches:  # an iteration of several microbatches: the row's call's (None: no call's row)
+            head["microbatch"] = self.microbatches.get((head["module"], head["call"])) if head["phase"] in (
+                "forward", "backward") else None
         return {"index": index, **head, "role": role, **data}
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,6 +123,7 @@ class CompareResult:
             "target": self.target,
             "meta": {"reference": self.meta_reference, "target": self.meta_target},
             "loss": self.loss,
+            **({"microbatch_loss": self.microbatch_loss} if self.microbatch_loss else {}),
             "counts": self.counts(),
             "rows": rows,
         }

@@ -30,10 +30,11 @@ is inside tolerance and not flagged; missing, shape and dtype statuses stay as t
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Protocol
 
-from oneiter.format.schema import ROOT_MODULE
+from oneiter.format.schema import CLIP_ROW, ROOT_MODULE
 from oneiter.formatting import json_ready, num, sci
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
@@ -53,8 +54,11 @@ FOCUS = {"first_divergence": "first divergence", "structural": "structural diffe
 
 
 def entry_name(item: dict) -> str:
-    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin)."""
-    return f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+    """`layer1.0.conv1@0 forward output`: how every report names an entry (or a culprit, or the NaN/Inf origin); in an
+    iteration of several microbatches, with its call's: `layers.0.mlp@1 forward output (microbatch 1)`."""
+    name = f"{item.get('module')}@{item.get('call')} {item.get('phase')} {item.get('tensor')}"
+    micro = item.get("microbatch")
+    return name if micro is None else f"{name} (microbatch {micro})"
 
 
 # -- the decision ---------------------------------------------------------------------------------------------------
@@ -62,6 +66,7 @@ class Evidence(Protocol):
     """What a verdict is decided from: a `results.CompareResult` as the engine leaves it (its rows settled, blame's
     findings recorded). Named here, not imported, because the result decides its verdict from this module."""
 
+    reference: str
     rows: list[Row]
     first_divergence: Optional[int]
     findings: list[Finding]
@@ -77,6 +82,7 @@ class Evidence(Protocol):
     rounding: set[int]
     meta_reference: dict[str, Any]
     meta_target: dict[str, Any]
+    microbatches: dict[tuple[str, int], int]
 
     def local_for(self, row: Row) -> Optional[LocalResult]: ...
 
@@ -98,6 +104,8 @@ class Culprit:
     calibrated: Optional[float]
     nan_mismatch: int
     reason: str
+    microbatch: Optional[int] = None
+    """The microbatch whose call it is, in an iteration of several (gradient accumulation); None: one."""
 
     @property
     def name(self) -> str:
@@ -152,7 +160,10 @@ class Verdict:
     """The reduced-precision float32 modes (TF32...) each side ran and the calibration reproduced
     (`engine._precision`); None when neither side ran any."""
     num_rounding: int = 0
-    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's)."""
+    """Rows outside tolerance that are their own call's rounding (computed from values bitwise the reference's), and
+    rows that are rounding themselves (`num_rounding_values` of them)."""
+    num_rounding_values: int = 0
+    """Rows whose value is rounding itself (its precision's own error for it is as large as it: `rounding_reason`)."""
     num_not_judged: int = 0
     """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
     compiled: Optional[dict] = None
@@ -212,7 +223,8 @@ class Verdict:
             "unprobed": list(self.unprobed), "unexplained": list(self.unexplained),
             "loss_unexplained": self.loss_unexplained, "first_divergence": self.first_divergence,
             "num_entries": self.num_entries, "num_matched": self.num_matched, "num_drift": self.num_drift,
-            "num_rounding": self.num_rounding, "num_diverged": self.num_diverged, "local_kind": self.local_kind,
+            "num_rounding": self.num_rounding, "num_rounding_values": self.num_rounding_values,
+            "num_diverged": self.num_diverged, "local_kind": self.local_kind,
             "num_local": self.num_local,
             "num_local_calls": self.num_local_calls, "num_flagged": self.num_flagged,
             "worst_local": self.worst_local, "largest_rel_l2": self.largest_rel_l2, "precision": self.precision,
@@ -233,6 +245,7 @@ class Verdict:
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
                                                            "warnings", "untrusted", "findings")},
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
+            "num_rounding_values": int(d.get("num_rounding_values") or 0),
         })
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
@@ -242,9 +255,9 @@ _WHERE = ("module", "call", "phase", "tensor", "entry_status", "reason", "rel_l2
 # the keys of `Verdict.as_dict()` that are the verdict's own; every other one belongs to the entry it names
 _OWN = ("status", "basis", "focus", "headline", "details", "hint", "culprit", "chain", "culprit_includes",
         "nan_origin", "unprobed", "unexplained", "loss_unexplained", "first_divergence", "num_entries", "num_matched",
-        "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls", "num_flagged",
-        "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings", "untrusted", "findings",
-        "compiled")
+        "num_drift", "num_rounding", "num_rounding_values", "num_diverged", "local_kind", "num_local",
+        "num_local_calls", "num_flagged", "worst_local", "largest_rel_l2", "precision", "num_not_judged", "warnings",
+        "untrusted", "findings", "compiled")
 _OWN_FIELDS = ("status", "basis", "focus", "first_divergence", "nan_origin", "loss_unexplained", "hint", "num_entries",
                "num_matched", "num_drift", "num_rounding", "num_diverged", "local_kind", "num_local", "num_local_calls",
                "num_flagged", "worst_local", "precision", "compiled")
@@ -266,9 +279,21 @@ def settle_rows(result: Evidence, findings: list[Finding]) -> None:
             row.status = "diverged"
         elif i in unexplained:  # what an unattributed verdict rests on (inside tolerance too, in another precision)
             row.status, row.reason = "diverged", unexplained[i]
+        elif local is not None and local.rounding and i in result.rounding:  # inside tolerance or not: rounding
+            row.status, row.reason = "rounding", rounding_reason(local)
         elif row.status == "diverged" and not row.metrics.nonfinite_differs:
             # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
             row.status = "rounding" if i in result.rounding else "drift"
+
+
+ROUNDING_VALUE = "its value is rounding"  # how the reason of a row that is rounding itself starts (`rounding_reason`)
+
+
+def rounding_reason(local: LocalResult) -> str:
+    """Why a row whose value its precision cannot resolve is rounding (`LocalResult.rounding`), with its figures."""
+    return (f"{ROUNDING_VALUE}: its precision's own error for it, {sci(local.expected)} relative to float64, is as "
+            f"large as the value (0, or far below what it was computed from, in exact arithmetic: a bias's gradient "
+            f"before a BatchNorm); its own error {sci(local.rel_l2)} is within that")
 
 
 def decide(result: Evidence) -> Verdict:
@@ -277,7 +302,7 @@ def decide(result: Evidence) -> Verdict:
     no local result and no finding nothing was judged (inconclusive)."""
     rows, first, findings = result.rows, result.first_divergence, result.findings
     top = strongest(findings)
-    culprit = next((_culprit(f) for f in of_kind(findings, "culprit")), None)
+    culprit = next((_culprit(f, result.microbatches) for f in of_kind(findings, "culprit")), None)
     if not result.local_kind:
         basis = "first_divergence"
     else:
@@ -289,12 +314,15 @@ def decide(result: Evidence) -> Verdict:
     verdict = Verdict(
         status=status, basis=basis, focus=None if top is None else FOCUS[top.kind], entry=entry, culprit=culprit,
         chain=tuple(result.chain), culprit_includes=tuple(result.culprit_includes),
-        first_divergence=None if first is None else _entry(rows, first), nan_origin=result.nan_origin,
-        unprobed=tuple(result.unprobed),
-        unexplained=tuple({**_entry(rows, f.entry), "why": f.reason} for f in of_kind(findings, "unexplained")),
-        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None), hint=_hint(result, basis, entry),
+        first_divergence=None if first is None else _entry(rows, first, result.microbatches),
+        nan_origin=result.nan_origin, unprobed=tuple(result.unprobed),
+        unexplained=tuple({**_entry(rows, f.entry, result.microbatches), "why": f.reason}
+                          for f in of_kind(findings, "unexplained")),
+        loss_unexplained=next((f.reason for f in of_kind(findings, "loss")), None),
+        hint=_hint(result, basis, entry) or _compiled_next(result, culprit),
         num_entries=len(rows), num_matched=counts["match"], num_drift=counts["drift"],
         num_rounding=counts["rounding"], num_diverged=len(rows) - sum(counts.values()), local_kind=result.local_kind,
+        num_rounding_values=sum(r.status == "rounding" and r.reason.startswith(ROUNDING_VALUE) for r in rows),
         num_local=len(result.local),
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
@@ -329,7 +357,8 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
                 "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
                 "calibration_not_trusted", "reason": finding.reason,
                 "rel_l2": local.rel_l2, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
-                **_nonfinite_counts(local.metrics)}
+                **_nonfinite_counts(local.metrics), **_microbatch(result.microbatches, local.module, local.call,
+                                                                  local.phase)}
     if finding.kind == "loss":
         return {"index": None, "module": None, "call": None, "phase": "loss", "tensor": "loss",
                 "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
@@ -338,14 +367,23 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
         return {"index": None, "module": None, "call": None, "phase": c["phase"], "tensor": None,
                 "entry_status": "collective", "reason": finding.reason, "rel_l2": c["rel_l2"],
                 "max_abs": c["max_abs"], "cosine": None, "collective": c, "order": c["order"]}
-    entry = _entry(result.rows, finding.entry)
+    entry = _entry(result.rows, finding.entry, result.microbatches)
     return {**entry, "reason": finding.reason} if finding.kind == "unexplained" else entry
 
 
-def _culprit(finding: Finding) -> Culprit:
+def _culprit(finding: Finding, microbatches: dict) -> Culprit:
     local = finding.local
     return Culprit(local.module, local.call, local.phase, local.tensor, finding.entry, local.rel_l2, local.expected,
-                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason)
+                   local.ratio, local.calibrated, local.metrics.num_mismatch, finding.reason,
+                   _microbatch(microbatches, local.module, local.call, local.phase).get("microbatch"))
+
+
+def _microbatch(microbatches: dict, module: str, call: int, phase: str) -> dict[str, int]:
+    """{"microbatch": m} for a call's forward or backward entry in an iteration of several microbatches, else {}
+    (a parameter's gradient and update are the whole iteration's)."""
+    if not microbatches or phase not in ("forward", "backward") or (module, call) not in microbatches:
+        return {}
+    return {"microbatch": microbatches[(module, call)]}
 
 
 def culprit_reason(local: LocalResult) -> str:
@@ -375,11 +413,13 @@ def _nonfinite_counts(m) -> dict[str, int]:
     return {k: getattr(m, k) for k in ("num_nan_ref", "num_inf_ref", "num_nan_target", "num_inf_target")}
 
 
-def _entry(rows: list[Row], index: int) -> dict[str, Any]:
-    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use."""
+def _entry(rows: list[Row], index: int, microbatches: Optional[dict] = None) -> dict[str, Any]:
+    """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use (and its
+    call's microbatch, in an iteration of several)."""
     row, m = rows[index], rows[index].metrics
     data = {"index": index, "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
-            "entry_status": row.status, "reason": row.reason}
+            "entry_status": row.status, "reason": row.reason,
+            **_microbatch(microbatches or {}, row.module, row.call, row.phase)}
     if m is None:
         return {**data, "rel_l2": None, "max_abs": None, "cosine": None}
     tol = row.tolerance
@@ -405,6 +445,25 @@ def _hint(result: Evidence, basis: str, entry: Optional[dict]) -> Optional[str]:
              else "a different reduction order (threads, kernels) changes results this much")
     return (f"hint: rel_l2 {rel_l2:.1e} is within {HINT_RTOLS}x rtol {rtol:.1e}, rounding-noise size: {cause}; "
             f"--rtol/--atol loosen the check")
+
+
+def _compiled_next(result: Evidence, culprit: Optional[Culprit]) -> Optional[str]:
+    """When the culprit is a block the target ran compiled (torch.compile: the calls inside it are not observable),
+    the next commands: which node of its graph (`replay --layer --ops --compile`), or a recording that compiles
+    smaller blocks (`--compile-modules`) so a call inside it can be named."""
+    blocks = ((result.compiled or {}).get("target") or {}).get("blocks") or {}
+    path = "" if culprit is None or culprit.module == ROOT_MODULE else culprit.module
+    if culprit is None or path not in blocks:
+        return None
+    backend = str(blocks[path].get("backend") or "inductor")
+    model = result.meta_target.get("model")
+    spec = f" -m {model}" if model else ""
+    children = f"'^{re.escape(path)}\\.[^.]+$'" if path else "'^[^.]+$'"
+    layer = (f"`oneiter replay {result.reference} --layer {path} --call {culprit.call} --ops{spec} --compile "
+             f"{backend}` judges each node of its graph (forward); " if path else "")
+    return (f"next: {culprit.module} ran compiled ({backend}), so the calls inside it are not observable: {layer}"
+            f"`oneiter record ... --compile {backend} --compile-modules {children}` compiles each of its children as "
+            f"a block of its own, so the next compare names the call inside it")
 
 
 # -- the sentences --------------------------------------------------------------------------------------------------
@@ -441,7 +500,8 @@ def _headline(v: Verdict) -> tuple[str, str]:
     if where.get("entry_status") == "local_error" and v.culprit:
         return f"DIVERGED: culprit {v.culprit.name}{_at(v.culprit)}", _blamed(v.culprit)
     if v.focus == "collective":
-        return f"DIVERGED at collective {where['collective']['name']}", str(where.get("reason") or "")
+        c = where["collective"]
+        return f"DIVERGED at {c.get('kind', 'collective')} {c['name']}", str(where.get("reason") or "")
     if v.basis == "unattributed":
         if where.get("module") is None:
             return "DIVERGED (unattributed)", f"no call's own code is to blame, but {where.get('reason')}"
@@ -464,9 +524,12 @@ def _local_match(v: Verdict) -> tuple[str, str]:
     if v.num_drift:
         parts.append(f"{v.num_drift} of {v.num_entries} entries are outside tolerance: accumulated "
                      f"drift, which this verdict does not rest on")
-    if v.num_rounding:
-        parts.append(f"{v.num_rounding} are outside tolerance from values bitwise the reference's: their own call's "
-                     f"rounding, within its noise")
+    if v.num_rounding_values:
+        parts.append(f"{v.num_rounding_values} are rounding themselves: their precision's own error for them is as "
+                     f"large as their value (0 in exact arithmetic), within their noise")
+    if v.num_rounding - v.num_rounding_values:
+        parts.append(f"{v.num_rounding - v.num_rounding_values} are outside tolerance from values bitwise the "
+                     f"reference's: their own call's rounding, within its noise")
     if v.unprobed:
         parts.append(f"{len(v.unprobed)} calls not probed, judged by error growth only")
     if v.num_not_judged:
@@ -486,6 +549,10 @@ def _own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], exp
         return (f"{nan_mismatch} NaN/Inf at other positions (or with another sign) than in the reference, "
                 f"given the same inputs")
     tensor = str(tensor)
+    if tensor == CLIP_ROW:  # judged on the target's own gradients (`record/local/clipping.py`)
+        return (f"the coefficient the gradient clipping applied is rel {sci(rel_l2)} off min(1, max_norm / total "
+                f"norm) of the float64 norm of the gradients backward left (max_norm: the reference's clipping's), "
+                f"{num(ratio) or 0:.1f}x the rounding of those norms {sci(expected)}")
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
     text = (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
             f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
@@ -531,9 +598,14 @@ def _details(v: Verdict) -> list[str]:
         lines.append(f"Culprit: {v.culprit.name}{_at(v.culprit)}: {_blamed(v.culprit)}")
     if v.focus == "collective":
         c = v.where["collective"]
-        lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result of "
-                     f"their group's recorded inputs (the first is named); each call that consumed one is judged on "
-                     f"the reference's result")
+        if c.get("kind") == "transfer":
+            lines.append(f"transfers: {c.get('num_flagged', 1)} of this rank's collectives and transfers are off the "
+                         f"exact result of their recorded inputs or what the sending rank sent (the first is named); "
+                         f"each call that consumed one is judged on the reference's value")
+        else:
+            lines.append(f"collectives: {c.get('num_flagged', 1)} of this rank's collectives are off the exact result "
+                         f"of their group's recorded inputs (the first is named); each call that consumed one is "
+                         f"judged on the reference's result")
     lines.append(_basis_line(v))
     lines += _compiled_lines(v.compiled)
     if v.basis != "first_divergence":
@@ -553,6 +625,8 @@ def _first_divergence_line(first: dict) -> str:
     drift = {"drift": ": accumulated drift, which the verdict does not rest on",
              "rounding": ": its own call's rounding (computed from values bitwise the reference's), within its "
                          "noise"}.get(str(first.get("entry_status")), "")
+    if first.get("entry_status") == "rounding" and str(first.get("reason") or "").startswith(ROUNDING_VALUE):
+        drift = ": rounding itself (its precision's own error for it is as large as the value), within its noise"
     return (f"first divergence: #{first.get('index')} {entry_name(first)}{size}, the first entry outside "
             f"tolerance{drift}")
 
@@ -713,7 +787,8 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
                                  f"({len(diverged)} of {total} ranks diverged{which})", None)
         where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
         if v.focus == "collective":
-            where = f" at collective {v.entry['collective']['name']}"
+            c = v.entry["collective"]
+            where = f" at {c.get('kind', 'collective')} {c['name']}"
         which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
         headline = f"DIVERGED on rank {origin}{where} ({len(diverged)} of {total} ranks diverged{which})"
         return RankedVerdict("diverged", origin, total, diverged, headline, _spread_note(verdicts, origin, diverged))

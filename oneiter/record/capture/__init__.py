@@ -4,6 +4,7 @@
 - `input_grads.py` gradients w.r.t. a call's inputs, read off the autograd graph without changing it
 - `recompute.py`   activation checkpointing: a call run again during backward is a recomputation, not a new call
 - `batch.py`       the model's batch as a framework delivers it: named, stored, swapped for a reference's
+- `microbatches.py` an iteration of several microbatches: which one runs, whose a backward is, their batches and losses
 - `hooks.py`       module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
 - `blocks.py`      compiled blocks (torch.compile): what a recording of them refuses, writes and says
 - `raised_at.py`   which call, phase and line of the user's model raised an exception

@@ -8,7 +8,9 @@ Names follow `record/capture/hooks.py`: positional arguments `input.<i>`, keywor
 containers add `.<index>` / `.<key>`, and data fields of mmengine data elements add `.<field>`
 (`kwarg.data_samples.0.gt_label`). In the file, tensor number n of the batch is `batch/input.<n>` (numbered, as
 `IterationFile.batch_paths` expects) and its name is the dataset attribute `arg`. A recording made by
-`oneiter record` has no `arg` attribute: its batch names are `input.<i>`, positional arguments.
+`oneiter record` has no `arg` attribute: its batch names are `input.<i>`, positional arguments. An iteration of
+several microbatches numbers every microbatch's tensors on (`input.<n>`), each after the first with the attribute
+`microbatch` (docs/format.md "Microbatches"); `read_batch` reads one microbatch's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.format.schema import BATCH, arg_name, kwarg_name
+from oneiter.format.schema import BATCH, MICROBATCH, arg_name, kwarg_name
 
 __all__ = ["map_tensors", "map_call", "store_batch", "batch_rows", "read_batch", "BatchSwap"]
 
@@ -91,15 +93,17 @@ def map_call(args: tuple, kwargs: dict, fn: Callable[[str, Any], Any]) -> tuple[
     return new_args, new_kwargs
 
 
-def store_batch(sink, args: tuple, kwargs: dict) -> int:
-    """Queue every tensor of the call as `batch/input.<n>` with its name in attribute `arg`; returns n."""
+def store_batch(sink, args: tuple, kwargs: dict, *, start: int = 0, microbatch: int = 0) -> int:
+    """Queue every tensor of the call as `batch/input.<n>` (n from `start` on) with its name in attribute `arg`, and
+    `microbatch` when it is not the first; returns how many were stored."""
     count = 0
+    attrs = {MICROBATCH: microbatch} if microbatch else {}
 
     def put(name: str, tensor):
         nonlocal count
         # never a link: the same tensor passed twice (`model(input_ids=ids, labels=ids)`) is two batch entries,
         # each with its own name (a link would share the first one's `arg`)
-        sink.put(BATCH, arg_name(count), tensor, {"arg": name}, dedup=False)
+        sink.put(BATCH, arg_name(start + count), tensor, {"arg": name, **attrs}, dedup=False)
         count += 1
         return tensor
 
@@ -121,10 +125,11 @@ def batch_rows(args: tuple, kwargs: dict) -> int:
     return found[0] if found else 0
 
 
-def read_batch(ref: IterationFile) -> dict[str, Any]:
-    """The reference's batch tensors by name (`kwarg.inputs`, `input.0`...), on the CPU, bit for bit."""
+def read_batch(ref: IterationFile, microbatch: int = 0) -> dict[str, Any]:
+    """The reference's batch tensors of one microbatch by name (`kwarg.inputs`, `input.0`...), on the CPU, bit for
+    bit."""
     batch = {}
-    for path in ref.batch_paths():
+    for path in ref.batch_paths(microbatch):
         name = ref.attrs(path).get("arg") or path.rpartition("/")[2]
         batch[str(name)] = ref.tensor(path)
     return batch
@@ -137,21 +142,23 @@ class BatchSwap:
     precision); `check_complete()` fails if the reference holds a tensor this batch does not have.
     """
 
-    def __init__(self, batch: dict[str, Any], source: str):
+    def __init__(self, batch: dict[str, Any], source: str, microbatch: int | None = None):
         self.batch = batch
         self.source = source
         self.used: set[str] = set()
+        # in the errors, which microbatch's batch (None: the iteration has one)
+        self.where = "" if microbatch is None else f" of microbatch {microbatch}"
 
     def __call__(self, name: str, live):
         theirs = self.batch.get(name)
         if theirs is None:
             raise OneIterError(
-                f"the reference '{self.source}' has no batch tensor '{name}' "
+                f"the reference '{self.source}' has no batch tensor '{name}'{self.where} "
                 f"(it has: {', '.join(self.batch) or 'none'}); replay a recording of the same model and data pipeline"
             )
         if tuple(theirs.shape) != tuple(live.shape):
             raise OneIterError(
-                f"batch tensor '{name}' has shape {list(theirs.shape)} in the reference '{self.source}', "
+                f"batch tensor '{name}'{self.where} has shape {list(theirs.shape)} in the reference '{self.source}', "
                 f"{list(live.shape)} here (same batch size and input size as the reference?)"
             )
         self.used.add(name)
@@ -162,5 +169,6 @@ class BatchSwap:
         missing = [name for name in self.batch if name not in self.used]
         if missing:
             raise OneIterError(
-                f"the reference '{self.source}' has batch tensors this model's batch does not: {', '.join(missing)}"
+                f"the reference '{self.source}' has batch tensors{self.where} this model's batch does not: "
+                f"{', '.join(missing)}"
             )

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
+    MICROBATCH,
     call_key,
     call_path,
     check_name,
@@ -171,6 +172,9 @@ class CallRecord:
     # the instance attributes of its module and those under it as the call began (tensors its forward leaves there
     # for the next call: RecurrentGemma's recurrent state): a rerun starts from them (module_state.py)
     attributes: list | None = None
+    # (id(module), attribute) -> storage address of each tensor the call left in its modules' attributes when it
+    # returned (`module_state.left`): a later call that starts from one carries state from this call
+    left: dict = field(default_factory=dict)
     # the fidelity check (probe.TeacherForcedProbe): the live call's own inputs and outputs until it is probed, then
     # whether its live outputs equal the source's bitwise, and (when they do not) copies its caller's check reruns on
     live_inputs: dict | None = None
@@ -224,6 +228,8 @@ class ModuleCapture:
         self.random_count: Callable[[], int] = lambda: 0  # the running random-op count (set by the session)
         self.grad_scale = 1.0  # a GradScaler's factor on the loss: gradients are stored divided by it (`unscaled`)
         self.num_calls = 0
+        self.microbatch = 0  # the microbatch whose forward runs: each call's own (docs/format.md "Microbatches")
+        self.call_begins: list[Callable[[int], None]] = []  # told the microbatch of each call that begins (p2p.py)
         self.seqs: dict[tuple[str, str], int] = {}  # (call key, input|output|grad_output|grad_input) -> order
         self._suspended = False  # True while a probe reruns a call: its calls are not part of the iteration
         self._handles: list = []
@@ -402,6 +408,10 @@ class ModuleCapture:
         begin = self.random_count()
         attrs = {"module": path, "call": call, "exec_index": self.num_calls, "class_name": type(module).__name__,
                  "parent": parent_key, "random_begin": begin, **simple}
+        if self.microbatch:  # absent: microbatch 0 (a recording of one microbatch is written as before)
+            attrs[MICROBATCH] = self.microbatch
+        for told in self.call_begins:
+            told(self.microbatch)
         self.num_calls += 1
         group = call_path(key, FORWARD)
         for name, value in named:
@@ -440,6 +450,7 @@ class ModuleCapture:
         self.sink.writer.attrs(call_path(key), attrs)
         if record is not None:
             record.random_end = attrs["random_end"]
+            record.left = module_state.left(record.attributes)
             as_if_grad = not _grad_enabled() and in_reentrant_forward()
             record.output = skeleton(output, "output", as_if_grad=as_if_grad)
             # outputs that are an input, unchanged (Identity, dropout with p=0): a forced rerun passes them on

@@ -7,5 +7,7 @@
 - `montecarlo.py`     a precision's noise by Monte Carlo, where the float64 calibration cannot run
 - `rows.py`           `JudgedRow`: one row of the `/local` table
 - `optimizer_rows.py` the optimizer's update, each parameter judged on its own (a shadow step, in chunks)
+- `clipping.py`       the gradients as the step sees them (clipping, unscaling): stored, and the clipping judged
+- `carried.py`        state carried between two calls of one iteration through a module attribute
 - `probe.py`          the probes: teacher-forced (or against-CPU) reruns of every call and their noise calibration
 """

@@ -206,6 +206,10 @@ class BackwardChecks:
         if consumed and produced:
             self.pending.append((rec.path or ROOT_MODULE, rec.call, consumed, produced))
 
+    def forget(self, module: str, call: int) -> None:
+        """Check nothing more of that call's backward (its rows were dropped for another reason)."""
+        self.pending = [p for p in self.pending if (p[0], p[1]) != (module, call)]
+
     def failures(self) -> list[tuple[str, int, str, float]]:
         """(module, call, gradient, excess distance) of each call whose live backward, fed exactly what its rerun
         was, differs from the rerun's by more than summation order does."""

@@ -33,6 +33,7 @@ from oneiter.format.schema import (
     PLACEMENTS,
     STATE_AFTER,
     STATE_BEFORE,
+    STEP_GRADS,
     group_path,
     optimizer_entry,
 )
@@ -40,12 +41,13 @@ from oneiter.record.local.fidelity import digest, exact_tensor
 from oneiter.record.local.rerun import ProbeSkip, Rerunner, Site, rel_l2, tensor_stats
 from oneiter.record.local.rows import LATE, JudgedRow, dtype_name, first_line, leaf, owner
 from oneiter.record.modes import trusted
+from oneiter.record.start.state_names import renamed
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import unit_roundoff
 from oneiter.runtime.sharding import local
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
-           "check_updates"]
+           "check_updates", "step_grad_path"]
 
 # torch's optimizers whose step updates each parameter from its own gradient and state only: a copy of one over a
 # few of the parameters steps them exactly as over all of them (single-tensor, foreach and fused alike)
@@ -101,22 +103,25 @@ def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int
             tensors[name] = q
     shadow = faithful_copy(opt, shadows, plain=not site.live)
     if site.cast != "live":  # float64 and the reference's precision start from the reference's own recorded state
-        _reference_state(shadow, {id(q): names.get(id(p)) for p, q in _pairs(opt, shadows)}, rerunner)
+        _reference_state(shadow, {id(q): names.get(id(p)) for p, q in _pairs(opt, shadows)}, rerunner,
+                         renamed(opt))
     with torch.no_grad(), trusted.running(site.trusted):
         shadow.step()
     return {name: t.detach() for name, t in tensors.items()}
 
 
-def _reference_state(shadow, names: dict, rerunner: Rerunner) -> None:
+def _reference_state(shadow, names: dict, rerunner: Rerunner, theirs: dict | None = None) -> None:
     """The state of each shadow parameter as the reference recorded it (`/optimizer_state`, when the reference holds
     it: a replay's optimizer loaded it, cast to its own dtypes), cast for the shadow parameter as torch's
-    `load_state_dict` would."""
+    `load_state_dict` would; `theirs`: the reference's name of each key the optimizer keeps under another one
+    (`record/start/state_names.py`)."""
     for group in shadow.param_groups:
         for q in group["params"]:
             state = shadow.state.get(q)
             name = names.get(id(q))
             for key in list(state or ()):
-                path = group_path(OPTIMIZER, optimizer_entry(name, key)) if name else None
+                ref_key = (theirs or {}).get(key, key)
+                path = group_path(OPTIMIZER, optimizer_entry(name, ref_key)) if name else None
                 if path is not None and rerunner.source.has(path):
                     state[key] = _for_param(q, key, rerunner.source.uncached(path).clone(), shadow.param_groups)
 
@@ -134,10 +139,15 @@ def _shadow_parameter(p, name, rerunner: Rerunner, site: Site, start):
         q.grad = None if start[1] is None else start[1].to(device, dtype, copy=True)
         return q.requires_grad_(p.requires_grad)
     q = before.to(device, dtype, copy=True)
-    grad_path = group_path(PARAM_GRADS, name)
+    grad_path = step_grad_path(rerunner.source, name)
     if rerunner.source.has(grad_path):
         source = rerunner.source  # the probe's cache: a fresh read is ours, a remembered one is shared
         q.grad = source.uncached(grad_path).to(device, dtype, copy=source.cached(grad_path))
+        divisor = getattr(rerunner, "grad_divisor", {}).get(name)
+        if divisor is not None and grad_path == group_path(PARAM_GRADS, name):
+            # divided between the last backward and the step, as the live one was (a reference that kept its step's
+            # gradients in `/step_grads` holds them divided already)
+            q.grad = q.grad.div(divisor)
     return q.requires_grad_(p.requires_grad)
 
 
@@ -272,9 +282,16 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
     return {name: digest(after) for name, after in judged.items()}
 
 
+def step_grad_path(source, name: str) -> str:
+    """Where the reference keeps the gradient its step saw: `/step_grads` where code changed it after backward
+    (clipping, unscaling: `clipping.py`), else `/param_grads`."""
+    path = group_path(STEP_GRADS, name)
+    return path if source.has(path) else group_path(PARAM_GRADS, name)
+
+
 def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
     before = rerunner.step_start(name)
-    grad_path = group_path(PARAM_GRADS, name)
+    grad_path = step_grad_path(rerunner.source, name)
     if before is None or not exact_tensor(before, local(p.detach())):
         return False
     if p.grad is None:

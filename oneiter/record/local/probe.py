@@ -73,6 +73,7 @@ from oneiter.format.schema import (
     BACKWARD,
     FOREIGN_KERNELS,
     FORWARD,
+    OPTIMIZER_MODULE,
     PARAM_GRADS,
     PRECISION_MODES,
     REDUCED_CALLS,
@@ -81,12 +82,17 @@ from oneiter.format.schema import (
     REDUCED_TARGET,
     ROOT_MODULE,
     STATE_AFTER,
+    STEP_GRADS,
+    UNBOUNDED,
     UNREDUCED_GRADS,
     LocalRow,
+    call_key,
     group_path,
     tensor_path,
 )
 from oneiter.record.capture.hooks import CallRecord
+from oneiter.record.local.carried import CarriedState
+from oneiter.record.local.clipping import clip_row
 from oneiter.record.local.fidelity import BackwardChecks, check_forward
 from oneiter.record.local.montecarlo import BOUND_SAMPLES, MONTE_CARLO, SAMPLES, SEED, spread
 from oneiter.record.local.optimizer_rows import check_updates, optimizer_rows
@@ -215,9 +221,12 @@ class LocalProbe(ABC):
         self.optimizer = None
         self._sums = _Sums()
         self._contributors: dict[str, list[CallRecord]] = {}
+        self._carried = CarriedState()  # what calls left in their modules' attributes (`carried.py`)
+        self._not_summed: set[str] = set()  # parameters a call contributed to whose backward is not judged alone
         self._expected_updates: dict[str, tuple] = {}  # parameter -> fingerprint of its checked update
         self._calibrated: dict[int, str] = {}  # id(call) -> how its noise was measured (the rows' `calibration`)
         self._bounds: dict[int, dict] = {}  # id(call) -> (phase, name) -> what the precision can produce (`_bound`)
+        self._unbounded: list[dict[str, str]] = []  # the bounds that were needed and could not be measured, and why
         self._met = trusted.mark()  # the replaced kernels the calibration meets from here on (`table`)
         self._added: set[tuple[int, str]] = set()  # (id(call), sums site) already added to the sums
 
@@ -230,6 +239,8 @@ class LocalProbe(ABC):
         self.rerunner.random_ops = ops
 
     SOURCE_IS_RUN = False  # the source is this run's own captured values (`--against cpu`), not a reference
+    # the parameter gradients as the last backward left them, by name (`RecordingSession.keep_grads`), or None
+    kept_grads: dict | None = None
 
     @property
     def collectives(self) -> list[RecordedCollective]:
@@ -251,8 +262,35 @@ class LocalProbe(ABC):
 
     # -- entry points -----------------------------------------------------------------------------------------------
     def after_call(self, rec: CallRecord) -> None:
-        """A call returned."""
-        self._probe(rec)
+        """A call returned: probed, unless it started from state an earlier call left (`carried.py`)."""
+        if not self._not_alone(rec):
+            self._probe(rec)
+        self._carried.leaving(rec)
+
+    def _not_alone(self, rec: CallRecord) -> bool:
+        """Whether `rec` started from a tensor an earlier call left on a module: then neither is probed alone, both
+        run live in their caller's rerun (`carried.py`); the earlier one loses its backward rows and its parameters'
+        gradient rows (which its rerun summed without the gradient that reached it through the attribute)."""
+        found = self._carried.started_from(rec)
+        if found is None:
+            return False
+        earlier, attribute = found
+        module = earlier.path or ROOT_MODULE
+        why = (f"state carried between calls: {rec.key} starts from the tensor {earlier.key} left in {attribute}, "
+               f"whose gradient reaches {earlier.key} through that attribute; both run in their caller's rerun")
+        if earlier.status == PROBED:
+            self.rows = [r for r in self.rows if not (r.module == module and r.call == earlier.call
+                                                      and r.phase == BACKWARD)]
+            self._not_summed |= {n for n, calls in self._contributors.items() if any(c is earlier for c in calls)}
+            if getattr(self, "backward_checks", None) is not None:
+                self.backward_checks.forget(module, earlier.call)
+        if not earlier.status.startswith("state carried"):
+            earlier.status = why
+            self.unprobed.append((module, earlier.call, why))
+        rec.status = why
+        self.unprobed.append((rec.path or ROOT_MODULE, rec.call, why))
+        rec.release()
+        return True
 
     def after_backward(self, *, step_later: bool = False) -> None:
         """Backward is over, the optimizer has not stepped: parameter gradients, buffer updates and (unless
@@ -261,14 +299,15 @@ class LocalProbe(ABC):
             self._param_rows()
             self._buffer_rows()
             if not step_later:
-                self.before_step(grads_changed=False)
+                self.before_step(grads_changed=False, figures=None)
         for records in self._contributors.values():
             for rec in records:
                 rec.release()
         self._contributors.clear()
 
-    def before_step(self, *, grads_changed: bool) -> None:  # noqa: B027 - a hook: a no-op unless a mode overrides it
-        """The optimizer is about to step: its update is judged only teacher-forced (`TeacherForcedProbe`)."""
+    def before_step(self, *, grads_changed: bool, figures: dict | None = None) -> None:  # noqa: B027 - a hook
+        """The optimizer is about to step: its update is judged only teacher-forced (`TeacherForcedProbe`).
+        `figures`: the gradients as the step sees them against what backward left (`clipping.step_figures`)."""
 
     def table(self, seqs: dict[tuple[str, str], int]) -> tuple[list[LocalRow], list[tuple[str, int, str]], dict]:
         """The `/local` rows (capture order filled in from `seqs`), the unprobed calls, and the table's attrs."""
@@ -277,6 +316,7 @@ class LocalProbe(ABC):
                  "num_unprobed": len(self.unprobed)}
         attrs.update(self._reduced_attrs())
         attrs[FOREIGN_KERNELS] = json.dumps(self._foreign(), sort_keys=True)
+        attrs[UNBOUNDED] = json.dumps(self._unbounded)
         return rows, list(self.unprobed), attrs
 
     # -- what each mode decides -------------------------------------------------------------------------------------
@@ -419,8 +459,8 @@ class LocalProbe(ABC):
                     self._bounds[id(rec)] = self._bound(rec, high)
                 except (ProbeSkip, OneIterError):
                     raise
-                except Exception:  # noqa: BLE001 - the check could not be made: the noise stands unchecked
-                    pass
+                except Exception as err:  # noqa: BLE001 - the check could not be made: the noise stands unchecked,
+                    self._not_bounded(call_key(rec.path, rec.call), err)  # and the report says so
         self._add(rec, {"low": low, **({"reference": reference} if reference is not None else {})})
         self._calibrated.setdefault(id(rec), how)
         return noise_t, noise_r, how
@@ -596,7 +636,7 @@ class LocalProbe(ABC):
         for index, (name, param) in enumerate(parameters(self.model)):
             records = self._contributors.get(name)
             judged = self._sums.get("primary", name)
-            if not records or judged is None:
+            if not records or judged is None or name in self._not_summed:
                 continue
             stored = self._stored_grad(name, param)
             if stored is None or tuple(stored.shape) != tuple(judged.shape):
@@ -643,10 +683,19 @@ class LocalProbe(ABC):
                 if (id(rec), "inj0") not in self._added:
                     self._bound(rec, None)
                     self.source.clear()
-        except Exception:  # noqa: BLE001 - the check could not be made: the noise stands unchecked (NaN bound)
+        except Exception as err:  # noqa: BLE001 - the check could not be made: the noise stands unchecked (NaN
+            self._not_bounded(name, err)  # bound), and the report says so
             return
         bound = self._summed_bound(name)
+        if bound is None:
+            self._not_bounded(name, "a contributing call's bound runs are missing")
         row.noise_bound = math.nan if bound is None else bound
+
+    def _not_bounded(self, what: str, why) -> None:
+        """A noise bound that was needed (the calibrated noise is above the gate) and could not be measured: kept
+        for `/local`'s UNBOUNDED attribute, which every report states."""
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: {first_line(why)}"
+        self._unbounded.append({"what": what, "reason": reason[:200]})
 
     def _monte_carlo_again(self, rec: CallRecord) -> None:
         """Monte Carlo samples of a call that was calibrated in a higher precision: a parameter it contributes to
@@ -803,17 +852,28 @@ class TeacherForcedProbe(LocalProbe):
                 self._calibrated_value(name, records, row)
             self.rows.append(row)
 
-    def before_step(self, *, grads_changed: bool) -> None:
+    def before_step(self, *, grads_changed: bool, figures: dict | None = None) -> None:
         """The optimizer is about to step. `grads_changed`: code between backward and the step changed the
-        gradients in place (clipping, unscaling), which the recording does not hold: the update is not judged."""
+        gradients in place (clipping, unscaling). Where the reference's step saw changed gradients too
+        (`/step_grads`), the change is judged as its own row (`clipping.clip_row`) and the update from the
+        reference's step gradients; a change only one side made is listed, the update not judged."""
         if self.model is None or self.optimizer is None:
             return
         if updates_not_judged(self.ref_optimizer_state, self.optimizer_start):
             return  # another starting state: no update is judged, clipped or not; compare says why (from the files)
-        if grads_changed:
-            self.unprobed.append(("(optimizer)", 0, "the gradients changed between backward and the step (gradient "
-                                  "clipping or unscaling), which a recording does not hold"))
+        theirs = self.source.attrs(STEP_GRADS)  # {}: the reference's step saw the gradients backward left
+        if not theirs and grads_changed:
+            self.unprobed.append((OPTIMIZER_MODULE, 0, "the gradients changed between backward and the step "
+                                  "(gradient clipping or unscaling), where the reference's step saw them as backward "
+                                  "left them: the update is not judged"))
             return
+        if theirs:
+            row, why = clip_row(theirs, figures) if figures is not None else (None, "sharded gradients: the "
+                                                                               "clipping's total norm is no rank's")
+            if row is not None:
+                self.rows.append(row)
+            else:
+                self.unprobed.append((OPTIMIZER_MODULE, 0, why))
         rows, why = optimizer_rows(self.optimizer, self.model, self.rerunner, self.device,
                                    lambda row: row.needs_noise(0.0),  # the step runs outside autocast
                                    self._expected_updates if self.CHECKS_LIVE else None)
@@ -835,12 +895,16 @@ class AgainstCpuProbe(LocalProbe):
         self._deferred: list[CallRecord] = []
 
     def after_call(self, rec: CallRecord) -> None:
-        """A call returned: probed after backward, when every value it reruns from has been captured."""
-        self._deferred.append(rec)
+        """A call returned: probed after backward, when every value it reruns from has been captured (unless it
+        started from state an earlier call left: `carried.py`)."""
+        if not self._not_alone(rec):
+            self._deferred.append(rec)
+        self._carried.leaving(rec)
 
     def after_backward(self, *, step_later: bool = False) -> None:
         for rec in self._deferred:
-            self._probe(rec)
+            if not rec.status.startswith("state carried"):  # an earlier call of a pair carrying state: not alone
+                self._probe(rec)
         self._deferred.clear()
         super().after_backward(step_later=step_later)
 
@@ -853,7 +917,8 @@ class AgainstCpuProbe(LocalProbe):
     def _stored_grad(self, name: str, param):
         if param.grad is None or _world_size() > 1:  # averaged over ranks by a reducer: not this rank's own sum
             return None
-        return param.grad.detach().to(_CPU)
+        kept = (self.kept_grads or {}).get(name)  # as the last backward left them: clipping may follow
+        return kept if kept is not None else param.grad.detach().to(_CPU)
 
     def _summed_grad_dtype(self, stored, param):
         return stored.dtype

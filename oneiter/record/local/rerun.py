@@ -164,6 +164,9 @@ class Rerunner:
         self.random_ops = random_ops
         self.names = names
         self.collectives: list[RecordedCollective] = []  # the source's, in order (`record/modes/collectives.py`)
+        # name -> what the step's gradient is the recorded one divided by (a pipeline schedule's scaling by the
+        # number of microbatches after the last backward: `record/modes/pipeline.py`)
+        self.grad_divisor: dict[str, float] = {}
         self._state: dict[str, Any] = {}
         self._moved: dict[str, bool] = {}  # buffer name -> whether the source's iteration changed it (`_source_moved`)
         self.perturb = Perturbation(None)  # the running rerun's (`Site.perturb`)

@@ -7,4 +7,6 @@
 - `fallback.py`   `--fallback`: matching torch functions run on the CPU in float32
 - `faults.py`     `--inject-fault`: hooks that break a layer on purpose (tests, demo)
 - `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
+- `p2p.py`        point-to-point ops (send, recv) recorded per rank, completed when the caller waits, never twice
+- `pipeline.py`   torch.distributed.pipelining's stages: the microbatch of each stage call and of each op it posts
 """

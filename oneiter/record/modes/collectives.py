@@ -44,6 +44,7 @@ from oneiter.format.schema import (
 )
 from oneiter.record.capture.recompute import in_backward
 from oneiter.record.modes.dispatch import IterationMode, compiling, is_higher_order
+from oneiter.record.modes.p2p import P2P_OPS, P2PRecorder
 from oneiter.runtime.sharding import dtensor_class
 
 __all__ = ["CollectiveRecorder", "CollectiveForcer", "RecordedCollective", "recorded_collectives", "parse",
@@ -164,7 +165,8 @@ def _tensors(value) -> list:
 
 def parse(func, args: tuple, kwargs: dict) -> Parsed | None:
     """The collective `func` runs, or None when it is no collective (every other op, and the functional ops'
-    bookkeeping: `wait_tensor`); raises OneIterError for a communicating op oneiter does not know (point to point)."""
+    bookkeeping: `wait_tensor`); raises OneIterError for a communicating op oneiter does not know. Point-to-point ops
+    (`send`, `recv_`) are parsed here and recorded by `p2p.py`."""
     namespace, packet = func.namespace, func.overloadpacket.__name__
     if namespace == "c10d" and packet in _C10D:
         op, source, dest = _C10D[packet]
@@ -192,8 +194,8 @@ def parse(func, args: tuple, kwargs: dict) -> Parsed | None:
             parsed.out_splits = [int(n) for n in bound.get("output_split_sizes") or []]
         return parsed
     if namespace in ("c10d", *_FUNCTIONAL) and packet not in _PASS and packet != "check_for_nan":
-        raise OneIterError(f"{func}: a torch.distributed op oneiter does not record (point-to-point ops are not "
-                           f"supported in a recorded iteration)")
+        raise OneIterError(f"{func}: a torch.distributed op oneiter does not know how to record (every rank that runs "
+                           f"it stops here, before it communicates)")
     return None
 
 
@@ -347,14 +349,18 @@ class CollectiveRecorder(IterationMode):
     running a region again; `next_seq()` numbers captures in causal order. `on_output(record, phase, outputs)` gets
     each collective's output tensors by path (the probe keeps the live values its fidelity check needs)."""
 
-    def __init__(self, sink, capture, on_output: Callable | None = None):
+    def __init__(self, sink, capture, on_output: Callable | None = None, tagged: Callable | None = None):
         super().__init__()
         self.sink, self.capture, self.on_output = sink, capture, on_output
+        self.p2p = P2PRecorder(sink, lambda: int(getattr(capture, "microbatch", 0) or 0), tagged, on_output)
+        getattr(capture, "call_begins", []).append(self.p2p.claim)
         self.num_ops = 0
         self.recorded: list[RecordedCollective] = []
         self.num_buckets = 0
         self.reduced_grads = False  # a C++ hook (DDP's reducer) reduced gradients over ranks in backward
         self.stepping = False  # backward is over: what runs now is the optimizer's step (phase `optimizer`)
+        self.backwards = 0  # backwards of the block returned so far (the Recorder counts them)
+        self._reduced_in: set[int] = set()  # the backwards (by that count) a reducer averaged gradients in
         self._per_group: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -369,6 +375,8 @@ class CollectiveRecorder(IterationMode):
         with self._lock:
             index = self.num_ops
             self.num_ops += 1
+        if parsed.op in P2P_OPS:  # posted now, completed (and recorded) when the caller waits: p2p.py
+            return self._post(func, args, kwargs, parsed, index, site, via)
         group = collective_group(index)
         for i, tensor in enumerate(parsed.inputs):  # before an in-place op overwrites them
             self.sink.put(group, f"input.{i}", tensor)
@@ -394,6 +402,7 @@ class CollectiveRecorder(IterationMode):
             if via == "autograd" and node is not None and "AccumulateGrad" in node.name():
                 bucket, self.num_buckets = self.num_buckets, self.num_buckets + 1
                 site, self.reduced_grads = f"DDP bucket {bucket}", self.reduced_grads or parsed.op == "all_reduce"
+                self._reduced_in.add(self.backwards)
             elif node is not None:
                 key = self.capture.owner_of_node(node._sequence_nr()) or ""
         if via.startswith("torch.distributed.fsdp"):
@@ -413,8 +422,32 @@ class CollectiveRecorder(IterationMode):
         if self.on_output is not None and not recomputed:
             self.on_output(record, phase, {collective_path(index, f"output.{i}"): t for i, t in enumerate(outputs)})
 
+    def _post(self, func, args: tuple, kwargs: dict, parsed: Parsed, index: int, site: str, via: str):
+        """A point-to-point op: its phase and call as a collective's, posted by `P2PRecorder`."""
+        backward = in_backward()  # outside autograd and every call: a pipeline's exchange, classified by p2p.py
+        phase = BACKWARD if backward else FORWARD
+        key, record = ("", None) if backward else self.capture.owner()
+        node = torch._C._current_autograd_node() if backward else None
+        if node is not None:
+            key = self.capture.owner_of_node(node._sequence_nr()) or ""
+        where = {"phase": phase, "call": key, "record": record, "site": site, "via": via,
+                 "ranks": _ranks(parsed.group), "seq": self.capture.next_seq()}
+        self.recorded.append(RecordedCollective(index, parsed.op, phase, key, False,
+                                                tuple(tuple(t.shape) for t in parsed.inputs),
+                                                tuple(tuple(t.shape) for t in parsed.outputs)))
+        return self.p2p.post(func, args, kwargs, parsed, index, where)
+
+    def reduced_only_last(self, backwards: int) -> bool:
+        """Whether every gradient reduction ran in the last of the block's `backwards` backwards."""
+        return self._reduced_in <= {backwards - 1}
+
+    def settle(self) -> None:
+        """The block ends well: every point-to-point op completed and described, before the file closes."""
+        self.p2p.finish(self.sink.writer, failed=False)
+
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
+        self.p2p.finish(self.sink.writer, failed=exc_type is not None)  # nothing left to do after `settle`
         if exc_type is None and self.num_ops:
             self.sink.writer.attrs(COLLECTIVES, {"num_ops": self.num_ops})
         return result

@@ -318,13 +318,20 @@ class RandomReplayer(IterationMode):
 
     def __exit__(self, exc_type, exc, tb):
         result = super().__exit__(exc_type, exc, tb)
-        if exc_type is None and self.num_ops < len(self.ops):
+        if exc_type is None and not self.pausing:
+            self.check_complete()
+        return result
+
+    pausing = False  # left between two microbatches of one iteration (the Recorder's): more random ops follow
+
+    def check_complete(self) -> None:
+        """Every random op the reference recorded was replayed (fewer: the runs differ)."""
+        if self.num_ops < len(self.ops):
             k = self.num_ops
             rec = self.ops[k]
             raise OneIterError(f"random op #{k}: expected {rec.op} shape {_shape(_key_shape(rec))} from the "
                                f"reference, got none (the reference recorded {len(self.ops)} random ops, this run "
                                f"{k}); the random ops differ between reference and target")
-        return result
 
 
 def _own_draws(k: int, block: str, got: str, expected: str) -> str:

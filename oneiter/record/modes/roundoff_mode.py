@@ -17,6 +17,7 @@ a correct kernel of any precision gives them exactly.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -54,14 +55,14 @@ class RoundoffInjection(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.is_view or name in COPIES or name in UNINITIALIZED or is_random(func, args, kwargs):
             return func(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if hasattr(t, "is_floating_point")]
+        # tensors only: a dtype argument (`sum(..., dtype=torch.float32)`) has an `is_floating_point` too, a bool
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not any(t.is_floating_point() for t in tensors):
             return func(*args, **kwargs)  # a factory or an index op: nothing computed from floating values
         args, kwargs = inject(func, args, kwargs, self.roundoff, self.accumulate, self.rng,
                               self.operand.get(name, 0.0))
         out = func(*args, **kwargs)
-        produced = {id(t): t for t in tree_flatten(out)[0] if hasattr(t, "is_floating_point")
-                    and t.is_floating_point()}
+        produced = {id(t): t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()}
         results = list(produced.values())
         for value in results:
             perturbed_(value, result_delta(func, args, results, value, self.roundoff, self.accumulate), self.rng)

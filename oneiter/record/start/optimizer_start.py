@@ -14,7 +14,9 @@ parameter that is not the model's.
 
 Loading goes through the optimizer's own `load_state_dict` (torch casts each floating value to its parameter's
 dtype and device, and keeps `step` as it is), with the target's own param groups: its options (learning rate,
-betas) stay its code's, only the state is the reference's.
+betas) stay its code's, only the state is the reference's. A target optimizer of another class that keeps the same
+quantities under other names or in its param groups (apex's FusedAdam: the step count in `group['step']`) gets them
+where it keeps them (`state_names.py`), or the replay is refused in one line before its step runs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from collections import defaultdict
 
 from oneiter.errors import OneIterError
 from oneiter.format.optimizer_state import EMPTY, LOADED, NOT_RECORDED, OPTIMIZER_STATE, RECORDED, state_of
-from oneiter.format.schema import OPTIMIZER, optimizer_entry, split_optimizer_entry
+from oneiter.format.schema import OPTIMIZER, OPTIMIZER_CLASS, optimizer_entry, split_optimizer_entry
+from oneiter.record.start.state_names import GROUP, plan, remember
 from oneiter.runtime.names import canonical
 from oneiter.runtime.sharding import is_dtensor
 
@@ -83,9 +86,34 @@ def load_start(optimizers, model, ref) -> str:
                                f"optimizer of this run steps: a replay needs the reference's optimizer",
                                param="optimizer")
         _check_shapes(name, values, owners[name][1], ref)
-    for opt in optimizers:
-        _load(opt, {name: values for name, values in recorded.items() if owners[name][0] is opt}, names)
+    classes = str(ref.meta.get(OPTIMIZER_CLASS) or "").split(",")
+    for index, opt in enumerate(optimizers):
+        mine = {name: values for name, values in recorded.items() if owners[name][0] is opt}
+        keys = {key for values in mine.values() for key in values}
+        where = plan(opt, classes[index] if len(classes) == len(optimizers) else classes[0], keys) if keys else {}
+        remember(opt, where)
+        _load(opt, {name: {where[k]: v for k, v in values.items() if not where[k].startswith(GROUP)}
+                    for name, values in mine.items()}, names)
+        _load_groups(opt, {name: {where[k][len(GROUP):]: v for k, v in values.items() if where[k].startswith(GROUP)}
+                           for name, values in mine.items()}, names)
     return LOADED if recorded else EMPTY
+
+
+def _load_groups(opt, values: dict[str, dict], names: dict[int, str]) -> None:
+    """The quantities `opt` keeps in its param groups (apex's FusedAdam: `step`), from the reference's per-parameter
+    values, which must agree within each group; a whole number as an int."""
+    for group in opt.param_groups:
+        found: dict[str, set] = {}
+        for p in group["params"]:
+            for key, value in values.get(names.get(id(p), ""), {}).items():
+                number = float(value.reshape(-1)[0]) if value.numel() == 1 else None
+                found.setdefault(key, set()).add(int(number) if number is not None and number.is_integer() else number)
+        for key, seen in found.items():
+            if len(seen) != 1 or None in seen:
+                raise OneIterError(f"the reference's optimizer state holds several values of '{key}' for one param "
+                                   f"group of the target's {type(opt).__name__}, which keeps one per group: a "
+                                   f"replay cannot load it", param="optimizer")
+            group[key] = seen.pop()
 
 
 def _read(ref) -> dict[str, dict[str, object]]:

@@ -35,7 +35,9 @@ from typing import Iterator
 import torch
 
 from oneiter.errors import OneIterError
-from oneiter.record.capture.batch import BatchSwap, map_call, read_batch
+from oneiter.record.capture.batch import map_call
+from oneiter.record.capture.hooks import next_node_number as _next_node
+from oneiter.record.capture.microbatches import Microbatches, reference_swaps
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.local.rerun import scaled_by_signs
 from oneiter.record.modes.fallback import OpFallback
@@ -178,18 +180,19 @@ def _devices(params) -> dict[str, list[int]]:
 
 class TwinPass:
     """What a twin's pass runs under: the reference step's batch (handed out by `inputs`, or swapped into the
-    model's first call) and random values, autocast as the recording has it, the op fallback; its loss is the
-    tensor the first backward runs on (or the one `loss` names)."""
+    model's first call; one per microbatch, begun as the Recorder begins them) and random values, autocast as the
+    recording has it (entered again for each microbatch's forward), the op fallback; its loss is the tensor the
+    first backward of each microbatch runs on (or the one `loss` names), summed over microbatches."""
 
     def __init__(self, model, view, options, device):
         self.model, self.view, self.options, self.device = model, view, options, device
-        self._loss = None
-        self._explicit = self._taken = self._backward_seen = False
+        self._mb = Microbatches()
+        self._backward_since = False  # a backward returned since the current microbatch began
         self._autocast = None
 
     def __enter__(self) -> "TwinPass":
         opts = self.options
-        self._swap = BatchSwap(read_batch(self.view), self.view.path.name)
+        self._swaps = reference_swaps(self.view)
         stack = ExitStack()
         try:
             stack.enter_context(RandomReplayer(self.view, self.device, replay=opts.random_replay))
@@ -198,10 +201,8 @@ class TwinPass:
             stack.callback(self.model.register_forward_pre_hook(self._first_forward, with_kwargs=True,
                                                                 prepend=True).remove)
             self._patch_backward(stack)
-            if opts.amp and opts.manage_autocast:
-                self._autocast = autocast_for(self.device, opts.amp)
-                self._autocast.__enter__()
-                stack.callback(self._end_autocast)
+            self._enter_autocast()
+            stack.callback(self._end_autocast)
         except BaseException:
             stack.close()
             raise
@@ -211,6 +212,12 @@ class TwinPass:
     def __exit__(self, *exc) -> None:
         self._end_autocast()
         self._stack.__exit__(*exc)
+
+    def _enter_autocast(self) -> None:
+        opts = self.options
+        if opts.amp and opts.manage_autocast and self._autocast is None:
+            self._autocast = autocast_for(self.device, opts.amp)
+            self._autocast.__enter__()
 
     def _end_autocast(self) -> None:
         autocast, self._autocast = self._autocast, None
@@ -222,41 +229,51 @@ class TwinPass:
         owner = self
 
         def backward(tensor, *args, **kwargs):
-            if not owner._backward_seen:  # the first backward: autocast ends, and its tensor is the loss
-                owner._backward_seen = True
-                owner._end_autocast()
-                if not owner._explicit:
-                    owner._loss = tensor.detach()
-            return original(tensor, *args, **kwargs)
+            owner._end_autocast()  # the first backward of a microbatch: autocast ends, its tensor is the loss
+            owner._mb.note_loss(owner._mb.of_tensor(tensor), tensor.detach())
+            result = original(tensor, *args, **kwargs)
+            owner._backward_since = True
+            return result
 
         torch.Tensor.backward = backward
         stack.callback(setattr, torch.Tensor, "backward", original)
 
-    def _first_forward(self, module, args, kwargs):
-        if self._taken:
-            return None
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
+    def _begin(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The next microbatch: the reference's batch of it in place of `args`/`kwargs`."""
+        micro = self._mb.begin(_next_node())
+        if micro >= len(self._swaps):
+            raise OneIterError(f"the twin began microbatch {micro}, the reference step ran {len(self._swaps)}",
+                               param="inputs")
+        if micro:
+            self._enter_autocast()
+        self._backward_since = False
+        args, kwargs = map_call(args, kwargs, self._swaps[micro])
+        self._swaps[micro].check_complete()
         return args, kwargs
 
+    def _first_forward(self, module, args, kwargs):
+        if self._mb.from_inputs:
+            self._mb.from_inputs = False
+            return None
+        if self._mb.count and not self._backward_since:
+            return None  # another call in this microbatch
+        return self._begin(args, kwargs)
+
     def inputs(self, *args, **kwargs):
-        if self._taken:
-            raise OneIterError("rec.inputs() was already called (or the model already ran) in this step",
-                               param="inputs")
-        self._taken = True
-        args, kwargs = map_call(args, kwargs, self._swap)
-        self._swap.check_complete()
+        args, kwargs = self._begin(args, kwargs)
+        self._mb.from_inputs = True
         if kwargs:
             return args, kwargs
         return args[0] if len(args) == 1 else tuple(args)
 
     def loss(self, tensor):
-        self._loss, self._explicit = tensor.detach(), True
+        self._mb.note_loss(self._mb.current, tensor.detach(), explicit=True)
         return tensor
 
     def note(self, **attrs) -> None:
         """Notes are the recorded step's; the twin's pass keeps none."""
 
     def loss_value(self) -> float:
-        return math.nan if self._loss is None else float(self._loss.float())
+        if not self._mb.has_loss():
+            return math.nan
+        return float(self._mb.total(self._mb.values(lambda t: t)).float())

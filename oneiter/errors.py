@@ -165,9 +165,9 @@ def _innermost(frames: list[tuple[str, int, str, str]]) -> tuple[str, int, str] 
     """`innermost_user` of frames whose owner is known: (file, line, function, owner); owner `module` (torch's
     module code running the model) counts where no frame of the user's own lies between it and oneiter's."""
     module = None
-    for filename, line, func, owner in reversed(frames):
-        if owner == "oneiter" and func in _TRANSPARENT:
-            continue  # oneiter's torch modes pass each op through: an op's error is the caller's
+    for depth, (filename, line, func, owner) in enumerate(reversed(frames)):
+        if owner == "oneiter" and func in _TRANSPARENT and depth:
+            continue  # oneiter's torch modes pass each op through: an op's error is the caller's (not one they raise)
         if owner == "oneiter":
             return module
         if owner == "user":

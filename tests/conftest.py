@@ -186,3 +186,20 @@ def load_tool(name: str, folder: str = "tools"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_reads_back(path: Path, layer: str, model: str, *, refused: bool = False) -> None:
+    """What a writer wrote reads back: `oneiter inspect` and `oneiter compare FILE FILE` take it (a match), and
+    `oneiter replay FILE --layer LAYER -m MODEL` replays that layer from it (exit 0) or, `refused`, refuses the file in
+    one line (exit 2: a file no layer can be replayed from, said as such)."""
+    import json
+
+    res = run_cli("inspect", path)
+    assert res.exit_code == 0, res.output
+    res = run_cli("compare", path, path, "--json", "-")
+    assert res.exit_code == 0 and json.loads(res.stdout)["verdict"]["status"] == "match", res.output
+    res = run_cli("replay", path, "--layer", layer, "-m", model)
+    if refused:
+        assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1, res.output
+    else:
+        assert res.exit_code == 0, res.output

@@ -34,6 +34,16 @@ loss, gradient and update norms); with `replay=` of such a file, the target's ru
 values at those steps and starts from its state at the first. `oneiter compare` names the first recorded step
 that leaves the tolerance (these files have no twin to measure a band: docs/steps.md), and how to record it.
 
+`torch_compile=True`: the model the Trainer calls is accelerate's `torch.compile(model)`; the callback records that
+compiled model (one block, `(root)`: `docs/compiled.md`), and from `on_train_begin` on, before it first compiles,
+inductor draws its random numbers through the aten ops a replay hands the reference's (`fallback_random`), so a
+compiled GPT-2 with dropout replays an eager reference.
+
+Under torchrun the Trainer never destroys the process group accelerate made for it, and a gloo run may then abort
+as the process ends (`terminate called without an active exception`, exit -6, after a run that succeeded: the
+Trainer's own race with Python's shutdown, without oneiter too); the callback has the group destroyed at exit,
+before Python finalizes (`runtime/distributed.py`: `destroy_at_exit`).
+
 If the recorded step raises, the Trainer calls no callback: `close()` (or the end of training) removes the hooks
 and the temporary file.
 """
@@ -53,6 +63,8 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
 from oneiter.integrations.hf_profile import ProfileCallback
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
 from oneiter.record.options import RecordOptions
+from oneiter.runtime.distributed import current_rank, destroy_at_exit
+from oneiter.runtime.wrappers import compiled_wrapper
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
 
@@ -67,9 +79,12 @@ class OneIterCallback(DrivenCallback, TrainerCallback):
     # -- Trainer events --------------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._driver.check_steps(state.max_steps)
-        self._driver.start_run(model, optimizer, self._options(args, None), state.max_steps)
+        # with torch_compile=True the Trainer calls accelerate's torch.compile(model): the compiled model is recorded
+        self._model = compiled_wrapper(model) if args.torch_compile and model is not None else model
+        self._driver.start_run(self._model, optimizer, self._options(args, None), state.max_steps)
 
     def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        model = model if getattr(self, "_model", None) is None else self._model
         self._driver.begin(state.global_step, model, optimizer, lambda: self._options(args, state.global_step))
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -78,9 +93,12 @@ class OneIterCallback(DrivenCallback, TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._driver.end_run()
         self.close()
+        if current_rank().distributed:  # the Trainer never destroys its process group: at exit, before Python
+            destroy_at_exit()  # finalizes (`runtime/distributed.py`: else gloo may abort the process as it ends)
 
     def close(self) -> None:
         """Abandon a step that did not end (the Trainer raised inside it): hooks removed, no file left."""
+        self._model = None
         self._driver.close()
 
     def _options(self, args, step: Optional[int]) -> RecordOptions:

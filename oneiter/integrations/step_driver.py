@@ -27,6 +27,7 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary
 from oneiter.record.session import check_output
 from oneiter.record.steps.step_recorder import StepRecorder
+from oneiter.runtime.compiled import find_blocks, recordable_compiles
 from oneiter.runtime.distributed import current_rank, rank_path
 
 __all__ = ["StepDriver", "DrivenCallback", "callback_options", "meta_of"]
@@ -63,6 +64,7 @@ class StepDriver:
         self._recorder: Optional[Recorder] = None  # step=N: the step being recorded
         self._steps: Optional[StepRecorder] = None  # every=K: the multi-step recording of the run
         self._block: Optional[AbstractContextManager] = None  # every=K: the step being recorded
+        self._random: Optional[AbstractContextManager] = None  # a compiled model's random numbers, replayable
         self._open: Optional[Recorder] = None  # the Recorder of the step being recorded (either way)
         self.check_output()
 
@@ -89,6 +91,9 @@ class StepDriver:
         """Training starts: the output is checked again (the ranks are known now); with `every`, the multi-step
         file opens: the run's steps 0, K, 2K, ... below `max_steps` (a replay: the reference's)."""
         self.check_output()
+        if find_blocks(model) and self._random is None:  # before the compiled code first compiles
+            self._random = recordable_compiles()
+            self._random.__enter__()
         if self.every is None:
             return
         self._steps = open_steps(model, options, every=self.every, max_steps=max_steps, optimizer=optimizers)
@@ -139,6 +144,12 @@ class StepDriver:
             steps, self._steps = self._steps, None
             steps.__exit__(None, None, None)
             self.summary = steps.summary
+        self._end_random()
+
+    def _end_random(self) -> None:
+        random, self._random = self._random, None
+        if random is not None:
+            random.__exit__(None, None, None)
 
     def close(self) -> None:
         """Abandon whatever did not end (the framework raised inside a step): hooks removed, no file left."""
@@ -155,6 +166,7 @@ class StepDriver:
                 if steps is not None:
                     steps.__exit__(*failed)
             finally:
+                self._end_random()
                 if recorder is not None:
                     recorder.__exit__(*failed)
 

@@ -46,6 +46,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -63,6 +64,7 @@ from oneiter.format.schema import (
     OPTIMIZER_CLASS,
     PRECISION_MODES,
     RANDOM,
+    ROOT_MODULE,
     STATE_BEFORE,
     STATE_NAMES,
 )
@@ -81,7 +83,7 @@ from oneiter.record.start.optimizer_start import load_start, start_entries
 from oneiter.record.start.reference import load_state
 from oneiter.record.start.state_names import qualified, renamed
 from oneiter.runtime import precision_modes
-from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call
+from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call, recordable_compiles
 from oneiter.runtime.devices import device_name
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
@@ -393,7 +395,9 @@ class Recorder:
         if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
             stack.callback(self._forward_cast.uncast())
         capture = stack.enter_context(self.session.capture())
-        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref if opts.random_replay else None)
+        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref)
+        if capture.blocks:  # compiled code draws random numbers the random modes see (`runtime/compiled.py`)
+            stack.enter_context(recordable_compiles())
         self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
         stack.enter_context(self._modes)
         stack.callback(self._remove_hooks)
@@ -445,7 +449,7 @@ class Recorder:
             impact = self._measure_impact() if self.options.impact else {}
             reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
             self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
-            compiled = compiled_attr(self.session.module_capture.blocks, self._watch)
+            compiled = compiled_attr(self.session.module_capture.blocks, self._watch, self._modes.random.num_compiled)
             counts = self.session.finish(self._loss, {**self._modes.summary(), GRAD_REDUCTION: reduced, **compiled})
             for line in compiled_notes(compiled) if self.notify is not None and not self._step_of else ():
                 self.notify(line)
@@ -916,10 +920,12 @@ class _Modes:
         from oneiter.record.modes.fallback import OpFallback
         from oneiter.record.modes.randomness import RandomRecorder, RandomReplayer
 
+        held = weakref.ref(capture) if capture is not None else lambda: None  # the capture counts this mode's ops:
+        inside = lambda: _open_block(held())  # noqa: E731 - no cycle between them, which would outlive the block
         if ref is None:
-            self.random = RandomRecorder(sink)
+            self.random = RandomRecorder(sink, inside=inside)
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
-            self.random = RandomReplayer(ref, device, replay=random_replay)
+            self.random = RandomReplayer(ref, device, replay=random_replay, inside=inside)
         self.fallback = OpFallback(fallback) if fallback else None
         self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None), on_scaled) \
             if is_distributed() else None
@@ -1010,6 +1016,14 @@ class _Modes:
             "num_random_ops": self.random.num_ops,
             "fallback_counts": json.dumps(self.fallback.counts if self.fallback is not None else {}),
         }
+
+
+def _open_block(capture) -> str:
+    """The compiled block whose call is open now, in words ("the compiled block layers.0 (inductor)"), or ""."""
+    path = capture.open_block() if capture is not None else None
+    if path is None:
+        return ""
+    return f"the compiled block {path or ROOT_MODULE} ({capture.blocks.by_path[path].backend})"
 
 
 def model_of(model):

@@ -34,7 +34,7 @@ from oneiter.record.options import RecordOptions
 from oneiter.record.recorder import Recorder, RecordSummary, module_selector
 from oneiter.record.session import check_output
 from oneiter.record.steps.step_recorder import StepRecorder
-from oneiter.runtime.compiled import compile_modules
+from oneiter.runtime.compiled import compile_modules, find_blocks, recordable_compiles
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.distributed import local_device, process_group, rank_info, rank_path, replay_path, wrap_ddp
 from oneiter.runtime.host_random import seed_all
@@ -212,6 +212,8 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         if opts.compile:  # before the faults, whose hooks stay outside the compiled code; once for every step
             stack.callback(compile_modules(bundle.model, opts.compile, opts.compile_modules))
             opts = replace(opts, compile=None, compile_modules=[])
+        elif find_blocks(bundle.model):  # compiled by its builder: random numbers replayable from the first compile
+            stack.enter_context(recordable_compiles())
         for handle in attach_faults(bundle.model, faults):
             stack.callback(handle.remove)
         opts = replace(opts, meta={**_meta(opts, built), **opts.meta})

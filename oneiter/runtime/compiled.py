@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
+from oneiter.runtime.sharding import is_fsdp_hook
 
 __all__ = ["WRAPPED", "eager_name", "Block", "Blocks", "find_blocks", "outside_call", "skipped", "skip_dispatch",
-           "check_backend",
+           "check_backend", "recordable_compiles", "RANDOM_THROUGH_ATEN", "random_lines",
            "compile_modules", "CompileWatch", "eager", "dynamo_loaded", "backend_name", "inductor_cache_dir"]
 
 WRAPPED = "_orig_mod"  # where `torch.compile(module)` keeps the module it wraps
@@ -270,6 +271,43 @@ def _drop(module, outside: _OutsideCall, hooks: list, hook) -> None:
         module.__dict__["_compiled_call_impl"] = outside.compiled
 
 
+# -- compiling for a recording -------------------------------------------------------------------------------------
+RANDOM_THROUGH_ATEN = "inductor's fallback_random"  # how compiled code drew its random numbers (the file says so)
+
+
+@contextmanager
+def recordable_compiles() -> Iterator[None]:
+    """What code compiled inside the block must be for a recording of it, set while it compiles (a graph compiled
+    before keeps what it was compiled with):
+
+    - it draws its random numbers with the aten ops eager code runs (inductor's `fallback_random`: dropout is
+      `aten.native_dropout`), which a replay hands the reference's values (`record/modes/randomness.py`), not with
+      inductor's own generator (seeds from `aten.randint`, then Philox in its kernels), which no replay reaches
+      (the replay says so in one line); other backends run aten ops themselves (`aot_eager`) or draw as they draw;
+    - its backward keeps no donated buffers (`torch._functorch.config.donated_buffer`): a rerun of a block that
+      returns several tensors computed from one another (a loss and the logits it came from) backpropagates
+      through the same graph twice (`record/local/rerun.py`: `_external_grads`)."""
+    if not dynamo_loaded():
+        yield
+        return
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fallback_random=True), functorch_config.patch(donated_buffer=False):
+        yield
+
+
+def random_lines(info: dict, side: str) -> list[str]:
+    """The line that says how the random ops a side's compiled code drew were drawn (and replayed), or none."""
+    count = int(info.get("random_ops") or 0)
+    if not count:
+        return []
+    whose = f"the {side}'s" if side else "the"
+    return [f"compiled: {count} random op(s) in {whose} compiled code (dropout) drawn through aten ops "
+            f"({info.get('random') or RANDOM_THROUGH_ATEN}), which oneiter records and a replay gives the "
+            f"reference's values"]
+
+
 # -- compiling on request -------------------------------------------------------------------------------------------
 def check_backend(name: str) -> None:
     """Refuse, with one line, a backend torch.compile does not know (registered names and entry points count)."""
@@ -301,37 +339,49 @@ def compile_modules(model, backend, patterns: list[str]) -> Callable[[], None]:
         raise OneIterError(f"compile: the model is compiled already ({where or '(root)'} is a compiled block): "
                            f"drop compile, or return the eager model", param="compile")
     targets = _targets(model, patterns)
+    settings = recordable_compiles()
+    settings.__enter__()  # until `restore`: the blocks compile lazily, at their first call
     undo, codes = [], {}
     for module in targets:
-        had = module.__dict__.get("_compiled_call_impl", _ABSENT)
-        module.__dict__["_compiled_call_impl"] = torch.compile(_frame(module, codes), backend=backend)
-        undo.append((module, had))
+        # an FSDP2 unit: its forward alone, so FSDP2's hooks run eagerly around it, as oneiter's do, and a rerun
+        # leaves them out (`record/local/rerun.py`); any other module: its whole call, its own hooks included
+        slot = "forward" if _manages_parameters(module) else "_compiled_call_impl"
+        had = module.__dict__.get(slot, _ABSENT)
+        call = module.forward if slot == "forward" else module._call_impl
+        module.__dict__[slot] = torch.compile(_frame(module, codes, call), backend=backend)
+        undo.append((module, slot, had))
 
     def restore() -> None:
-        for module, had in reversed(undo):
+        for module, slot, had in reversed(undo):
             if had is _ABSENT:
-                module.__dict__.pop("_compiled_call_impl", None)
+                module.__dict__.pop(slot, None)
             else:
-                module.__dict__["_compiled_call_impl"] = had
+                module.__dict__[slot] = had
+        settings.__exit__(None, None, None)
 
     return restore
+
+
+def _manages_parameters(module) -> bool:
+    """Whether hooks of FSDP2 (`fully_shard`) gather and reshard the module's parameters around its forward."""
+    return any(is_fsdp_hook(h) for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
 
 
 _ABSENT = object()
 
 
-def _frame(module, codes: dict) -> Callable:
-    """The function whose frame Dynamo compiles for a block: it calls the module (its hooks, its forward), so
-    torch.nn's own classes compile too (`module.compile()` leaves nn.Sequential eager: Dynamo skips torch.nn's
-    frames). Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8, past which it
-    runs the frame eagerly), per code object: the blocks of one class and parameter shapes in one `codes` (one
-    compiling) share a code object, so identical blocks share a graph, while others and later compilings get their
-    own budget."""
-    key = (type(module), tuple(tuple(p.shape) for p in module.parameters()))
+def _frame(module, codes: dict, call: Callable) -> Callable:
+    """The function whose frame Dynamo compiles for a block: it calls `call` (the module's call: its hooks and its
+    forward; or its forward alone), so torch.nn's own classes compile too (`module.compile()` leaves nn.Sequential
+    eager: Dynamo skips torch.nn's frames). Dynamo keeps compiled graphs, and counts recompilations against
+    `recompile_limit` (8, past which it runs the frame eagerly), per code object: the blocks of one class and parameter
+    shapes in one `codes` (one compiling) share a code object, so identical blocks share a graph, while others and
+    later compilings get their own budget."""
+    key = (type(module), tuple(tuple(p.shape) for p in module.parameters()), call.__name__)
     code = codes.get(key)
     if code is None:
         code = codes[key] = _template().__code__.replace(co_name=f"compiled_{type(module).__name__}")
-    return types.FunctionType(code, _template.__globals__, code.co_name, None, (types.CellType(module._call_impl),))
+    return types.FunctionType(code, _template.__globals__, code.co_name, None, (types.CellType(call),))
 
 
 def _template() -> Callable:

@@ -32,7 +32,7 @@ from oneiter.runtime.meshes import keep_parameters
 __all__ = [
     "RANK_FILE", "LOOKS_RANKED", "RankInfo", "rank_info", "current_rank", "rank_path", "replay_path",
     "init_process_group", "process_group", "local_device", "wrap_ddp", "backend_for", "cpu_device",
-    "broadcast_object", "all_gather_objects", "gather_objects", "dist_timeout", "TIMEOUT_ENV",
+    "broadcast_object", "all_gather_objects", "gather_objects", "dist_timeout", "TIMEOUT_ENV", "destroy_at_exit",
 ]
 
 TIMEOUT_ENV = "ONEITER_DIST_TIMEOUT"  # seconds oneiter waits for another rank (its own collectives, a transfer)
@@ -178,6 +178,34 @@ def process_group(device, info: RankInfo, timeout: float | None = None) -> Itera
             import torch.distributed as dist
 
             dist.destroy_process_group()
+
+
+_DESTROY_AT_EXIT: list[bool] = []  # the exit handler is registered (once per process)
+
+
+def destroy_at_exit() -> None:
+    """At interpreter exit, before Python finalizes, destroy the default process group if it is still there: what a
+    framework that never destroys the group it made (the Hugging Face Trainer: accelerate's `end_training` is never
+    called) leaves to chance. Its last collective (the Trainer's `store_flos` all-gather) returns while gloo's worker
+    thread still holds its tensors, whose Python objects the caller has already let go; freeing them then needs the
+    GIL, and when the main thread has begun finalizing by then, CPython ends that thread (`pthread_exit`) and its
+    unwinding through the noexcept `ProcessGroupGloo::runLoop` aborts the process: `terminate called without an
+    active exception`, exit -6 after a run that succeeded (1 run in 5 of a plain Trainer, oneiter or not:
+    `bench/trainer_torchrun_loop.py`). Destroying the group at exit joins those threads while they can still take
+    the GIL. A group destroyed before exit is left alone."""
+    if _DESTROY_AT_EXIT:
+        return
+    import atexit
+
+    _DESTROY_AT_EXIT.append(True)
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_device(device, info: RankInfo):

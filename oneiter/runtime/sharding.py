@@ -13,11 +13,11 @@ Only torch's `DTensor` is recognised (`torch.distributed.tensor`); without torch
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["dtensor_class", "is_dtensor", "local", "placement_of", "is_sharded", "is_fsdp", "parallelizes_itself",
            "reduction", "grads_reduced", "class_name", "as_placed", "is_fsdp_hook", "spec_of", "to_placed",
-           "parse_placements"]
+           "parse_placements", "GatheredThroughCall"]
 
 
 def dtensor_class() -> Any:
@@ -167,6 +167,55 @@ def as_placed(value, like):
         return value
     return dtensor_class().from_local(value, like.device_mesh, like.placements, run_check=False,
                                       shape=like.shape, stride=like.stride())
+
+
+class GatheredThroughCall:
+    """An FSDP2 unit whose call is rerun as a whole keeps its parameters all-gathered from its forward until its rerun
+    is done: `before` (a pre-hook, first of all) stops FSDP2 from resharding them when the forward returns, `after`
+    (a post-hook, after the probe's) reshards them, as FSDP2 would have, and `remove` puts FSDP2's setting back.
+
+    Why: a unit is rerun when its call returns, and FSDP2 reshards its parameters at the end of its forward. An
+    eager unit's rerun forces its children (they were rerun while the parameters were gathered); a compiled unit
+    hides its children in its graph, so its rerun computes with its parameters themselves. Nothing communicates: the
+    rerun uses the all-gather of the live call, and the backward all-gathers as it would have. Only a unit that
+    reshards to its own mesh after forward (FSDP2's default, `reshard_after_forward=True`) is held. `paused()` says
+    when the hooks must do nothing (inside a rerun, which calls the unit again)."""
+
+    def __init__(self, module, paused: Callable[[], bool] = lambda: False):
+        self.paused = paused
+        unit = getattr(module, "_orig_mod", module)  # torch.compile(unit)'s wrapper holds the unit
+        state = unit._get_fsdp_state() if callable(getattr(unit, "_get_fsdp_state", None)) else None
+        groups = list(getattr(state, "_fsdp_param_groups", None) or [])
+        self._groups = [g for g in groups if getattr(g, "post_forward_mesh_info", None) is not None
+                        and g.post_forward_mesh_info is getattr(g, "mesh_info", None)]
+        self._held: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def before(self, *_args) -> None:
+        if self.paused():
+            return
+        self._release()
+        for group in self._groups:
+            self._held.append((group, group.post_forward_mesh_info))
+            group.post_forward_mesh_info = None
+
+    def after(self, *_args) -> None:
+        if self.paused():
+            return
+        held = list(self._held)
+        self._release()
+        for group, _info in held:
+            group.reshard()
+
+    def _release(self) -> None:
+        while self._held:
+            group, info = self._held.pop()
+            group.post_forward_mesh_info = info
+
+    def remove(self) -> None:
+        self._release()
 
 
 def class_name(model) -> str:

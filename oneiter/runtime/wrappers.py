@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from types import MethodType
 from typing import Any, Callable
 
-__all__ = ["unwrap_model", "unwrap_optimizers", "grad_scalers", "ForwardCast", "model_forward_cast"]
+__all__ = ["unwrap_model", "unwrap_optimizers", "grad_scalers", "ForwardCast", "model_forward_cast",
+           "compiled_wrapper"]
 
 _MODEL_WRAPPERS = ("DistributedDataParallel", "DataParallel")
 _OPTIMIZER_SLOTS = ("optimizer", "_optimizer")  # AcceleratedOptimizer / OptimWrapper / LRScheduler, LightningOptimizer
@@ -40,6 +41,27 @@ def unwrap_model(model, *, compiled: bool = True):
         else:
             break
     return model
+
+
+def compiled_wrapper(module):
+    """The `torch.compile` wrapper (`OptimizedModule`) around `module` that the program holds, or `module` itself when
+    none holds it: what a framework calls when it compiled the model it hands its callbacks (the Hugging Face
+    Trainer's `torch_compile=True`: accelerate keeps `torch.compile(model)` and calls it; the callbacks get `model`).
+    Found among the objects that refer to `module` (the wrapper keeps it in its `_modules`), once per recording."""
+    import gc
+
+    # module <- the wrapper's `_modules` dict <- its instance dict <- the wrapper
+    holders = [h for h in gc.get_referrers(module) if isinstance(h, dict) and h.get(_COMPILED) is module]
+    for _ in range(2):
+        for owner in (o for h in holders for o in gc.get_referrers(h)):
+            if type(owner).__name__ == "OptimizedModule" and getattr(owner, _COMPILED, None) is module:
+                return owner
+        holders = [o for h in holders for o in gc.get_referrers(h) if isinstance(o, dict) and
+                   any(v is h for v in o.values())]
+    return module
+
+
+_COMPILED = "_orig_mod"  # where torch.compile's wrapper keeps the module
 
 
 def unwrap_optimizers(obj) -> list:

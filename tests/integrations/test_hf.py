@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import FAULT_ENV, MODEL_FILES, compare_verdict  # noqa: E402
+from conftest import FAULT_ENV, MODEL_FILES, assert_reads_back, compare_verdict  # noqa: E402
 
 import oneiter  # noqa: E402
 from oneiter.errors import OneIterError  # noqa: E402
@@ -34,18 +34,21 @@ class _Tokens(torch.utils.data.Dataset):
 SGD = {"optim": "sgd", "learning_rate": 0.05, "logging_strategy": "no", "disable_tqdm": True}
 
 
-def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, optimizer=None, **args):
-    """A Trainer run of the tiny Llama; `args`: TrainingArguments beyond the few a test needs (default: plain SGD,
-    quiet; `defaults=True`: the Trainer's own defaults, AdamW and gradient clipping); `optimizer`: the Trainer's
-    `optimizer_cls_and_kwargs` (a vendor's optimizer class in place of torch's)."""
+def _train(tmp_path, callback, *, model_seed: int, data_seed: int, steps: int = 4, optimizer=None,
+           model: str = "hf_llama", **args):
+    """A Trainer run of the tiny Llama (`model="hf_gpt2"`: the tiny GPT-2, dropout 0.1); `args`: TrainingArguments
+    beyond the few a test needs (default: plain SGD, quiet; `defaults=True`: the Trainer's own defaults, AdamW and
+    gradient clipping); `optimizer`: the Trainer's `optimizer_cls_and_kwargs` (a vendor's optimizer class in place of
+    torch's)."""
+    import importlib
+
     from transformers import Trainer, TrainingArguments
 
     sys.path.insert(0, str(MODEL_FILES))
     try:
-        import hf_llama
-
         torch.manual_seed(model_seed)
-        model, _inputs, _loss = hf_llama.build(2)
+        model = importlib.import_module(model).build(2)[0]
+        model = getattr(model, "gpt", model)  # GPT-2's wrapper returns the loss alone: the Trainer takes the model
     finally:
         sys.path.remove(str(MODEL_FILES))
     extra = {} if args.pop("defaults", False) else dict(SGD)
@@ -109,6 +112,41 @@ def test_a_replay_with_activation_checkpointing_matches_a_run_without_it(trainer
     result = oneiter.compare(ref, tmp_path / "tgt.h5")
     assert result.status == "match" and all(row.metrics.max_abs == 0 for row in result.rows)
     assert result.verdict()["num_local"] > 100
+
+
+def test_the_callbacks_file_reads_back(trainer_ref):
+    """`inspect`, `compare` and `replay --layer` (with the model file that builds the Trainer's model) take it."""
+    ref, _ = trainer_ref
+    assert_reads_back(ref, "model.layers.0", f"{MODEL_FILES / 'hf_llama.py'}:build")
+
+
+# -- torch_compile=True: accelerate's torch.compile(model), with dropout ----------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_ref(tmp_path_factory):
+    """Step 2 of an eager Trainer run of the tiny GPT-2 with dropout (0.1 everywhere), recorded once."""
+    tmp = tmp_path_factory.mktemp("hf_gpt2")
+    _train(tmp, OneIterCallback(step=2, out=tmp / "ref.h5"), model_seed=0, data_seed=0, model="hf_gpt2")
+    return tmp / "ref.h5"
+
+
+@pytest.mark.slow  # inductor compiles the model twice (~10 s each on 2 cores)
+def test_a_compiled_trainer_run_with_dropout_replays_an_eager_reference(gpt2_ref, tmp_path, monkeypatch):
+    """`torch_compile=True`: the callback records the model the Trainer calls (accelerate's compiled one, a block),
+    its dropout drawn through aten ops from the first compile on (inductor's `fallback_random`) and given the
+    reference's masks: a clean replay matches, and a wrong gelu inside the compiled code is named at the block."""
+    _train(tmp_path, OneIterCallback(step=2, out=tmp_path / "clean.h5", replay=gpt2_ref), model_seed=3, data_seed=7,
+           model="hf_gpt2", torch_compile=True)
+    with h5py.File(tmp_path / "clean.h5") as f:
+        compiled = __import__("json").loads(f.attrs["compiled"])
+    assert list(compiled["blocks"]) == [""] and compiled["random_ops"] == 7  # embedding, 2 x (attention, 2 residual)
+    code, verdict = compare_verdict(gpt2_ref, tmp_path / "clean.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    monkeypatch.setenv(FAULT_ENV, "function:gelu:0.01")
+    _train(tmp_path, OneIterCallback(step=2, out=tmp_path / "fault.h5", replay=gpt2_ref), model_seed=3, data_seed=7,
+           model="hf_gpt2", torch_compile=True)
+    code, verdict = compare_verdict(gpt2_ref, tmp_path / "fault.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (1, "diverged", "local_error"), verdict["headline"]
+    assert (verdict["module"], verdict["phase"]) == ("(root)", "forward")
 
 
 def test_callback_arguments_are_checked(tmp_path, trainer_ref):

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("lightning", reason="the Lightning callback needs lightning (pip install -e '.[lightning]')")
 pytest.importorskip("transformers", reason="the Lightning module here wraps a Hugging Face Llama")
 
-from conftest import FAULT_ENV, MODEL_FILES, compare_verdict  # noqa: E402
+from conftest import FAULT_ENV, MODEL_FILES, assert_reads_back, compare_verdict  # noqa: E402
 
 import oneiter  # noqa: E402
 from oneiter.api import compare_ranks  # noqa: E402
@@ -86,6 +86,40 @@ def test_a_fault_in_one_linear_is_named(lit_ref, tmp_path, monkeypatch):
     code, verdict = compare_verdict(ref, tmp_path / "tgt.h5", tmp_path)
     assert (code, verdict["status"], verdict["basis"], verdict["focus"]) == (1, "diverged", "local_error", "culprit")
     assert (verdict["module"], verdict["phase"], verdict["tensor"]) == (CULPRIT, "forward", "output")
+
+
+def test_the_callbacks_file_reads_back(lit_ref):
+    """`inspect`, `compare` and `replay --layer` (with the module's builder) take it."""
+    assert_reads_back(lit_ref[0], "model.model.layers.0", f"{MODEL_FILES / 'lightning_llama.py'}:build")
+
+
+# -- a module compiled in configure_model, with dropout ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dropout_ref(tmp_path_factory):
+    """Step 2 of an eager run with attention dropout 0.1 (automatic optimization), recorded once."""
+    tmp = tmp_path_factory.mktemp("lightning_dropout")
+    _fit(tmp, OneIterCallback(step=2, out=tmp / "ref.h5"), dropout=0.1)
+    return tmp / "ref.h5"
+
+
+@pytest.mark.slow  # inductor compiles the decoder twice (~10 s each on 2 cores)
+def test_a_module_compiled_in_configure_model_replays_an_eager_reference(dropout_ref, tmp_path, monkeypatch):
+    """`configure_model` compiles the decoder (`torch.compile`): the callback finds the compiled block, has its
+    dropout drawn through aten ops from its first compile on, and replays the eager reference's masks into it: a clean
+    replay matches, and a fault inside the compiled code is named at the block."""
+    _fit(tmp_path, OneIterCallback(step=2, out=tmp_path / "clean.h5", replay=dropout_ref), model_seed=3, data_seed=7,
+         dropout=0.1, compile=True)
+    with h5py.File(tmp_path / "clean.h5") as f:
+        compiled = __import__("json").loads(f.attrs["compiled"])
+    assert list(compiled["blocks"]) == ["model.model"] and compiled["random_ops"] == 2  # attention, per layer
+    code, verdict = compare_verdict(dropout_ref, tmp_path / "clean.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    monkeypatch.setenv(FAULT_ENV, FAULT)
+    _fit(tmp_path, OneIterCallback(step=2, out=tmp_path / "fault.h5", replay=dropout_ref), model_seed=3, data_seed=7,
+         dropout=0.1, compile=True)
+    code, verdict = compare_verdict(dropout_ref, tmp_path / "fault.h5", tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (1, "diverged", "local_error"), verdict["headline"]
+    assert (verdict["module"], verdict["phase"]) == ("model.model", "forward")
 
 
 # -- precision plugins and clipping (automatic optimization) -----------------------------------------------------------

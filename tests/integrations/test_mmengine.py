@@ -11,6 +11,7 @@ pytest.importorskip("mmengine")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import assert_reads_back  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
 from mmengine.runner import Runner  # noqa: E402
 from torch import nn  # noqa: E402
@@ -37,6 +38,12 @@ class ToyNet(BaseModel):
         if mode == "loss":
             return {"loss_cls": F.cross_entropy(logits, data_samples), "loss_reg": 0.1 * logits.pow(2).mean()}
         return logits
+
+
+def build(batch_size):
+    """The model contract, for `oneiter replay --layer` of what the hook records (this file as the model file)."""
+    data = ToyData(0)
+    return ToyNet(), (data.images[:batch_size],), lambda out: out.square().mean()
 
 
 class ToyData(torch.utils.data.Dataset):
@@ -97,6 +104,11 @@ def test_record_hook_writes_a_complete_recording(reference):
         assert float(f.read("loss")) == pytest.approx(f.meta["loss"])
         # the batch is iteration 1's: samples 4..7 of the dataset, as the preprocessor delivered them
         assert torch.equal(f.tensor("batch/input.0"), ToyData(0).images[4:8])
+
+
+def test_the_hooks_file_reads_back(reference):
+    """`inspect`, `compare` and `replay --layer` (this file's `build` as the model file) take it."""
+    assert_reads_back(reference, "conv", f"{Path(__file__).resolve()}:build")
 
 
 def test_replay_matches_the_reference_bit_for_bit(reference, tmp_path):

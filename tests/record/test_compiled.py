@@ -352,3 +352,75 @@ def test_wrong_backend_names_the_llama_decoder_layer_holding_silu(tmp_path):
     assert code == 1, verdict["headline"]
     culprit = verdict["culprit"]
     assert (culprit["module"], culprit["call"], culprit["phase"]) == ("model.layers.0", 0, "forward")
+
+
+# -- random numbers and activation checkpointing inside compiled code ----------------------------------------------
+DROPOUT_LLAMA = {"checkpointing": "non_reentrant", "dropout": 0.1, "attn": "eager"}
+
+
+@pytest.mark.slow
+def test_compiled_blocks_that_checkpoint_and_drop_out_replay_an_eager_reference(tmp_path, monkeypatch):
+    """`record --compile --compile-modules` of a Hugging Face Llama that checkpoints every decoder layer and drops
+    out attention weights: each compiled layer runs its dropout inside `run_and_save_rng_state` and draws it again
+    in backward (`run_with_rng_state`), which oneiter's random modes run with themselves inside; inductor draws the
+    masks through aten ops (`fallback_random`), each replayed from the eager reference. A clean replay matches; a
+    fault of the model's own code inside a compiled layer names that layer."""
+    ref = tmp_path / "ref.h5"
+    record_small(ref, LLAMA, model_args=dict(DROPOUT_LLAMA))
+    clean = tmp_path / "clean.h5"
+    res = run_cli("record", "--replay", ref, "-m", LLAMA, "--compile", "--compile-modules", r"model\.layers\.\d+",
+                  "--seed", "3", "-o", clean)
+    assert res.exit_code == 0, res.output
+    assert ("compiled: 2 random op(s) in the compiled code (dropout) drawn through aten ops (inductor's "
+            "fallback_random)") in res.stderr
+    info = _attrs(clean)
+    assert sorted(info["blocks"]) == ["model.layers.0", "model.layers.1"] and info["random_ops"] == 2
+    code, verdict = compare_verdict(ref, clean, tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+    fault = tmp_path / "fault.h5"
+    replay_with_fault(ref, fault, "instance:model.layers.1.mlp.down_proj", monkeypatch, compile="inductor",
+                      compile_modules=[r"model\.layers\.\d+"])
+    code, verdict = compare_verdict(ref, fault, tmp_path)
+    assert (code, verdict["basis"], verdict["module"], verdict["phase"]) == (1, "local_error", "model.layers.1",
+                                                                             "forward"), verdict["headline"]
+
+
+@pytest.mark.slow
+def test_a_model_file_returning_torch_compile_with_dropout_takes_the_references_masks(tmp_path):
+    """A model file returns `torch.compile(model)` of a network with two dropouts: compiled when it first runs, inside
+    the recording, its masks are drawn through aten ops and replayed from the eager reference's, a match."""
+    ref = tmp_path / "ref.h5"
+    record_small(ref, COMPILED, model_args={"model": "dropout", "how": "eager"})
+    out = tmp_path / "wrapper.h5"
+    replay(ref, out, model=COMPILED, model_args={"how": "wrapper"}, seed=3)
+    assert _attrs(out)["random_ops"] == 2
+    code, verdict = compare_verdict(ref, out, tmp_path)
+    assert (code, verdict["status"], verdict["basis"]) == (0, "match", "local_error"), verdict["headline"]
+
+
+@pytest.mark.slow
+def test_a_backend_that_draws_its_own_random_numbers_is_said_in_one_line(tmp_path):
+    """A block compiled before oneiter records (here: with inductor's own generator, `fallback_random` off) draws
+    inductor's seeds (`aten.randint`), not the reference's dropout: one line names the block, its backend and the
+    fix, exit 2 — not a mismatch of random op numbers."""
+    import torch
+
+    from oneiter.errors import OneIterError
+    from oneiter.record.recorder import Recorder
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    with Recorder(model, tmp_path / "ref.h5", optimizer=opt) as rec:
+        model(rec.inputs(x)).sum().backward()
+        opt.step()
+    compiled = torch.compile(model)
+    compiled(x).sum().backward()  # compiled before any recording: inductor's own random numbers
+    opt.zero_grad()
+    with pytest.raises(OneIterError, match=r"random op #0 ran in the compiled block \(root\) \(inductor\), whose "
+                                           r"compiled code drew aten\.randint\.low_out .* where the reference drew "
+                                           r"aten\.bernoulli_\.float shape \[4, 8\]"):
+        with Recorder(compiled, tmp_path / "tgt.h5", optimizer=opt, replay=tmp_path / "ref.h5") as rec:
+            compiled(rec.inputs(x)).sum().backward()
+            opt.step()

@@ -216,3 +216,77 @@ def test_missing_random_op_raises(tmp_path, x):
     with pytest.raises(OneIterError, match=r"random op #0: expected aten\.bernoulli_\.float shape \[6, 16\] from "
                                            r"the reference, got none"):
         replay(tmp_path / "ref.h5", dropout_mlp().eval(), x, 123)
+
+
+class RngOperators(nn.Module):
+    """Dropout as compiled activation checkpointing runs it: inside `run_and_save_rng_state`, then drawn again by
+    `run_with_rng_state` from the state it saved (outside autograd, as inside a compiled graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+
+    def forward(self, x):
+        from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+        h = self.lin(x).detach()
+        state, (first, _mask) = run_and_save_rng_state(torch.ops.aten.native_dropout.default, h, 0.5, True)
+        again, _mask = run_with_rng_state(state, torch.ops.aten.native_dropout.default, h, 0.5, True)
+        return first, again
+
+
+def test_random_ops_inside_higher_order_operators_are_recorded_and_replayed(tmp_path, x):
+    """The random modes run a higher-order operator with themselves active inside it: both dropouts are recorded,
+    and a replay under another seed gives each the reference's mask (without that, torch refuses the operator)."""
+    model = RngOperators()
+    writer = BackgroundWriter(tmp_path / "ref.h5", {"model": "test"})
+    torch.manual_seed(0)
+    with RandomRecorder(TensorSink(writer)) as recorder:
+        ref_first, ref_again = model(x)
+    writer.close({})
+    assert recorder.num_ops == 2 and torch.equal(ref_first, ref_again)  # the same state: the same mask
+    with IterationFile(tmp_path / "ref.h5") as ref:
+        torch.manual_seed(123)
+        with RandomReplayer(ref, torch.device("cpu")) as replayer:
+            first, again = model(x)
+        assert replayer.num_ops == 2
+    assert_bitwise(first, ref_first) and assert_bitwise(again, ref_again)
+    torch.manual_seed(123)
+    assert not torch.equal(model(x)[0], ref_first)
+
+
+def test_a_compilers_own_random_op_is_not_the_iterations(tmp_path):
+    """An op dispatched while a compiler traces (a fake or proxy mode active: inductor's pattern matcher traces
+    `torch.randperm` when DDP's graph splitter compiles lazily, inside the iteration) passes through unrecorded."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    writer = BackgroundWriter(tmp_path / "ref.h5", {"model": "test"})
+    with RandomRecorder(TensorSink(writer)) as recorder:
+        make_fx(lambda t: t[torch.randperm(t.shape[0])], tracing_mode="fake")(torch.ones(4))
+    writer.close({})
+    assert recorder.num_ops == 0
+
+
+def test_an_operator_oneiters_mode_cannot_run_is_oneiters_error_not_the_models(tmp_path):
+    """A higher-order operator with no dense implementation stops the mode: the error is raised in oneiter's own
+    code, so it is an internal error (exit 3), never the model's (exit 2)."""
+    from torch._higher_order_ops.utils import autograd_not_implemented
+    from torch._ops import HigherOrderOperator
+
+    from oneiter.errors import user_code
+
+    class Opaque(HigherOrderOperator):
+        def __call__(self, t):
+            return super().__call__(t)
+
+    hop = Opaque("oneiter_test_opaque")
+    hop.py_impl(torch._C.DispatchKey.Autograd)(autograd_not_implemented(hop, deferred_error=True))
+    writer = BackgroundWriter(tmp_path / "ref.h5", {"model": "test"})
+
+    def forward(t):  # the model's own code calls it
+        return hop(t)
+
+    with pytest.raises(NotImplementedError, match="cannot run the higher-order operator oneiter_test_opaque"):
+        with RandomRecorder(TensorSink(writer)), user_code("the forward"):
+            forward(torch.ones(2))
+    writer.close({})

@@ -161,3 +161,21 @@ def test_directories_with_a_missing_rank_exit_2(runs, tmp_path):
     os.link(runs / "clean.rank0.h5", tgt_dir / "clean.rank0.h5")  # two runs in one directory
     res = run_cli("compare", ref_dir, tgt_dir)
     assert res.exit_code == 2 and "rank files of 2 runs" in res.stderr
+
+
+@needs_gloo
+def test_a_process_group_left_alive_is_destroyed_at_exit_before_python_finalizes(tmp_path):
+    """`destroy_at_exit` (what the Hugging Face callback asks for under torchrun: the Trainer never destroys its
+    group, and gloo may abort the process as Python finalizes): an exit handler registered before it, so run after
+    it, sees the group gone; registered twice, it runs once."""
+    script = tmp_path / "leaves_its_group.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "from oneiter.runtime.distributed import destroy_at_exit\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n"
+        f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{_free_port()}', rank=0, world_size=1)\n"
+        "destroy_at_exit(); destroy_at_exit()\n"
+        "print('initialized:', dist.is_initialized(), flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["initialized: True", "initialized at exit: False"]

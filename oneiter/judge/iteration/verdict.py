@@ -42,6 +42,7 @@ from oneiter.judge.iteration.formats import lines as format_lines
 from oneiter.judge.iteration.formats import recipe_error
 from oneiter.judge.iteration.formats import summary as format_summary
 from oneiter.judge.iteration.impact import Impact
+from oneiter.runtime.compiled import random_lines
 from oneiter.runtime.precision_modes import describe, reduced
 
 __all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settle_rows",
@@ -767,6 +768,7 @@ def _compiled_lines(c: Optional[dict]) -> list[str]:
         for path, b in list(blocks.items())[:6]:
             if b.get("eager"):
                 lines.append(f"compiled: {path or ROOT_MODULE} in the {side}: {b['eager']}")
+        lines += random_lines(info, side)
     for side, other in (("target", "reference"), ("reference", "target")):
         hidden = [h for h in c.get("hidden") or [] if h.get("side") == side]
         if not hidden:

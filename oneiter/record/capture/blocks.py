@@ -1,27 +1,39 @@
 """Compiled blocks as a recording sees them: what it refuses up front, and what it writes and says about them.
 
 Where this sits: `runtime/compiled.py` finds a model's compiled blocks (torch.compile) and watches its compiling;
-`ModuleCapture` hooks each block at its call. The `Recorder` asks this module, once the hooks are attached, what a
-recording of those blocks cannot do (`refuse`), and at its end for the file's `compiled` attribute (`compiled_attr`,
-docs/format.md) and the lines that tell the user (`compiled_notes`).
+`ModuleCapture` hooks each block at its call (a compiled FSDP2 unit also with `gathered_through_call`). The
+`Recorder` asks this module, once the hooks are attached, what a recording of those blocks cannot do (`refuse`), and
+at its end for the file's `compiled` attribute (`compiled_attr`, docs/format.md) and the lines that tell the user
+(`compiled_notes`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import COMPILED, ROOT_MODULE
-from oneiter.runtime.compiled import Blocks, CompileWatch, inductor_cache_dir
+from oneiter.runtime.compiled import (
+    RANDOM_THROUGH_ATEN,
+    Blocks,
+    CompileWatch,
+    inductor_cache_dir,
+    outside_call,
+    random_lines,
+)
+from oneiter.runtime.sharding import GatheredThroughCall
 
-__all__ = ["refuse", "compiled_attr", "compiled_notes"]
+__all__ = ["refuse", "gathered_through_call", "compiled_attr", "compiled_notes"]
 
 
 def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
     """Refuse what a recording of compiled blocks cannot do: a torch without `set_stance` (reruns standing for
-    eager code force it), op fallback, and replaying random values a block's compiled code draws itself (`ref`: the
-    reference whose random values are replayed, None when none are)."""
+    eager code force it), op fallback, and replaying a reference (`ref`, or None) whose calls inside a block ran
+    collectives (tensor parallelism): compiled code reduces other values than eager code (inductor folds a
+    row-parallel layer's bias into the partial sums before its all-reduce), so the block's rerun cannot be handed
+    the reference's results. Random numbers a block draws are replayed (`runtime/compiled.py`:
+    `recordable_compiles`); a backend that draws its own is said when it draws (`record/modes/randomness.py`)."""
     if not blocks:
         return
     import torch
@@ -33,19 +45,32 @@ def refuse(blocks: Blocks, *, fallback: bool, ref) -> None:
     if fallback:
         raise OneIterError(f"fallback moves single aten ops to the CPU, which the compiled code of {first} does "
                            f"not run: drop fallback", param="fallback")
-    for _key, attrs in ref.calls() if ref is not None else ():
-        path = str(attrs.get("module") or "")
-        block = blocks.by_path.get(path) or blocks.around(path)
-        if block is not None and int(attrs.get("random_end", 0) or 0) > int(attrs.get("random_begin", 0) or 0):
+    modules = {key: str(attrs.get("module") or "") for key, attrs in ref.calls()} if ref is not None else {}
+    for _name, attrs in ref.collectives() if ref is not None else ():
+        path = modules.get(str(attrs.get("call") or ""))
+        block = None if path is None else (blocks.by_path.get(path) or blocks.around(path))
+        if block is not None:
             raise OneIterError(
-                f"the reference drew random numbers in {path or ROOT_MODULE} (dropout), which runs inside the "
-                f"compiled block {block.path or ROOT_MODULE} here: compiled code draws its own, which a replay "
-                f"cannot give the reference's; turn dropout off (p=0, or eval() of the dropout modules) on both "
-                f"sides, or leave that module uncompiled (compile_modules)", param="replay")
+                f"the reference ran a collective ({attrs.get('op')}) in {path or ROOT_MODULE}, which runs inside the "
+                f"compiled block {block.path or ROOT_MODULE} here: compiled code reduces other values than eager code "
+                f"(inductor moves a row-parallel layer's bias into the partial sums), so the block's rerun cannot be "
+                f"handed the reference's results; leave the modules that run collectives (tensor parallelism) "
+                f"uncompiled (compile_modules)", param="compile")
 
 
-def compiled_attr(blocks: Blocks, watch: CompileWatch) -> dict[str, Any]:
-    """{`compiled`: JSON} for the file: its blocks, what compiling cost, the graph breaks; {} when nothing was."""
+def gathered_through_call(module, paused: Callable[[], bool]) -> list:
+    """The handles of a compiled block that is an FSDP2 unit: its parameters stay gathered from its forward until its
+    own rerun is done (`runtime/sharding.py`: `GatheredThroughCall`), hooked outside its compiled code, first before
+    the call and last after it; nothing for any other block. `paused`: in a rerun, or in backward (recomputation)."""
+    held = GatheredThroughCall(module, paused)
+    if not held:
+        return []
+    return [*outside_call(module, held.before, prepend=True), *outside_call(module, post=held.after), held]
+
+
+def compiled_attr(blocks: Blocks, watch: CompileWatch, random_ops: int = 0) -> dict[str, Any]:
+    """{`compiled`: JSON} for the file: its blocks, what compiling cost, the graph breaks, the random ops their code
+    drew and how (`random_ops`, `random`); {} when nothing was."""
     if not blocks and not watch.total_seconds:
         return {}
     graphs = dict(watch.graphs)
@@ -62,6 +87,7 @@ def compiled_attr(blocks: Blocks, watch: CompileWatch) -> dict[str, Any]:
         "other_graphs": sum(graphs.values()), "graph_breaks": watch.breaks,
         "compile_seconds": round(watch.seconds, 3), "rerun_compile_seconds": round(watch.rerun_seconds, 3),
         "rerun_graphs": watch.rerun_graphs,
+        "random_ops": int(random_ops), "random": RANDOM_THROUGH_ATEN if random_ops else "",
         "cache_dir": inductor_cache_dir() if any(b.backend == "inductor" for b in blocks.by_path.values()) else "",
     }
     return {COMPILED: json.dumps(info, sort_keys=True)}
@@ -83,4 +109,4 @@ def compiled_notes(attr: dict[str, Any]) -> list[str]:
              f"break(s){where}; the {hidden} module(s) inside them are not recorded (a block shows its inputs, "
              f"outputs and their gradients)"]
     lines += [f"compiled: {path or ROOT_MODULE}: {b['eager']}" for path, b in blocks.items() if b["eager"]]
-    return lines
+    return lines + random_lines(info, "")

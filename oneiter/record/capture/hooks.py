@@ -44,6 +44,7 @@ from oneiter.format.schema import (
     shard_attrs,
 )
 from oneiter.format.stats import tensor_stats
+from oneiter.record.capture.blocks import gathered_through_call
 from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
@@ -265,6 +266,8 @@ class ModuleCapture:
             # torch's tensor-parallel styles convert inputs there), after FSDP2's (parameter management, which
             # reruns leave out); the post-hook last; both outside any compiled code of the module
             self._handles.extend(outside_call(module, self._pre_hook, self._post_hook, prepend=True))
+            if path in self.blocks.by_path:  # a compiled FSDP2 unit's rerun needs its parameters gathered
+                self._handles += gathered_through_call(module, lambda: self._suspended or in_backward())
             hooks = module._forward_pre_hooks
             for key in reversed([k for k, h in hooks.items() if is_fsdp_hook(h)]):
                 hooks.move_to_end(key, last=False)

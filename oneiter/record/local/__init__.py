@@ -2,6 +2,7 @@
 
 - `reduced.py`        a run's reduced-precision float32 matmuls and convolutions (TF32, HF32) reproduced in a rerun
 - `rerun.py`          one recorded call rerun with its children forced, at a chosen place and precision
+- `rerun_queues.py`   which of the source's collectives a call's rerun runs (hidden calls of a compiled block too)
 - `fidelity.py`       a rerun counts only where it reproduces the live call
 - `montecarlo.py`     a precision's noise by Monte Carlo, where the float64 calibration cannot run
 - `rows.py`           `JudgedRow`: one row of the `/local` table

@@ -49,6 +49,7 @@ from oneiter.record.capture.hooks import PROBED, CallRecord
 from oneiter.record.capture.recompute import checkpoint_disabled
 from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
 from oneiter.record.local.reduced import ReducedOperands
+from oneiter.record.local.rerun_queues import rerun_queues
 from oneiter.record.modes import trusted
 from oneiter.record.modes.casts import KeptCasts
 from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
@@ -413,17 +414,8 @@ class Rerunner:
         group and nothing recorded, nothing to do."""
         if not self.collectives and not is_distributed():
             return nullcontext()
-        keys, stack = {rec.key}, list(rec.children)
-        while stack:
-            child = stack.pop()
-            if child.status != PROBED:
-                keys.add(child.key)
-                stack.extend(child.children)
-        queues: dict[str, list] = {FORWARD: [], BACKWARD: []}
-        for item in self.collectives:
-            if item.call in keys and not item.recomputed:
-                queues.setdefault(item.phase, []).append(item)
-        return CollectiveForcer(self.source, queues, lambda t: self.perturb(t), ProbeSkip)
+        return CollectiveForcer(self.source, rerun_queues(rec, self.collectives, PROBED), lambda t: self.perturb(t),
+                                ProbeSkip)
 
 
 def with_layout(value, layout: tuple | None):

@@ -1,5 +1,6 @@
 """`record/modes/`: what a recording can switch on around the model's own code.
 
+- `dispatch.py`   the base of the modes active while the model's code runs: compiled code, higher-order operators
 - `trusted.py`    whether the code running now is oneiter's trusted recomputation, and torch's own kernels for it
 - `roundoff_mode.py` a float64 rerun with a lower precision's rounding injected into every op (a noise's bound)
 - `randomness.py` random ops recorded on the reference and replayed on the target

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import (
@@ -44,6 +43,7 @@ from oneiter.format.schema import (
     collective_path,
 )
 from oneiter.record.capture.recompute import in_backward
+from oneiter.record.modes.dispatch import IterationMode, compiling, is_higher_order
 from oneiter.record.modes.p2p import P2P_OPS, P2PRecorder
 from oneiter.runtime.sharding import dtensor_class
 
@@ -305,6 +305,9 @@ class RecordedCollective:
     recomputed: bool
     inputs: tuple[tuple[int, ...], ...]
     outputs: tuple[tuple[int, ...], ...]
+    ancestors: tuple[str, ...] = ()
+    """The calls around `call` in the recording, innermost first (a call that another run hides inside a compiled
+    block runs there as that block's own code)."""
 
     def output_path(self, i: int) -> str:
         return collective_path(self.index, f"output.{i}")
@@ -312,6 +315,7 @@ class RecordedCollective:
 
 def recorded_collectives(iteration_file) -> list[RecordedCollective]:
     """The collectives a recording holds, in order ([] for a file without any: one process, or an older oneiter)."""
+    parents = {key: str(attrs.get("parent") or "") for key, attrs in iteration_file.calls()}
     found = []
     for name, attrs in iteration_file.collectives():
         index = collective_index(name)
@@ -321,22 +325,29 @@ def recorded_collectives(iteration_file) -> list[RecordedCollective]:
             names = sorted((n for n in iteration_file.names_in(group) if n.startswith(kind + ".")),
                            key=lambda n: int(n.rpartition(".")[2]))
             shapes[kind] = tuple(tuple(iteration_file.shape_of(f"{group}/{n}")) for n in names)
-        found.append(RecordedCollective(index, str(attrs["op"]), str(attrs["phase"]), str(attrs["call"]),
-                                        bool(attrs["recomputed"]), shapes["input"], shapes["output"]))
+        call = str(attrs["call"])
+        found.append(RecordedCollective(index, str(attrs["op"]), str(attrs["phase"]), call,
+                                        bool(attrs["recomputed"]), shapes["input"], shapes["output"],
+                                        _ancestors(call, parents)))
     return found
 
 
-class CollectiveRecorder(TorchDispatchMode):
+def _ancestors(call: str, parents: dict[str, str]) -> tuple[str, ...]:
+    chain: list[str] = []
+    key = parents.get(call, "")
+    while key and key not in chain:
+        chain.append(key)
+        key = parents.get(key, "")
+    return tuple(chain)
+
+
+class CollectiveRecorder(IterationMode):
     """Records every collective of the block into `collectives/` through a `TensorSink` (module docstring).
 
     `owner()` names the call whose own code runs now (key, CallRecord or None) in forward, `owner_of_node(n)` the
     call whose forward created autograd node number `n`; `recomputing()` says whether activation checkpointing is
     running a region again; `next_seq()` numbers captures in causal order. `on_output(record, phase, outputs)` gets
     each collective's output tensors by path (the probe keeps the live values its fidelity check needs)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # eager only (see randomness.RandomRecorder)
 
     def __init__(self, sink, capture, on_output: Callable | None = None, tagged: Callable | None = None):
         super().__init__()
@@ -355,6 +366,8 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_higher_order(func) or compiling():  # compiled code's operators, a compiler's own ops (`dispatch.py`)
+            return self.pass_on(func, args, kwargs)
         parsed = parse(func, args, kwargs)
         if parsed is None:
             return NotImplemented if _subclassed(types) else func(*args, **kwargs)
@@ -441,14 +454,10 @@ class CollectiveRecorder(TorchDispatchMode):
 
 
 # -- forcing in reruns ----------------------------------------------------------------------------------------------
-class CollectiveForcer(TorchDispatchMode):
+class CollectiveForcer(IterationMode):
     """Inside a rerun: every collective returns the source's recorded outputs of the next one the call ran in this
     phase (`queues`: phase -> RecordedCollective list), cast to the rerun's dtype and device and passed through
     `adjust` (a Monte Carlo sample's perturbation); nothing communicates (module docstring)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
 
     def __init__(self, source, queues: dict[str, list[RecordedCollective]], adjust: Callable, skip: type):
         super().__init__()
@@ -458,6 +467,8 @@ class CollectiveForcer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_higher_order(func) or compiling():  # compiled code's operators, a compiler's own ops (`dispatch.py`)
+            return self.pass_on(func, args, kwargs)
         packet = func.overloadpacket.__name__
         if func.namespace in _FUNCTIONAL and packet == "wait_tensor":
             return args[0]  # what a rerun waits for is a forced output: ready

@@ -43,14 +43,14 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from oneiter.errors import OneIterError
 from oneiter.format.schema import RANDOM, RANDOM_OPS, group_path
 from oneiter.record.capture.recompute import in_backward
-from oneiter.runtime.compiled import skip_dispatch
+from oneiter.record.modes.dispatch import IterationMode, compiling, is_higher_order
 
 __all__ = [
     "RANDOM", "RANDOM_OPS", "RandomRecorder", "RandomReplayer", "RecordedOp", "recorded_random_ops", "is_random",
@@ -122,32 +122,13 @@ def _mask_index(packet: str) -> int:
     return 1 if packet == "native_dropout" else 0
 
 
-class _IterationMode(TorchDispatchMode):
-    """A mode active while the recorded iteration runs."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps __torch_dispatch__ in torch._dynamo.disable unless this says no: that imports dynamo
-        # (~4 s) on the first op and adds a wrapper to every op. These modes only ever run in eager mode.
-        return False
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # torch.compile runs a compiled model *eagerly* while a mode that says no is active (measured, torch 2.13):
-        # the compiled code must run as it does without oneiter. Random ops inside it are its own (out of reach:
-        # `Recorder._check_blocks`)
-        return True
-
-    def __enter__(self):
-        skip_dispatch(self)  # with compiled code about: this mode's Python is never compiled
-        return super().__enter__()
-
-
-class RandomRecorder(_IterationMode):
+class RandomRecorder(IterationMode):
     """Records the values of every random aten op, in order, into `random/` through a `TensorSink`."""
 
-    def __init__(self, sink, group: str = RANDOM):
+    def __init__(self, sink, group: str = RANDOM, *, inside: Callable[[], str] | None = None):
         super().__init__()
+        self.inside = inside  # the compiled block running now, in words ("": none)
+        self.num_compiled = 0  # random ops compiled code drew (through aten: `runtime/compiled.py`)
         self.sink = sink
         self.group = group
         self.num_ops = 0
@@ -159,6 +140,8 @@ class RandomRecorder(_IterationMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_higher_order(func) or compiling():  # compiled code's operators, a compiler's own ops (`dispatch.py`)
+            return self.pass_on(func, args, kwargs)
         if not is_random(func, args, kwargs):
             return func(*args, **kwargs)
         key = rng_key(args, kwargs)
@@ -168,6 +151,7 @@ class RandomRecorder(_IterationMode):
             return result
         if key is not None:
             self._drawn.setdefault(key, self.num_ops)
+        self.num_compiled += bool(self.inside is not None and self.inside())
         self._record(func, args, result)
         return result
 
@@ -238,7 +222,7 @@ def _key_shape(rec: RecordedOp) -> tuple[int, ...]:
     return rec.shapes[_mask_index(rec.packet)]
 
 
-class RandomReplayer(_IterationMode):
+class RandomReplayer(IterationMode):
     """Replays the reference's random values into the target's random ops, in order.
 
     `reader` has `.tensor(path)` returning a CPU tensor (an open `IterationFile`); `ops` defaults to
@@ -246,8 +230,11 @@ class RandomReplayer(_IterationMode):
     On a clean exit, fewer random ops than the reference recorded is an error too.
     """
 
-    def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None, *, replay: bool = True):
+    def __init__(self, reader, device=None, ops: list[RecordedOp] | None = None, *, replay: bool = True,
+                 inside: Callable[[], str] | None = None):
         super().__init__()
+        self.inside = inside  # the compiled block running now, in words ("": none), for a mismatch's message
+        self.num_compiled = 0  # random ops compiled code drew (through aten: `runtime/compiled.py`), replayed
         self.reader = reader
         self.device = device
         self.ops = list(recorded_random_ops(reader) if ops is None else ops)
@@ -259,6 +246,8 @@ class RandomReplayer(_IterationMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_higher_order(func) or compiling():  # compiled code's operators, a compiler's own ops (`dispatch.py`)
+            return self.pass_on(func, args, kwargs)
         if not is_random(func, args, kwargs):
             return func(*args, **kwargs)
         key = rng_key(args, kwargs)
@@ -283,19 +272,24 @@ class RandomReplayer(_IterationMode):
         name = _packet(func)
         shapes = [tuple(v.shape) for v in values]
         got = f"{func} shape {_shape(shapes[_mask_index(name)])}"
-        if k >= len(self.ops):
+        rec = self.ops[k] if k < len(self.ops) else None
+        if rec is not None and rec.packet == name:
+            ok = list(rec.shapes) == shapes
+        else:  # nn.Dropout on a CPU reference vs a device target (or compiled code): same mask, another op
+            ok = rec is not None and {rec.packet, name} <= _DROPOUT_MASK and \
+                _key_shape(rec) == shapes[_mask_index(name)]
+        if ok:
+            self.num_compiled += bool(self.inside is not None and self.inside())
+            return rec
+        expected = "none" if rec is None else f"{rec.op} shape {_shape(_key_shape(rec))}"
+        block = self.inside() if self.inside is not None else ""
+        if block:
+            raise OneIterError(_own_draws(k, block, got, expected))
+        if rec is None:
             raise OneIterError(f"random op #{k}: the reference recorded only {len(self.ops)} random ops, got {got}; "
                                "the target draws random numbers the reference did not (different model or settings?)")
-        rec = self.ops[k]
-        if rec.packet == name:
-            ok = list(rec.shapes) == shapes
-        else:  # nn.Dropout on a CPU reference vs a device target: same mask, different op
-            ok = {rec.packet, name} <= _DROPOUT_MASK and _key_shape(rec) == shapes[_mask_index(name)]
-        if not ok:
-            raise OneIterError(f"random op #{k}: expected {rec.op} shape {_shape(_key_shape(rec))} from the "
-                               f"reference, got {got}; the random ops differ between reference and target "
-                               "(dropout layers, their order, or the batch shape)")
-        return rec
+        raise OneIterError(f"random op #{k}: expected {expected} from the reference, got {got}; the random ops differ "
+                           "between reference and target (dropout layers, their order, or the batch shape)")
 
     def _load(self, path: str):
         tensor = self.reader.tensor(path)
@@ -338,6 +332,16 @@ class RandomReplayer(_IterationMode):
             raise OneIterError(f"random op #{k}: expected {rec.op} shape {_shape(_key_shape(rec))} from the "
                                f"reference, got none (the reference recorded {len(self.ops)} random ops, this run "
                                f"{k}); the random ops differ between reference and target")
+
+
+def _own_draws(k: int, block: str, got: str, expected: str) -> str:
+    """The line for a random op compiled code drew otherwise than the reference's (a backend's own generator)."""
+    return (f"random op #{k} ran in {block}, whose compiled code drew {got} where the reference drew {expected}: "
+            f"the backend draws random numbers of its own, which a replay cannot give the reference's (inductor "
+            f"draws through the aten ops oneiter replays when torch._inductor.config.fallback_random is set before "
+            f"the graph compiles, as oneiter sets it while it records: a model compiled earlier in the run keeps its "
+            f"own draws); set it before the model first runs, turn dropout off on both sides, or leave that module "
+            f"uncompiled")
 
 
 def dropout_with_mask(input, mask, p: float):

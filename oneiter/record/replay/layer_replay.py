@@ -47,7 +47,9 @@ from oneiter.format.layout import IterationFile
 from oneiter.format.schema import (
     BACKWARD,
     FORWARD,
+    PARAM_GRADS,
     ROOT_MODULE,
+    UNREDUCED_GRADS,
     call_key,
     natural_key,
     tensor_to_numpy,
@@ -60,7 +62,7 @@ from oneiter.record.modes.casts import KeptCasts
 from oneiter.record.modes.float8 import convert as convert_float8
 from oneiter.record.modes.randomness import RandomReplayer, recorded_random_ops
 from oneiter.record.replay.graph_ops import GraphTracer
-from oneiter.record.start.reference import load_reference
+from oneiter.record.start.reference import load_state
 from oneiter.runtime.compiled import check_backend, compile_modules, eager_name, find_blocks
 from oneiter.runtime.devices import resolve_device
 from oneiter.runtime.modelspec import load_model, spec_for_replay
@@ -284,6 +286,7 @@ def _random_ops(ref: IterationFile, attrs: dict[str, Any]) -> list | None:
 
 def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any], int]:
     """The group attrs of `layer@call` and the layer's number of calls; a OneIterError naming what exists."""
+    _check_whole(ref)
     calls: dict[str, dict[int, dict[str, Any]]] = {}
     for _key, attrs in ref.calls():
         calls.setdefault(attrs["module"], {})[int(attrs["call"])] = attrs
@@ -297,6 +300,22 @@ def _find_call(ref: IterationFile, layer: str, call: int) -> tuple[dict[str, Any
         recorded = ", ".join(str(c) for c in sorted(calls[layer]))
         raise OneIterError(f"'{label}' has no call {call} in '{ref.path.name}': recorded calls are {recorded}")
     return calls[layer][call], len(calls[layer])
+
+
+def _check_whole(ref: IterationFile) -> None:
+    """Refuse, in one line, a file a layer cannot be replayed from in one process: several steps (no step's values
+    in full), or a rank's file of a model that split itself over ranks (FSDP2, tensor parallelism: it holds this
+    rank's shard of each parameter, and the layer's collectives need the other ranks)."""
+    if ref.steps():
+        raise OneIterError(f"'{ref.path.name}' records several steps (--steps), each as statistics: a layer is "
+                           f"replayed from one iteration in full; record the step with --step S (the command "
+                           f"`oneiter compare` prints) and replay that file")
+    world = int(ref.meta.get("world_size") or 1)
+    if world > 1 and str(ref.meta.get("grad_reduction") or "") != "allreduce_mean":
+        raise OneIterError(f"'{ref.path.name}' is rank {ref.meta.get('rank')}'s file of a model split over {world} "
+                           f"ranks (FSDP2 or tensor parallelism): it holds that rank's shard of each parameter, and a "
+                           f"layer replay runs the layer whole in one process; compare the rank files instead "
+                           f"(`oneiter compare`), whose reruns ran on every rank")
 
 
 def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: str | None = None,
@@ -316,7 +335,7 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
     apply_dtype(bundle, meta.get("dtype") or "float32")  # before loading, so that float64 states load exactly
     if float8:  # the same parameters in torchao's Float8Linears (`record --float8`)
         convert_float8(bundle.model, float8)
-    load_reference(bundle, ref)
+    load_state(bundle.model, ref)  # the weights; the layer runs on its own recorded inputs, never the batch
     modules = {eager_name(path): m for path, m in bundle.model.named_modules()}  # a wrapper's module: the eager one
     if layer not in modules:
         raise OneIterError(
@@ -327,8 +346,8 @@ def _build_layer(ref: IterationFile, layer: str, *, single_call: bool, model: st
     for _name, param in bundle.model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
     param_paths = {}
-    if single_call:
-        grads = ref.state("param_grads")
+    if single_call:  # a rank's own gradients, before DDP averaged them over ranks (a single rank's run: the same)
+        grads = ref.state(UNREDUCED_GRADS) or ref.state(PARAM_GRADS)
         for name, param in module.named_parameters():
             full = eager_name(f"{layer}.{name}" if layer else name)
             if param.requires_grad and uses[id(param)] == 1 and full in grads:

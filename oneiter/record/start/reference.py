@@ -13,7 +13,7 @@ from oneiter.format.schema import PARAM_GRADS
 from oneiter.runtime.names import module_paths, parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local
 
-__all__ = ["check_structure", "load_state", "load_reference"]
+__all__ = ["check_structure", "load_state"]
 
 
 def check_structure(model, ref: IterationFile) -> None:
@@ -80,18 +80,3 @@ def load_state(model, ref: IterationFile) -> None:
     with torch.no_grad():  # by the model's own names, as load_state_dict copies (its hooks do not run: see names.py)
         for name, tensor, _ in state_tensors(model):
             local(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])
-
-
-def load_reference(bundle, ref: IterationFile) -> None:
-    """Overwrite the bundle's model state and inputs with the reference's, bit for bit (`oneiter replay`)."""
-    load_state(bundle.model, ref)
-    batch = [ref.tensor(p) for p in ref.batch_paths()]
-    if len(batch) != len(bundle.inputs):
-        raise OneIterError(f"the reference has {len(batch)} model inputs, this model takes {len(bundle.inputs)}")
-    for i, (mine, theirs) in enumerate(zip(bundle.inputs, batch, strict=True)):
-        if tuple(mine.shape) != tuple(theirs.shape):
-            raise OneIterError(
-                f"input {i} has shape {list(theirs.shape)} in the reference, {list(mine.shape)} here "
-                f"(same batch size and model arguments as the reference?)"
-            )
-    bundle.inputs = tuple(batch)

@@ -41,13 +41,14 @@ from oneiter.record.impact.fixed_call import FIXED
 from oneiter.record.impact.runs import Impact, measure, one_pass
 from oneiter.record.impact.start import Start
 from oneiter.record.options import RecordOptions
-from oneiter.record.recorder import Recorder, RecordSummary, optimizer_list
+from oneiter.record.recorder import Recorder, RecordSummary, model_of, optimizer_list
 from oneiter.record.session import atomic_output, check_output
 from oneiter.record.steps.twin import Twin, TwinPass
 from oneiter.runtime import precision_modes
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
+from oneiter.runtime.sharding import local
 
 __all__ = ["StepRecorder", "StepMetrics", "check_steps", "TWIN_ATTRS"]
 
@@ -94,7 +95,7 @@ class StepMetrics:
     def _pre(self) -> None:
         if self.grads is None:
             self.grads = _norms([p.grad for p in self.params])
-            self._before = [p.detach().clone() for p in self.params]
+            self._before = [local(p.detach()).clone() for p in self.params]
 
     def row(self, loss: float) -> np.ndarray:
         """[loss, gradient norms..., update norms...] of the step that just ended."""
@@ -105,15 +106,17 @@ class StepMetrics:
             updates = [0.0] * len(self.params)
         else:
             with torch.no_grad():
-                updates = _norms([p.detach() - b for p, b in zip(self.params, self._before, strict=True)])
+                updates = _norms([local(p.detach()) - b for p, b in zip(self.params, self._before, strict=True)])
         self._before = None
         return np.array([loss, *grads, *updates], dtype=np.float64)
 
 
 def _norms(tensors) -> list[float]:
+    """Each tensor's float64 norm; of a DTensor its shard's (a rank's file holds its shard: no collective runs)."""
     import torch
 
-    values = [torch.linalg.vector_norm(t.detach(), dtype=torch.float64) if t is not None and t.numel() else None
+    tensors = [None if t is None else local(t.detach()) for t in tensors]
+    values = [torch.linalg.vector_norm(t, dtype=torch.float64) if t is not None and t.numel() else None
               for t in tensors]
     return [0.0 if v is None else float(v) for v in values]
 
@@ -249,7 +252,8 @@ class StepRecorder:
     def _finish(self) -> None:
         """The signature tables and the root attributes; the file is renamed into place when the block closes."""
         first = self._file[STEPS][str(self._done[0])]
-        columns = signature_columns([n for n, _ in parameters(self.model)])  # the names state_before holds
+        # the names state_before holds: those of the module the recording names (inside DDP's wrapper, `model_of`)
+        columns = signature_columns([n for n, _ in parameters(model_of(self.model))])
         tables = [(SIGNATURE, self._rows), (TWIN_SIGNATURE, self._twin_rows)]
         tables = [(name, rows) for name, rows in tables if rows]
         for name, rows in tables:

@@ -36,6 +36,7 @@ import torch
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.impact.impact_pass import ReferencePass
 from oneiter.record.local.rerun import scaled_by_signs
+from oneiter.runtime.sharding import is_dtensor, local, placement_of
 
 __all__ = ["Twin", "TwinPass", "perturbation_seed"]
 
@@ -60,7 +61,7 @@ class Twin:
         self.model, self.optimizers = model, list(optimizers)
         self.roundoff, self.seed = float(roundoff), int(seed)
         self.params = [p for _, p in model.named_parameters()]
-        self.weights = [p.detach().clone() for p in self.params]
+        self.weights = [local(p.detach()).clone() for p in self.params]  # a DTensor's: this rank's shard
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         self.buffers = [(m, name, b.detach().clone()) for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
@@ -79,7 +80,7 @@ class Twin:
     def swapped_in(self, step: int, *, perturb: bool = True) -> Iterator[None]:
         """The twin's state in the live model and optimizers for the block (weights perturbed for its forward and
         backward when `perturb`), the live state back afterwards; the twin keeps what the block made of its own."""
-        live_weights = [p.data for p in self.params]
+        live_weights = [_take(p) for p in self.params]
         live_grads = [p.grad for p in self.params]
         live_buffers = [m._buffers[name] for m, name, _ in self.buffers]
         live_states = [opt.state for opt in self.optimizers]
@@ -92,8 +93,9 @@ class Twin:
                 stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
             with torch.no_grad():
                 for index, (p, w, g) in enumerate(zip(self.params, clean, self.grads, strict=True)):
-                    p.data = self._perturbed(w, step, index) if perturb and w.is_floating_point() else w
+                    _put(p, self._perturbed(p, w, step, index) if perturb and w.is_floating_point() else w)
                     p.grad = g
+            self._dirty = perturb
             for m, name, b in self.buffers:
                 m._buffers[name] = b
             for opt, state in zip(self.optimizers, self.states, strict=True):
@@ -105,12 +107,13 @@ class Twin:
                 for handle in handles:
                     handle.remove()
                 self._unperturb(clean)  # a pass that never stepped: its weights are the clean ones
-                self.weights = [p.data for p in self.params]
+                self.weights = [_take(p) for p in self.params]
                 self.grads = [p.grad for p in self.params]
                 self.buffers = [(m, name, m._buffers[name]) for m, name, _ in self.buffers]
                 self.states = [opt.state for opt in self.optimizers]
                 for p, w, g in zip(self.params, live_weights, live_grads, strict=True):
-                    p.data, p.grad = w, g
+                    _put(p, w)
+                    p.grad = g
                 for (m, name, _), b in zip(self.buffers, live_buffers, strict=True):
                     m._buffers[name] = b
                 for opt, state, groups in zip(self.optimizers, live_states, live_groups, strict=True):
@@ -118,18 +121,44 @@ class Twin:
                     for group, options in zip(opt.param_groups, groups, strict=True):
                         group.update(options)
 
+    _dirty = False  # the perturbed weights are in the parameters
+
     def _unperturb(self, clean: list) -> None:
         """The clean weights back under the perturbed ones (the gradients stay: computed at the perturbed ones)."""
-        for p, w in zip(self.params, clean, strict=True):
-            if p.data is not w:
-                p.data = w
+        if not self._dirty:
+            return
+        self._dirty = False
+        with torch.no_grad():
+            for p, w in zip(self.params, clean, strict=True):
+                _put(p, w)
 
-    def _perturbed(self, weight, step: int, index: int):
+    def _perturbed(self, param, weight, step: int, index: int):
         """w * (1 ± 2u), the signs random from (seed, step, the parameter's position), computed in float32 (or
-        float64 for float64 weights) and stored in the weight's dtype."""
+        float64 for float64 weights) and stored in the weight's dtype. A DTensor parameter's signs are drawn for the
+        full tensor and this rank's shard of them taken (`weight` is the shard): a replicated parameter gets the
+        same perturbation on every rank, and the full tensor the one a single process would give it."""
         gen = torch.Generator().manual_seed(perturbation_seed(self.seed, step) + index)
-        return scaled_by_signs(weight, torch.randint(0, 2, weight.shape, generator=gen, dtype=torch.int8),
-                               2.0 * self.roundoff)
+        signs = torch.randint(0, 2, tuple(param.shape), generator=gen, dtype=torch.int8)
+        if is_dtensor(param):
+            offset = placement_of(param)[2] or (0,) * signs.dim()
+            signs = signs[tuple(slice(o, o + n) for o, n in zip(offset, weight.shape, strict=True))]
+        return scaled_by_signs(weight, signs, 2.0 * self.roundoff)
+
+
+def _take(param):
+    """The weight in `param` now, to keep: its tensor itself, or a copy of this rank's shard of a DTensor."""
+    return local(param.detach()).clone() if is_dtensor(param) else param.data
+
+
+def _put(param, weight) -> None:
+    """`weight` (from `_take`) into `param`: under `.data`, or a DTensor's shard copied into its storage in place —
+    FSDP2 all-gathers from the storage `fully_shard` put the shard in and the optimizer updates that storage, so a
+    new tensor under `.data` would reach neither."""
+    if is_dtensor(param):
+        with torch.no_grad():
+            local(param.detach()).copy_(weight)
+    else:
+        param.data = weight
 
 
 def _devices(params) -> dict[str, list[int]]:

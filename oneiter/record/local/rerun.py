@@ -261,7 +261,7 @@ class Rerunner:
             name = self.names.get(id(t))
             if is_param or name is None:
                 continue
-            start = self.reference_state(name)  # where it was before the iteration (restored by _isolated)
+            start = self.reference_state(name)  # where it was before the iteration (restored after: `isolation.py`)
             if start is not None and tuple(start.shape) == tuple(t.shape):
                 with torch.no_grad():
                     t.data.copy_(start.to(t.device, t.dtype))

@@ -286,7 +286,7 @@ def recordable_compiles() -> Iterator[None]:
       (the replay says so in one line); other backends run aten ops themselves (`aot_eager`) or draw as they draw;
     - its backward keeps no donated buffers (`torch._functorch.config.donated_buffer`): a rerun of a block that
       returns several tensors computed from one another (a loss and the logits it came from) backpropagates
-      through the same graph twice (`record/local/rerun.py`: `_external_grads`)."""
+      through the same graph twice (`record/local/rerunning/gradients.py`: `external_grads`)."""
     if not dynamo_loaded():
         yield
         return

@@ -138,7 +138,7 @@ def _differences(run: RunResult, live_out: dict) -> list[tuple[str, float]]:
     found = []
     for name, value in live_out.items():
         mine = run.forward.get(name)
-        if mine is None or (FORWARD, name) in run.passed:
+        if mine is None or (FORWARD, name) in run.passed_on:
             continue
         if not exact_tensor(mine, value):
             found.append((name, rel_l2(value, mine)))
@@ -198,7 +198,7 @@ class BackwardChecks:
         produced = []
         for name, value in primary.backward.items():
             path = tensor_path(rec.key, BACKWARD, name)
-            if ":" in name or (BACKWARD, name) in primary.passed or reference(path) is None:
+            if ":" in name or (BACKWARD, name) in primary.passed_on or reference(path) is None:
                 continue
             roundoff = unit_roundoff(str(value.dtype).removeprefix("torch.")) if value.is_floating_point() else 0.0
             self.produced[path] = (digest(value), rel_l2(reference(path), value), roundoff)

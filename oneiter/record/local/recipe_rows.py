@@ -88,8 +88,8 @@ class RecipeRows:
                 reference, value = sides(source.tensor(role[2]), role[1][row.tensor])
                 fill(row, recipe.name, found[role[0]], value, reference)
         for role, name in (("weight", w_name), ("bias", b_name)):
-            if name is not None and role in found and name in primary.param_grads:
-                self._keep(name, recipe.name, found[role], primary.param_grads[name])
+            if name is not None and role in found and name in primary.grad_contributions:
+                self._keep(name, recipe.name, found[role], primary.grad_contributions[name])
 
     def _param(self, module, attr: str, rerunner) -> tuple[torch.Tensor, str]:
         """The reference's recorded parameter (state_before) in the live parameter's dtype, and its name."""

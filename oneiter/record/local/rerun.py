@@ -8,26 +8,27 @@ backpropagates the source's gradient w.r.t. C's outputs, and returns what C's ow
   outputs (`<child key>:grad_output`), and each parameter's gradient contribution from C's own code.
 
 A *forced* child does not run: it returns the source's recorded output and, in backward, hands back the source's
-recorded gradient w.r.t. its inputs (`_Forced`, an autograd Function). Its hooks are suspended meanwhile (they
-belong to the child's computation). A `Site` says where the rerun runs and in which precision: the live module on
-the target device as it is (`live`), or `torch.func.functional_call` with parameters cast or taken from the
-reference's state_before, on the CPU or the device, with or without autocast. Random ops of C's own code take
-the source's recorded values; buffers and RNG states are restored afterwards, so the real iteration never sees
-a rerun. A site may also *perturb* every floating value the rerun reads (inputs, forced children's outputs and
-gradients, the gradients fed to backward, weights and buffers): the Monte Carlo samples of the calibration
-(`Perturbation`).
+recorded gradient w.r.t. its inputs (`Forced`, an autograd Function: `rerunning/forcing.py`). Its hooks are
+suspended meanwhile (they belong to the child's computation). A `Site` says where the rerun runs and in which
+precision: the live module on the target device as it is (`live`), or `torch.func.functional_call` with parameters
+cast or taken from the reference's state_before, on the CPU or the device, with or without autocast. Random ops of
+C's own code take the source's recorded values; buffers and RNG states are restored afterwards, so the real
+iteration never sees a rerun. A site may also *perturb* every floating value the rerun reads (inputs, forced
+children's outputs and gradients, the gradients fed to backward, weights and buffers): the Monte Carlo samples of
+the calibration (`Perturbation`).
+
+The rerun's parts live in `rerunning/` (its map); this module holds the `Rerunner`, which puts them together, and
+re-exports the names the rest of oneiter imports from here. One rerun is a value: `Rerunner.run` hands in the
+source's inputs (`HandedIn`), runs the call, backpropagates through its own code (`OwnBackward`) and returns the
+`RunResult` built from those (`_result`).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections import OrderedDict, deque
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import torch
 
 from oneiter.errors import OneIterError
@@ -38,122 +39,49 @@ from oneiter.format.schema import (
     STATE_AFTER,
     STATE_BEFORE,
     STEP_START,
-    child_tensor,
     grad_name,
     group_path,
-    layout_from_attrs,
     tensor_path,
 )
-from oneiter.format.stats import pair_sums
 from oneiter.record.capture.hooks import PROBED, CallRecord
-from oneiter.record.capture.recompute import checkpoint_disabled
-from oneiter.record.capture.structure import Slot, fill, flatten, flatten_call
-from oneiter.record.local.reduced import ReducedOperands
+from oneiter.record.capture.structure import Slot, fill, flatten
 from oneiter.record.local.rerun_queues import rerun_queues
-from oneiter.record.modes import trusted
-from oneiter.record.modes.casts import KeptCasts
+from oneiter.record.local.rerunning.forcing import Forcing
+from oneiter.record.local.rerunning.gradients import external_grads, inherited
+from oneiter.record.local.rerunning.isolation import enter_site
+from oneiter.record.local.rerunning.layout import stored_layout, with_layout
+from oneiter.record.local.rerunning.metrics import rel_l2, tensor_stats
+from oneiter.record.local.rerunning.site import AMBIENT, Perturbation, ProbeSkip, RunResult, Site, scaled_by_signs
 from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
-from oneiter.record.modes.roundoff_mode import RoundoffInjection
-from oneiter.runtime import host_random, module_state
-from oneiter.runtime.compiled import eager, eager_name
-from oneiter.runtime.precision import unit_roundoff
-from oneiter.runtime.sharding import as_placed, is_fsdp_hook, local, parse_placements, spec_of, to_placed
+from oneiter.runtime.compiled import eager_name
+from oneiter.runtime.sharding import as_placed, local, parse_placements, spec_of, to_placed
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
            "tensor_stats", "rel_l2", "with_layout", "stored_layout"]
 
-AMBIENT = "ambient"  # leave autocast as the live call had it (teacher forcing runs inside the target's forward)
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-               "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
-               "_backward_pre_hooks")
-_ABSENT = object()
-
-
-class ProbeSkip(Exception):
-    """This call cannot be rerun faithfully; the message says why (it goes into `/unprobed`)."""
 
 
 @dataclass(frozen=True)
-class Site:
-    """Where, and in which precision, one rerun happens.
+class HandedIn:
+    """What a rerun hands the call: its positional and keyword arguments, the leaves the gradients w.r.t. its inputs
+    are taken at (slot name -> leaf, in slot order), and the version of every tensor handed in (id -> version)."""
 
-    `cast`: `live` (every tensor in the dtype it had in the live call), `source` (as the source stored it: the
-    reference's own precision), or a dtype name (every floating tensor in that dtype).
-    `params`: `live` (the module's own parameters, cast per `cast`) or `reference` (the reference's state_before).
-    `trusted`: a trusted recomputation; `--inject-fault` faults and `--fallback` step aside, ops whose CPU kernels are
-    not torch's own run through torch's (see `trusted.py`).
-    `perturb`: (seed, unit roundoff) of a Monte Carlo sample: every floating value read is perturbed
-    (`Perturbation`; only where `live` is False: a live rerun uses the module's own weights).
-    `reduced`: (family, mode) pairs of the float32 ops the run it stands for ran reduced (TF32 convolutions): their
-    operands are rounded to that mode (`reduced.py`); empty: float32 as it is.
-    `inject`: (seed, roundoff, accumulate, families) of a run with a lower precision's rounding injected into every
-    op's result (`modes/roundoff_mode.py`: the bound a noise estimate is checked against); None: none.
-    """
-
-    name: str
-    device: Any
-    live: bool
-    cast: str
-    autocast: Any  # a torch dtype, None for no autocast, or AMBIENT
-    params: str
-    trusted: bool
-    perturb: tuple[int, float] | None = None
-    reduced: tuple = ()
-    inject: tuple | None = None
-
-    def dtype_for(self, live_dtype, stored_dtype):
-        if self.cast == "live":
-            return live_dtype
-        if self.cast == "source":
-            return stored_dtype
-        return getattr(torch, self.cast)
+    args: Any
+    kwargs: Any
+    leaves: dict[str, Any]
+    versions: dict[int, int]
 
 
-class Perturbation:
-    """The random relative perturbation of a Monte Carlo sample: each floating value x becomes x * (1 + s * eps),
-    s a random sign, eps = 2u for the unit roundoff u of the run's precision or of x's dtype (the coarser): about
-    one unit in the last place of the precision the value is computed in, in a random direction. Computed in x's
-    dtype (float32 at least, never float64: the devices this is for may have none). The signs come from numpy's
-    generator seeded per sample (reproducible, and no torch random op the rerun's replay of recorded random ops
-    would take for the model's). `Perturbation(None)` changes nothing."""
+@dataclass(frozen=True)
+class OwnBackward:
+    """What the call's own backward gave: the gradients w.r.t. its inputs (grad name -> gradient), each parameter's
+    contribution from its own code (canonical name -> gradient), and the part of each output's recorded gradient
+    that came through the call itself (grad name -> gradient: `gradients.external_grads`)."""
 
-    def __init__(self, spec: tuple[int, float] | None):
-        self.roundoff = spec[1] if spec else 0.0
-        self.generator = np.random.default_rng(int(spec[0])) if spec else None
-
-    def __call__(self, tensor):
-        if self.generator is None or not tensor.is_floating_point() or tensor.numel() == 0:
-            return tensor
-        eps = 2.0 * max(self.roundoff, unit_roundoff(str(tensor.dtype)))
-        sign = torch.from_numpy(self.generator.integers(0, 2, size=tuple(tensor.shape), dtype=np.int8))
-        return scaled_by_signs(tensor, sign, eps)
-
-
-def scaled_by_signs(tensor, signs, eps: float):
-    """`tensor` * (1 + eps) where `signs` is 1 and * (1 - eps) where it is 0, computed in the tensor's dtype widened
-    to float32 at least and stored in its dtype (`Perturbation`, and the twin of a multi-step replay)."""
-    work = torch.promote_types(tensor.dtype, torch.float32)
-    factor = signs.to(device=tensor.device, dtype=work) * (2.0 * eps) + (1.0 - eps)  # 1 - eps or 1 + eps
-    with torch.no_grad():
-        return (tensor.to(work) * factor).to(tensor.dtype)
-
-
-@dataclass
-class RunResult:
-    """What one rerun produced, by local-table name. `passed`: the (phase, name)s that merely pass on a value
-    handed in (a forced child's output given to the next child): nothing of the call's own code is in those.
-    `param_grads`: canonical parameter name -> this call's own contribution to its gradient; `buffers`: canonical
-    buffer name -> its value after the call, for the buffers the call changed (BatchNorm's running statistics)."""
-
-    forward: dict
-    backward: dict
-    passed: set
-    param_grads: dict = field(default_factory=dict)
-    buffers: dict = field(default_factory=dict)
-    internal: dict = field(default_factory=dict)
-    """grad name -> the part of an output's recorded gradient that came from the call itself, for outputs the
-    call also consumed (a model returning both `logits` and the `loss` computed from them)."""
+    input_grads: dict
+    grad_contributions: dict
+    internal_grads: dict
 
 
 class Rerunner:
@@ -185,39 +113,15 @@ class Rerunner:
             return self._run(rec, site, forced, own_only=False)
 
     def _run(self, rec: CallRecord, site: Site, forced: list[CallRecord], own_only: bool) -> RunResult:
-        module = rec.module
         if rec.args is None or rec.output is None:
             raise ProbeSkip("the call's structure was not kept")
         self.perturb = Perturbation(None if site.live else site.perturb)  # a retry draws the same sample again
-        leaves: dict[str, Any] = {}
-        given: dict[int, int] = {}  # id -> version of every tensor handed in
-        made: dict[str, Any] = {}  # slot name -> what the call was handed there
-
-        def make_input(slot: Slot):
-            if slot.alias in made:  # the live call got this very tensor in an earlier place too: so does the rerun
-                if slot.alias in leaves:  # its gradient is the one leaf's (the sum over its places, as recorded)
-                    leaves[slot.name] = leaves[slot.alias]
-                return made[slot.alias]
-            made[slot.name] = value = self._input(rec, slot, site, leaves)
-            given[id(value)] = value._version
-            return value
-
-        with torch.enable_grad():  # the leaves' clones stay in the graph inside a no_grad forward (a reentrant
-            args = fill(rec.args, make_input)  # checkpoint's region) too
-            kwargs = fill(rec.kwargs, make_input)
+        handed = self._handed_in(rec, site)
         anchor = torch.zeros((), device=site.device, requires_grad=True)
-        forcing = _Forcing(forced, self, site, anchor)
+        forcing = Forcing(forced, self, site, anchor)
         skip = {id(m) for c in forced for m in c.module.modules()} if own_only else set()
         with ExitStack() as stack:
-            stack.enter_context(_isolated(module, rec, site.device, self.target_device))
-            stack.enter_context(checkpoint_disabled())  # the call's math; no recomputation meets forced children
-            stack.enter_context(_without_sharding_hooks(module))
-            stack.enter_context(trusted.running(site.trusted))
-            if not site.live:  # a compiled block's code stands for its eager code here (`runtime/compiled.py`)
-                stack.enter_context(eager())
-            _high_precision(stack, site)
-            stack.enter_context(_autocast(site, self.target_device))
-            reduced = stack.enter_context(_reduced(site))
+            reduced = enter_site(stack, rec, site, self.target_device)
             params = self._params(rec, site, skip)
             buffers = self._buffers(rec.module, site, params, skip)
             before = {c: t.detach().clone() for c, t in buffers.items()}
@@ -225,49 +129,55 @@ class Rerunner:
             stack.enter_context(self._random(rec, forced, site.device))
             stack.enter_context(self._collectives(rec))
             if site.live:
-                out = module(*args, **kwargs)
+                out = rec.module(*handed.args, **handed.kwargs)
             else:
-                out = torch.func.functional_call(module, {n: t for n, (_, t) in params.items()}, tuple(args),
-                                                 kwargs, strict=False)
+                out = torch.func.functional_call(rec.module, {n: t for n, (_, t) in params.items()},
+                                                 tuple(handed.args), handed.kwargs, strict=False)
             outputs = {n: v for n, v in flatten(out, "output") if isinstance(v, torch.Tensor)}
-            changed = self._changed(buffers, before)
-            # An output that *is* an input, unchanged (T5's position_bias: consumed by each block and handed on to
-            # the next) gets no gradient seed. The recorded grad_input counts only the call's own consumers of the
-            # input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that output
-            # saw the tensor's whole gradient, every consumer's (earlier blocks' too). Seeding it would flow
-            # straight back through the input's clone and add that whole to grad_input: a false alarm.
-            # One tensor returned in several places has one gradient, recorded whole at each: seeded once.
-            seeded, once = {}, set()
-            for n, v in outputs.items():
-                if given.get(id(v)) != v._version and id(v) not in once:
-                    once.add(id(v))
-                    seeded[n] = v
-            backward, param_grads, internal = self._backward(rec, site, seeded, leaves, params, anchor)
-            internal.update(_inherited(outputs, forcing))
+            changed_buffers = self._changed(buffers, before)
+            own = self._backward(rec, site, _seeded(outputs, handed.versions), handed.leaves, params, anchor)
         self.rounded = reduced.rounded if reduced is not None else 0
-        given.update(forcing.produced)
-        forward = {**outputs, **forcing.inputs}
-        backward.update(forcing.grad_outputs)
-        # a value handed in and passed on unchanged (same object, same version) holds none of this call's work
-        passed = {(FORWARD, n) for n, v in forward.items() if given.get(id(v)) == v._version}
-        passed |= {(BACKWARD, n) for n, v in backward.items() if given.get(id(v)) == v._version}
-        return RunResult({n: local(v).detach() for n, v in forward.items()},
-                         {n: local(v).detach() for n, v in backward.items()}, passed, param_grads, changed, internal)
+        return _result(outputs, forcing, handed.versions, own, changed_buffers)
 
-    def _input(self, rec: CallRecord, slot: Slot, site: Site, leaves: dict):
-        """The source's value of one input slot for the rerun: a leaf (kept in `leaves`) when it takes a gradient,
-        handed in as a clone (an in-place module may overwrite its input; a leaf cannot be), laid out as live."""
+    def _handed_in(self, rec: CallRecord, site: Site) -> HandedIn:
+        """The source's values of the call's arguments, slot by slot in the order the live call had them. A tensor
+        the live call got in several places is handed in once, in each of them: its gradient is the one leaf's (the
+        sum over its places, as recorded)."""
+        values: dict[str, Any] = {}  # slot name -> what the call is handed there
+        leaves: dict[str, Any] = {}
+        versions: dict[int, int] = {}
+        with torch.enable_grad():  # the leaves' clones stay in the graph inside a no_grad forward (a reentrant
+            for slot in (*rec.args.slots, *rec.kwargs.slots):  # checkpoint's region) too
+                if slot.alias in values:
+                    values[slot.name] = values[slot.alias]
+                    if slot.alias in leaves:
+                        leaves[slot.name] = leaves[slot.alias]
+                    continue
+                values[slot.name], leaf = self._input(rec, slot, site)
+                if leaf is not None:
+                    leaves[slot.name] = leaf
+                versions[id(values[slot.name])] = values[slot.name]._version
+            args = fill(rec.args, lambda slot: values[slot.name])
+            kwargs = fill(rec.kwargs, lambda slot: values[slot.name])
+        return HandedIn(args, kwargs, leaves, versions)
+
+    def _input(self, rec: CallRecord, slot: Slot, site: Site) -> tuple[Any, Any]:
+        """The source's value of one input slot for the rerun, and its leaf (None when it takes no gradient): a
+        value that takes a gradient is handed in as a clone of its leaf (an in-place module may overwrite its input;
+        a leaf cannot be), laid out as live."""
         value = self.value(tensor_path(rec.key, FORWARD, slot.name), slot, site, f"input {slot.name}")
         value = to_placed(value, slot.placed)  # a DTensor argument: the recorded shard, placed as it was
+        leaf = None
         if slot.requires_grad and value.is_floating_point():
             leaf = value.requires_grad_()
-            leaves[slot.name] = leaf
             value = leaf.clone()
         if slot.placed is None:
             value = with_layout(value, slot.layout)  # a kernel may depend on strides: the live call's, back
-        return value
+        return value, leaf
 
-    def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict, anchor):
+    def _backward(self, rec: CallRecord, site: Site, outputs: dict, leaves: dict, params: dict,
+                  anchor) -> OwnBackward:
+        """Backpropagate the source's gradients w.r.t. the seeded `outputs` through the call's own code."""
         pairs = []
         for name, out in outputs.items():
             path = tensor_path(rec.key, BACKWARD, grad_name(name))
@@ -285,8 +195,8 @@ class Rerunner:
                                          else stored_layout(self.source, path))
                 pairs.append((name, out, placed))
         if not pairs:
-            return {}, {}, {}
-        seeds, internal = _external_grads(pairs)
+            return OwnBackward({}, {}, {})
+        seeds, internal = external_grads(pairs)
         weights = [(canonical, t) for canonical, t in params.values() if t.requires_grad]
         targets = [*leaves.values(), *(t for _, t in weights), anchor]
         grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
@@ -294,7 +204,12 @@ class Rerunner:
         inputs = {grad_name(n): g for n, g in zip(leaves, grads, strict=False) if g is not None}
         contributions = {c: local(g).detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
                          if g is not None}
-        return inputs, contributions, internal
+        return OwnBackward(inputs, contributions, internal)
+
+    def recorded_output(self, child: CallRecord, slot: Slot, site: Site):
+        """A forced child's recorded output in `slot` for the rerun, laid out as the live one was (`Forcing`)."""
+        return with_layout(self.value(tensor_path(child.key, FORWARD, slot.name), slot, site,
+                                      f"output {slot.name} of {child.key}"), slot.layout)
 
     def value(self, path: str, slot: Slot, site: Site, what: str):
         """A source tensor for `slot`, on the site's device in the site's dtype (a fresh copy)."""
@@ -346,7 +261,7 @@ class Rerunner:
             name = self.names.get(id(t))
             if is_param or name is None:
                 continue
-            start = self.reference_state(name)  # where it was before the iteration (restored by _isolated)
+            start = self.reference_state(name)  # where it was before the iteration (restored after: `isolation.py`)
             if start is not None and tuple(start.shape) == tuple(t.shape):
                 with torch.no_grad():
                     t.data.copy_(start.to(t.device, t.dtype))
@@ -418,345 +333,6 @@ class Rerunner:
                                 ProbeSkip)
 
 
-def with_layout(value, layout: tuple | None):
-    """`value` with the live call's strides and storage offset (`structure.layout_of`), differentiably: a view into
-    a fresh buffer laid out as the live tensor's storage was. None, or a layout that does not fit: `value` as it is.
-    """
-    if layout is None or value.layout != torch.strided or value.numel() == 0:
-        return value
-    stride, offset = layout
-    size = tuple(value.shape)
-    if len(stride) != len(size) or any(s < 0 for s in stride) or offset < 0:
-        return value
-    if tuple(value.stride()) == tuple(stride) and value.storage_offset() == offset:
-        return value
-    # where each element sits in the storage: offset + sum(i_k * stride_k); overlapping views (stride 0) write
-    # one storage element several times with the same value
-    index = torch.full((), offset, dtype=torch.long, device=value.device)
-    for dim, (n, step) in enumerate(zip(size, stride, strict=True)):
-        shape = [1] * len(size)
-        shape[dim] = n
-        index = index + torch.arange(n, device=value.device).mul_(step).reshape(shape)
-    extent = int(index.max()) + 1
-    base = value.new_zeros(extent).index_put((index.reshape(-1),), value.reshape(-1))
-    return base.as_strided(size, tuple(stride), offset)
-
-
-def stored_layout(source, path: str) -> tuple | None:
-    """The live layout a source recorded with `path` (its `stride` and `storage_offset` attributes), or None:
-    contiguous, or a source that keeps no attributes (this run's own copies, `probe.MemorySource`)."""
-    attrs = getattr(source, "attrs", None)
-    return layout_from_attrs(attrs(path)) if callable(attrs) else None
-
-
-def _external_grads(pairs: list) -> tuple[list, dict]:
-    """The gradient each output received from *outside* the call, from the recorded (total) ones.
-
-    A recorded grad_output is the whole gradient w.r.t. that output. When the call also consumed one of its own
-    outputs (`loss = f(logits)`, both returned), part of that whole came through the call's other outputs;
-    backpropagating every output with its whole gradient would count that part twice. Taking the outputs from
-    the last computed to the first, the part coming through later outputs is computed and subtracted.
-    Returns the seeds for backward (in `pairs` order) and {grad name: the part that came through the call}.
-    """
-    if len(pairs) == 1:
-        return [pairs[0][2]], {}
-    order = sorted(range(len(pairs)), key=lambda i: -_sequence(pairs[i][1]))
-    seeds: dict[int, Any] = {}
-    internal = {}
-    for position, i in enumerate(order):
-        name, out, whole = pairs[i]
-        later = order[:position]
-        inner = None
-        if later:
-            inner = torch.autograd.grad([pairs[j][1] for j in later], [out], [seeds[j] for j in later],
-                                        retain_graph=True, allow_unused=True)[0]
-        seeds[i] = whole if inner is None else whole - inner
-        if inner is not None:
-            internal[grad_name(name)] = inner.detach()
-    return [seeds[i] for i in range(len(pairs))], internal
-
-
-def _inherited(outputs: dict, forcing: "_Forcing") -> dict:
-    """Outputs this call passes on unchanged from a forced child that also consumed them itself: the child's
-    own part of their gradient is part of this call's too (BERT's attention weights, returned up two levels)."""
-    found = {}
-    for name, out in outputs.items():
-        child, slot = forcing.origin.get(id(out), (None, None))
-        inner = child.internal.get(grad_name(slot)) if child is not None else None
-        if inner is not None:
-            found[grad_name(name)] = inner
-    return found
-
-
-def _sequence(tensor) -> int:
-    return tensor.grad_fn._sequence_nr() if tensor.grad_fn is not None else -1
-
-
-class _Forcing:
-    """While active, each forced child call returns the source's recorded output and, in backward, hands back the
-    source's recorded gradient w.r.t. its inputs; what the caller's own code gave and received is kept."""
-
-    def __init__(self, children: list[CallRecord], rerunner: Rerunner, site: Site, anchor):
-        self.rerunner, self.site, self.anchor = rerunner, site, anchor
-        self.queues: dict[int, deque] = {}
-        self.modules: dict[int, Any] = {}
-        for child in children:
-            self.queues.setdefault(id(child.module), deque()).append(child)
-            self.modules[id(child.module)] = child.module
-        self.inputs: dict[str, Any] = {}
-        self.grad_outputs: dict[str, Any] = {}
-        # id -> version of the tensors handed to the caller; `_alive` keeps them, so no id is reused meanwhile
-        self.produced: dict[int, int] = {}
-        self._alive: list = []
-        self.origin: dict[int, tuple] = {}  # id of a forced output -> (child record, output name)
-        self._saved: list = []
-        self._calls: list[_ForcedCall] = []
-
-    def __enter__(self):
-        for module in self.modules.values():
-            # through the instance's own dict: a torch.compile wrapper forwards other attributes to its `_orig_mod`;
-            # a module compiled in place runs its compiled call (`_compiled_call_impl`) unless it is cleared
-            own = module.__dict__
-            saved = {n: own[n] for n in (*_HOOK_DICTS, "_compiled_call_impl") if n in own}
-            self._saved.append((module, own.get("forward", _ABSENT), saved))
-            for n in saved:
-                own[n] = None if n == "_compiled_call_impl" else OrderedDict()
-            own["forward"] = functools.partial(self._forward, module)
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        for module, forward, saved in self._saved:
-            if forward is _ABSENT:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = forward
-            module.__dict__.update(saved)
-        self._saved.clear()
-        # each stand-in's autograd node holds its _ForcedCall, which held this object and so the stand-in's own
-        # outputs (whose grad_fn is that node): a cycle through C++ that Python's collector cannot see, which kept
-        # every rerun's tensors alive (~0.7 GB per resnet18 replay). The rerun's backward has run: cut it.
-        for info in self._calls:
-            info.forcing, info.values = None, []
-        self._calls.clear()
-        if exc_type is None:
-            left = [c.key for q in self.queues.values() for c in q]
-            if left:
-                raise ProbeSkip(f"the rerun did not call {left[0]} (the calls depend on more than the inputs)")
-        return False
-
-    def _forward(self, module, *args, **kwargs):
-        queue = self.queues[id(module)]
-        if not queue:
-            raise ProbeSkip(f"the rerun called {type(module).__name__} more often than the recorded call did")
-        child = queue.popleft()
-        given, grad_inputs = self._take_inputs(child, args, kwargs)
-        outs, grad_slots = self._stand_in_outputs(child, given)
-        if grad_slots:
-            self._force(child, grad_inputs, grad_slots, outs)
-        for slot in child.output.slots:  # one tensor returned in several places: the same one again there
-            if slot.alias is not None and slot.name not in outs:
-                outs[slot.name] = outs[slot.alias]
-        self._hand_out(child, given, outs)
-        return fill(child.output, lambda slot: outs[slot.name])
-
-    def _take_inputs(self, child: CallRecord, args: tuple, kwargs: dict) -> tuple[dict, list]:
-        """The tensors the caller handed the child (kept in `inputs`), and those a gradient flows back to: a tensor
-        handed in several places once (the recorded gradient of each place is the tensor's whole, summed)."""
-        grad_inputs, given, once = [], {}, set()
-        for name, value in flatten_call(args, kwargs):
-            if isinstance(value, torch.Tensor):
-                given[name] = value
-                self.inputs[child_tensor(child.key, name)] = value
-                if value.requires_grad and value.is_floating_point() and id(value) not in once:
-                    once.add(id(value))
-                    grad_inputs.append((name, value))
-        return given, grad_inputs
-
-    def _stand_in_outputs(self, child: CallRecord, given: dict) -> tuple[dict, list]:
-        """The child's recorded outputs, by slot; those that need a gradient are returned apart (in slot order), to
-        go through the stand-in's autograd node."""
-        outs, grad_slots = {}, []
-        for slot in child.output.slots:
-            if slot.alias is not None:  # the same tensor as an earlier slot (`_forward` fills it in)
-                continue
-            if child.identity.get(slot.name) in given:  # the child returned this input itself: so does its stand-in
-                outs[slot.name] = given[child.identity[slot.name]]
-                continue
-            value = with_layout(self.rerunner.value(tensor_path(child.key, FORWARD, slot.name), slot, self.site,
-                                                    f"output {slot.name} of {child.key}"), slot.layout)
-            if slot.requires_grad and value.is_floating_point():
-                grad_slots.append((slot, value))
-            else:
-                outs[slot.name] = to_placed(value, slot.placed)
-        return outs, grad_slots
-
-    def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
-        """Put the outputs that need a gradient in `outs` as outputs of a stand-in autograd node (`Forced`)."""
-        aliases: dict[str, list] = {}
-        for slot in child.output.slots:
-            aliases.setdefault(slot.alias or slot.name, []).append(slot.name)
-        info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [slot.name for slot, _ in grad_slots],
-                           [v for _, v in grad_slots], aliases)
-        self._calls.append(info)
-        results = _forced_function().apply(info, self.anchor, *[v for _, v in grad_inputs])
-        for (slot, _), value in zip(grad_slots, results, strict=True):  # Forced returns one value per slot
-            outs[slot.name] = to_placed(value, slot.placed)  # a DTensor output: placed as the live one was
-
-    def _hand_out(self, child: CallRecord, given: dict, outs: dict) -> None:
-        """Note the outputs the child produced (not inputs it passed on) as handed to the caller, and keep them."""
-        passed_on = {id(given[n]) for n in child.identity.values() if n in given}
-        self.produced.update((id(v), v._version) for v in outs.values() if id(v) not in passed_on)
-        self._alive.extend(outs.values())
-        for name, value in outs.items():
-            if id(value) not in passed_on:
-                self.origin[id(value)] = (child, name)
-
-    def grad_for(self, child: CallRecord, name: str, like, spec: tuple | None = None):
-        """The source's gradient w.r.t. a forced child's input, like `like` (placed as a DTensor input was: `spec`)."""
-        path = tensor_path(child.key, BACKWARD, grad_name(name))
-        if not self.rerunner.source.has(path):
-            return None
-        grad = self.rerunner.perturb(self.rerunner.source.tensor(path).to(like.device, like.dtype, copy=True))
-        if spec is not None:
-            attrs = getattr(self.rerunner.source, "attrs", None)
-            text = attrs(path).get(PLACEMENTS) if callable(attrs) else None
-            grad = to_placed(grad, spec, parse_placements(text) if text else None)
-        self.produced[id(grad)] = grad._version
-        self._alive.append(grad)
-        return grad
-
-
-@dataclass
-class _ForcedCall:
-    forcing: _Forcing | None  # None once the rerun is over (`_Forcing.__exit__`)
-    child: CallRecord
-    input_names: list
-    output_names: list
-    values: list
-    aliases: dict = field(default_factory=dict)  # output name -> every name it was returned under (itself first)
-
-
-@functools.lru_cache(maxsize=None)
-def _forced_function():
-    class Forced(torch.autograd.Function):
-        """Forward: the recorded outputs of a child call. Backward: keep the gradient arriving at them, return the
-        recorded gradient w.r.t. the child's inputs."""
-
-        @staticmethod
-        def forward(ctx, info: _ForcedCall, anchor, *inputs):
-            ctx.info = info
-            ctx.likes = [torch.empty((), dtype=t.dtype, device=t.device) for t in inputs]
-            ctx.specs = [spec_of(t) for t in inputs]
-            return tuple(info.values)
-
-        @staticmethod
-        def backward(ctx, *grads):
-            info = ctx.info
-            for name, grad in zip(info.output_names, grads, strict=True):  # one per forward output
-                # an output the child also consumed itself (logits of a model that returns the loss computed from
-                # them): its recorded gradient holds the child's own part, which the reference file does not
-                # separate, so what the caller hands it cannot be judged
-                if grad is not None and grad_name(name) not in info.child.internal:
-                    for each in info.aliases.get(name, [name]):  # every place the tensor was returned in
-                        info.forcing.grad_outputs[child_tensor(info.child.key, grad_name(each))] = grad
-            likes = zip(info.input_names, ctx.likes, ctx.specs, strict=True)  # all one per input
-            back = [info.forcing.grad_for(info.child, name, like, spec) for name, like, spec in likes]
-            return (None, None, *back)
-
-    return Forced
-
-
-@contextmanager
-def _autocast(site: Site, target_device) -> Iterator[None]:
-    if site.autocast == AMBIENT:
-        yield
-        return
-    with ExitStack() as stack:
-        for device_type in {site.device.type, torch.device(target_device).type}:
-            if torch.amp.is_autocast_available(device_type):
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        if site.autocast is not None:
-            stack.enter_context(torch.autocast(device_type=site.device.type, dtype=site.autocast))
-        yield
-
-
-@contextmanager
-def _reduced(site: Site) -> Iterator[Any]:
-    """The site's reduced-precision operands (`reduced.ReducedOperands`) for forward and backward, or nothing."""
-    if not site.reduced:
-        yield None
-        return
-    with ReducedOperands(dict(site.reduced)) as mode:
-        yield mode
-
-
-@contextmanager
-def _without_sharding_hooks(module) -> Iterator[None]:
-    """FSDP2's forward hooks off on `module` and every module under it for a rerun: a rerun on one rank must run no
-    collective, and must not reduce gradients into the real iteration's. The parameters it reads are those the live
-    call had: a call under an FSDP2 unit runs (and is rerun, when it returns) while its unit's parameters are
-    all-gathered; the unit itself returns after its parameters are sharded again, so its rerun forces its children
-    (a child that is not forced and reads a sharded parameter fails, and the unit is listed as not probed)."""
-    saved = []  # (hook dict, its entries in order): restored as they were, FSDP2's pre-hook first
-    for mod in module.modules():
-        for name in ("_forward_pre_hooks", "_forward_hooks"):
-            hooks = getattr(mod, name, None)
-            if hooks and any(is_fsdp_hook(h) for h in hooks.values()):
-                saved.append((hooks, list(hooks.items())))
-                for key in [k for k, h in hooks.items() if is_fsdp_hook(h)]:
-                    del hooks[key]
-    try:
-        yield
-    finally:
-        for hooks, items in saved:
-            hooks.clear()
-            hooks.update(items)
-
-
-@contextmanager
-def _isolated(module, rec: CallRecord, *devices) -> Iterator[None]:
-    """Outer dispatch modes off, gradients on; buffers (BatchNorm running stats) and RNG states restored after.
-    Python's and numpy's generators, and the tensors the modules keep in plain attributes (RecurrentGemma's
-    recurrent state), start where they were when the live call began (`rec.host_random`, `rec.attributes`: the
-    model's own draws, SpecAugment's masks, are the live call's again; a rerun never starts from, nor backpropagates
-    into, the live call's end state) and are left as they were found."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    found = host_random.state()
-    if rec.host_random is not None:
-        host_random.set_state(rec.host_random)
-    cpu_rng = torch.get_rng_state()
-    backends = []
-    for device in {torch.device(d).type for d in devices} - {"cpu"}:
-        backend = getattr(torch, device, None)
-        if backend is not None and hasattr(backend, "get_rng_state"):
-            backends.append((backend, backend.get_rng_state()))
-    try:
-        with _disable_current_modes(), torch.enable_grad(), module_state.started(rec.attributes):
-            yield
-    finally:
-        torch.set_rng_state(cpu_rng)
-        host_random.set_state(found)
-        for backend, state in backends:
-            backend.set_rng_state(state)
-        with torch.no_grad():
-            for live, saved in buffers:
-                # through .data: the real iteration saved these buffers for backward (BatchNorm), and a version
-                # bump would make autograd reject them
-                live.data.copy_(saved)
-
-
-def _high_precision(stack: ExitStack, site: Site) -> None:
-    """The modes of a high-precision site: a lower precision's rounding injected into every op (`inject`), and the
-    casts the model's code makes to narrower floats kept (`modes/casts.py`; float64 sites and the calibration's high
-    run)."""
-    if site.inject is not None:
-        stack.enter_context(RoundoffInjection(*site.inject))
-    if site.cast == "float64" or site.name == "high":
-        stack.enter_context(KeptCasts(site.inject[0] if site.inject is not None else None))
-
-
 def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
     """(name relative to `module`, tensor, is_parameter) outside the modules in `skip` (parameters once each)."""
     found: list[tuple[str, Any, bool]] = []
@@ -778,90 +354,32 @@ def _own_tensors(module, skip: set[int]) -> list[tuple[str, Any, bool]]:
     return found
 
 
-# -- numbers --------------------------------------------------------------------------------------------------------
-def _pair(reference, value):
-    """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32 (float8 values,
-    which torch promotes with nothing, read as float32 first: exactly)."""
-    a, b = (_promotable(local(t).detach().reshape(-1)) for t in (reference, value))  # never a tensor subclass
-    work = torch.promote_types(a.dtype, b.dtype)
-    if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
-        work = torch.float64 if not work.is_floating_point else torch.float32
-    return a.to("cpu", work), b.to("cpu", work)
+def _seeded(outputs: dict, versions: dict[int, int]) -> dict:
+    """The outputs backward is seeded at. An output that *is* an input, unchanged (T5's position_bias: consumed by
+    each block and handed on to the next) gets no gradient seed. The recorded grad_input counts only the call's own
+    consumers of the input (input_grads.py: a pass-through adds no autograd node), while the tensor hook on that
+    output saw the tensor's whole gradient, every consumer's (earlier blocks' too). Seeding it would flow straight
+    back through the input's clone and add that whole to grad_input: a false alarm. One tensor returned in several
+    places has one gradient, recorded whole at each: seeded once."""
+    seeded, once = {}, set()
+    for n, v in outputs.items():
+        if versions.get(id(v)) != v._version and id(v) not in once:
+            once.add(id(v))
+            seeded[n] = v
+    return seeded
 
 
-def _promotable(t):
-    return t.float() if t.is_floating_point() and t.dtype.itemsize == 1 else t
-
-
-def tensor_stats(reference, value) -> dict:
-    """Local metrics of `value` against `reference`; NaN/Inf judged by position and sign.
-
-    Computed in the wider of the two dtypes (float32 at least): differences of nearby floats are exact there.
-    On the CPU the C kernel (`format.stats.pair_sums`) reads both once and sums in float64; elsewhere torch's
-    reductions run, in the working dtype. A tensor holding NaN/Inf (or |x| near overflow) takes the careful path,
-    in float64."""
-    a, b = _pair(reference, value)
-    sums = pair_sums(a, b)  # the C kernel: one pass, float64 sums
-    if sums is not None:
-        norm_a, norm_b, diff = (math.sqrt(s) for s in sums[:3])
-        dot, max_abs = sums[3], sums[4]
-    else:
-        d = a - b
-        norm_a, norm_b, diff = (torch.linalg.vector_norm(t).item() for t in (a, b, d))
-        dot = max_abs = None
-    counts = {"nan_ref": 0, "inf_ref": 0, "nan": 0, "inf": 0, "mismatch": 0}
-    if not all(math.isfinite(x) for x in (norm_a, norm_b, diff)):
-        return _careful_stats(a.double(), b.double())
-    rel = diff / norm_a if norm_a else (0.0 if diff == 0 else math.inf)
-    if diff == 0:
-        cosine = 1.0
-    elif norm_a and norm_b:
-        dot = torch.dot(a, b).item() if dot is None else dot
-        cosine = max(-1.0, min(1.0, dot / (norm_a * norm_b)))
-    else:
-        cosine = 0.0
-    if not diff:
-        max_abs = 0.0
-    elif max_abs is None:
-        max_abs = torch.linalg.vector_norm(d, ord=math.inf).item()
-    return {"numel": int(a.numel()), "rel_l2": rel, "max_abs": max_abs, "cosine": cosine, **counts}
-
-
-def _careful_stats(a, b) -> dict:
-    """`tensor_stats` for tensors with NaN/Inf (or values whose squares overflow), in float64."""
-    fa, fb = torch.isfinite(a), torch.isfinite(b)
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    both = fa & fb
-    same = (a == b) | (nan_a & nan_b)  # +inf next to +inf, NaN next to NaN
-    mismatch = int((~both & ~same).sum())
-    numel = int(a.numel())
-    a, b = a[both], b[both]
-    d = a - b
-    diff = torch.linalg.vector_norm(d).item()
-    norm_a, norm_b = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(b).item()
-    rel = diff / norm_a if norm_a else (0.0 if diff == 0 else math.inf)
-    cosine = 1.0 if diff == 0 else (max(-1.0, min(1.0, torch.dot(a, b).item() / (norm_a * norm_b)))
-                                    if norm_a and norm_b else 0.0)
-    return {
-        "numel": numel, "rel_l2": rel, "max_abs": d.abs().max().item() if d.numel() else 0.0, "cosine": cosine,
-        "nan_ref": int(nan_a.sum()), "inf_ref": int((~fa & ~nan_a).sum()), "nan": int(nan_b.sum()),
-        "inf": int((~fb & ~nan_b).sum()), "mismatch": mismatch,
-    }
-
-
-def rel_l2(reference, value) -> float:
-    """||value - reference|| / ||reference|| over the positions finite on both sides."""
-    if tuple(reference.shape) != tuple(value.shape):
-        return math.inf
-    a, b = _pair(reference, value)
-    sums = pair_sums(a, b)
-    if sums is not None:
-        norm, diff = math.sqrt(sums[0]), math.sqrt(sums[2])
-    else:
-        norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
-    if not (math.isfinite(norm) and math.isfinite(diff)):
-        a, b = a.double(), b.double()
-        keep = torch.isfinite(a) & torch.isfinite(b)
-        a, b = a[keep], b[keep]
-        norm, diff = torch.linalg.vector_norm(a).item(), torch.linalg.vector_norm(a - b).item()
-    return diff / norm if norm else (0.0 if diff == 0 else math.inf)
+def _result(outputs: dict, forcing: Forcing, versions: dict[int, int], own: OwnBackward,
+            changed_buffers: dict) -> RunResult:
+    """The rerun's result: the call's outputs and what it handed its forced children (forward), the gradients w.r.t.
+    its inputs and its children's outputs (backward), and which of those it merely passed on."""
+    versions = {**versions, **forcing.produced}
+    forward = {**outputs, **forcing.inputs}
+    backward = {**own.input_grads, **forcing.grad_outputs}
+    # a value handed in and passed on unchanged (same object, same version) holds none of this call's work
+    passed_on = {(FORWARD, n) for n, v in forward.items() if versions.get(id(v)) == v._version}
+    passed_on |= {(BACKWARD, n) for n, v in backward.items() if versions.get(id(v)) == v._version}
+    return RunResult(forward={n: local(v).detach() for n, v in forward.items()},
+                     backward={n: local(v).detach() for n, v in backward.items()}, passed_on=passed_on,
+                     grad_contributions=own.grad_contributions, changed_buffers=changed_buffers,
+                     internal_grads={**own.internal_grads, **inherited(outputs, forcing)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from oneiter.cli import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
+from oneiter.cli.help import HelpGroup, readable
 
 app = typer.Typer(
     name="oneiter",
@@ -13,6 +14,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=HelpGroup,
 )
 
 def _version(value: bool) -> None:
@@ -34,6 +36,7 @@ def _root(
 for module in (record_cmd, compare_cmd, inspect_cmd, replay_cmd, models_cmd, demo_cmd):
     module.register(app)
 app.add_typer(profile_cmd.app, name="profile")
+readable(app)  # flags without `<bool>`, each summary on one line (`help.py`)
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
-from typer.core import TyperCommand
 
+from oneiter.cli.help import HelpCommand
 from oneiter.runtime import commands as flags
 
 Model = Annotated[Optional[str], typer.Option(*flags.MODEL.decls, help=
@@ -29,7 +29,7 @@ Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help="Automatic mi
 Float8 = Annotated[Optional[str], typer.Option(*flags.FLOAT8.decls, help=
         "tensorwise or rowwise: convert the model's Linears to torchao's float8 training (dimensions divisible by "
         "16; the output projection, lm_head/output, stays in high precision). Needs pip install -c "
-        "constraints.txt 'oneiter[float8]'.")]
+        "constraints.txt 'oneiter\\[float8]'.")]  # \\[: rich markup would eat `[float8]`
 Threads = Annotated[Optional[int], typer.Option(*flags.THREADS.decls, min=1, help=
         "torch intra-op threads (default: torch's).")]
 ModelArg = Annotated[Optional[List[str]], typer.Option(*flags.MODEL_ARG.decls, help=
@@ -47,7 +47,7 @@ Compile = Annotated[Optional[str], typer.Option(*flags.COMPILE.decls, metavar="[
         "updates; what runs inside its compiled code is not.")]
 
 
-class CompileCommand(TyperCommand):
+class CompileCommand(HelpCommand):
     """A command whose `--compile` alone means `--compile inductor` (typer has no option with an optional value)."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out
+from oneiter.cli.help import HelpGroup
 from oneiter.runtime import commands as flags
 
 DEFAULT_MODEL = "resnet18"  # profiled without --model, so the product card's `oneiter profile --schedule ...` runs
@@ -46,6 +47,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
+    cls=HelpGroup,
 )
 
 

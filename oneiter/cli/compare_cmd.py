@@ -124,7 +124,6 @@ def compare(
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.steps.step_compare import StepsResult
-    from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
     dests = _destinations(json_path, csv_path, html_path, inputs)
@@ -145,6 +144,17 @@ def compare(
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
     if isinstance(result, StepsResult):  # two multi-step recordings: step by step
         raise typer.Exit(_report_steps(result, dests, show_all, to_stdout))
+
+    _report_one(result, dests, tb_dir, model, show_all=show_all, suggest=suggest,
+                to_stdout=to_stdout, drill=drill)
+    raise typer.Exit(result.exit_code)
+
+
+def _report_one(result, dests: dict, tb_dir: Optional[Path], model: Optional[str], *, show_all: bool, suggest: bool,
+                to_stdout: bool, drill: bool) -> None:
+    """The reports of one iteration's comparison: the terminal's (on stderr when a report goes to stdout), --drill,
+    --json, --csv, --html, --tensorboard, --suggest."""
+    from oneiter.report import terminal as report
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
     drilled = _drill(result, model, err if to_stdout else out) if drill else None
@@ -168,7 +178,6 @@ def compare(
         err.print(f"wrote {event_file} (view: tensorboard --logdir {tb_dir})", markup=False)
     if suggest:
         _print_suggestion(result, err if to_stdout else out)
-    raise typer.Exit(result.exit_code)
 
 
 def _ranked_inputs(reference, target, dests: dict, tensorboard: bool, drill: bool) -> bool:

@@ -55,6 +55,22 @@ def _opt(*names: str, help: str):
     return typer.Option(*names, help=help)
 
 
+RENAMED = {"overhead": "measure_overhead", "model_arg": "model_args"}
+"""A parameter of `profile_command` -> its `ProfileOptions` field, where the names differ (the others: the same)."""
+CLI_ONLY = {"ctx": "typer's context (whether `profile diff` was asked for)",
+            "limit": "rows per table printed: the files hold all of them", "quiet": "no progress and no notes"}
+"""The parameters that change what the command prints, not what is profiled."""
+
+
+def profile_fields(params: dict) -> dict:
+    """The `ProfileOptions` keywords from `profile_command`'s parameters (name -> value), matched by name;
+    tests/cli/test_profile_options.py holds the two to each other both ways."""
+    from oneiter.runtime.modelspec import parse_model_args
+
+    return {RENAMED.get(name, name): parse_model_args(value) if name == "model_arg" else value
+            for name, value in params.items() if name not in CLI_ONLY}
+
+
 @app.callback()
 @handle_errors
 def profile_command(
@@ -93,23 +109,17 @@ def profile_command(
     force: opt.Force = False,
     quiet: opt.Quiet = False,
 ) -> None:
+    given = dict(locals())  # the parameters by name, taken before anything else is defined (`profile_fields`)
     if ctx.invoked_subcommand is not None:
         return
     if model is None:
-        model = DEFAULT_MODEL
+        given["model"] = model = DEFAULT_MODEL
         if not quiet:
             err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for "
                       f"another)", markup=False)
     from oneiter.profile.runner import ProfileOptions, profile
-    from oneiter.runtime.modelspec import parse_model_args
 
-    options = ProfileOptions(
-        model=model, device=device, batch_size=batch_size, seed=seed, dtype=dtype, amp=amp, threads=threads,
-        model_args=parse_model_args(model_arg), optimizer=optimizer, schedule=schedule, out_dir=out_dir,
-        record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
-        memory_sort=memory_sort, module_ranges=module_ranges, measure_overhead=overhead, max_steps=max_steps,
-        force=force,
-    )  # fmt: skip
+    options = ProfileOptions(**profile_fields(given))
     with _progress(f"profiling {model} on {device}", quiet) as on_step:
         result = profile(options, on_step=on_step)
     for note in [] if quiet else result.notes:

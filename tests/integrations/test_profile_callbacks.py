@@ -145,7 +145,8 @@ def test_every_profile_hook_takes_exactly_the_profile_settings():
     fields = [(f.name, f.default) for f in dataclasses.fields(ProfileSettings)]
     for hook in _profile_hooks():
         shown = inspect.signature(hook).parameters.values()
-        assert [(p.name, p.default) for p in shown] == fields and {p.kind for p in shown} == {inspect.Parameter.KEYWORD_ONLY}
+        assert [(p.name, p.default) for p in shown] == fields
+        assert {p.kind for p in shown} == {inspect.Parameter.KEYWORD_ONLY}
         args = hook.__doc__.split("Args:")[1]
         assert all(name in args for name, _ in fields), hook
         made = hook(schedule="active=3", out_dir="p", with_stack=True, memory_sort="cpu_memory", model_name="m")

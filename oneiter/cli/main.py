@@ -6,6 +6,7 @@ import typer
 
 from oneiter.cli import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
 from oneiter.cli.help import HelpGroup, readable
+from oneiter.runtime import commands as flags
 
 app = typer.Typer(
     name="oneiter",
@@ -27,7 +28,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help=
+    version: bool = typer.Option(False, *flags.VERSION.decls, callback=_version, is_eager=True, help=
             "Print the version and exit."),
 ) -> None:
     """Find which layer makes a model's training numbers differ between a reference device and a target."""

@@ -1,8 +1,8 @@
 """Option aliases shared by the commands: one definition, one help text each.
 
-The flag names come from `oneiter.runtime.commands`, the one place that also builds the command lines oneiter
-prints for a user to run (`record --step S`, `record --replay`, `replay --ops`), so a printed command never names a
-flag the CLI does not have.
+The flag names come from `oneiter.runtime.commands`, the one table of the CLI's flag names, which also builds the
+command lines oneiter prints for a user to run (`record --step S`, `record --replay`, `replay --ops`), so a printed
+command never names a flag the CLI does not have.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ Threads = Annotated[Optional[int], typer.Option(*flags.THREADS.decls, min=1, hel
         "torch intra-op threads (default: torch's).")]
 ModelArg = Annotated[Optional[List[str]], typer.Option(*flags.MODEL_ARG.decls, help=
         "KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable).")]
-Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
+Force = Annotated[bool, typer.Option(*flags.FORCE.decls, help="Overwrite an existing output.")]
+Quiet = Annotated[bool, typer.Option(*flags.QUIET.decls, help=
         "No progress and no notes on stderr (off a terminal progress is plain lines: one per phase, then one every "
         "few seconds): one line says what was written; errors and warnings still print.")]
 RecordingFile = Annotated[

@@ -84,28 +84,28 @@ def profile_command(
     threads: opt.Threads = None,
     model_arg: opt.ModelArg = None,
     optimizer: Annotated[str, _opt(*flags.OPTIMIZER.decls, help="sgd or adamw (single-tensor kernels).")] = "sgd",
-    schedule: Annotated[str, _opt("--schedule", "-s", help=
+    schedule: Annotated[str, _opt(*flags.SCHEDULE.decls, help=
             "wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, "
             "skip_first=0.")] = "wait=1,warmup=1,active=2",
     out_dir: Annotated[Path, _opt(*flags.OUT.decls, help=
             "Output directory (a previous profile there needs --force).")] = Path("prof"),
-    record_shapes: Annotated[bool, _opt("--record-shapes", help=
+    record_shapes: Annotated[bool, _opt(*flags.RECORD_SHAPES.decls, help=
             "Record input shapes (op table grouped by shape).")] = False,
-    profile_memory: Annotated[bool, _opt("--profile-memory", help=
+    profile_memory: Annotated[bool, _opt(*flags.PROFILE_MEMORY.decls, help=
             "Record allocations: memory table, module memory, CUDA snapshot.")] = False,
-    with_stack: Annotated[bool, _opt("--with-stack", help=
+    with_stack: Annotated[bool, _opt(*flags.WITH_STACK.decls, help=
             "Python stack frames in the trace (several times larger).")] = False,
-    with_flops: Annotated[bool, _opt("--with-flops", help="Estimate FLOPs of matmul/conv ops.")] = False,
-    memory_sort: Annotated[str, _opt("--memory-sort", help=
+    with_flops: Annotated[bool, _opt(*flags.WITH_FLOPS.decls, help="Estimate FLOPs of matmul/conv ops.")] = False,
+    memory_sort: Annotated[str, _opt(*flags.MEMORY_SORT.decls, help=
             "Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
-    module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help=
+    module_ranges: Annotated[bool, _opt(*flags.MODULE_RANGES.decls, help=
             "Forward/backward ranges per module path (the module table).")] = True,
-    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help=
+    overhead: Annotated[bool, _opt(*flags.OVERHEAD.decls, help=
             "Also time unprofiled steps (as many as recorded, at least 5) and report the ratio of median step times, "
             "or that the machine is too noisy to tell.")] = True,
-    max_steps: Annotated[int, _opt("--max-steps", help=
+    max_steps: Annotated[int, _opt(*flags.MAX_STEPS.decls, help=
             "Refuse schedules that need more training steps than this.")] = 100,
-    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
+    limit: Annotated[int, _opt(*flags.LIMIT.decls, help="Rows per table printed (0: all; files hold all rows).")] = 15,
     force: opt.Force = False,
     quiet: opt.Quiet = False,
 ) -> None:
@@ -188,19 +188,20 @@ def _report(result, limit: int | None) -> str:
 def diff_command(
     dir_a: Annotated[Path, typer.Argument(help="Reference profile directory (A).", metavar="A")],
     dir_b: Annotated[Path, typer.Argument(help="Target profile directory (B).", metavar="B")],
-    sort: Annotated[str, _opt("--sort", help="Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
-    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all).")] = 20,
-    json_out: Annotated[Optional[Path], _opt("--json", help=
+    sort: Annotated[str, _opt(*flags.SORT.decls, help=
+            "Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
+    limit: Annotated[int, _opt(*flags.LIMIT.decls, help="Rows per table printed (0: all).")] = 20,
+    json_out: Annotated[Optional[Path], _opt(*flags.JSON.decls, help=
             "Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
 ) -> None:
     from oneiter.errors import OneIterError
     from oneiter.profile.diff import DIFF_SORTS, diff_profiles, format_diff
 
     if sort not in DIFF_SORTS:
-        raise OneIterError(f"--sort must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
+        raise OneIterError(f"{flags.SORT.name} must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
     from oneiter.outputs import resolve, write_text
 
-    dest = None if json_out is None else resolve(json_out, "--json", stdout_ok=True)
+    dest = None if json_out is None else resolve(json_out, flags.JSON.name, stdout_ok=True)
     diff = diff_profiles(dir_a, dir_b)
     if dest is not None:
         write_text(dest, json.dumps(diff.to_json(), indent=1) + "\n")

@@ -31,27 +31,27 @@ BatchSize = Annotated[Optional[int], typer.Option(*flags.BATCH_SIZE.decls, min=1
         "Batch size passed to the model builder (default 8; with --replay the reference's).")]
 Optimizer = Annotated[Optional[str], typer.Option(*flags.OPTIMIZER.decls, help=
         "sgd or adamw (single-tensor kernels); default sgd, with --replay the reference's.")]
-Include = Annotated[Optional[List[str]], typer.Option("--include", help=
+Include = Annotated[Optional[List[str]], typer.Option(*flags.INCLUDE.decls, help=
         "Regex on module paths to record (repeatable).")]
-Exclude = Annotated[Optional[List[str]], typer.Option("--exclude", help=
+Exclude = Annotated[Optional[List[str]], typer.Option(*flags.EXCLUDE.decls, help=
         "Regex on module paths to skip (repeatable).")]
 InjectFault = Annotated[Optional[List[str]], typer.Option(*flags.INJECT_FAULT.decls, help=
         "PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that "
         "torchrun rank only.")]
-Isolate = Annotated[bool, typer.Option("--isolate/--no-isolate", help=
+Isolate = Annotated[bool, typer.Option(*flags.ISOLATE.decls, help=
         "With --replay: rerun every module call on the reference's inputs and output gradients (local "
         "error).")]
-Calibrate = Annotated[str, typer.Option("--calibrate", help=
+Calibrate = Annotated[str, typer.Option(*flags.CALIBRATE.decls, help=
         "Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or "
         "'device' (cheaper: a higher precision on the target device).")]
-Against = Annotated[Optional[str], typer.Option("--against", help=
+Against = Annotated[Optional[str], typer.Option(*flags.AGAINST.decls, help=
         "'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own "
         "inputs.")]
-RandomReplay = Annotated[bool, typer.Option("--random-replay/--no-random-replay", help=
+RandomReplay = Annotated[bool, typer.Option(*flags.RANDOM_REPLAY.decls, help=
         "With --replay: random ops (dropout masks) take the reference's values.")]
 Fallback = Annotated[Optional[str], typer.Option(*flags.FALLBACK.decls, help=
         "REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")]
-Level = Annotated[str, typer.Option("--level", help=
+Level = Annotated[str, typer.Option(*flags.LEVEL.decls, help=
         "full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, "
         "sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a "
         "reference, so it can be replayed).")]
@@ -63,7 +63,7 @@ Steps = Annotated[Optional[int], typer.Option(*flags.STEPS.decls, help=
 Step = Annotated[Optional[int], typer.Option(*flags.STEP.decls, help=
         "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
         "in the file, so a --replay of it starts from the reference's state at S.")]
-DataParallel = Annotated[str, typer.Option("--data-parallel", help=
+DataParallel = Annotated[str, typer.Option(*flags.DATA_PARALLEL.decls, help=
         "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
         "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
         "layers), and then over the dimensions of its device mesh its parameters leave free (tensor "

@@ -13,6 +13,7 @@ from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out
 from oneiter.cli.help import HelpGroup
 from oneiter.runtime import commands as flags
+from oneiter.runtime.modelspec import parse_model_args
 
 DEFAULT_MODEL = "resnet18"  # profiled without --model, so the product card's `oneiter profile --schedule ...` runs
 
@@ -65,8 +66,6 @@ CLI_ONLY = {"ctx": "typer's context (whether `profile diff` was asked for)",
 def profile_fields(params: dict) -> dict:
     """The `ProfileOptions` keywords from `profile_command`'s parameters (name -> value), matched by name;
     tests/cli/test_profile_options.py holds the two to each other both ways."""
-    from oneiter.runtime.modelspec import parse_model_args
-
     return {RENAMED.get(name, name): parse_model_args(value) if name == "model_arg" else value
             for name, value in params.items() if name not in CLI_ONLY}
 

@@ -124,14 +124,13 @@ def test_profile_diff_says_a_ratio_of_unsteady_steps_is_within_noise(tmp_path):
 
 
 def _profile_hooks() -> list[type]:
-    """Every framework's profiling hook: the Trainer's and Lightning's callbacks and mmengine's hook."""
+    """Every framework's profiling hook: `ProfileEvents` (whose constructor Lightning's callback takes as it is: not
+    imported here, lightning alone costs seconds), the Trainer's callback, and mmengine's hook."""
     from oneiter.integrations.hf import ProfileCallback as TrainerCallback
+    from oneiter.integrations.profile_callback import ProfileEvents
 
-    hooks = [TrainerCallback]
-    for module, name in (("oneiter.integrations.lightning", "ProfileCallback"),
-                         ("oneiter.integrations.mmengine", "OneIterProfilerHook")):
-        hooks.append(getattr(pytest.importorskip(module), name))
-    return hooks
+    mmengine = pytest.importorskip("oneiter.integrations.mmengine")
+    return [ProfileEvents, TrainerCallback, mmengine.OneIterProfilerHook]
 
 
 def test_every_profile_hook_takes_exactly_the_profile_settings():

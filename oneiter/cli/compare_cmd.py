@@ -17,6 +17,7 @@ import typer
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out, set_outcome, terminal_text
 from oneiter.errors import OneIterError
+from oneiter.runtime import commands as flags
 
 __all__ = ["compare", "register"]
 
@@ -70,23 +71,27 @@ Target = Annotated[
     typer.Argument(metavar="TARGET", show_default=False,
                    help="The recording to judge against it (.h5), or a multi-rank run."),
 ]
-Rtol = Annotated[Optional[float], typer.Option("--rtol", min=0.0, help="Relative tolerance for every entry.")]
-Atol = Annotated[Optional[float], typer.Option("--atol", min=0.0, help="Absolute tolerance for every entry.")]
-ShowAll = Annotated[bool, typer.Option("--all", help="Show every entry, not only those around the divergence.")]
+Rtol = Annotated[Optional[float], typer.Option(*flags.RTOL.decls, min=0.0, help="Relative tolerance for every entry.")]
+Atol = Annotated[Optional[float], typer.Option(*flags.ATOL.decls, min=0.0, help="Absolute tolerance for every entry.")]
+ShowAll = Annotated[bool, typer.Option(*flags.SHOW_ALL.decls, help=
+        "Show every entry, not only those around the divergence.")]
 JsonOut = Annotated[
-    Optional[Path], typer.Option("--json", metavar="FILE", help="Write the full report as JSON ('-': stdout).")
+    Optional[Path], typer.Option(*flags.JSON.decls, metavar="FILE", help=
+                                 "Write the full report as JSON ('-': stdout).")
 ]
-CsvOut = Annotated[Optional[Path], typer.Option("--csv", metavar="FILE", help="Write one CSV line per entry ('-': "
-                                                                              "stdout).")]
+CsvOut = Annotated[Optional[Path], typer.Option(*flags.CSV.decls, metavar="FILE", help=
+        "Write one CSV line per entry ('-': stdout).")]
 Tolerances = Annotated[
     Optional[Path],
-    typer.Option("--tolerances", metavar="FILE", help=
+    typer.Option(*flags.TOLERANCES.decls, metavar="FILE", help=
             "Per-device tolerance file: .toml (data), or an mmengine .py config, which is Python code and is "
             "executed."),
 ]
-HtmlOut = Annotated[Optional[Path], typer.Option("--html", metavar="FILE", help="Write a self-contained HTML report.")]
+HtmlOut = Annotated[Optional[Path], typer.Option(*flags.HTML.decls, metavar="FILE", help=
+        "Write a self-contained HTML report.")]
 TbOut = Annotated[
-    Optional[Path], typer.Option("--tensorboard", metavar="DIR", help="Write TensorBoard error curves and histograms.")
+    Optional[Path], typer.Option(*flags.TENSORBOARD.decls, metavar="DIR", help=
+                                 "Write TensorBoard error curves and histograms.")
 ]
 
 
@@ -95,7 +100,7 @@ def _destinations(json_path, csv_path, html_path, inputs: tuple[Path, ...]) -> d
     two that would write the same file, or both to stdout, are refused too."""
     from oneiter.outputs import check_distinct, resolve
 
-    given = [("--json", json_path, True), ("--csv", csv_path, True), ("--html", html_path, False)]
+    given = [(flags.JSON.name, json_path, True), (flags.CSV.name, csv_path, True), (flags.HTML.name, html_path, False)]
     dests = {option: resolve(path, option, stdout_ok=ok, inputs=inputs) for option, path, ok in given
              if path is not None}
     check_distinct(list(dests.items()))
@@ -114,37 +119,47 @@ def compare(
     tolerances: Tolerances = None,
     html_path: HtmlOut = None,
     tb_dir: TbOut = None,
-    suggest: Annotated[bool, typer.Option("--suggest", help=
+    suggest: Annotated[bool, typer.Option(*flags.SUGGEST.decls, help=
             "Print the --include that records the first divergence's region in full (after a --level stats "
             "screening).")] = False,
-    drill: Annotated[bool, typer.Option("--drill", help=
+    drill: Annotated[bool, typer.Option(*flags.DRILL.decls, help=
             "Judge the culprit call op by op on this machine when the target's stack is here (else print the "
             "command).")] = False,
     model: opt.Model = None,
 ) -> None:
     """The `compare` command; see HELP."""
     from oneiter.judge.steps.step_compare import StepsResult
-    from oneiter.report import terminal as report
 
     inputs = (reference,) if target is None else (reference, target)
     dests = _destinations(json_path, csv_path, html_path, inputs)
     if tb_dir is not None:
         from oneiter.outputs import resolve_folder
 
-        resolve_folder(tb_dir, "--tensorboard")
+        resolve_folder(tb_dir, flags.TENSORBOARD.name)
     # a report written to stdout (`--json -`, `--csv /dev/stdout`) is all stdout carries: the human report goes to
     # stderr
     to_stdout = any(d.to_stdout for d in dests.values())
     if _ranked_inputs(reference, target, dests, tb_dir is not None, drill):
-        raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get("--json"),
+        raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get(flags.JSON.name),
                                         to_stdout))
 
-    _check_steps_options(reference, target, {"--tensorboard": tb_dir is not None, "--suggest": suggest,
-                                             "--drill": drill})
+    _check_steps_options(reference, target, {flags.TENSORBOARD.name: tb_dir is not None, flags.SUGGEST.name: suggest,
+                                             flags.DRILL.name: drill})
     result = run_compare(reference, target, rtol=rtol, atol=atol, tolerances=tolerances)
     set_outcome(result.exit_code)  # the exit code if the reader of stdout goes away while we print
     if isinstance(result, StepsResult):  # two multi-step recordings: step by step
         raise typer.Exit(_report_steps(result, dests, show_all, to_stdout))
+
+    _report_one(result, dests, tb_dir, model, show_all=show_all, suggest=suggest,
+                to_stdout=to_stdout, drill=drill)
+    raise typer.Exit(result.exit_code)
+
+
+def _report_one(result, dests: dict, tb_dir: Optional[Path], model: Optional[str], *, show_all: bool, suggest: bool,
+                to_stdout: bool, drill: bool) -> None:
+    """The reports of one iteration's comparison: the terminal's (on stderr when a report goes to stdout), --drill,
+    --json, --csv, --html, --tensorboard, --suggest."""
+    from oneiter.report import terminal as report
 
     report.print_report(err if to_stdout else out, result, show_all=show_all)
     drilled = _drill(result, model, err if to_stdout else out) if drill else None
@@ -152,15 +167,15 @@ def compare(
     def document() -> dict:
         return {**result.to_json(), **({"drill": drilled} if drilled is not None else {})}
 
-    _emit_json(dests.get("--json"), document)
-    if "--csv" in dests:
-        report.write_csv(result, dests["--csv"])
-        _wrote(dests["--csv"])
-    if "--html" in dests:
+    _emit_json(dests.get(flags.JSON.name), document)
+    if flags.CSV.name in dests:
+        report.write_csv(result, dests[flags.CSV.name])
+        _wrote(dests[flags.CSV.name])
+    if flags.HTML.name in dests:
         from oneiter.report.html import write_html
 
-        write_html(document(), dests["--html"])
-        _wrote(dests["--html"])
+        write_html(document(), dests[flags.HTML.name])
+        _wrote(dests[flags.HTML.name])
     if tb_dir is not None:
         from oneiter.report.tensorboard import write_tensorboard
 
@@ -168,7 +183,6 @@ def compare(
         err.print(f"wrote {event_file} (view: tensorboard --logdir {tb_dir})", markup=False)
     if suggest:
         _print_suggestion(result, err if to_stdout else out)
-    raise typer.Exit(result.exit_code)
 
 
 def _ranked_inputs(reference, target, dests: dict, tensorboard: bool, drill: bool) -> bool:
@@ -181,8 +195,8 @@ def _ranked_inputs(reference, target, dests: dict, tensorboard: bool, drill: boo
     if rank_info().distributed and not ranked:
         raise OneIterError("compare under torchrun shares the files of multi-rank runs among its processes: give "
                            "two multi-rank runs (directories, or the -o names of their rank files)")
-    unsupported = [o for o in ("--csv", "--html") if o in dests] + (["--tensorboard"] if tensorboard else []) + (
-        ["--drill"] if drill else [])
+    unsupported = [o for o in (flags.CSV.name, flags.HTML.name) if o in dests] + (
+        [flags.TENSORBOARD.name] if tensorboard else []) + ([flags.DRILL.name] if drill else [])
     if ranked and unsupported:
         raise OneIterError(f"{unsupported[0]} takes one pair of files: give one rank's files, e.g. a.rank1.h5")
     return ranked
@@ -203,13 +217,13 @@ def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
     from oneiter.report.multistep import print_steps, write_steps_csv, write_steps_html
 
     print_steps(err if to_stdout else out, result, show_all=show_all)
-    _emit_json(dests.get("--json"), result.to_json)
-    if "--csv" in dests:
-        write_steps_csv(result, dests["--csv"])
-        _wrote(dests["--csv"])
-    if "--html" in dests:
-        write_steps_html(result, dests["--html"])
-        _wrote(dests["--html"])
+    _emit_json(dests.get(flags.JSON.name), result.to_json)
+    if flags.CSV.name in dests:
+        write_steps_csv(result, dests[flags.CSV.name])
+        _wrote(dests[flags.CSV.name])
+    if flags.HTML.name in dests:
+        write_steps_html(result, dests[flags.HTML.name])
+        _wrote(dests[flags.HTML.name])
     return result.exit_code
 
 

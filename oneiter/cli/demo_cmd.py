@@ -9,6 +9,7 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out
+from oneiter.runtime import commands as flags
 
 HELP = """Run the whole loop on the CPU: record a reference, record a bf16 target with one layer broken on purpose
 (5% forward fault), compare, and check that the report names that layer. Exit 0 when it does.
@@ -22,11 +23,11 @@ HELP = """Run the whole loop on the CPU: record a reference, record a bf16 targe
 
 
 def demo_command(
-    directory: Annotated[Path, typer.Option("--dir", help=
+    directory: Annotated[Path, typer.Option(*flags.DEMO_DIR.decls, help=
             "Where the two recordings go (created; overwritten).")] = Path("oneiter-demo"),
     model: opt.Model = "resnet18",
     batch_size: opt.BatchSize = 8,
-    fault: Annotated[Optional[str], typer.Option("--fault", help=
+    fault: Annotated[Optional[str], typer.Option(*flags.FAULT.decls, help=
             "Module path to break (default: a deep layer).")] = None,
 ) -> None:
     from oneiter.demo import run_demo

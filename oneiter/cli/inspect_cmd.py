@@ -12,6 +12,7 @@ import typer
 
 from oneiter.cli import options
 from oneiter.cli.common import handle_errors, out
+from oneiter.runtime import commands as flags
 
 __all__ = ["inspect", "register"]
 
@@ -26,7 +27,7 @@ HELP = "\n\n".join([
 ])
 
 File = options.RecordingFile
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON to stdout instead of the table.")]
+AsJson = Annotated[bool, typer.Option(*flags.JSON.decls, help="Print JSON to stdout instead of the table.")]
 
 
 def _header(summary) -> list[str]:

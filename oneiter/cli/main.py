@@ -5,6 +5,8 @@ from __future__ import annotations
 import typer
 
 from oneiter.cli import compare_cmd, demo_cmd, inspect_cmd, models_cmd, profile_cmd, record_cmd, replay_cmd
+from oneiter.cli.help import HelpGroup, readable
+from oneiter.runtime import commands as flags
 
 app = typer.Typer(
     name="oneiter",
@@ -13,6 +15,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    cls=HelpGroup,
 )
 
 def _version(value: bool) -> None:
@@ -25,7 +28,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help=
+    version: bool = typer.Option(False, *flags.VERSION.decls, callback=_version, is_eager=True, help=
             "Print the version and exit."),
 ) -> None:
     """Find which layer makes a model's training numbers differ between a reference device and a target."""
@@ -34,6 +37,7 @@ def _root(
 for module in (record_cmd, compare_cmd, inspect_cmd, replay_cmd, models_cmd, demo_cmd):
     module.register(app)
 app.add_typer(profile_cmd.app, name="profile")
+readable(app)  # flags without `<bool>`, each summary on one line (`help.py`)
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Option aliases shared by the commands: one definition, one help text each.
 
-The flag names come from `oneiter.runtime.commands`, the one place that also builds the command lines oneiter
-prints for a user to run (`record --step S`, `record --replay`, `replay --ops`), so a printed command never names a
-flag the CLI does not have.
+The flag names come from `oneiter.runtime.commands`, the one table of the CLI's flag names, which also builds the
+command lines oneiter prints for a user to run (`record --step S`, `record --replay`, `replay --ops`), so a printed
+command never names a flag the CLI does not have.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Annotated, List, Optional
 
 import typer
-from typer.core import TyperCommand
 
+from oneiter.cli.help import HelpCommand
 from oneiter.runtime import commands as flags
 
 Model = Annotated[Optional[str], typer.Option(*flags.MODEL.decls, help=
@@ -29,13 +29,13 @@ Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help="Automatic mi
 Float8 = Annotated[Optional[str], typer.Option(*flags.FLOAT8.decls, help=
         "tensorwise or rowwise: convert the model's Linears to torchao's float8 training (dimensions divisible by "
         "16; the output projection, lm_head/output, stays in high precision). Needs pip install -c "
-        "constraints.txt 'oneiter[float8]'.")]
+        "constraints.txt 'oneiter\\[float8]'.")]  # \\[: rich markup would eat `[float8]`
 Threads = Annotated[Optional[int], typer.Option(*flags.THREADS.decls, min=1, help=
         "torch intra-op threads (default: torch's).")]
 ModelArg = Annotated[Optional[List[str]], typer.Option(*flags.MODEL_ARG.decls, help=
         "KEY=VALUE passed to the model builder, e.g. image_size=64 (repeatable).")]
-Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help=
+Force = Annotated[bool, typer.Option(*flags.FORCE.decls, help="Overwrite an existing output.")]
+Quiet = Annotated[bool, typer.Option(*flags.QUIET.decls, help=
         "No progress and no notes on stderr (off a terminal progress is plain lines: one per phase, then one every "
         "few seconds): one line says what was written; errors and warnings still print.")]
 RecordingFile = Annotated[
@@ -47,7 +47,7 @@ Compile = Annotated[Optional[str], typer.Option(*flags.COMPILE.decls, metavar="[
         "updates; what runs inside its compiled code is not.")]
 
 
-class CompileCommand(TyperCommand):
+class CompileCommand(HelpCommand):
     """A command whose `--compile` alone means `--compile inductor` (typer has no option with an optional value)."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:

@@ -11,7 +11,9 @@ import typer
 
 from oneiter.cli import options as opt
 from oneiter.cli.common import err, handle_errors, out
+from oneiter.cli.help import HelpGroup
 from oneiter.runtime import commands as flags
+from oneiter.runtime.modelspec import parse_model_args
 
 DEFAULT_MODEL = "resnet18"  # profiled without --model, so the product card's `oneiter profile --schedule ...` runs
 
@@ -46,11 +48,26 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
+    cls=HelpGroup,
 )
 
 
 def _opt(*names: str, help: str):
     return typer.Option(*names, help=help)
+
+
+RENAMED = {"overhead": "measure_overhead", "model_arg": "model_args"}
+"""A parameter of `profile_command` -> its `ProfileOptions` field, where the names differ (the others: the same)."""
+CLI_ONLY = {"ctx": "typer's context (whether `profile diff` was asked for)",
+            "limit": "rows per table printed: the files hold all of them", "quiet": "no progress and no notes"}
+"""The parameters that change what the command prints, not what is profiled."""
+
+
+def profile_fields(params: dict) -> dict:
+    """The `ProfileOptions` keywords from `profile_command`'s parameters (name -> value), matched by name;
+    tests/cli/test_profile_options.py holds the two to each other both ways."""
+    return {RENAMED.get(name, name): parse_model_args(value) if name == "model_arg" else value
+            for name, value in params.items() if name not in CLI_ONLY}
 
 
 @app.callback()
@@ -66,48 +83,42 @@ def profile_command(
     threads: opt.Threads = None,
     model_arg: opt.ModelArg = None,
     optimizer: Annotated[str, _opt(*flags.OPTIMIZER.decls, help="sgd or adamw (single-tensor kernels).")] = "sgd",
-    schedule: Annotated[str, _opt("--schedule", "-s", help=
+    schedule: Annotated[str, _opt(*flags.SCHEDULE.decls, help=
             "wait,warmup,active,repeat,skip_first as KEY=VALUE; unset keys: wait=0, warmup=1, active=1, repeat=1, "
             "skip_first=0.")] = "wait=1,warmup=1,active=2",
     out_dir: Annotated[Path, _opt(*flags.OUT.decls, help=
             "Output directory (a previous profile there needs --force).")] = Path("prof"),
-    record_shapes: Annotated[bool, _opt("--record-shapes", help=
+    record_shapes: Annotated[bool, _opt(*flags.RECORD_SHAPES.decls, help=
             "Record input shapes (op table grouped by shape).")] = False,
-    profile_memory: Annotated[bool, _opt("--profile-memory", help=
+    profile_memory: Annotated[bool, _opt(*flags.PROFILE_MEMORY.decls, help=
             "Record allocations: memory table, module memory, CUDA snapshot.")] = False,
-    with_stack: Annotated[bool, _opt("--with-stack", help=
+    with_stack: Annotated[bool, _opt(*flags.WITH_STACK.decls, help=
             "Python stack frames in the trace (several times larger).")] = False,
-    with_flops: Annotated[bool, _opt("--with-flops", help="Estimate FLOPs of matmul/conv ops.")] = False,
-    memory_sort: Annotated[str, _opt("--memory-sort", help=
+    with_flops: Annotated[bool, _opt(*flags.WITH_FLOPS.decls, help="Estimate FLOPs of matmul/conv ops.")] = False,
+    memory_sort: Annotated[str, _opt(*flags.MEMORY_SORT.decls, help=
             "Memory table order: self_cpu_memory, cpu_memory, self_device_memory, device_memory.")] = "self_cpu_memory",
-    module_ranges: Annotated[bool, _opt("--module-ranges/--no-module-ranges", help=
+    module_ranges: Annotated[bool, _opt(*flags.MODULE_RANGES.decls, help=
             "Forward/backward ranges per module path (the module table).")] = True,
-    overhead: Annotated[bool, _opt("--overhead/--no-overhead", help=
+    overhead: Annotated[bool, _opt(*flags.OVERHEAD.decls, help=
             "Also time unprofiled steps (as many as recorded, at least 5) and report the ratio of median step times, "
             "or that the machine is too noisy to tell.")] = True,
-    max_steps: Annotated[int, _opt("--max-steps", help=
+    max_steps: Annotated[int, _opt(*flags.MAX_STEPS.decls, help=
             "Refuse schedules that need more training steps than this.")] = 100,
-    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all; files hold all rows).")] = 15,
+    limit: Annotated[int, _opt(*flags.LIMIT.decls, help="Rows per table printed (0: all; files hold all rows).")] = 15,
     force: opt.Force = False,
     quiet: opt.Quiet = False,
 ) -> None:
+    given = dict(locals())  # the parameters by name, taken before anything else is defined (`profile_fields`)
     if ctx.invoked_subcommand is not None:
         return
     if model is None:
-        model = DEFAULT_MODEL
+        given["model"] = model = DEFAULT_MODEL
         if not quiet:
             err.print(f"no --model: profiling the built-in {model} (--model NAME or path/to/file.py:function for "
                       f"another)", markup=False)
     from oneiter.profile.runner import ProfileOptions, profile
-    from oneiter.runtime.modelspec import parse_model_args
 
-    options = ProfileOptions(
-        model=model, device=device, batch_size=batch_size, seed=seed, dtype=dtype, amp=amp, threads=threads,
-        model_args=parse_model_args(model_arg), optimizer=optimizer, schedule=schedule, out_dir=out_dir,
-        record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
-        memory_sort=memory_sort, module_ranges=module_ranges, measure_overhead=overhead, max_steps=max_steps,
-        force=force,
-    )  # fmt: skip
+    options = ProfileOptions(**profile_fields(given))
     with _progress(f"profiling {model} on {device}", quiet) as on_step:
         result = profile(options, on_step=on_step)
     for note in [] if quiet else result.notes:
@@ -176,19 +187,20 @@ def _report(result, limit: int | None) -> str:
 def diff_command(
     dir_a: Annotated[Path, typer.Argument(help="Reference profile directory (A).", metavar="A")],
     dir_b: Annotated[Path, typer.Argument(help="Target profile directory (B).", metavar="B")],
-    sort: Annotated[str, _opt("--sort", help="Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
-    limit: Annotated[int, _opt("--limit", help="Rows per table printed (0: all).")] = 20,
-    json_out: Annotated[Optional[Path], _opt("--json", help=
+    sort: Annotated[str, _opt(*flags.SORT.decls, help=
+            "Row order: delta (largest |B-A| first), ratio, model.")] = "delta",
+    limit: Annotated[int, _opt(*flags.LIMIT.decls, help="Rows per table printed (0: all).")] = 20,
+    json_out: Annotated[Optional[Path], _opt(*flags.JSON.decls, help=
             "Also write the aligned rows as JSON to FILE ('-': stdout only).")] = None,
 ) -> None:
     from oneiter.errors import OneIterError
     from oneiter.profile.diff import DIFF_SORTS, diff_profiles, format_diff
 
     if sort not in DIFF_SORTS:
-        raise OneIterError(f"--sort must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
+        raise OneIterError(f"{flags.SORT.name} must be one of {', '.join(DIFF_SORTS)}, got '{sort}'")
     from oneiter.outputs import resolve, write_text
 
-    dest = None if json_out is None else resolve(json_out, "--json", stdout_ok=True)
+    dest = None if json_out is None else resolve(json_out, flags.JSON.name, stdout_ok=True)
     diff = diff_profiles(dir_a, dir_b)
     if dest is not None:
         write_text(dest, json.dumps(diff.to_json(), indent=1) + "\n")

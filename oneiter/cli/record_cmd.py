@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Annotated, List, Optional
 
 import typer
 
 from oneiter.cli import options as opt
+from oneiter.cli import record_params as rec
 from oneiter.cli.common import err, handle_errors
-from oneiter.runtime import commands as flags
 
 HELP = r"""Record one training iteration (forward, loss, backward, optimizer step) of every module call, several
 consecutive iterations (--steps N: statistics per step, to find the first one that goes wrong), or iteration S of
@@ -57,96 +55,55 @@ a run in full (--step S).
 
 
 def record_command(
-    out: Annotated[Path, typer.Option(*flags.OUT.decls, help="Output .h5 file (never overwritten without --force).")],
+    out: rec.Out,
     model: opt.Model = None,
     device: opt.Device = "cpu",
-    replay: Annotated[Optional[Path], typer.Option(*flags.REPLAY.decls, help=
-            "Reference recording: start from its weights, buffers and batch.")] = None,
+    replay: rec.Replay = None,
     seed: opt.Seed = 0,
-    batch_size: Annotated[Optional[int], typer.Option(*flags.BATCH_SIZE.decls, min=1, help=
-            "Batch size passed to the model builder (default 8; with --replay the reference's).")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(*flags.OPTIMIZER.decls, help=
-            "sgd or adamw (single-tensor kernels); default sgd, with --replay the reference's.")] = None,
+    batch_size: rec.BatchSize = None,
+    optimizer: rec.Optimizer = None,
     dtype: opt.Dtype = "float32",
     amp: opt.Amp = None,
     float8: opt.Float8 = None,
-    include: Annotated[Optional[List[str]], typer.Option("--include", help=
-            "Regex on module paths to record (repeatable).")] = None,
-    exclude: Annotated[Optional[List[str]], typer.Option("--exclude", help=
-            "Regex on module paths to skip (repeatable).")] = None,
-    inject_fault: Annotated[Optional[List[str]], typer.Option(*flags.INJECT_FAULT.decls, help=
-            "PATH[:forward|backward|inf][=REL][,rank=R]: perturb a layer on purpose (demos, tests); ,rank=R: on that "
-            "torchrun rank only.")] = None,
-    isolate: Annotated[bool, typer.Option("--isolate/--no-isolate", help=
-            "With --replay: rerun every module call on the reference's inputs and output gradients (local "
-            "error).")] = True,
-    calibrate: Annotated[str, typer.Option("--calibrate", help=
-            "Where each call's expected noise is measured: 'cpu' (float64 vs the run's precision, trusted kernels) or "
-            "'device' (cheaper: a higher precision on the target device).")] = "cpu",
-    against: Annotated[Optional[str], typer.Option("--against", help=
-            "'cpu': no reference file; recompute every module call on the CPU in float32 from this run's own "
-            "inputs.")] = None,
-    random_replay: Annotated[bool, typer.Option("--random-replay/--no-random-replay", help=
-            "With --replay: random ops (dropout masks) take the reference's values.")] = True,
-    fallback: Annotated[Optional[str], typer.Option(*flags.FALLBACK.decls, help=
-            "REGEX[,REGEX]: ops whose names fully match run on the CPU in float32 (e.g. convolution).")] = None,
-    level: Annotated[str, typer.Option("--level", help=
-            "full: every tensor's data; stats: per tensor float64 statistics and a checksum (min, max, mean, L2, "
-            "sum|x|, NaN/Inf), no data — the screening step for large models (batch and weights stay full in a "
-            "reference, so it can be replayed).")] = "full",
-    steps: Annotated[Optional[int], typer.Option(*flags.STEPS.decls, help=
-            "Record N consecutive iterations (0..N-1) into one file: per step the statistics of every tensor, its "
-            "batch and random values, the loss, gradient and update norms (the first step's weights and optimizer "
-            "state in full). With --replay of such a file: at most its number of steps (default: all), each also "
-            "run by the perturbed twin that measures the band.")] = None,
-    step: Annotated[Optional[int], typer.Option(*flags.STEP.decls, help=
-            "Record iteration S alone, in full (iterations 0..S-1 run first, unrecorded); its optimizer state is "
-            "in the file, so a --replay of it starts from the reference's state at S.")] = None,
-    data_parallel: Annotated[str, typer.Option("--data-parallel", help=
-            "Under torchrun: 'ddp' runs the model through DistributedDataParallel, 'none' as built, 'auto' through "
-            "DDP unless it parallelises itself (DTensor parameters: FSDP2, tensor parallelism; Megatron-style "
-            "layers), and then over the dimensions of its device mesh its parameters leave free (tensor "
-            "parallelism on 'tp' of a (dp, tp) mesh: DDP over 'dp'); DIM=ddp|none,... decides per mesh dimension "
-            "(dp=ddp,tp=none).")] = "auto",
+    include: rec.Include = None,
+    exclude: rec.Exclude = None,
+    inject_fault: rec.InjectFault = None,
+    isolate: rec.Isolate = True,
+    calibrate: rec.Calibrate = "cpu",
+    against: rec.Against = None,
+    random_replay: rec.RandomReplay = True,
+    fallback: rec.Fallback = None,
+    level: rec.Level = "full",
+    steps: rec.Steps = None,
+    step: rec.Step = None,
+    data_parallel: rec.DataParallel = "auto",
     compile: opt.Compile = None,
-    compile_modules: Annotated[Optional[List[str]], typer.Option(*flags.COMPILE_MODULES.decls, help=
-            "With --compile: regex on module paths; each outermost matching module is compiled on its own, so "
-            "module boundaries stay visible (repeatable).")] = None,
-    impact: Annotated[bool, typer.Option(*flags.IMPACT.decls, help=
-            "With --replay: rank the flagged calls by how much of the gap fixing each closes (loss, gradients, "
-            "updated weights): the iteration runs again from its start once per flagged call with that call's "
-            "output and input gradients computed in float64 on the trusted path, and once with all fixed. One "
-            "iteration per call; compare shows the ranking.")] = False,
-    impact_top: Annotated[Optional[int], typer.Option(*flags.IMPACT_TOP.decls, min=1, help=
-            "With --impact: fix at most N flagged calls, largest own error first (default: all).")] = None,
-    impact_from: Annotated[Optional[Path], typer.Option(*flags.IMPACT_FROM.decls, help=
-            "With --impact and a multi-step --replay: a one-iteration replay recorded in full (the --step S replay "
-            "the steps' comparison prints) whose flagged calls are each fixed at every step; ranked by the loss gap "
-            "at the last step.")] = None,
+    compile_modules: rec.CompileModules = None,
+    impact: rec.Impact = False,
+    impact_top: rec.ImpactTop = None,
+    impact_from: rec.ImpactFrom = None,
     model_arg: opt.ModelArg = None,
     threads: opt.Threads = None,
     force: opt.Force = False,
     quiet: opt.Quiet = False,
 ) -> None:
-    from oneiter.cli.progress import live_status
-    from oneiter.record.run import SpecOptions, record
-    from oneiter.runtime.distributed import rank_info
-    from oneiter.runtime.modelspec import parse_model_args
+    """The `record` command (see HELP): each parameter is the `SpecOptions` field of its name (`record_params.py`)."""
+    given = dict(locals())  # the parameters by name, taken before anything else is defined
+    from oneiter.record.run import SpecOptions
 
-    options = SpecOptions(
-        out=out, model=model, device=device, replay=replay, seed=seed, batch_size=batch_size, optimizer=optimizer,
-        dtype=dtype, amp=amp, include=include or [], exclude=exclude or [], faults=inject_fault or [],
-        model_args=parse_model_args(model_arg), threads=threads, force=force, isolate=isolate, calibrate=calibrate,
-        against=against,
-        random_replay=random_replay, fallback=_split(fallback), level=level, steps=steps, step=step,
-        data_parallel=data_parallel, compile=compile, compile_modules=compile_modules or [], float8=float8,
-        impact=impact, impact_top=impact_top, impact_from=impact_from,
-    )
+    _record(SpecOptions(**rec.spec_fields(given)), str(model or replay), quiet)
+
+
+def _record(options, label: str, quiet: bool) -> None:
+    """Record (`record.run.record`) with live progress on rank 0, then the one line that says what was written."""
+    from oneiter.cli.progress import live_status
+    from oneiter.record.run import record
+    from oneiter.runtime.distributed import rank_info
+
     info = rank_info()
     # under torchrun only rank 0 shows live progress; every rank prints its own summary line, prefixed
     prefix = f"[rank {info.rank}] " if info.distributed else ""
-    status = live_status(f"recording {model or replay}", quiet=quiet) if info.rank == 0 else \
-        nullcontext(lambda *_: None)
+    status = live_status(f"recording {label}", quiet=quiet) if info.rank == 0 else nullcontext(lambda *_: None)
     notes = info.rank == 0 and not quiet
     with status as update:
         summary = record(options, progress=update,
@@ -162,10 +119,6 @@ def record_command(
         f"{summary.loss:.6g}) -> {summary.path}",
         markup=False,
     )
-
-
-def _split(text: str | None) -> list[str]:
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
 
 
 def register(app: typer.Typer) -> None:

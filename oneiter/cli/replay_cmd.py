@@ -66,10 +66,10 @@ Call = Annotated[
                       "Which call of the module (a module called twice has calls 0 and 1).")
 ]
 Repeat = Annotated[
-    int, typer.Option("--repeat", "-r", min=1, help="Timed runs, after one untimed run whose values are checked.")
+    int, typer.Option(*flags.REPEAT.decls, min=1, help="Timed runs, after one untimed run whose values are checked.")
 ]
 JsonOut = Annotated[
-    Optional[Path], typer.Option("--json", metavar="FILE", help="Write the result as JSON ('-': stdout).")
+    Optional[Path], typer.Option(*flags.JSON.decls, metavar="FILE", help="Write the result as JSON ('-': stdout).")
 ]
 Ops = Annotated[bool, typer.Option(*flags.OPS.decls, help=
         "Judge every aten op the layer runs by its own error (see above).")]
@@ -77,10 +77,10 @@ Amp = Annotated[Optional[str], typer.Option(*flags.AMP.decls, help=
         "Autocast to run under: bf16, fp16 or none (default: the recording's own).")]
 Dtype = Annotated[Optional[str], typer.Option(*flags.DTYPE.decls, help=
         "Cast the layer and its inputs: float32, bfloat16, float16, float64 (default: the recording's).")]
-ReferenceOps = Annotated[Optional[Path], typer.Option("--reference-ops", metavar="FILE", help=
+ReferenceOps = Annotated[Optional[Path], typer.Option(*flags.REFERENCE_OPS.decls, metavar="FILE", help=
         "With --ops: the --json of the same command run on the reference's stack, to show where the op sequences "
         "part.")]
-Repro = Annotated[Optional[Path], typer.Option("--repro", metavar="DIR", help=
+Repro = Annotated[Optional[Path], typer.Option(*flags.REPRO.decls, metavar="DIR", help=
         "With --ops: write the first flagged op as DIR/repro.py and DIR/case.h5 (runs without oneiter).")]
 
 
@@ -158,13 +158,13 @@ def replay(
     from oneiter.outputs import resolve
 
     # resolved before the run (`oneiter.outputs`): a refused path is one line; never the recording itself
-    dest = None if json_path is None else resolve(json_path, "--json", stdout_ok=True, inputs=(file,))
+    dest = None if json_path is None else resolve(json_path, flags.JSON.name, stdout_ok=True, inputs=(file,))
     run_amp = _amp(amp)
     if ops:
         raise typer.Exit(_replay_ops(file, layer, call, device, repeat, model, run_amp, dtype, reference_ops, repro,
                                      dest, compile, float8))
     if reference_ops is not None or repro is not None:
-        raise fail("--reference-ops and --repro go with --ops")
+        raise fail(f"{flags.REFERENCE_OPS.name} and {flags.REPRO.name} go with {flags.OPS.name}")
     from oneiter.judge.replay.layer_verdict import replay_layer
 
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp,
@@ -186,7 +186,7 @@ def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_
                 float8=None) -> int:
     """`--ops`: the op report; returns the exit code."""
     if repeat != 1:
-        raise fail("--repeat times a plain replay; with --ops the layer runs once")
+        raise fail(f"{flags.REPEAT.name} times a plain replay; with {flags.OPS.name} the layer runs once")
     from oneiter.judge.replay.op_verdict import replay_ops
     from oneiter.report.op_table import print_ops
 

@@ -22,14 +22,12 @@ Limits: mmengine calls no hook when training raises, so after an exception the p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional
 
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
 
-from oneiter.profile.schedule import DEFAULT_SCHEDULE
 from oneiter.profile.stepped import ProfileSettings, StepProfiler
 
 __all__ = ["OneIterProfilerHook"]
@@ -39,7 +37,7 @@ __all__ = ["OneIterProfilerHook"]
 class OneIterProfilerHook(Hook):
     """Profile the training iterations a schedule selects; write what `oneiter profile` writes to `out_dir`.
 
-    Args:
+    Args: keywords only, the fields of `profile.stepped.ProfileSettings` (declared and checked there):
         schedule: torch.profiler's vocabulary, as a string `'wait=1,warmup=1,active=2'` or a dict; keys not given
             default to wait=0, warmup=1, active=1, repeat=1, skip_first=0. One trace per cycle (`repeat`).
         out_dir: the profile directory (default `<work_dir>/oneiter_profile`): traces
@@ -53,27 +51,12 @@ class OneIterProfilerHook(Hook):
 
     priority = "VERY_LOW"
 
-    def __init__(
-        self,
-        *,
-        schedule: Union[str, Mapping[str, int]] = DEFAULT_SCHEDULE,
-        out_dir: Optional[Union[str, os.PathLike]] = None,
-        record_shapes: bool = False,
-        profile_memory: bool = False,
-        with_stack: bool = False,
-        with_flops: bool = False,
-        memory_sort: str = "self_cpu_memory",
-        module_ranges: bool = True,
-        model_name: Optional[str] = None,
-        force: bool = False,
-    ):
-        self.settings = ProfileSettings.checked(
-            schedule=schedule, out_dir=out_dir, memory_sort=memory_sort, model_name=model_name,
-            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
-            module_ranges=module_ranges, force=force,
-        )  # fmt: skip
+    def __init__(self, **settings: Any):
+        self.settings = ProfileSettings.given(type(self).__name__, settings)  # its fields: the keywords
         self.schedule, self.out_dir = self.settings.schedule, self.settings.out_dir
         self.profiler: Optional[StepProfiler] = None  # from before_train on
+
+    __init__.__signature__ = ProfileSettings.keywords_signature()  # type: ignore[attr-defined]  # for help()
 
     @property
     def summary(self) -> Optional[dict[str, Any]]:

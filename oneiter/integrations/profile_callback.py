@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional, Union
 
-from oneiter.profile.schedule import DEFAULT_SCHEDULE
 from oneiter.profile.stepped import ProfileSettings, StepProfiler
 from oneiter.runtime.distributed import current_rank
 from oneiter.runtime.wrappers import unwrap_model, unwrap_optimizers
@@ -28,7 +27,7 @@ class ProfileEvents:
     (`<trace>.tables.txt`), and `summary.json` (with the overhead and its noise verdict), which `oneiter profile
     diff` reads.
 
-    Args:
+    Args: keywords only, the fields of `profile.stepped.ProfileSettings` (declared and checked there):
         schedule: torch.profiler's words, `'wait=1,warmup=1,active=2'` or a dict; one trace per cycle.
         out_dir: the profile folder (default: `oneiter_profile` in the framework's output folder).
         record_shapes / profile_memory / with_stack / with_flops: torch.profiler's options.
@@ -40,26 +39,11 @@ class ProfileEvents:
 
     FRAMEWORK = ""
 
-    def __init__(
-        self,
-        *,
-        schedule: Union[str, Mapping[str, int]] = DEFAULT_SCHEDULE,
-        out_dir: Optional[Union[str, os.PathLike]] = None,
-        record_shapes: bool = False,
-        profile_memory: bool = False,
-        with_stack: bool = False,
-        with_flops: bool = False,
-        memory_sort: str = "self_cpu_memory",
-        module_ranges: bool = True,
-        model_name: Optional[str] = None,
-        force: bool = False,
-    ):
-        self.settings = ProfileSettings.checked(
-            schedule=schedule, out_dir=out_dir, memory_sort=memory_sort, model_name=model_name,
-            record_shapes=record_shapes, profile_memory=profile_memory, with_stack=with_stack, with_flops=with_flops,
-            module_ranges=module_ranges, force=force,
-        )  # fmt: skip
+    def __init__(self, **settings: Any):
+        self.settings = ProfileSettings.given(type(self).__name__, settings)  # its fields: the keywords
         self.profiler: Optional[StepProfiler] = None
+
+    __init__.__signature__ = ProfileSettings.keywords_signature()  # type: ignore[attr-defined]  # for help()
 
     @property
     def summary(self) -> Optional[dict[str, Any]]:

@@ -5,7 +5,7 @@ Where it sits: the framework adapters (the mmengine `OneIterProfilerHook`, the H
 (profiler, trace handler, module ranges, clock, overhead), so a framework's profile directory holds what `oneiter
 profile` writes: one gzipped Chrome trace per cycle, the op, memory and module tables, `summary.json`.
 
-    settings = ProfileSettings.checked(schedule="wait=1,warmup=1,active=2", out_dir="prof")   # at construction
+    settings = ProfileSettings(schedule="wait=1,warmup=1,active=2", out_dir="prof")   # at construction
     profiler = StepProfiler(model, settings.options(...), settings.schedule, device, extra={...})
     profiler.start()                                    # training starts: the profiler is on
     profiler.begin_step(); ...step...; profiler.end_step()   # every step, while `profiler.wants_steps`
@@ -18,8 +18,9 @@ verdict (`overhead` in summary.json), which `oneiter profile diff` carries.
 
 from __future__ import annotations
 
+import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -32,7 +33,7 @@ from oneiter.profile.tables import MEMORY_SORTS
 
 __all__ = ["ProfileSettings", "StepProfiler", "schedule_of"]
 
-_FLAGS = ("record_shapes", "profile_memory", "with_stack", "with_flops", "module_ranges", "force")
+_FLAGS = ("record_shapes", "profile_memory", "with_stack", "with_flops", "module_ranges", "force")  # the bools
 
 
 def schedule_of(schedule: Union[str, Mapping[str, int], ProfileSchedule]) -> ProfileSchedule:
@@ -50,34 +51,66 @@ def schedule_of(schedule: Union[str, Mapping[str, int], ProfileSchedule]) -> Pro
     raise TypeError(f"schedule should be a str or a dict, but got {schedule!r}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ProfileSettings:
-    """What a framework's profiling hook or callback is constructed with, checked (mmengine's words: "should be X,
-    but got Y"); `options()` adds what only the running framework knows."""
+    """What a framework's profiling hook or callback is constructed with: the one list of its keywords (the mmengine
+    `OneIterProfilerHook` and the `ProfileCallback`s take exactly these, `keywords_signature`), checked in
+    mmengine's words ("should be X, but got Y"); `options()` adds what only the running framework knows."""
 
-    schedule: ProfileSchedule
-    out_dir: Optional[Path]
-    flags: dict[str, bool]  # record_shapes, profile_memory, with_stack, with_flops, module_ranges, force
-    memory_sort: str
-    model_name: Optional[str]
+    schedule: Union[str, Mapping[str, int], ProfileSchedule] = DEFAULT_SCHEDULE
+    """torch.profiler's vocabulary, `'wait=1,warmup=1,active=2'` or a dict (keys not given: wait=0, warmup=1,
+    active=1, repeat=1, skip_first=0); held as a `ProfileSchedule`. One trace per cycle (`repeat`)."""
+    out_dir: Optional[Union[str, os.PathLike]] = None
+    """The profile directory (None: the framework's default, `oneiter_profile` in its output folder); held as a
+    Path."""
+    record_shapes: bool = False
+    """torch.profiler's option: input shapes (the op table grouped by shape)."""
+    profile_memory: bool = False
+    """torch.profiler's option: allocations (the memory table)."""
+    with_stack: bool = False
+    """torch.profiler's option: Python stack frames in the trace."""
+    with_flops: bool = False
+    """torch.profiler's option: FLOPs of matmul/conv ops."""
+    memory_sort: str = "self_cpu_memory"
+    """The memory table's sort column, one of `tables.MEMORY_SORTS`."""
+    module_ranges: bool = True
+    """Forward/backward ranges per module path (the module table needs them)."""
+    model_name: Optional[str] = None
+    """The name in file names and summary.json (None: the model's class name)."""
+    force: bool = False
+    """Replace a previous oneiter profile in `out_dir`."""
+
+    def __post_init__(self) -> None:
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} should be a bool, but got {getattr(self, name)!r}")
+        if self.memory_sort not in MEMORY_SORTS:
+            raise ValueError(f"memory_sort should be one of {', '.join(MEMORY_SORTS)}, but got {self.memory_sort!r}")
+        if self.out_dir is not None and not isinstance(self.out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir should be a directory path or None, but got {self.out_dir!r}")
+        if self.model_name is not None and not isinstance(self.model_name, str):
+            raise TypeError(f"model_name should be a str or None, but got {self.model_name!r}")
+        self.schedule = schedule_of(self.schedule)
+        self.out_dir = None if self.out_dir is None else Path(self.out_dir)
 
     @classmethod
-    def checked(cls, *, schedule: Union[str, Mapping[str, int], ProfileSchedule] = DEFAULT_SCHEDULE,
-                out_dir: Optional[Union[str, os.PathLike]] = None, memory_sort: str = "self_cpu_memory",
-                model_name: Optional[str] = None, **flags: bool) -> "ProfileSettings":
-        for name, value in flags.items():
-            if name not in _FLAGS:
-                raise TypeError(f"unexpected keyword {name!r}: the flags are {', '.join(_FLAGS)}")
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} should be a bool, but got {value!r}")
-        if memory_sort not in MEMORY_SORTS:
-            raise ValueError(f"memory_sort should be one of {', '.join(MEMORY_SORTS)}, but got {memory_sort!r}")
-        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
-            raise TypeError(f"out_dir should be a directory path or None, but got {out_dir!r}")
-        if model_name is not None and not isinstance(model_name, str):
-            raise TypeError(f"model_name should be a str or None, but got {model_name!r}")
-        return cls(schedule_of(schedule), None if out_dir is None else Path(out_dir),
-                   {name: bool(flags.get(name, name == "module_ranges")) for name in _FLAGS}, memory_sort, model_name)
+    def given(cls, owner: str, settings: Mapping[str, Any]) -> "ProfileSettings":
+        """The settings a constructor took as keywords (`**settings`); a keyword that is no field is refused, the
+        error naming the constructor's class, `owner`."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}, but its keywords are "
+                            f"{', '.join(names)}")
+        return cls(**settings)
+
+    @classmethod
+    def keywords_signature(cls) -> inspect.Signature:
+        """`(self, *, schedule=..., out_dir=None, ...)`: the signature of a constructor that takes these settings as
+        its keywords and passes them on (`def __init__(self, **settings)`), for `help()` and editors to show."""
+        keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                    for f in fields(cls)]
+        return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *keywords])
 
     def check_fits(self, remaining: Optional[int], what: str = "iterations") -> None:
         """Refuse a schedule that needs more steps than the run has left (its active window would never come)."""
@@ -95,7 +128,7 @@ class ProfileSettings:
             model=self.model_name or type(model).__name__, device=str(device_of(model)), batch_size=int(batch_size),
             seed=int(seed), dtype=str(param.dtype).removeprefix("torch.") if param is not None else "float32",
             amp=amp, optimizer=optimizer, schedule=str(self.schedule), out_dir=out_dir,
-            memory_sort=self.memory_sort, measure_overhead=True, **self.flags,
+            memory_sort=self.memory_sort, measure_overhead=True, **{name: getattr(self, name) for name in _FLAGS},
         )  # fmt: skip
 
 

@@ -1,10 +1,13 @@
-"""The command lines oneiter prints for a person to run next, and the names of the flags in them.
+"""The names of the CLI's flags, every one of them, and the command lines oneiter prints for a person to run next.
 
-One place for both: the CLI declares its options with these names (`cli/options.py`, and the command modules that use
-them), and every verdict that says what to run next builds its command here: two multi-step recordings' `record
---step S` and `record --replay` (`judge/steps/step_verdict.py`), `compare --drill`'s `replay --ops`
-(`judge/replay/op_verdict.py`). So a printed command names only flags the CLI has (tests/cli/test_commands.py
-parses each one with the CLI), and renaming a flag is one line here.
+One place for both: the CLI declares each of its options with a `Flag` of this table (`cli/options.py`,
+`cli/record_params.py` and the command modules; tests/cli/test_commands.py fails on an option declared with a
+name of its own, and on a name here no command declares), and every verdict that says what to run next builds its
+command here: two multi-step recordings' `record --step S` and `record --replay` (`judge/steps/step_verdict.py`),
+`compare --drill`'s `replay --ops` (`judge/replay/op_verdict.py`). The table sits here, below `judge/`, and not in
+`cli/` because those verdicts print flag names and imports go one way (`cli` is above `judge`).
+So a printed command names only flags the CLI has (tests/cli/test_commands.py parses each one with the CLI), and
+renaming a flag is one line here.
 
 Torch-free: `oneiter --help` imports this module.
 """
@@ -18,24 +21,32 @@ from typing import Any, NamedTuple, Optional
 
 from oneiter.runtime.modelspec import is_file_spec
 
-__all__ = ["Flag", "MODEL", "DEVICE", "OUT", "BATCH_SIZE", "SEED", "DTYPE", "AMP", "THREADS", "MODEL_ARG",
-           "OPTIMIZER", "REPLAY", "STEP", "STEPS", "INJECT_FAULT", "FALLBACK", "LAYER", "CALL", "OPS", "COMPILE",
-           "COMPILE_MODULES", "IMPACT", "IMPACT_TOP", "IMPACT_FROM", "PARAMS",
-           "record_step_commands", "replay_ops_command", "model_arg_flags"]
+__all__ = ["Flag", "MODEL", "DEVICE", "OUT", "BATCH_SIZE", "SEED", "DTYPE", "AMP", "THREADS", "MODEL_ARG", "OPTIMIZER",
+           "REPLAY", "STEP", "STEPS", "INJECT_FAULT", "FALLBACK", "LAYER", "CALL", "OPS", "COMPILE", "COMPILE_MODULES",
+           "FLOAT8", "IMPACT", "IMPACT_TOP", "IMPACT_FROM", "PARAMS", "INCLUDE", "EXCLUDE", "ISOLATE", "CALIBRATE",
+           "AGAINST", "RANDOM_REPLAY", "LEVEL", "DATA_PARALLEL", "RTOL", "ATOL", "SHOW_ALL", "TOLERANCES", "JSON",
+           "CSV", "HTML", "TENSORBOARD", "SUGGEST", "DRILL", "REPEAT", "REFERENCE_OPS", "REPRO", "SCHEDULE",
+           "RECORD_SHAPES", "PROFILE_MEMORY", "WITH_STACK", "WITH_FLOPS", "MEMORY_SORT", "MODULE_RANGES", "OVERHEAD",
+           "MAX_STEPS", "LIMIT", "SORT", "DEMO_DIR", "FAULT", "FORCE", "QUIET", "VERSION", "record_step_commands",
+           "replay_ops_command", "model_arg_flags"]
 
 
 class Flag(NamedTuple):
-    """A command-line option: its long name, and its one-letter alias where it has one."""
+    """A command-line option: its long name, its one-letter alias where it has one, and the name that turns off
+    an on/off option (`--no-isolate`)."""
 
     name: str
     short: Optional[str] = None
+    off: Optional[str] = None
 
     @property
     def decls(self) -> tuple[str, ...]:
         """What `typer.Option(*flag.decls, ...)` declares."""
-        return (self.name,) if self.short is None else (self.name, self.short)
+        first = self.name if self.off is None else f"{self.name}/{self.off}"
+        return (first,) if self.short is None else (first, self.short)
 
 
+# the model, its run and its output (record, replay, profile, demo), and the flags the printed commands use
 MODEL = Flag("--model", "-m")
 DEVICE = Flag("--device", "-d")
 OUT = Flag("--out", "-o")
@@ -60,6 +71,49 @@ FLOAT8 = Flag("--float8")
 IMPACT = Flag("--impact")
 IMPACT_TOP = Flag("--impact-top")
 IMPACT_FROM = Flag("--impact-from")
+# record's own
+INCLUDE = Flag("--include")
+EXCLUDE = Flag("--exclude")
+ISOLATE = Flag("--isolate", off="--no-isolate")
+CALIBRATE = Flag("--calibrate")
+AGAINST = Flag("--against")
+RANDOM_REPLAY = Flag("--random-replay", off="--no-random-replay")
+LEVEL = Flag("--level")
+DATA_PARALLEL = Flag("--data-parallel")
+# compare's (--json also inspect's, replay's and profile diff's)
+RTOL = Flag("--rtol")
+ATOL = Flag("--atol")
+SHOW_ALL = Flag("--all")
+TOLERANCES = Flag("--tolerances")
+JSON = Flag("--json")
+CSV = Flag("--csv")
+HTML = Flag("--html")
+TENSORBOARD = Flag("--tensorboard")
+SUGGEST = Flag("--suggest")
+DRILL = Flag("--drill")
+# replay's
+REPEAT = Flag("--repeat", "-r")
+REFERENCE_OPS = Flag("--reference-ops")
+REPRO = Flag("--repro")
+# profile's and profile diff's
+SCHEDULE = Flag("--schedule", "-s")
+RECORD_SHAPES = Flag("--record-shapes")
+PROFILE_MEMORY = Flag("--profile-memory")
+WITH_STACK = Flag("--with-stack")
+WITH_FLOPS = Flag("--with-flops")
+MEMORY_SORT = Flag("--memory-sort")
+MODULE_RANGES = Flag("--module-ranges", off="--no-module-ranges")
+OVERHEAD = Flag("--overhead", off="--no-overhead")
+MAX_STEPS = Flag("--max-steps")
+LIMIT = Flag("--limit")
+SORT = Flag("--sort")
+# demo's
+DEMO_DIR = Flag("--dir")
+FAULT = Flag("--fault")
+# every writing command's, and the app's own
+FORCE = Flag("--force")
+QUIET = Flag("--quiet", "-q")
+VERSION = Flag("--version")
 
 PARAMS = {"faults": INJECT_FAULT.name, "replay": REPLAY.name, "out": OUT.name}
 """The library's parameter names whose CLI flag is not `--` + the name with dashes (`cli/common.py` rewrites an

@@ -71,12 +71,36 @@ def test_the_drill_command_of_a_compiled_block_names_its_backend():
 def test_the_flags_are_the_cli_s():
     """Every flag of the table is declared by the CLI under that name (renaming one there renames it here)."""
     declared = set()
-    group = typer.main.get_command(app)
-    with click.Context(group) as root:
-        for name in group.list_commands(root):
-            command = group.get_command(root, name)
-            for param in command.params:
-                declared.update(getattr(param, "opts", []))
+    for _, option in _options(typer.main.get_command(app)):  # every command's, subcommands' and the app's own
+        declared.update(option.opts)
+        if option.secondary_opts:  # an on/off option: its Flag declares `--isolate/--no-isolate`
+            declared.add(f"{option.opts[0]}/{option.secondary_opts[0]}")
     flags = [value for value in vars(commands).values() if isinstance(value, commands.Flag)]
     assert len(flags) >= 18
     assert not [f for f in flags if not set(f.decls) <= declared]
+
+
+def _options(command):
+    """(command path, option) for every option of every command and group of the app, typer's `--help` aside."""
+    stack = [("oneiter", command)]
+    while stack:
+        path, cmd = stack.pop()
+        yield from ((path, p) for p in cmd.params if isinstance(p, typer.core.TyperOption) and p.name != "help")
+        stack += [(f"{path} {name}", sub) for name, sub in getattr(cmd, "commands", {}).items()]
+
+
+def test_every_option_takes_its_names_from_the_one_table():
+    """The CLI's flag names are declared once, in `runtime/commands.py`: an option whose names are not one `Flag`'s
+    fails, and so does a `Flag` no command declares (renaming a flag there renames it everywhere)."""
+    table = {name: flag for name, flag in vars(commands).items() if isinstance(flag, commands.Flag)}
+    names = {frozenset(n for n in flag if n): name for name, flag in table.items()}
+    used, inline = set(), []
+    for path, option in _options(typer.main.get_command(app)):
+        found = names.get(frozenset([*option.opts, *option.secondary_opts]))
+        if found is None:
+            inline.append(f"{path} {'/'.join(option.opts)}")
+        used.add(found)
+    assert not inline, f"options declared with names of their own, not a Flag of runtime/commands.py: {inline}"
+    assert not set(table) - used, f"Flags no command declares: {sorted(set(table) - used)}"
+    assert len(names) == len(table), "two Flags with the same names"
+    assert commands.ISOLATE.decls == ("--isolate/--no-isolate",) and commands.QUIET.decls == ("--quiet", "-q")

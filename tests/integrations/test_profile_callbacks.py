@@ -121,3 +121,37 @@ def test_profile_diff_says_a_ratio_of_unsteady_steps_is_within_noise(tmp_path):
     lines = format_diff(diff).splitlines()
     assert "within noise: B not steady" in lines[0]
     assert lines[3:5] == ["A steps: spread 1% (edited)", "B steps: spread 60% (edited)"]
+
+
+def _profile_hooks() -> list[type]:
+    """Every framework's profiling hook: `ProfileEvents` (whose constructor Lightning's callback takes as it is: not
+    imported here, lightning alone costs seconds), the Trainer's callback, and mmengine's hook."""
+    from oneiter.integrations.hf import ProfileCallback as TrainerCallback
+    from oneiter.integrations.profile_callback import ProfileEvents
+
+    mmengine = pytest.importorskip("oneiter.integrations.mmengine")
+    return [ProfileEvents, TrainerCallback, mmengine.OneIterProfilerHook]
+
+
+def test_every_profile_hook_takes_exactly_the_profile_settings():
+    """The keywords of each hook are `ProfileSettings`' fields with their defaults (what help() shows), each named
+    in its Args; what it is given is what its settings hold; another keyword is refused, naming the hook."""
+    import dataclasses
+    import inspect
+
+    from oneiter.profile.stepped import ProfileSettings
+
+    fields = [(f.name, f.default) for f in dataclasses.fields(ProfileSettings)]
+    for hook in _profile_hooks():
+        shown = inspect.signature(hook).parameters.values()
+        assert [(p.name, p.default) for p in shown] == fields
+        assert {p.kind for p in shown} == {inspect.Parameter.KEYWORD_ONLY}
+        args = hook.__doc__.split("Args:")[1]
+        assert all(name in args for name, _ in fields), hook
+        made = hook(schedule="active=3", out_dir="p", with_stack=True, memory_sort="cpu_memory", model_name="m")
+        assert made.settings == ProfileSettings(schedule="active=3", out_dir="p", with_stack=True,
+                                                memory_sort="cpu_memory", model_name="m")
+        with pytest.raises(TypeError, match=f"{hook.__name__}\\(\\) got an unexpected keyword argument 'tb_trace'"):
+            hook(tb_trace=True)
+        with pytest.raises(TypeError, match="record_shapes should be a bool, but got 'yes'"):
+            hook(record_shapes="yes")

@@ -79,7 +79,6 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.compiled import CompileWatch, compile_modules, eager_name, outside_call, recordable_compiles
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
-from oneiter.runtime.precision import amp_dtype_name
 from oneiter.runtime.sharding import is_sharded, reduction
 from oneiter.runtime.wrappers import accumulation_steps, grad_scalers, model_forward_cast
 
@@ -139,9 +138,8 @@ class Recorder:
         """A Recorder of `options` (built, and so checked, beforehand: what `record()` and the integrations use).
 
         For one step of a multi-step recording (`record/steps/step_recorder.py`): `reference` is the open reference
-        iteration to
-        replay (a step of a multi-step reference) instead of opening `options.replay`, and `start=False` records
-        an iteration that continues the run: a replay loads no weights or optimizer state, and a reference keeps
+        iteration to replay (a step of a multi-step reference) instead of opening `options.replay`, and `start=False`
+        records an iteration that continues the run: a replay loads no weights or optimizer state, and a reference keeps
         its `state_before` and optimizer state as statistics at the stats level (only the first step's are kept
         in full: where a replay starts). `step_of`: the iteration is a step of a multi-step recording, whose notes
         of one iteration's file (its size, its lack of per-call local error) do not apply."""
@@ -255,7 +253,9 @@ class Recorder:
             opt_entries, self.optimizer_start = [], NOT_RECORDED
         tmp = stack.enter_context(atomic_output(self.out, opts.force))
         self.session = stack.enter_context(self._session(tmp))
-        self._bind_session()
+        # a replay numbers each module's calls as its reference did (`hooks.pair_with`)
+        self.session.bind_block(self.ref.calls() if self.ref is not None else None, self.optimizers,
+                                self.optimizer_start)
         self.session.state_before()
         self.session.optimizer_state(opt_entries)
         del opt_entries
@@ -283,26 +283,20 @@ class Recorder:
             queue_bytes=opts.queue_bytes,
         )
 
-    def _bind_session(self) -> None:
-        """What the session needs of this block: the reference's call numbering (a replay numbers each module's
-        calls as its reference did: `hooks.pair_with`), the optimizer and where it starts."""
-        if self.ref is not None:
-            self.session.module_capture.pair_with(self.ref.calls())
-        if len(self.optimizers) == 1:
-            self.session.bind_optimizer(self.optimizers[0])
-        if self.session.probe is not None:
-            self.session.probe.optimizer_start = self.optimizer_start
-
     def _attach(self, stack: ExitStack) -> None:
         """The modes, hooks and patches of the block, each undone by `stack`."""
         flow = self._flow
-        self._modes = self._make_modes()
+        opts = self.options
+        self._modes = ActiveModes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
+                                  self.session.module_capture, self.session.live_collective, flow.on_chunk,
+                                  flow.on_scaled)
+        self.session.attach_modes(self._modes, sharded=is_sharded(self.model))
         flow.bind(self.session, self._modes, self.device, self._take_batch, self._estimate,
                   swapped=self._swap is not None)
         if self._forward_cast is not None:  # the model's own outputs, not accelerate's float32 copies of them
             stack.callback(self._forward_cast.uncast())
         capture = stack.enter_context(self.session.capture())
-        refuse(capture.blocks, fallback=bool(self.options.fallback), ref=self.ref)
+        refuse(capture.blocks, fallback=bool(opts.fallback), ref=self.ref)
         if capture.blocks:  # compiled code draws random numbers the random modes see (`runtime/compiled.py`)
             stack.enter_context(recordable_compiles())
         self._watch = stack.enter_context(CompileWatch(capture.open_block, capture.is_suspended))
@@ -313,18 +307,6 @@ class Recorder:
         flow.patch_backward(stack)
         flow.enter_autocast()
         stack.callback(flow.end_autocast)
-
-    def _make_modes(self) -> ActiveModes:
-        """The modes of forward and backward (random values, fallback, collectives), tied to the session."""
-        opts = self.options
-        modes = ActiveModes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
-                            self.session.module_capture, self.session.live_collective, self._flow.on_chunk,
-                            self._flow.on_scaled)
-        self.session.attach_random(modes.random)
-        self.session.attach_collectives(modes.collectives)
-        if modes.collectives is not None and not is_sharded(self.model):
-            self.session.watch_unreduced()  # DDP's reducer may average them: each rank's own are kept
-        return modes
 
     def __exit__(self, exc_type, exc, tb) -> None:
         stack, self._stack = self._stack, None
@@ -403,27 +385,14 @@ class Recorder:
 
     def _measure_impact(self) -> dict:
         """`impact`: the runs of `record/impact/runs.py`, their table into the file; returns their count and seconds."""
-        from oneiter.record.impact.gaps import ReferenceGaps  # imports torch
-        from oneiter.record.impact.runs import Impact, measure, one_pass, perturbation
+        from oneiter.record.impact.recorded import measure_block  # imports torch
 
         if self._iteration is None:
             raise _no_iteration()
-        capture, progress = self.session.module_capture, self.progress
-        scale = capture.grad_scale  # a loss `rec.loss` named is taken as it is (`ReferencePass.loss_tensor`)
-        gaps = ReferenceGaps(self.ref, self.model)
-        run_dtype = amp_dtype_name(self.options.amp) or str(param_dtype(self.model) or "float32").replace("torch.", "")
-        job = Impact(self._impact_start,
-                     lambda targets, **how: one_pass(self.model, self.ref, self.options, self.device, targets,
-                                                     self._impact_run, scale, gaps, optimizers=self.optimizers, **how),
-                     float(self._loss.float()), self.device.type,
-                     (lambda text: progress(text, self.session.sink.num_tensors)) if progress else None,
-                     roundoff=perturbation(run_dtype, self.ref.meta, self.precision_modes))
-        self.session.enter_phase("impact")
-        with capture.suspended():
-            rows, attrs = measure(job, self.session.probe.rows if self.session.probe else [], run_dtype,
-                                  self.options.impact_top)
-        self.session.writer.impact_table(rows, attrs)
-        return {"runs": len(rows), "seconds": float(attrs.get("seconds", 0.0))}
+        return measure_block(self.model, self.ref, self.options, self.device, self.optimizers,
+                             loss=float(self._loss.float()), session=self.session, start=self._impact_start,
+                             modes=self.precision_modes, dtype=param_dtype(self.model), progress=self.progress,
+                             run_again=self._impact_run)
 
     def _impact_run(self, step) -> None:
         """One impact run: the iteration again, `step` (an `ImpactPass`) handing out its batch and taking its loss."""

@@ -124,6 +124,10 @@ def test_the_integrations_take_every_setting_but_the_frameworks_own(tmp_path):
     with pytest.raises(OneIterError, match="amp is the training framework's own"):
         callback_options("OneIterCallback", step=0, every=None, options=None,
                          keywords={"out": tmp_path / "a.h5", "amp": "bf16"})
+    mmengine = pytest.importorskip("oneiter.integrations.mmengine")
+    hook = mmengine.OneIterRecordHook(iteration=0, **every)
+    assert hook.options == RecordOptions(**{**every, "manage_autocast": False, "skip": hook.options.skip})
+    assert hook.options.skip == ("data_preprocessor",)
 
 
 def _backquoted(text: str) -> set[str]:

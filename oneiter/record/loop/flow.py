@@ -55,6 +55,7 @@ class IterationFlow:
         """The block ended: what it held goes (a loop that records again must not hold the previous recording's)."""
         self.session = self.modes = self.take_batch = None
         self.first_call = self.failed_backward = None
+        self.on_first_backward = lambda: None
 
     def advance(self, to: Phase) -> bool:
         """Enter phase `to` if the iteration may go there from where it is (`MOVES`); whether it did. A backward

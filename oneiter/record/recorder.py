@@ -61,7 +61,7 @@ from oneiter.record.loop.entry import load_reference, probe_factory, stats_group
 from oneiter.record.loop.flow import IterationFlow
 from oneiter.record.loop.given import device_of, forward_autocast, model_of, optimizer_list, param_dtype
 from oneiter.record.loop.phases import Phase, never_called
-from oneiter.record.loop.space import check_space, estimate, same_file, size_text, state_bytes
+from oneiter.record.loop.space import check_room, forward_done
 from oneiter.record.modes.active import ActiveModes
 from oneiter.record.modes.float8 import convert as convert_float8
 from oneiter.record.options import (
@@ -223,11 +223,7 @@ class Recorder:
             raise OneIterError("impact_from names the calls to fix at every step of a multi-step replay; a replay of "
                                "one iteration fixes the calls it flags itself: drop impact_from", param="impact_from")
         check_output(self.out, opts.force)
-        self._state_bytes = state_bytes(self.model, opts.level, self.replay is not None)
-        check_space(self.out, self._state_bytes, "at least (the model's state and gradients it stores in full)")
-        if self.replay is not None and same_file(self.replay, self.out):
-            raise OneIterError(f"out '{self.out}' is the reference being replayed; write the replay elsewhere",
-                               param="out")
+        self._state_bytes = check_room(self.out, self.replay, self.model, opts.level)
 
     def _open(self, stack: ExitStack) -> None:
         """The model as the block records it (float8, compiled, the reference's weights), the session writing the
@@ -487,14 +483,9 @@ class Recorder:
         return args, kwargs
 
     def _estimate(self) -> None:
-        """Forward is done (the block's first backward begins): the whole file estimated (`loop/space.py`); refuse
-        now if the output's filesystem cannot hold it."""
-        sink = self.session.sink
-        self.estimated_bytes = estimate(sink.num_bytes, self._before_bytes, self._state_bytes)
-        if self.notify is not None and not self._step_of:
-            self.notify(f"forward recorded: the file will be about {size_text(self.estimated_bytes)}")
-        check_space(self.out, self.estimated_bytes - sink.num_bytes, "about (forward measured, backward "
-                    "estimated)", written=sink.num_bytes)
+        """Forward is done (the block's first backward begins): the file's size estimated, and checked."""
+        self.estimated_bytes = forward_done(self.out, self.session.sink.num_bytes, self._before_bytes,
+                                            self._state_bytes, None if self._step_of else self.notify)
 
     def _remove_hooks(self) -> None:
         for handle in getattr(self, "_hooks", []):

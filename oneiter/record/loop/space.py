@@ -11,7 +11,7 @@ from oneiter.errors import OneIterError
 from oneiter.runtime.names import state_tensors
 from oneiter.runtime.sharding import local
 
-__all__ = ["state_bytes", "check_space", "estimate", "same_file", "size_text"]
+__all__ = ["state_bytes", "check_room", "check_space", "estimate", "forward_done", "same_file", "size_text"]
 
 
 def state_bytes(model, level: str, replay: bool) -> int:
@@ -21,6 +21,26 @@ def state_bytes(model, level: str, replay: bool) -> int:
     params = sum(local(p).numel() * p.element_size() for p in model.parameters())
     before = state if level == "full" or not replay else 0
     return before + (state + params if level == "full" else 0)
+
+
+def check_room(out: Path, replay: Path | None, model, level: str) -> int:
+    """Before the block: `out` is not the reference being replayed, and its filesystem holds at least what the file
+    stores of the model's state (`state_bytes`, returned)."""
+    needed = state_bytes(model, level, replay is not None)
+    check_space(out, needed, "at least (the model's state and gradients it stores in full)")
+    if replay is not None and same_file(replay, out):
+        raise OneIterError(f"out '{out}' is the reference being replayed; write the replay elsewhere", param="out")
+    return needed
+
+
+def forward_done(out: Path, num_bytes: int, before_bytes: int, state: int, notify) -> int:
+    """Forward is done (`num_bytes` queued so far): the whole file estimated (`estimate`, returned; said to `notify`
+    unless it is None); refused now if the output's filesystem cannot hold it."""
+    estimated = estimate(num_bytes, before_bytes, state)
+    if notify is not None:
+        notify(f"forward recorded: the file will be about {size_text(estimated)}")
+    check_space(out, estimated - num_bytes, "about (forward measured, backward estimated)", written=num_bytes)
+    return estimated
 
 
 def estimate(num_bytes: int, before_bytes: int, state: int) -> int:

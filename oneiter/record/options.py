@@ -11,9 +11,10 @@ This module stays free of torch at import: `import oneiter` and `oneiter.Recorde
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, get_args
 
@@ -22,7 +23,7 @@ from oneiter.format.writer import DEFAULT_QUEUE_BYTES
 from oneiter.record.modes.float8 import RECIPES as FLOAT8_RECIPES
 
 __all__ = ["RecordOptions", "Level", "Amp", "Calibration", "Against", "LEVELS", "CALIBRATIONS",
-           "module_selector", "regex_list", "amp_name"]
+           "module_selector", "regex_list", "amp_name", "options_from", "keyword_signature"]
 
 Level = Literal["full", "stats"]
 Amp = Literal["bf16", "fp16"]
@@ -74,21 +75,25 @@ class RecordOptions:
     skip: tuple[str, ...] = ()
     """Module paths never recorded, whatever `include` says (e.g. mmengine's data preprocessor)."""
     queue_bytes: int = DEFAULT_QUEUE_BYTES
-    """How many bytes of tensors may wait for the background writer before capture blocks."""
+    """How many bytes of tensors may wait for the background writer before capture blocks (None or 0: the
+    default, `format.writer.DEFAULT_QUEUE_BYTES`)."""
     level: Level = "full"
-    """"full": every tensor's data; "stats": statistics and a checksum per tensor (`format.stats`)."""
+    """"full": every tensor's data; "stats": statistics and a checksum per tensor (`format.stats`; random values and
+    -- unless this is a replay -- the batch and state_before stay full, so it can be replayed)."""
     compile: str | None = None
     """A torch.compile backend name (`inductor`; True means `inductor`): the model, or each module `compile_modules`
-    matches, is compiled in place with it for the recording and left as it was after (`runtime/compiled.py`)."""
+    matches, is compiled in place with it for the recording and left as it was after (`runtime/compiled.py`). A model
+    that arrives compiled (torch.compile, `.compile()`) is recorded as it is, with or without this."""
     compile_modules: list[str] = field(default_factory=list)
     """With `compile`: regexes on module paths; each outermost matching module is compiled on its own (a block)."""
     float8: str | None = None
     """`tensorwise` / `rowwise`: the model's Linears converted to torchao's float8 training for the recording and
-    converted back after it (`record/modes/float8.py`; needs the `oneiter[float8]` extra)."""
+    converted back after it (`record/modes/float8.py`: those with dimensions divisible by 16, not the output
+    projection; needs `pip install -c constraints.txt 'oneiter[float8]'`)."""
     impact: bool = False
     """With `replay`: after the recorded iteration, run it again from its start once per flagged call with that call
     fixed (its float64 recomputation on the trusted path), and once with all fixed: how much of the gap each fix
-    closes (`record/impact/`; the iteration must be given as a function, `Recorder.run(fn)`)."""
+    closes (`record/impact/`, docs/impact.md; the iteration must be given as a function, `Recorder.run(fn)`)."""
     impact_top: int | None = None
     """With `impact`: fix at most this many flagged calls, largest own error first (None: every one)."""
     impact_from: Path | None = None
@@ -116,6 +121,7 @@ class RecordOptions:
         self.isolate, self.random_replay, self.force = bool(self.isolate), bool(self.random_replay), bool(self.force)
         self.manage_autocast = bool(self.manage_autocast)
         self.meta, self.skip = dict(self.meta or {}), tuple(self.skip)
+        self.queue_bytes = self.queue_bytes or DEFAULT_QUEUE_BYTES
         self._check_compile()
         self._check_float8()
         self._check_impact()
@@ -239,3 +245,24 @@ def amp_name(amp) -> Amp | None:
     if name is None:
         raise OneIterError(f"amp must be one of bf16, fp16 (or None), got {amp!r}", param="amp")
     return name
+
+
+def options_from(owner: str, out, keywords: dict[str, Any]) -> RecordOptions:
+    """`out` and the recording keywords `owner` (a class name, for errors) was given, as one checked `RecordOptions`;
+    a keyword that is no field of it is refused as Python refuses one (`TypeError`)."""
+    names = {f.name for f in fields(RecordOptions)} - {"out"}
+    unknown = sorted(set(keywords) - names)
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument '{unknown[0]}'")
+    return RecordOptions(out=out, **keywords)
+
+
+def keyword_signature(function: Callable) -> inspect.Signature:
+    """`function`'s signature with its `**options` spelled out: one keyword-only parameter per field of
+    `RecordOptions` but `out`, with its default (what `help()` and `inspect.signature` show of `oneiter.Recorder`)."""
+    own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    taken = {p.name for p in own}
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                  default=f.default if f.default is not MISSING else f.default_factory())
+                for f in fields(RecordOptions) if f.name not in taken]
+    return inspect.Signature(own + settings)

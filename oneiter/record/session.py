@@ -188,6 +188,24 @@ class RecordingSession:
         with self.module_capture as capture:
             yield capture
 
+    def bind_block(self, reference_calls, optimizers: list, optimizer_start: str) -> None:
+        """What this session needs of a Recorder's block: the reference's calls to number each module's calls as it
+        did (`hooks.pair_with`; None: no reference), the optimizer (when there is one) and where it starts."""
+        if reference_calls is not None:
+            self.module_capture.pair_with(reference_calls)
+        if len(optimizers) == 1:
+            self.bind_optimizer(optimizers[0])
+        if self.probe is not None:
+            self.probe.optimizer_start = optimizer_start
+
+    def attach_modes(self, modes, *, sharded: bool) -> None:
+        """A Recorder block's modes (`record/modes/active.py`): its random values and collectives seen through this
+        session; unless the model is `sharded`, each rank's own gradients kept before a reducer averages them."""
+        self.attach_random(modes.random)
+        self.attach_collectives(modes.collectives)
+        if modes.collectives is not None and not sharded:
+            self.watch_unreduced()  # DDP's reducer may average them: each rank's own are kept
+
     def bind_optimizer(self, optimizer) -> None:
         """The optimizer that steps this iteration: the probe judges its update (teacher forced)."""
         if self.probe is not None:

@@ -7,4 +7,5 @@
 - `gaps.py`        how far one run lands from the reference: loss, parameter gradients, updated weights
 - `impact_pass.py` one run of the iteration from its start: the reference's batch and random values, the gaps
 - `runs.py`        the runs of `record --impact` (nothing fixed, each call fixed, all fixed) and the `/impact` rows
+- `recorded.py`    those runs at the end of a Recorder's block, over the iteration it recorded, into its file
 """

@@ -11,4 +11,5 @@
 - `collectives.py` torch.distributed collectives recorded per rank, and forced in reruns (which never communicate)
 - `p2p.py`        point-to-point ops (send, recv) recorded per rank, completed when the caller waits, never twice
 - `pipeline.py`   torch.distributed.pipelining's stages: the microbatch of each stage call and of each op it posts
+- `active.py`     the modes active while a Recorder's forward and backward run, entered, paused and closed as one
 """

@@ -107,7 +107,7 @@ class ReferencePass:
             owner._after_backward()
             return result
 
-        torch.Tensor.backward = backward
+        torch.Tensor.backward = backward  # type: ignore[method-assign, assignment]  # patched for the pass, restored below
         stack.callback(setattr, torch.Tensor, "backward", original)
 
     def _begin(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -14,7 +14,9 @@ from typing import Callable
 
 from oneiter.errors import OneIterError
 from oneiter.judge.iteration.engine import compare_files
+from oneiter.judge.iteration.results import CompareResult
 from oneiter.outputs import resolve_folder
+from oneiter.record.options import Amp
 from oneiter.record.run import SpecOptions, record
 
 __all__ = ["DemoResult", "run_demo", "DEFAULT_FAULT"]
@@ -30,7 +32,7 @@ class DemoResult:
     reference: Path
     target: Path
     fault: str
-    result: object  # oneiter.judge.iteration.results.CompareResult
+    result: CompareResult
 
     @property
     def named_layer(self) -> str | None:
@@ -49,7 +51,7 @@ def run_demo(
     model: str = "resnet18",
     batch_size: int = 8,
     fault: str | None = None,
-    amp: str | None = "bf16",
+    amp: Amp | None = "bf16",
     say: Callable[[str], None] = lambda _msg: None,
 ) -> DemoResult:
     """Record reference and faulty target into `directory` (created; files overwritten) and compare them."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Literal
 
 __all__ = ["OneIterError", "FormatError", "DeviceError", "ModelError", "UserCodeError", "OneIterWarning", "warn",
            "one_line_warnings", "warning_line", "user_code", "user_frame", "innermost_user"]
@@ -59,7 +59,7 @@ def _above_bars(text: str) -> str:
     which case `tqdm.write` has already put it above the bar, which it draws again."""
     tqdm = sys.modules.get("tqdm")
     bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None) if tqdm is not None else None
-    if not bars:
+    if tqdm is None or not bars:
         return text
     try:
         tqdm.tqdm.write(text.rstrip("\n"), file=sys.stderr)
@@ -74,7 +74,7 @@ def _format_oneiter(previous):
             return _above_bars(warning_line(message, category) + "\n")
         return previous(message, category, filename, lineno, line)
 
-    formatwarning.oneiter = True
+    formatwarning.oneiter = True  # type: ignore[attr-defined]  # a marker on the function, read by getattr below
     return formatwarning
 
 
@@ -199,14 +199,17 @@ class user_code:
     def __enter__(self) -> "user_code":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is None or isinstance(exc, OneIterError) or not isinstance(exc, Exception):
             return False
         frame = user_frame(tb, calls_user=self.calls_user)
         place = self._place(exc, frame)
-        if place is None and frame is None:
+        if place is not None:
+            what, where = place
+        elif frame is not None:
+            what, where = self.what, f"at {frame[0]}:{frame[1]}, in {frame[2]}"
+        else:
             return False
-        what, where = place or (self.what, f"at {frame[0]}:{frame[1]}, in {frame[2]}")
         text = " ".join(str(exc).split())
         if place is not None:  # autograd's advice to rerun under anomaly detection: `locate` followed it already
             text = text.split(" Hint: enable anomaly detection")[0]

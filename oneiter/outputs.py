@@ -271,6 +271,7 @@ def open_text(dest: Destination, *, encoding: str = "utf-8", errors: str = "stri
     through `sys.stdout`/`sys.stderr` once complete; a stream is opened as it is (never created, truncated or
     renamed: a FIFO waits for its reader, as `echo > fifo` does) and written directly."""
     if dest.kind == "file":
+        assert dest.path is not None  # a file destination always has its path
         with atomic_text(dest.path, encoding=encoding, errors=errors, newline=newline) as fh:
             yield fh
         return
@@ -288,6 +289,7 @@ def open_text(dest: Destination, *, encoding: str = "utf-8", errors: str = "stri
         _write_all(dest.fd, data)
         return
     flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    assert dest.path is not None  # a stream without a descriptor is named by its path
     fd = os.open(dest.path, flags)  # no O_CREAT, no O_TRUNC: the device or pipe as it is
     try:
         _write_all(fd, data)
@@ -315,8 +317,14 @@ def check_distinct(dests: list[tuple[str, Destination]]) -> None:
     """Two outputs of one command never write to the same file, nor both to stdout."""
     seen: dict[object, str] = {}
     for option, dest in dests:
-        key = dest.kind if dest.kind in ("stdout", "stderr") else (dest.fd if dest.fd is not None else
-                                                                     os.path.realpath(dest.path))
+        key: object
+        if dest.kind in ("stdout", "stderr"):
+            key = dest.kind
+        elif dest.fd is not None:
+            key = dest.fd
+        else:
+            assert dest.path is not None  # a file, or a stream named by its path
+            key = os.path.realpath(dest.path)
         if key in seen:
             where = "stdout" if key == "stdout" else "stderr" if key == "stderr" else f"'{dest.given}'"
             raise OutputError(f"{seen[key]} and {option} both write to {where}: give them different destinations")

@@ -222,14 +222,14 @@ def check_collectives(meta: dict[str, Any], groups: dict[str, tuple[dict, list]]
         raise _fail(path, f"group '/{COLLECTIVES}' says num_ops {num_ops} but holds {len(names)} collectives (first "
                           f"missing: {gap}); the file is damaged")
     world, rank = int(meta.get("world_size") or 1), meta.get("rank")
-    places: set[tuple[str, int]] = set()
+    places: set[tuple] = set()
     for index in indices:
         group = collective_group(index)
         attrs = groups[group][0]
         _check_collective(attrs, index, world, rank, groups, path)
         if attrs["op"] in P2P_OPS:
             _check_p2p(attrs, index, rank, int(meta.get(MICROBATCHES) or 1), path)
-            place = (attrs["group"], attrs["op"], attrs["peer"], attrs["tag"], attrs["p2p_seq"])
+            place: tuple = (attrs["group"], attrs["op"], attrs["peer"], attrs["tag"], attrs["p2p_seq"])
         else:
             place = (attrs["group"], attrs["group_seq"])
         if place in places:

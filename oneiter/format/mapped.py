@@ -72,7 +72,7 @@ class MappedReader:
         qualify (then read it through h5py). `stored`: what the validation walk saw of it (`validate.Stored`:
         `offset` is set only for contiguous, unfiltered, allocated data)."""
         dtype, offset = stored.dtype, stored.offset
-        if self._fd < 0 or offset is None or dtype.kind not in "biufc" or not dtype.isnative:
+        if self._fd < 0 or _LIBC is None or offset is None or dtype.kind not in "biufc" or not dtype.isnative:
             return None
         count = int(np.prod(stored.shape, dtype=np.int64))
         nbytes = count * dtype.itemsize

@@ -134,7 +134,8 @@ def summarize_file(path: str | os.PathLike) -> FileSummary:
     recording lists every step's, each phase named with its step (`forward (step 6)`)."""
     with reading(path), IterationFile(path) as f:
         tensors = []
-        for step in f.steps() or [None]:
+        steps: list[int | None] = [*f.steps()] or [None]
+        for step in steps:
             one = f if step is None else f.step(step)
             tensors += _summaries(one, "" if step is None else f" (step {step})")
         num_calls = len(f.calls()) if not f.steps() else len(f.step(f.steps()[0]).calls())

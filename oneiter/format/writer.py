@@ -24,13 +24,16 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import FileWriter
 from oneiter.format.schema import tensor_to_numpy
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BackgroundWriter", "DEFAULT_QUEUE_BYTES"]
 
@@ -58,7 +61,7 @@ class HostRing:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._buffer = None  # allocated on first use
+        self._buffer: torch.Tensor | None = None  # allocated on first use
         self._taken: collections.deque = collections.deque()  # (start, size) in the order they were taken
         self._head = 0
         self._cond = threading.Condition()
@@ -105,6 +108,7 @@ class HostRing:
         for dim in shape:
             numel *= dim
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        assert self._buffer is not None  # a slot was taken: `take` allocated it
         return self._buffer[start:start + nbytes].view(dtype).view(shape)
 
     def give_back(self, slot) -> None:
@@ -183,7 +187,7 @@ class BackgroundWriter:
             with self._file_lock:
                 offset = self._file.reserve(group, name, array, dtype_name, attrs)
             if offset >= 0:
-                view = memoryview(array.reshape(-1).view(np.uint8))
+                view = array.reshape(-1).view(np.uint8).data  # a memoryview of its bytes
                 while view:
                     written = os.pwrite(self._fd, view, offset)
                     view, offset = view[written:], offset + written

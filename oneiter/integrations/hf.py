@@ -62,7 +62,7 @@ except ImportError as _err:  # transformers is optional for oneiter, required he
 
 from oneiter.integrations.hf_profile import ProfileCallback
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
-from oneiter.record.options import RecordOptions
+from oneiter.record.options import Amp, RecordOptions
 from oneiter.runtime.distributed import current_rank, destroy_at_exit
 from oneiter.runtime.wrappers import compiled_wrapper
 
@@ -105,7 +105,7 @@ class OneIterCallback(DrivenCallback, TrainerCallback):
         """The recording's options with what the Trainer's arguments say: its autocast, batch size and seed."""
         import transformers
 
-        amp = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
+        amp: Amp | None = "bf16" if args.bf16 else ("fp16" if args.fp16 else None)
         meta = meta_of("transformers", str(transformers.__version__), step,
                        batch_size=int(args.per_device_train_batch_size), seed=int(args.seed))
         return replace(self.options, amp=amp, meta={**self.options.meta, **meta})

@@ -51,20 +51,20 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name: the same API
     try:
-        import pytorch_lightning as pl
+        import pytorch_lightning as pl  # type: ignore[no-redef]  # the same API under its older name
     except ImportError as _err:  # lightning is optional for oneiter, required here
         raise ImportError(f"oneiter.integrations.lightning needs PyTorch Lightning ({_err}); install it with "
                           f"`pip install lightning` (or oneiter's extra: `pip install 'oneiter[lightning]'`)") from _err
 
 from oneiter.integrations.profile_callback import ProfileEvents
 from oneiter.integrations.step_driver import DrivenCallback, meta_of
-from oneiter.record.options import RecordOptions
+from oneiter.record.options import Amp, RecordOptions
 from oneiter.record.recorder import Recorder
 
 __all__ = ["OneIterCallback", "ProfileCallback"]
 
 # Lightning's precision flags -> the autocast they enter (the `*-true` ones cast the module instead: no autocast)
-_AUTOCAST = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+_AUTOCAST: dict[str, Amp] = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 
 
 class OneIterCallback(DrivenCallback, pl.Callback):

@@ -192,6 +192,7 @@ class OneIterRecordHook(Hook):
         """`every`: the multi-step recording of iterations 0, K, 2K, ... (a replay: the reference's)."""
         model = _unwrap(runner.model)
         options = for_step(self.options, amp=self._amp(runner, model), meta=self._meta(runner))
+        assert self.every is not None  # called for `every` alone
         self._steps = open_steps(model, options, every=self.every, max_steps=max_iters,
                                  optimizer=_optimizers(runner.optim_wrapper))
 
@@ -241,11 +242,12 @@ class OneIterRecordHook(Hook):
         steps, self._steps = self._steps, None
         if steps is not None:
             steps.__exit__(None, None, None)
-            self.summary = {"file": str(steps.summary.path), "num_steps": steps.summary.num_steps,
-                            "num_entries": steps.summary.num_entries, "seconds": steps.summary.seconds,
-                            "loss": steps.summary.loss}
-            runner.logger.info(f"oneiter: recorded {steps.summary.num_steps} iterations (every {self.every}) into "
-                               f"{steps.summary.path}")
+            summary = steps.summary
+            assert summary is not None  # a clean exit wrote the file and its summary
+            self.summary = {"file": str(summary.path), "num_steps": summary.num_steps,
+                            "num_entries": summary.num_entries, "seconds": summary.seconds, "loss": summary.loss}
+            runner.logger.info(f"oneiter: recorded {summary.num_steps} iterations (every {self.every}) into "
+                               f"{summary.path}")
             return
         if self.summary is None:
             runner.logger.warning(
@@ -272,6 +274,7 @@ class OneIterRecordHook(Hook):
         """One `train_step` of the window being recorded (one iteration, or the iterations one accumulated step
         spans): the recording's block opens at its first call and closes after its last."""
         self._called = True
+        assert self._window is not None  # the wrapper is in place only while a window runs
         first, last = self._window
         if self._open is None:
             self._open = self._block(runner, first)

@@ -29,7 +29,7 @@ from dataclasses import fields, replace
 from typing import Any, Iterable, Optional
 
 from oneiter.errors import OneIterError
-from oneiter.record.options import RecordOptions
+from oneiter.record.options import RecordOptions, amp_name
 from oneiter.record.steps.step_recorder import StepRecorder
 
 __all__ = ["settings", "for_step", "open_steps", "KEYWORDS", "FRAMEWORK_OWNED"]
@@ -72,7 +72,7 @@ def settings(owner: str, options: Optional[RecordOptions], keywords: dict[str, A
 def for_step(options: RecordOptions, *, amp: Optional[str], meta: dict[str, Any]) -> RecordOptions:
     """The settings of one recorded step: the run's autocast dtype, and what only the framework knows over the
     user's own `meta`."""
-    return replace(options, amp=amp, meta={**options.meta, **meta})
+    return replace(options, amp=amp_name(amp), meta={**options.meta, **meta})
 
 
 def open_steps(model, options: RecordOptions, *, every: int, max_steps: Optional[int], optimizer) -> StepRecorder:

@@ -24,7 +24,7 @@ import json
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, cast
 
 from oneiter.errors import OneIterError, user_code
 from oneiter.format.layout import IterationFile
@@ -105,10 +105,10 @@ def _build(opts: SpecOptions, ref: IterationFile | None, rank: int = 0):
     if ref is None:
         if not opts.model:
             raise OneIterError("--model is required (or --replay a reference to reuse its model)")
-        seed = opts.seed + rank
+        seed = (opts.seed or 0) + rank  # seed=None leaves the iteration's RNG alone; the build still needs one
         batch_size = opts.batch_size or 8
-        built = {"model": canonical_spec(opts.model), "batch_size": batch_size, "seed": seed,
-                 "model_args": opts.model_args}
+        built: dict[str, Any] = {"model": canonical_spec(opts.model), "batch_size": batch_size, "seed": seed,
+                                 "model_args": opts.model_args}
         return load_model(opts.model, batch_size, seed, opts.model_args), built
     theirs = _reference_batch_size(ref)
     if theirs is None:  # a reference written by the API or a framework that did not say: the builder's own
@@ -196,10 +196,11 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
             bundle, built = _build(opts, ref, info.rank)
         several = opts.steps is not None or (ref is not None and bool(ref.steps()))
         built["iteration"] = None if several else _iteration(opts, ref)
-        opts = replace(opts, optimizer=opts.optimizer or _reference_optimizer(ref))
+        optimizer = opts.optimizer or _reference_optimizer(ref)
+        opts = replace(opts, optimizer=optimizer)
         stack.close()  # the Recorder opens the reference itself
         apply_dtype(bundle, opts.dtype)
-        setup = prepare(bundle, device, opts.optimizer)
+        setup = prepare(bundle, device, optimizer)
         setup.dtype = torch_dtype(opts.dtype) if opts.dtype != "float32" else None
         # the call goes through DDP unless the model parallelises itself; hooks, faults and state stay on the inner
         # bundle.model
@@ -230,14 +231,15 @@ def _record(opts: SpecOptions, progress, notify, started: float, faults, info) -
         with recorder as rec:
             rec.run(lambda: _one_step(setup, rec))  # a function: `--impact` runs it again from its start
     summary = recorder.summary
+    assert summary is not None  # the block ended without an error: the file is written
     summary.seconds = time.perf_counter() - started - summary.compile_seconds
     return summary
 
 
-def _reference_optimizer(ref: IterationFile | None) -> str:
+def _reference_optimizer(ref: IterationFile | None) -> OptimizerName:
     """A replay's optimizer when none is named: the reference's, if `oneiter record` built it; else sgd."""
     theirs = str(ref.meta.get("optimizer") or "") if ref is not None else ""
-    return theirs if theirs in OPTIMIZERS else "sgd"
+    return cast(OptimizerName, theirs) if theirs in OPTIMIZERS else "sgd"  # cast: `in OPTIMIZERS` checked it
 
 
 def _iteration(opts: SpecOptions, ref: IterationFile | None) -> int | None:
@@ -284,4 +286,5 @@ def _record_steps(opts: SpecOptions, setup, progress, notify) -> RecordSummary:
 
     with recorder:
         recorder.run(one_step)
+    assert recorder.summary is not None  # the block ended without an error: the file is written
     return recorder.summary

@@ -159,6 +159,7 @@ class _Axes:
 
     def y(self, v: Optional[float]) -> float:
         """Decades from lo-1 (the zero band) to hi+1 (the NaN/Inf band)."""
+        dec: float
         if v is None or not math.isfinite(v):
             dec = self.hi + 1
         elif v <= 0:

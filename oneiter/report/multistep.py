@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import math
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from rich.console import Console
 from rich.text import Text
@@ -112,6 +112,8 @@ class _Plot:
     def __init__(self, steps: list[int], values: list[float], log: bool):
         self.steps, self.log = steps, log
         finite = [v for v in values if v is not None and math.isfinite(v) and (v > 0 or not log)] or [1.0]
+        self.lo: float
+        self.hi: float
         if log:
             self.lo = max(-20, math.floor(math.log10(min(finite))))
             self.hi = max(self.lo + 1, math.ceil(math.log10(max(finite))))
@@ -151,7 +153,7 @@ class _Plot:
                    f'text-anchor="middle">{_esc(title)}</text>')
         return out
 
-    def line(self, values: list[Optional[float]], color: str, label: str, dash: str = "") -> str:
+    def line(self, values: Sequence[Optional[float]], color: str, label: str, dash: str = "") -> str:
         coords = " ".join(f"{self.x(i):.1f},{self.y(v):.1f}" for i, v in enumerate(values) if v is not None)
         dashed = f' stroke-dasharray="{dash}"' if dash else ""
         marks = "".join(f'<circle cx="{self.x(i):.1f}" cy="{self.y(v):.1f}" r="2" fill="{color}"><title>'

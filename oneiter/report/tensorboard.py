@@ -162,8 +162,9 @@ def _write_scalars(writer, doc: Document) -> None:
         local = row.get("local")
         if isinstance(local, dict):
             for tag, key in LOCAL_TAGS:
-                if num(local.get(key)) is not None:
-                    _add(writer, _scalar(f"{tag}/{phase}", num(local[key])), step)
+                measured = num(local.get(key))
+                if measured is not None:
+                    _add(writer, _scalar(f"{tag}/{phase}", measured), step)
 
 
 def _write_histograms(writer, doc: Document, ref_path, tgt_path, *, limit: int) -> None:

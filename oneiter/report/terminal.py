@@ -90,7 +90,7 @@ def _csv_row(result: CompareResult, index: int) -> dict[str, Any]:
     `nan_inf`: what a spreadsheet needs to see why a row is `diverged`."""
     data = result.row_dict(index)
     local = result.local_for(result.rows[index])
-    extra = dict.fromkeys(CSV_LOCAL, "")
+    extra: dict[str, Any] = dict.fromkeys(CSV_LOCAL, "")
     if local is not None:
         extra.update({"local_rel_l2": local.error, "expected_noise": local.expected, "ratio": local.ratio,
                       "flagged": int(local.flagged), "recipe": local.recipe,
@@ -108,7 +108,7 @@ def _ranked(result: CompareResult) -> dict:
     found = getattr(result, "_csv_impact", None)
     if found is None:
         found = csv_columns(result.verdict_obj.impact)
-        result._csv_impact = found
+        result._csv_impact = found  # type: ignore[attr-defined]  # a cache on the result: ranked once per report
     return found
 
 
@@ -145,8 +145,8 @@ def rows_to_show(result: CompareResult, *, show_all: bool = False) -> tuple[list
         hidden = num - (stop - start)
         caption = f"rows {start}-{stop - 1} of {num} around the {verdict.focus}"
         return list(range(start, stop)), caption + (f"; {hidden} more not shown (--all)" if hidden else "")
-    measured = [i for i, r in enumerate(result.rows) if r.metrics is not None]
-    top = sorted(sorted(measured, key=lambda i: -result.rows[i].metrics.rel_l2)[:TOP])
+    measured = {i: r.metrics.rel_l2 for i, r in enumerate(result.rows) if r.metrics is not None}
+    top = sorted(sorted(measured, key=lambda i: -measured[i])[:TOP])
     hidden = num - len(top)
     caption = f"the {len(top)} entries with the largest rel_l2"
     caption += f"; {hidden} more not shown (--all)" if hidden else ""

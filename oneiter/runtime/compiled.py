@@ -40,6 +40,7 @@ import time
 import types
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterator
 
 from oneiter.errors import OneIterError
@@ -261,7 +262,7 @@ def outside_call(module, pre: Callable | None = None, post: Callable | None = No
     for hooks, hook in ((outside.pre, pre), (outside.post, post)):
         if hook is not None:
             hooks.insert(0, hook) if prepend else hooks.append(hook)
-            handles.append(_Handle(lambda hooks=hooks, hook=hook: _drop(module, outside, hooks, hook)))
+            handles.append(_Handle(partial(_drop, module, outside, hooks, hook)))
     return handles
 
 
@@ -341,7 +342,8 @@ def compile_modules(model, backend, patterns: list[str]) -> Callable[[], None]:
     targets = _targets(model, patterns)
     settings = recordable_compiles()
     settings.__enter__()  # until `restore`: the blocks compile lazily, at their first call
-    undo, codes = [], {}
+    undo: list = []
+    codes: dict[tuple, types.CodeType] = {}
     for module in targets:
         # an FSDP2 unit: its forward alone, so FSDP2's hooks run eagerly around it, as oneiter's do, and a rerun
         # leaves them out (`record/local/rerun.py`); any other module: its whole call, its own hooks included
@@ -385,7 +387,7 @@ def _frame(module, codes: dict, call: Callable) -> Callable:
 
 
 def _template() -> Callable:
-    call: Callable = _ABSENT  # type: ignore[assignment]  (a cell: `_frame` gives each block its own)
+    call: Callable = _ABSENT  # type: ignore[assignment]  # a cell: `_frame` gives each block its own
 
     def block(*args, **kwargs):
         return call(*args, **kwargs)
@@ -512,6 +514,7 @@ class CompileWatch:
         callback_handler.remove_start_callback(self._start)
         callback_handler.remove_end_callback(self._end)
         logger = logging.getLogger(_BREAK_LOGGER)
+        assert self._log is not None and self._saved is not None  # active: `__enter__` set them
         logger.removeHandler(self._log)
         logger.setLevel(self._saved[0])
         logger.disabled, logger.propagate = self._saved[1], self._saved[2]

@@ -115,6 +115,7 @@ def plugins() -> dict[str, str]:
 
 
 def _import_plugin(dev_type: DeviceType) -> None:
+    assert dev_type.plugin is not None  # asked only for a type with a plugin
     try:
         importlib.import_module(dev_type.plugin)
     except ImportError as exc:

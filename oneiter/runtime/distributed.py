@@ -23,7 +23,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from oneiter.errors import OneIterError
 from oneiter.runtime.devices import DEVICE_TYPES, device_type
@@ -216,7 +216,7 @@ def local_device(device, info: RankInfo):
     if not info.distributed or device.type == "cpu" or device.index is not None:
         return device
     device = torch.device(device.type, info.local_rank)
-    backend = getattr(torch, device.type, None)
+    backend: Any = getattr(torch, device.type, None)
     if hasattr(backend, "set_device"):
         backend.set_device(device)
     return device

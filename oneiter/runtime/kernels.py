@@ -33,6 +33,7 @@ import re
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Mapping
 
 __all__ = ["Foreign", "foreign", "backend_keys", "is_plugin_backend", "op_named", "own_registration",
            "registered_at", "alias_registered_at"]
@@ -193,11 +194,12 @@ def _torch_custom_op(op: str) -> bool:
 
     if op.startswith("aten::"):
         return False
+    opdefs: Mapping[str, Any]
     try:
-        from torch._library.custom_ops import OPDEFS
+        from torch._library.custom_ops import OPDEFS as opdefs
     except ImportError:
-        OPDEFS = {}
-    opdef = OPDEFS.get(op) or OPDEFS.get(op.partition(".")[0])
+        opdefs = {}
+    opdef = opdefs.get(op) or opdefs.get(op.partition(".")[0])
     if opdef is not None:
         init = getattr(opdef, "_init_fn", None)
         backends = getattr(opdef, "_backend_fns", {}) or {}

@@ -63,7 +63,7 @@ def _placed(model):
         return None
     root = params[0].device_mesh._get_root_mesh()
     names = tuple(root.mesh_dim_names or ())
-    placed = set()
+    placed: set[str] = set()
     for p in params:
         mesh = p.device_mesh
         if mesh._get_root_mesh() != root:
@@ -89,8 +89,8 @@ def ddp_over(choice: str, model):
     free = [n for n in names if n not in placed]
     if dims is None:
         if choice == "ddp" and not free:
-            dims = f"({', '.join(names)})" if names else f"({root.ndim} unnamed)"
-            raise OneIterError(f"--data-parallel ddp: every dimension of the model's mesh {dims} holds its "
+            shown = f"({', '.join(names)})" if names else f"({root.ndim} unnamed)"
+            raise OneIterError(f"--data-parallel ddp: every dimension of the model's mesh {shown} holds its "
                                f"parameters (FSDP2, tensor parallelism), none is left for DDP; leave --data-parallel "
                                f"at auto", param="data_parallel")
         wrap = free

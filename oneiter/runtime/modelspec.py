@@ -21,7 +21,7 @@ import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from oneiter.errors import ModelError
 
@@ -94,6 +94,7 @@ def _load_function(spec: str) -> Callable:
 
 
 def _call_builder(func: Callable, batch_size: int, model_args: dict[str, Any]) -> Any:
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(func).parameters
     except (TypeError, ValueError):

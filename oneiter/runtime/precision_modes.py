@@ -122,7 +122,7 @@ def modes_for(type_name: str, settings: dict[str, Any]) -> dict[str, str]:
     flags = device_type(type_name).precision_flags
     if flags == "npu":
         return {f: "hf32" if settings.get(f"torch.npu.{f}.allow_hf32") is True else IEEE for f in FAMILIES}
-    chains = _CHAINS.get(flags)
+    chains = _CHAINS.get(flags) if flags is not None else None
     if chains is None:
         return dict.fromkeys(FAMILIES, IEEE)
     modes = {}

@@ -146,7 +146,7 @@ def parse_placements(text: str) -> tuple | None:
         from torch.distributed.tensor import Partial, Replicate, Shard
     except ImportError:
         return None
-    found = []
+    found: list[Any] = []
     for part in re.findall(r"\w+\([^()]*\)", str(text)):
         match = _PLACEMENT.fullmatch(part)
         if match is None:

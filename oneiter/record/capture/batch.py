@@ -114,7 +114,7 @@ def store_batch(sink, args: tuple, kwargs: dict, *, start: int = 0, microbatch: 
 def batch_rows(args: tuple, kwargs: dict) -> int:
     """The leading dimension of the call's first tensor of at least one dimension (0 when there is none): the
     batch size, as far as the arguments tell."""
-    found = []
+    found: list[int] = []
 
     def first(_name: str, tensor):
         if not found and tensor.dim() > 0:

@@ -80,14 +80,16 @@ class InputGradTracker:
                 targets[(id(edge.node), edge.output_nr)].append((name, None))
                 keep.append(edge.node)
                 region = view_region(value)
-                if region is not None:  # if changed in place, the view hands its base's edge on (docstring)
-                    base = get_gradient_edge(value._base)
+                if region is not None and value._base is not None:  # if changed in place, the view hands its
+                    base = get_gradient_edge(value._base)  # base's edge on (docstring); a region has a base
                     targets[(id(base.node), base.output_nr)].append((name, region))
                     keep.append(base.node)
                     views.append((name, value, value._version))
         if not targets:
             return None
-        watermark = self._anchor.view(()).grad_fn._sequence_nr()
+        anchor = self._anchor.view(()).grad_fn
+        assert anchor is not None  # a view of a leaf that requires grad
+        watermark = anchor._sequence_nr()
         return _Pending(dict(targets), keep, watermark, views)
 
     def finish(self, pending: _Pending | None, outputs: list, on_grad: Callable[[str, Any], None]) -> None:
@@ -139,7 +141,7 @@ class InputGradTracker:
         return found
 
     def _hook(self, name: str, edges: list, on_grad: Callable[[str, Any], None]) -> None:
-        state = {"sum": None, "left": len(edges)}
+        state: dict[str, Any] = {"sum": None, "left": len(edges)}
 
         def make(slot: int, region: tuple | None):
             def hook(grad_inputs, _grad_outputs):

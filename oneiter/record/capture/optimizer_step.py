@@ -29,7 +29,7 @@ def before_update(optimizer, fn: Callable[[], None]):
         if not callable(closure):
             fn()
             return None
-        ran = []
+        ran: list[bool] = []
 
         def closure_then_fn() -> Any:
             result = closure()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import sys
+import types
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -55,7 +56,7 @@ def in_reentrant_forward() -> bool:
     """Whether this runs inside the forward of a reentrant checkpoint (torch's `CheckpointFunction`), which runs
     its region under `no_grad`: a frame of it is on the stack. Only asked where gradients are off."""
     code = _reentrant_forward_code()
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and code is not None:
         if frame.f_code is code:
             return True
@@ -219,7 +220,9 @@ class Recomputations:
         first = min(found, key=lambda f: f[0])[1] if found else None
         if first is None or first.grad:
             return None
-        return _Frame(first.parent, first.parent.children.index(first))
+        parent = first.parent
+        assert parent is not None  # a recorded call hangs under the root or an open call
+        return _Frame(parent, parent.children.index(first))
 
     def _stack_top(self, module) -> _Frame:
         region = self._region

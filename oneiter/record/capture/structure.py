@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from oneiter.format.schema import kwarg_name
 from oneiter.runtime.sharding import local, spec_of
@@ -43,7 +43,7 @@ def flatten(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
         yield prefix, obj
 
 
-def flatten_call(args: tuple, kwargs: dict) -> Iterator[tuple[str, Any]]:
+def flatten_call(args: Sequence[Any], kwargs: dict) -> Iterator[tuple[str, Any]]:
     """A call's arguments as named leaves: positional `input.<i>...`, keyword `kwarg.<name>...`."""
     yield from flatten(list(args), "input")
     for key, value in kwargs.items():

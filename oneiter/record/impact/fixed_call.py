@@ -233,9 +233,11 @@ class Fixes:
                     continue
                 frame.seq.append(_Entry(id(module), _dtypes(args, kwargs), index))
             return orig(*args, **kwargs)
+        assert world.frame is not None and world.record is not None  # an f64 world recomputes one call
         call = world.calls[-1] if world.calls and world.calls[-1].module is module else None
         entry = call.entry if call is not None else None  # a call of the float64 code: a child of the recomputed one
         if call is not None and call.fixed:
+            assert entry is not None  # fixed: a call of the live forward (`_enter_call`)
             with in_float64(module, _called(world.frame), world.record):
                 self.done[(self.paths[id(module)], entry.index)] = FIXED  # fixed as part of the recomputation
                 return orig(*args, **kwargs)

@@ -238,6 +238,7 @@ def _backward_fixed(info: _FixedInfo, grads: tuple) -> list:
     gradients accumulated into the live ones."""
     pairs = [(o, g.to(_CPU, torch.float64)) for o, g in zip(info.outs64, grads, strict=True)
              if g is not None and o.requires_grad]
+    assert info.record is not None  # the forward (`_run_fixed`) set it
     targets = [info.leaves64[i] for i in info.grads] + [p for p in info.record.params] + [info.anchor64]
     if pairs:
         with _disable_current_modes(), _autocast_off(), trusted.running(True):

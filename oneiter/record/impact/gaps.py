@@ -46,7 +46,7 @@ def _sums(pairs) -> tuple[float, float]:
         work = torch.promote_types(torch.promote_types(mine.dtype, theirs.dtype), torch.float32)
         a = mine.detach().reshape(-1).to("cpu", work).contiguous()
         b = theirs.reshape(-1).to(work).contiguous()
-        sums = pair_sums(a, b)
+        sums: tuple[float, ...] | None = pair_sums(a, b)
         if sums is None:
             a, b = a.double(), b.double()
             sums = (0.0, float(torch.sum(b ** 2)), float(torch.sum((a - b) ** 2)))

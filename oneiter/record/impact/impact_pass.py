@@ -107,7 +107,8 @@ class ReferencePass:
             owner._after_backward()
             return result
 
-        torch.Tensor.backward = backward
+        # patched for the pass, restored below (mypy: a method assigned, with a looser signature)
+        torch.Tensor.backward = backward  # type: ignore[method-assign, assignment]
         stack.callback(setattr, torch.Tensor, "backward", original)
 
     def _begin(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -111,7 +112,7 @@ def _group(value):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     if isinstance(value, str):
-        return _resolve_process_group(value)
+        return _resolve_process_group(value)  # type: ignore[arg-type]  # a c10d op's group name (a GroupName)
     if isinstance(value, torch.ScriptObject):
         return dist.ProcessGroup.unbox(value)
     return value
@@ -121,7 +122,7 @@ def _reduce_name(value) -> str:
     if isinstance(value, str):
         return value.lower()
     if isinstance(value, torch.ScriptObject):
-        code = int(value.op())
+        code = int(value.op())  # type: ignore[attr-defined]  # a boxed ReduceOp: its methods are not typed
         return _REDUCE[code] if 0 <= code < len(_REDUCE) else f"op{code}"
     return ""
 
@@ -248,9 +249,9 @@ def _unboxed_work(work):
 
 def _done_work(tensors: list):
     """A completed Work (boxed, as a c10d op returns it) holding `tensors`."""
-    from torch._C._distributed_c10d import _create_work_from_future
+    from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]  # private, unstubbed
 
-    future = torch.futures.Future()
+    future: torch.futures.Future[list] = torch.futures.Future()
     future.set_result(tensors)
     return _create_work_from_future(future).boxed()
 
@@ -260,7 +261,7 @@ def _where() -> tuple[str, str]:
     that ran it; "" when torch code inside an autograd node issued it), and the torch.distributed package between
     it and the collective ("" when the model's code called the API itself; "autograd" when no Python issued it: a
     C++ hook in backward, DDP's reducer)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     via, first = "", None
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
@@ -319,6 +320,7 @@ def recorded_collectives(iteration_file) -> list[RecordedCollective]:
     found = []
     for name, attrs in iteration_file.collectives():
         index = collective_index(name)
+        assert index is not None  # the names are checked on open (`format/validate.py`)
         group = collective_group(index)
         shapes = {}
         for kind in ("input", "output"):

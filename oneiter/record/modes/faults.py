@@ -13,6 +13,7 @@ Faults are stored in the recording's `faults` attribute (each rank's file lists 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from oneiter.errors import OneIterError
 from oneiter.record.modes import trusted
@@ -135,7 +136,7 @@ def _scale_grad_class():
 
 
 class _LazyScaleGrad:
-    _cls = None
+    _cls: Any = None  # the autograd Function, made on first use (torch is imported lazily)
 
     def apply(self, tensor, scale):
         if _LazyScaleGrad._cls is None:

@@ -115,7 +115,7 @@ class Transfer(dist.Work):
     def get_future(self):
         """A future already holding the op's tensors, once it completed (waited for here)."""
         self.wait()
-        future = torch.futures.Future()
+        future: torch.futures.Future[list] = torch.futures.Future()
         future.set_result(list(self._op.tensors))
         return future
 

@@ -126,10 +126,11 @@ class PipelineWatch:
         return ops
 
     def _quiet_wrapper(self, original):
-        watch = self
+        quiet = self.quiet
+        assert quiet is not None  # the setup is wrapped only when `quiet` is given
 
         def setup(stage, *args, **kwargs):
-            with watch.quiet():
+            with quiet():
                 return original(stage, *args, **kwargs)
 
         return setup

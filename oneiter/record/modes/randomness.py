@@ -279,6 +279,7 @@ class RandomReplayer(IterationMode):
             ok = rec is not None and {rec.packet, name} <= _DROPOUT_MASK and \
                 _key_shape(rec) == shapes[_mask_index(name)]
         if ok:
+            assert rec is not None  # only a recorded op matches
             self.num_compiled += bool(self.inside is not None and self.inside())
             return rec
         expected = "none" if rec is None else f"{rec.op} shape {_shape(_key_shape(rec))}"

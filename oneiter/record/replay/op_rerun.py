@@ -40,6 +40,7 @@ import os
 import re
 import sys
 import sysconfig
+import types
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -224,7 +225,8 @@ class OpTracer(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             if node is not None:
                 row.node = node.name()
-                row.line = _user_line_in(node.metadata.get("traceback_") or [])
+                # torch types Node.metadata as a method; an autograd node's is a dict attribute
+                row.line = _user_line_in(node.metadata.get("traceback_") or [])  # type: ignore[attr-defined]
         return row
 
     # -- measuring ----------------------------------------------------------------------------------------------
@@ -386,7 +388,7 @@ def _widened(x, dtype):
 # -- where an op was called from ------------------------------------------------------------------------------------
 def _user_line_here() -> str:
     """The innermost frame of the current stack that is no torch, oneiter or standard-library code."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith(_NOT_USER):

@@ -41,7 +41,7 @@ def start_entries(optimizers, model) -> tuple[list[tuple[str, object]], str]:
     if not optimizers:
         return [], ""
     names = {id(p): canonical(n) for n, p in model.named_parameters(remove_duplicate=False)}
-    entries = []
+    entries: list[tuple[str, object]] = []
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -120,7 +120,9 @@ def _read(ref) -> dict[str, dict[str, object]]:
     """parameter name -> {key: tensor} of the reference's `/optimizer_state`, on the CPU, bit for bit."""
     values: dict[str, dict[str, object]] = defaultdict(dict)
     for entry in ref._names_in(OPTIMIZER):
-        param, key = split_optimizer_entry(entry)  # checked on open (`format/validate.py`)
+        split = split_optimizer_entry(entry)
+        assert split is not None  # checked on open (`format/validate.py`)
+        param, key = split
         path = f"{OPTIMIZER}/{entry}"
         if ref.is_stats(path):
             raise OneIterError(f"the reference '{ref.path.name}' holds only statistics of its optimizer's state "

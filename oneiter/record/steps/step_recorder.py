@@ -143,7 +143,7 @@ class StepRecorder:
     def __init__(self, model, out: str | os.PathLike, *, steps: Any = None, optimizer=None,
                  progress: Callable[[str, int], None] | None = None, notify: Callable[[str], None] | None = None,
                  twin: bool = True, **options: Any):
-        opts = RecordOptions(out=out, **options)
+        opts = RecordOptions(out=out, **options)  # type: ignore[arg-type]  # `out` checked, made a Path there
         Recorder.from_options(model, opts, optimizer=optimizer)  # the model and options checked as for one iteration
         self._setup(model, opts, steps, optimizer, progress, notify, twin)
 
@@ -215,16 +215,23 @@ class StepRecorder:
         self._stack, self._started = stack, time.perf_counter()
         return self
 
+    @property
+    def _reference(self) -> IterationFile:
+        """The reference a replay runs (only a replay's paths ask for it: `__enter__` opened it)."""
+        assert self.ref is not None
+        return self.ref
+
     def _replayed_steps(self) -> list[int]:
-        theirs = self.ref.steps()
+        ref = self._reference
+        theirs = ref.steps()
         if not theirs:
-            raise OneIterError(f"replay '{self.ref.path.name}' records one iteration, not several: replay it without "
+            raise OneIterError(f"replay '{ref.path.name}' records one iteration, not several: replay it without "
                                f"steps=", param="steps")
         if self.wanted is None:
             return theirs
         if self.wanted != theirs[:len(self.wanted)]:
             raise OneIterError(f"steps {_shown(self.wanted)} are not the first steps of the reference "
-                               f"'{self.ref.path.name}' ({_shown(theirs)}): a replay runs the reference's steps from "
+                               f"'{ref.path.name}' ({_shown(theirs)}): a replay runs the reference's steps from "
                                f"its first", param="steps")
         return self.wanted
 
@@ -262,6 +269,7 @@ class StepRecorder:
         attrs = {k: v for k, v in first.attrs.items() if k not in ("iteration", "complete")}
         attrs.update({"steps": len(self._done), "loss": float(self._rows[-1][0]), "level": "stats", "local": ""})
         if self._twin_rows:
+            assert self._twin is not None  # its rows come from it
             attrs.update({TWIN_ROUNDOFF: self._twin.roundoff, TWIN_CHECK: float(self.twin_check)})
         self._file.attrs.update(attrs)
         self._num_calls = int(first.attrs.get("num_calls", 0))
@@ -303,8 +311,10 @@ class StepRecorder:
                 yield recorder
             finally:
                 self._current = None
-        self._rows.append(metrics.row(recorder.summary.loss))
-        self._num_entries = recorder.summary.num_entries
+        summary = recorder.summary
+        assert summary is not None  # the block ended without an error: the step's file is written
+        self._rows.append(metrics.row(summary.loss))
+        self._num_entries = summary.num_entries
         self._keep(step)
         if self.progress is not None:
             self.progress(f"step {index + 1}/{len(self.steps)}", len(self._done))
@@ -341,6 +351,7 @@ class StepRecorder:
     def _measure_impact(self, fn) -> None:
         """`impact`: every step run again from the first one's start per call `impact_from` flags, that call fixed
         at every step (`record/impact/runs.py`); ranked by the gaps at the last step. Its table goes into the file."""
+        assert self.impact is not None and self._impact_start is not None  # `impact`: the first step kept its start
         source, top = self.impact
         judged, run_dtype = judged_in(source)
         progress = self.progress
@@ -367,7 +378,7 @@ class StepRecorder:
                 finally:
                     self._current = None
 
-            gaps, mine = one_pass(self.model, self.ref.step(step), self.options, self._device(), targets, run,
+            gaps, mine = one_pass(self.model, self._reference.step(step), self.options, self._device(), targets, run,
                                   optimizers=self.optimizers, **how)
             for key, why in mine.items():
                 if done.get(key, FIXED) == FIXED:
@@ -375,7 +386,7 @@ class StepRecorder:
         return gaps, done
 
     def _twin_step(self, twin: Twin, step: int, fn, *, perturb: bool) -> np.ndarray:
-        view = self.ref.step(step)
+        view = self._reference.step(step)
         metrics = StepMetrics(self.model, self.optimizers)
         twin_pass = TwinPass(self.model, view, self.options, self._device())
         with twin.swapped_in(step, perturb=perturb), metrics, twin_pass:
@@ -400,9 +411,9 @@ class StepRecorder:
         that rounding (measured on an H200: a TF32 target's twin then drifted by nothing, and a clean step was
         flagged at 115x its band)."""
         mine = amp_dtype_name(self.options.amp) or _param_dtype(self.model)
-        theirs = amp_dtype_name(self.ref.meta.get("amp")) or str(self.ref.meta.get("dtype") or "float32")
-        modes = (precision_modes.current(self._device().type),
-                 precision_modes.from_attr(self.ref.meta.get(PRECISION_MODES)))
+        meta = self._reference.meta
+        theirs = amp_dtype_name(meta.get("amp")) or str(meta.get("dtype") or "float32")
+        modes = (precision_modes.current(self._device().type), precision_modes.from_attr(meta.get(PRECISION_MODES)))
         return max(unit_roundoff(mine), unit_roundoff(theirs), *(precision_modes.roundoff(m) for m in modes))
 
     # -- what the loop calls ------------------------------------------------------------------------------------------

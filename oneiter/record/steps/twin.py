@@ -140,7 +140,9 @@ class Twin:
         gen = torch.Generator().manual_seed(perturbation_seed(self.seed, step) + index)
         signs = torch.randint(0, 2, tuple(param.shape), generator=gen, dtype=torch.int8)
         if is_dtensor(param):
-            offset = placement_of(param)[2] or (0,) * signs.dim()
+            placed = placement_of(param)
+            assert placed is not None  # a DTensor's placement
+            offset = placed[2] or (0,) * signs.dim()
             signs = signs[tuple(slice(o, o + n) for o, n in zip(offset, weight.shape, strict=True))]
         return scaled_by_signs(weight, signs, 2.0 * self.roundoff)
 

@@ -5,6 +5,7 @@ naming each of its modules and subpackages, one line each, and nothing that does
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from pathlib import Path
@@ -97,6 +98,7 @@ def sources() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+@functools.lru_cache(maxsize=1)
 def sizes() -> dict[str, dict[str, int]]:
     """Lines of every module, class and function (methods and nested functions included) of the package; a class or
     function counts from its `def`/`class` line to its last (`end_lineno - lineno + 1`: decorators excluded)."""

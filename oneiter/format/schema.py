@@ -2,9 +2,9 @@
 
 Everything that says *where* a tensor lives and *how* it is stored, without opening a file: group and table
 names, the tensor-name grammar, the columns of `/local`, `/unprobed` and `/stats`, and the torch dtypes HDF5 has
-no type for (`RAW_BITS`). The file itself (`layout.py`: writer and reader), the validation walk (`validate.py`)
-and every package that names a call or a tensor import it; it imports nothing of oneiter but `errors`, so each
-of them can. No pickle anywhere: tensors are plain datasets, metadata plain attributes.
+no type for (`RAW_BITS`). The file itself (`file_writer.py` writes, `layout.py` reads), the validation walk
+(`validate.py`, `attributes.py`) and every package that names a call or a tensor import it; it imports nothing of
+oneiter but `errors`, so each of them can. No pickle anywhere: tensors are plain datasets, metadata plain attributes.
 
 Layout, schema `oneiter.iteration` version 2::
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import FileWriter
+from oneiter.format.file_writer import FileWriter
 from oneiter.format.schema import tensor_to_numpy
 
 if TYPE_CHECKING:

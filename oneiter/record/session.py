@@ -40,7 +40,8 @@ from oneiter.format.schema import (
 )
 from oneiter.format.writer import DEFAULT_QUEUE_BYTES, BackgroundWriter
 from oneiter.outputs import resolve
-from oneiter.record.capture.hooks import ModuleCapture, TensorSink, host_copy, unscaled
+from oneiter.record.capture.hooks import ModuleCapture, unscaled
+from oneiter.record.capture.sink import TensorSink, host_copy
 from oneiter.record.local.clipping import squared_norms, step_figures
 from oneiter.runtime.names import parameters, state_tensors
 from oneiter.runtime.sharding import is_dtensor, local, placement_of

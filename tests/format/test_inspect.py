@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from oneiter.cli import inspect_cmd
-from oneiter.format.layout import FileWriter
+from oneiter.format.file_writer import FileWriter
 from oneiter.format.schema import BATCH, CALLS, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, call_key
 from oneiter.format.summary import summarize_file, tensor_stats
 

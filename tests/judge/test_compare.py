@@ -1,6 +1,6 @@
 """Tests for oneiter/compare (metrics, tolerance, engine, report) and the `oneiter compare` command.
 
-Recordings are synthetic: a toy model (root -> a -> b -> c) written with `format.layout.FileWriter`, in the layout the
+Recordings are synthetic: a toy model (root -> a -> b -> c) written with `file_writer.FileWriter`, in the layout the
 recorder writes, so these tests run in well under a second and need no torch.
 """
 
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from oneiter.cli import compare_cmd
 from oneiter.errors import OneIterError
-from oneiter.format.layout import FileWriter
+from oneiter.format.file_writer import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.measure.metrics import compare_arrays

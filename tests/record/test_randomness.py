@@ -13,7 +13,7 @@ from torch import nn
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.writer import BackgroundWriter
-from oneiter.record.capture.hooks import TensorSink
+from oneiter.record.capture.sink import TensorSink
 from oneiter.record.modes.randomness import (
     RANDOM,
     RandomRecorder,

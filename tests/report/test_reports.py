@@ -1,6 +1,6 @@
 """Tests for the looking-not-reading outputs of `oneiter compare`: report/html.py and report/tensorboard.py.
 
-Recordings are synthetic (a chain root -> a -> b -> c written with `format.layout.FileWriter` in the recorder's
+Recordings are synthetic (a chain root -> a -> b -> c written with `format.file_writer.FileWriter` in the recorder's
 layout), so the tests need no torch and run in about a second. The HTML is checked through its embedded JSON and
 its markup, the TensorBoard output by reading the event file back with tensorboard's own EventAccumulator.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from oneiter.format.layout import FileWriter
+from oneiter.format.file_writer import FileWriter
 from oneiter.format.schema import CALLS, PARAM_GRADS, STATE_AFTER, call_key
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.report.html import find_row, render_html, table_indices, verdict_lines, write_html

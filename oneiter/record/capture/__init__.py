@@ -6,6 +6,7 @@
 - `batch.py`       the model's batch as a framework delivers it: named, stored, swapped for a reference's
 - `microbatches.py` an iteration of several microbatches: which one runs, whose a backward is, their batches and losses
 - `hooks.py`       module hooks: every call's inputs, outputs and gradients, in call order (`CallRecord` tree)
+- `sink.py`        where captured tensors go: copied once to the writer, a tensor seen before stored as a link
 - `blocks.py`      compiled blocks (torch.compile): what a recording of them refuses, writes and says
 - `raised_at.py`   which call, phase and line of the user's model raised an exception
 - `optimizer_step.py` the moment right before an optimizer updates the weights, closure steps included

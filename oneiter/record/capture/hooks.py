@@ -1,9 +1,10 @@
 """Module hooks that capture one iteration: forward inputs/outputs and the gradients around every module call.
 
 Where this sits: `RecordingSession` attaches a `ModuleCapture` to the model, runs one iteration, and detaches it;
-captured tensors are copied to the host at once and handed to the `BackgroundWriter`. With a local-error probe
-(`probe.py`), the capture also keeps a small `CallRecord` per call — the call tree, the structure of its
-arguments and outputs (no tensors), the random ops it ran — and hands it to the probe when the call returns.
+captured tensors are copied to the host at once and handed to the `BackgroundWriter` (`sink.py`'s `TensorSink`).
+With a local-error probe (`probe.py`), the capture also keeps a small `CallRecord` per call — the call tree, the
+structure of its arguments and outputs (no tensors), the random ops it ran — and hands it to the probe when the call
+returns.
 
 How the hooks avoid the known traps of module hooks:
 - inputs are copied in a forward *pre*-hook, before an in-place module (ReLU(inplace=True)) overwrites them;
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,111 +38,22 @@ from oneiter.format.schema import (
     call_path,
     check_name,
     grad_name,
-    group_path,
     layout_attrs,
     seq_kind,
-    shard_attrs,
 )
-from oneiter.format.stats import tensor_stats
 from oneiter.record.capture.blocks import gathered_through_call
 from oneiter.record.capture.input_grads import InputGradTracker, region_of, view_region
 from oneiter.record.capture.recompute import Recomputations, in_backward, in_reentrant_forward, untracked
+from oneiter.record.capture.sink import TensorSink
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random, module_state
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
-from oneiter.runtime.sharding import is_fsdp_hook, local, placement_of
+from oneiter.runtime.sharding import is_fsdp_hook, local
 
-__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "host_copy", "TensorSink", "next_node_number",
-           "unscaled"]
+__all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "next_node_number", "unscaled"]
 
 _SIMPLE = (int, float, bool, str, type(None))
 PROBED = "probed"  # a CallRecord's status once its local probe succeeded
-
-
-def host_copy(tensor):
-    """A detached, contiguous copy on the CPU: safe to keep while the original changes or is freed."""
-    import torch
-
-    tensor = tensor.detach()
-    if tensor.is_conj():
-        tensor = tensor.resolve_conj()
-    if tensor.is_neg():
-        tensor = tensor.resolve_neg()
-    return tensor.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-
-
-class TensorSink:
-    """Copies tensors to the writer, storing a tensor seen before (same object, same version) as a hard link.
-
-    `keep` (a dict), when given, also receives every host copy by path: `record --against cpu` reruns each call
-    from the target's own values after backward.
-    """
-
-    def __init__(self, writer, on_capture: Callable[[int], None] | None = None, keep: dict | None = None,
-                 stats_groups: Callable[[str], bool] | None = None):
-        self.writer = writer
-        self.stats_groups = stats_groups  # group -> True: statistics and a checksum only (`--level stats`)
-        self.num_tensors = 0
-        self.num_bytes = 0  # bytes of tensor data queued (links excluded)
-        self.keep = keep
-        self._seen: dict[int, tuple[Any, int, str]] = {}
-        self._lock = threading.Lock()
-        self._on_capture = on_capture
-
-    def put(self, group: str, name: str, tensor, attrs: dict | None = None, *, dedup: bool = True) -> None:
-        """Queue `tensor` as `group/name`. `dedup=False` for parameters and buffers: a kernel may update a buffer
-        in place without bumping its version counter (BatchNorm's running stats), so version equality is only
-        trusted for activations and gradients.
-
-        A DTensor (FSDP2) is stored as this rank's shard, with its placement (`schema.shard_attrs`).
-        The copy and the statistics run outside the iteration's dispatch modes (random-op recording, op
-        fallback): they are not the model's ops, and each of their ops would otherwise pass through a Python
-        `__torch_dispatch__` (0.1-0.3 ms more per tensor; 0.06 s of a resnet18 stats-level record)."""
-        import torch
-
-        if not isinstance(tensor, torch.Tensor) or tensor.is_sparse or tensor.is_quantized:
-            return
-        placement = placement_of(tensor)
-        if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
-            attrs = {**(attrs or {}), **shard_attrs(placement)}
-        tensor = local(tensor)  # a DTensor's shard; a collective's result under way, waited for
-        if torch._C._len_torch_dispatch_stack():
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            with _disable_current_modes():
-                self._put(group, name, tensor, attrs, dedup)
-        else:
-            self._put(group, name, tensor, attrs, dedup)
-
-    def _put(self, group: str, name: str, tensor, attrs: dict | None, dedup: bool) -> None:
-        check_name(name, f"'{group}' entry")
-        path = group_path(group, name)
-        with self._lock:
-            hit = self._seen.get(id(tensor))
-            if dedup and hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-                self.writer.link(group, name, hit[2])
-                if self.keep is not None:
-                    self.keep[path] = self.keep.get(hit[2])
-            else:
-                key = id(tensor)
-                ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
-                self._seen[key] = (ref, tensor._version, path)
-                if self.stats_groups is not None and self.stats_groups(group):
-                    dtype_name = str(tensor.dtype).removeprefix("torch.")
-                    stats = tensor_stats(tensor)
-                    self.writer.stats(group, name, stats, dtype_name, tuple(tensor.shape), attrs)
-                    self.num_bytes += stats.values.nbytes
-                elif self.keep is None:  # a ring slot, reused once written
-                    self.writer.copy(group, name, tensor, attrs)
-                    self.num_bytes += tensor.numel() * tensor.element_size()
-                else:  # --against cpu reruns calls from these copies after backward: copies of their own
-                    copy = host_copy(tensor)
-                    self.writer.tensor(group, name, copy, attrs)
-                    self.keep[path] = copy
-                    self.num_bytes += copy.numel() * copy.element_size()
-            self.num_tensors += 1
-        if self._on_capture is not None:
-            self._on_capture(self.num_tensors)
 
 
 @dataclass(eq=False)

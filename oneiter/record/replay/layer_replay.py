@@ -54,7 +54,8 @@ from oneiter.format.schema import (
     natural_key,
     tensor_to_numpy,
 )
-from oneiter.record.capture.hooks import flatten, host_copy
+from oneiter.record.capture.hooks import flatten
+from oneiter.record.capture.sink import host_copy
 from oneiter.record.capture.structure import flatten_call
 from oneiter.record.local.rerun import with_layout
 from oneiter.record.modes import trusted

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from oneiter.errors import OneIterError
-from oneiter.format.layout import IterationFile, impact_dataset
+from oneiter.format.file_writer import impact_dataset
+from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PRECISION_MODES, SIGNATURE, STEPS, TWIN_SIGNATURE
 from oneiter.format.signature import signature_columns
 from oneiter.record.capture.optimizer_step import before_update

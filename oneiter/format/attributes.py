@@ -9,7 +9,7 @@ import json
 import math
 import os
 import stat
-from typing import Any
+from typing import Any, TypeGuard
 
 import h5py
 import numpy as np
@@ -105,7 +105,7 @@ def _attr_value(attr):
     attr.read(array, mtype=htype)
     if dtype.kind == "O" and h5py.h5t.check_string_dtype(dtype) is not None:  # variable-length strings: bytes
         if array.ndim == 0:
-            return array[()].decode("utf-8", "surrogateescape")
+            return bytes(array[()]).decode("utf-8", "surrogateescape")
         array = np.array([b.decode("utf-8", "surrogateescape") for b in array.flat], dtype=dtype).reshape(array.shape)
     return array[()] if array.ndim == 0 else array
 
@@ -113,7 +113,7 @@ def _attr_value(attr):
 _MEMORY_TYPES: dict = {}  # numpy dtype -> HDF5 memory type (h5py builds one per read otherwise)
 
 
-def is_int(value) -> bool:
+def is_int(value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -86,6 +86,13 @@ class Entry:
 class IterationFile:
     """A read-only, validated oneiter recording. Use as a context manager or call `close()`."""
 
+    _owner = True  # False for a step's view of a multi-step recording: the file is its recording's
+    _local_rows: list[LocalRow] | None = None  # `/local`, read once
+    _calls: list[tuple[str, Any]] | None = None  # the call groups in execution order, read once
+    _stats_index: dict[str, tuple]
+    _stats_raw: dict[str, tuple]
+    _pass_through: set[tuple[str, int]]
+
     def __init__(self, path: str | os.PathLike):
         import h5py
 
@@ -130,7 +137,7 @@ class IterationFile:
         steps = consistency.check_steps(self.meta, self._tree.groups, tables, params, self.path, losses)
         self._steps = {s: self._steps[s] for s in steps}
         for name, (values, columns) in tables.items():
-            self._signatures[name] = Signature(tuple(steps), tuple(columns), values)
+            self._signatures[name] = Signature(tuple(steps), tuple(columns or ()), values)
 
     def _validate_iteration(self) -> None:
         """The structures of one iteration (the file's, or a step's of a multi-step recording)."""
@@ -145,7 +152,7 @@ class IterationFile:
         consistency.check_optimizer_state(self.meta, self._names_in(OPTIMIZER), params, self.path)
         consistency.check_step_start(self._names_in(STEP_START), params, self.path)
         consistency.check_step_start(self._names_in(STEP_GRADS), params, self.path, STEP_GRADS)
-        self._pass_through: set[tuple[str, int]] = set()
+        self._pass_through = set()
         if self.local_kind() and LOCAL in datasets:
             self._pass_through = consistency.check_local(self.local_rows(), self.unprobed(), groups, datasets,
                                                          params, self.path)
@@ -188,7 +195,7 @@ class IterationFile:
     def _read_stats(self) -> dict[str, tuple]:
         """path -> (Stats, dtype name, shape) of every stats-level entry (`/stats`), each row checked
         (`consistency.stats_index`); empty for a full recording."""
-        self._stats_raw: dict[str, tuple] = {}
+        self._stats_raw = {}
         table = self.file.get(STATS)
         if table is None:
             return {}
@@ -208,7 +215,7 @@ class IterationFile:
         self.close()
 
     def close(self) -> None:
-        if not getattr(self, "_owner", True):  # a step's view: the file is its recording's
+        if not self._owner:  # a step's view: the file is its recording's
             return
         mapped = getattr(self, "_mapped", None)
         if mapped is not None:
@@ -317,14 +324,17 @@ class IterationFile:
         """`teacher_forced`, `against_cpu`, or "" when the file holds no per-layer local results."""
         return str(self.meta.get("local", "") or "")
 
+    @staticmethod
+    def _local_fields(rec, names: set) -> dict[str, Any]:
+        return {n: plain(rec[n]) if n in names else LOCAL_OPTIONAL[n] for n, _ in LOCAL_FIELDS}
+
     def local_rows(self) -> list[LocalRow]:
         """The rows of `/local` (empty without local data), read once."""
-        if getattr(self, "_local_rows", None) is None:
+        if self._local_rows is None:
             table = self.file.get(LOCAL)
             names = set(table.dtype.names or ()) if table is not None else set()
             self._local_rows = [] if table is None else [
-                LocalRow(**{n: plain(rec[n]) if n in names else LOCAL_OPTIONAL[n] for n, _ in LOCAL_FIELDS})
-                for rec in table[()]]
+                LocalRow(**self._local_fields(rec, names)) for rec in table[()]]
         return list(self._local_rows)
 
     def pass_through_calls(self) -> set[tuple[str, int]]:
@@ -410,7 +420,7 @@ class IterationFile:
 
     def calls(self) -> list[tuple[str, dict[str, Any]]]:
         """(call key, attrs) in execution order."""
-        if getattr(self, "_calls", None) is None:  # read once: every reader walks the calls several times
+        if self._calls is None:  # read once: every reader walks the calls several times
             keys = self._tree.groups[CALLS][1] if CALLS in self._tree.groups else []
             items = [(k, self._tree.groups[f"{CALLS}/{k}"][0]) for k in keys]
             self._calls = sorted(items, key=lambda kv: kv[1].get("exec_index", 0))

@@ -315,7 +315,7 @@ def _check_collectives_group(parts: list[str], attrs: dict[str, Any], full: str,
     for name, kind in wanted_attrs.items():
         value = attrs.get(name)
         ok = is_int(value) if kind is int else isinstance(value, kind)
-        if kind is list and ok:
+        if kind is list and ok and isinstance(value, list):
             ok = all(is_int(v) for v in value)
         if not ok:
             wanted = {int: "an integer", str: "a string", bool: "a boolean", list: "a list of integers"}[kind]

@@ -395,7 +395,7 @@ class ModuleCapture:
 
     def _end_recomputed(self, output) -> None:
         frame = self.recomputations.end()
-        if frame is None or frame.call is None:
+        if frame is None or frame.call is None or frame.pending is None:
             return
         pending, first = frame.pending
         self.node_ranges.append((first, next_node_number(), frame.call.key))

@@ -32,7 +32,7 @@ import bisect
 import sys
 import types
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["Recomputations", "in_backward", "in_reentrant_forward", "untracked", "checkpoint_disabled"]
 
@@ -134,7 +134,8 @@ class _Frame:
     __slots__ = ("call", "cursor", "pending")
 
     def __init__(self, call: "_Call | None", cursor: int = 0):
-        self.call, self.cursor, self.pending = call, cursor, None
+        self.call, self.cursor = call, cursor
+        self.pending: tuple[Any, int] | None = None  # (the input gradients' hooks under way, the first node)
 
 
 class Recomputations:

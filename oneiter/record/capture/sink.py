@@ -5,6 +5,7 @@ as a hard link. `host_copy` is the detached CPU copy a recording keeps while the
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -61,7 +62,7 @@ class TensorSink:
             return
         placement = placement_of(tensor)
         if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
-            attrs = {**(attrs or {}), **shard_attrs(placement)}
+            attrs = {**(attrs or {}), **(shard_attrs(placement) or {})}
         tensor = local(tensor)  # a DTensor's shard; a collective's result under way, waited for
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
@@ -82,7 +83,7 @@ class TensorSink:
                     self.keep[path] = self.keep.get(hit[2])
             else:
                 key = id(tensor)
-                ref = weakref.ref(tensor, lambda _r, k=key, seen=self._seen: seen.pop(k, None))
+                ref = weakref.ref(tensor, functools.partial(_forget, self._seen, key))
                 self._seen[key] = (ref, tensor._version, path)
                 if self.stats_groups is not None and self.stats_groups(group):
                     dtype_name = str(tensor.dtype).removeprefix("torch.")
@@ -100,3 +101,8 @@ class TensorSink:
             self.num_tensors += 1
         if self._on_capture is not None:
             self._on_capture(self.num_tensors)
+
+
+def _forget(seen: dict, key: int, _ref) -> None:
+    """A written tensor was freed: its id may be reused, so it no longer links to the entry written for it."""
+    seen.pop(key, None)

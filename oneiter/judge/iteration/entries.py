@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from oneiter.format.schema import ROOT_MODULE, split_call_key, split_child_tensor
 from oneiter.judge.measure.metrics import Metrics
 from oneiter.judge.measure.tolerance import Tolerance
 
-__all__ = ["PHASES", "STATUSES", "NOT_DIVERGED", "MEASURED", "NOT_JUDGED", "Row", "nan_inf_text", "LocalMetrics",
-           "LocalResult"]
+__all__ = ["PHASES", "STATUSES", "NOT_DIVERGED", "MEASURED", "NOT_JUDGED", "Key", "Row", "nan_inf_text",
+           "LocalMetrics", "LocalResult"]
 
 # row statuses of entries both sides hold with one shape and dtype
 MEASURED = ("match", "diverged", "drift", "rounding")
@@ -33,6 +33,22 @@ PHASES = ("forward", "backward", "param_grad", "optimizer")
 STATUSES = ("match", "rounding", "drift", "diverged", NOT_JUDGED, "missing_in_target", "missing_in_reference",
             "shape_mismatch", "dtype_mismatch")
 NOT_DIVERGED = ("match", "rounding", "drift", NOT_JUDGED)
+
+
+class Key(NamedTuple):
+    """What names one tensor of an iteration, the same in both recordings: a row's (`Row.key`), a call's own tensor's
+    (`LocalResult.key`) and the row that tensor has in the report (`LocalResult.row_key`). A tuple: it equals, and
+    hashes as, the plain `(module, call, phase, tensor)` a file's `Entry.key` gives."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+
+    @property
+    def param_grad(self) -> Key:
+        """The key of a parameter's gradient (`param_grad`), for the key of its update (`optimizer`)."""
+        return Key(self.module, 0, "param_grad", self.tensor)
 
 
 @dataclass
@@ -51,6 +67,11 @@ class Row:
     tolerance: Optional[Tolerance] = None
     metrics: Optional[Metrics] = None
     reason: str = ""
+
+    @property
+    def key(self) -> Key:
+        """(module, call, phase, tensor): the entry's key, as a `LocalResult.row_key` names it."""
+        return Key(self.module, self.call, self.phase, self.tensor)
 
     @property
     def diverged(self) -> bool:
@@ -155,16 +176,19 @@ class LocalResult:
         return self.calibrated is not None and self.bound is not None and self.calibrated > self.expected
 
     @property
-    def key(self) -> tuple[str, int, str, str]:
-        return (self.module, self.call, self.phase, self.tensor)
+    def key(self) -> Key:
+        """The call's own tensor: (module, call, phase, tensor)."""
+        return Key(self.module, self.call, self.phase, self.tensor)
 
     @property
-    def row_key(self) -> tuple[str, int, str, str]:
+    def row_key(self) -> Key:
+        """The key of the row the same tensor has in the report (`Row.key`): a tensor handed to a child is the
+        child's."""
         child = split_child_tensor(self.tensor)
         if child is None:
             return self.key
         module, call = split_call_key(child[0])
-        return (module or ROOT_MODULE, call, self.phase, child[1])
+        return Key(module or ROOT_MODULE, call, self.phase, child[1])
 
     @property
     def rel_l2(self) -> float:

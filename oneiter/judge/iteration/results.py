@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from oneiter.formatting import json_ready
-from oneiter.judge.iteration.entries import STATUSES, LocalResult, Row
+from oneiter.judge.iteration.entries import STATUSES, Key, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.impact import Impact
 from oneiter.judge.iteration.verdict import Culprit, Verdict, decide
@@ -144,12 +144,12 @@ class CompareResult:
         return counts
 
     @functools.cached_property
-    def _local_index(self) -> dict[tuple, LocalResult]:
+    def _local_index(self) -> dict[Key, LocalResult]:
         return {r.row_key: r for r in self.local}
 
     def local_for(self, row: Row) -> Optional[LocalResult]:
         """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
-        return self._local_index.get((row.module, row.call, row.phase, row.tensor))
+        return self._local_index.get(row.key)
 
 
 def _local_dict(local: Optional[LocalResult]) -> Optional[dict[str, Any]]:

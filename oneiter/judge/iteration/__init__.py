@@ -5,9 +5,9 @@ Imports go one way: `entries` -> `findings`, `formats` -> `summed` -> `blame`, `
 own (`entries.py`, `statement.py`, `results.py`), so the engine, blame and the verdict read them without reading one
 another (the verdict reads a result as its `Evidence`).
 
-- `entries.py`  an entry of both files compared (`Row`), a call's own error (`LocalResult`), the row statuses
+- `entries.py`  an entry of both files compared (`Row`), a call's own error (`LocalResult`), their `Key`, the statuses
 - `findings.py` what blame found, and the one table of priorities the verdict picks among them by
-- `pairing.py`  which entries pair up, in causal order; whether two files may be compared (model, replay start)
+- `pairing.py`  which entries pair up, in causal order, and which a compiled block hides; which files may be compared
 - `blame.py`    local (per-call) error against expected noise: the culprit; the NaN/Inf origin
 - `summed.py`   a gradient summed from its readers' gradients: which they are, and the drift it inherits
 - `formats.py`  what the target's low-precision recipes cost per call, and how closely it follows them

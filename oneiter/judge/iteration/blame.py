@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
-from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
+from oneiter.judge.iteration.entries import Key, LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
@@ -62,8 +62,9 @@ def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
 
 
 def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
-    metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
-                           row.inf, row.mismatch)
+    metrics = LocalMetrics(num_elements=row.numel, rel_l2=row.rel_l2, max_abs=row.max_abs, cosine=row.cosine,
+                           num_nan_ref=row.nan_ref, num_inf_ref=row.inf_ref, num_nan_target=row.nan,
+                           num_inf_target=row.inf, num_mismatch=row.mismatch)
     # not calibrated (NaN: within one unit roundoff of the tensor's dtype and of the run's compute precision, bf16
     # under --amp bf16), or calibrated far above what the precision can produce: `precision.expected_noise`
     calibrated, expected, bound = expected_noise(row.noise_target, row.noise_reference, row.noise_bound,
@@ -73,8 +74,9 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     factor = noise.factor_for(row.module)
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
-    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, bound, not flagged and expected >= ROUNDING_NOISE)
+    return LocalResult(**Key(*row.key)._asdict(), dtype=row.dtype, seq=row.seq, metrics=metrics, calibrated=calibrated,
+                       calibration=row.calibration, expected=expected, factor=factor, flagged=flagged, bound=bound,
+                       rounding=not flagged and expected >= ROUNDING_NOISE)
 
 
 def _judge_recipe(row: LocalRow, noise: NoisePolicy, metrics: LocalMetrics, calibrated: Optional[float]
@@ -87,9 +89,9 @@ def _judge_recipe(row: LocalRow, noise: NoisePolicy, metrics: LocalMetrics, cali
     factor = noise.factor_for(row.module)
     error = row.recipe_rel_l2 if not math.isnan(row.recipe_rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
-    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, recipe=row.recipe,
-                       recipe_rel_l2=row.recipe_rel_l2, format_cost=row.format_cost)
+    return LocalResult(**Key(*row.key)._asdict(), dtype=row.dtype, seq=row.seq, metrics=metrics, calibrated=calibrated,
+                       calibration=row.calibration, expected=expected, factor=factor, flagged=flagged,
+                       recipe=row.recipe, recipe_rel_l2=row.recipe_rel_l2, format_cost=row.format_cost)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:

@@ -66,7 +66,7 @@ from oneiter.judge.iteration.collectives import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Key, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.impact import read_impact
-from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
+from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, hidden, positions
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.sentences import STATS_REASON, calibration_reason, culprit_reason
 from oneiter.judge.iteration.verdict import settled_rows
@@ -512,7 +512,7 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
     check_compatible(ref, tgt)
     note = check_replay(ref, tgt)
     pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), positions(ref), positions(tgt))
-    pairs, compiled = _hidden(pairs, ref, tgt)
+    pairs, compiled = hidden(pairs, ref, tgt)
     if not pairs:
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
     judge = _Judge(ref, tgt, policy)
@@ -533,36 +533,6 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
                          if f.microbatch_losses()},
         impact=read_impact(tgt),
     )
-
-
-def _hidden(pairs: list, ref: IterationFile, tgt: IterationFile) -> tuple[list, Optional[dict]]:
-    """The pairs to compare, and what each side compiled: an entry one side holds of a call that runs inside a
-    compiled block of the other side (whose modules there run inside its graph, unhooked) is left out and
-    counted per block; never a structural difference."""
-    sides = {"reference": ref.compiled(), "target": tgt.compiled()}
-    if not any(sides.values()):
-        return pairs, None
-    blocks = {side: dict(info.get("blocks") or {}) for side, info in sides.items()}
-    kept, hidden = [], {}
-    for pair in pairs:
-        lacking = "target" if pair[1] is None else "reference" if pair[0] is None else None
-        entry = pair[0] or pair[1]
-        block = None
-        if lacking is not None and entry.phase in ("forward", "backward"):
-            block = next((b for b in blocks[lacking] if _inside(entry.module, b)), None)
-        if block is None:
-            kept.append(pair)
-            continue
-        count = hidden.setdefault((lacking, block), {"side": lacking, "block": block, "entries": 0, "calls": set()})
-        count["entries"] += 1
-        count["calls"].add((entry.module, entry.call))
-    gone = [{**h, "calls": len(h["calls"])} for h in hidden.values()]
-    return kept, {**{side: info for side, info in sides.items() if info}, "hidden": gone}
-
-
-def _inside(module: str, block: str) -> bool:
-    """Whether the call of `module` (a file's module name, `(root)` the model) runs strictly inside `block`."""
-    return module != ROOT_MODULE and module != block and (block == "" or module.startswith(block + "."))
 
 
 def _updates_not_judged(ref: IterationFile, tgt: IterationFile) -> Optional[str]:

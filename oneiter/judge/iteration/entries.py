@@ -133,9 +133,11 @@ class LocalMetrics:
     def as_metrics(self) -> Metrics:
         """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
         nan = math.nan
-        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
-                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
-                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
+        return Metrics(num_elements=self.num_elements, max_abs=self.max_abs, max_rel=nan, rel_l2=self.rel_l2,
+                       cosine=self.cosine, num_out=self.num_mismatch,
+                       frac_out=self.num_mismatch / self.num_elements if self.num_elements else 0.0, need_atol=nan,
+                       need_rtol=nan, num_nan_ref=self.num_nan_ref, num_inf_ref=self.num_inf_ref,
+                       num_nan_target=self.num_nan_target, num_inf_target=self.num_inf_target)
 
 
 @dataclass

@@ -53,7 +53,7 @@ class CompareResult:
     (`_precision`); None when neither side ran any."""
     compiled: Optional[dict] = None
     """The compiled blocks (torch.compile) each side ran, what compiling cost, its graph breaks, and the entries
-    the other side recorded inside a block, which are not compared (`engine._hidden`); None when neither compiled."""
+    the other side recorded inside a block, which are not compared (`pairing.hidden`); None when neither compiled."""
     rounding: set[int] = field(default_factory=set)
     """Rows outside tolerance computed from values all bitwise the reference's, whose error is their own code's
     and within its noise (`blame.own_values`), and every row stored as the same pair of datasets (a layer's output

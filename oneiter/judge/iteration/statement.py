@@ -124,7 +124,7 @@ class Verdict:
     """Rows measured but not judged (`not_judged`: updates from another optimizer state)."""
     compiled: Optional[dict] = None
     """What each side compiled (torch.compile blocks, graphs, graph breaks, compile seconds) and the entries left
-    out because they run inside the other side's compiled blocks (`engine._hidden`); None: neither compiled."""
+    out because they run inside the other side's compiled blocks (`pairing.hidden`); None: neither compiled."""
     warnings: tuple[str, ...] = ()
     """What changes the verdict's meaning (the result's notes: not a replay, updates not judged, a tolerance file
     for another device, calibration kernels that were not torch's own); every report states them among the

@@ -86,10 +86,7 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see `CompareResult.to_json`)."""
-        data = {
-            "module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-            "status": self.status, "nan_inf": nan_inf_text(self.metrics),
-        }
+        data = {**self.key._asdict(), "status": self.status, "nan_inf": nan_inf_text(self.metrics)}
         names = Metrics.__dataclass_fields__
         data.update(self.metrics.as_dict() if self.metrics else {k: None for k in names})
         data.update({
@@ -226,6 +223,5 @@ class LocalResult:
         }
 
     def verdict(self) -> dict[str, Any]:
-        return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
+        return {**self.key._asdict(), "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
                 "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}

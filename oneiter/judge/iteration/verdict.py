@@ -149,7 +149,7 @@ def decide(result: Evidence) -> Verdict:
         num_local=len(result.local),
         num_local_calls=len({(r.module, r.call) for r in result.local if r.phase in ("forward", "backward")}),
         num_flagged=sum(r.flagged for r in result.local),
-        worst_local=None if worst is None else {**dict(zip(_KEY, worst.key, strict=True)), "ratio": worst.ratio,
+        worst_local=None if worst is None else {**worst.key._asdict(), "ratio": worst.ratio,
                                                 "factor": worst.factor, "rel_l2": worst.error,
                                                 "expected": worst.expected},
         largest_rel_l2=max((r.metrics.rel_l2 for r in rows if r.metrics and r.status != NOT_JUDGED), default=0.0),
@@ -161,14 +161,10 @@ def decide(result: Evidence) -> Verdict:
     return replace(verdict, title=title, reason=reason, details=tuple(details))
 
 
-_KEY = ("module", "call", "phase", "tensor")
-
-
 def _untrusted(local: LocalResult) -> dict[str, Any]:
     """A local row whose calibration was not trusted, as the verdict lists it."""
-    return {"module": local.module, "call": local.call, "phase": local.phase, "tensor": local.tensor,
-            "rel_l2": local.rel_l2, "calibrated": local.calibrated, "bound": local.bound, "expected": local.expected,
-            "calibration": local.calibration, "flagged": local.flagged}
+    return {**local.key._asdict(), "rel_l2": local.rel_l2, "calibrated": local.calibrated, "bound": local.bound,
+            "expected": local.expected, "calibration": local.calibration, "flagged": local.flagged}
 
 
 def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
@@ -176,9 +172,8 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     explains it), the culprit's own error (or the call whose calibration was not trusted), or the loss."""
     if finding.kind in ("culprit", "calibration"):
         local = finding.local
-        return {"index": finding.entry, "module": local.module, "call": local.call, "phase": local.phase,
-                "tensor": local.tensor, "entry_status": "local_error" if finding.kind == "culprit" else
-                "calibration_not_trusted", "reason": finding.reason,
+        status = "local_error" if finding.kind == "culprit" else "calibration_not_trusted"
+        return {"index": finding.entry, **local.key._asdict(), "entry_status": status, "reason": finding.reason,
                 "rel_l2": local.error, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
                 **_nonfinite_counts(local.metrics), **_microbatch(result.microbatches, local.module, local.call,
                                                                   local.phase)}
@@ -219,8 +214,7 @@ def _entry(rows: list[Row], index: int, microbatches: Optional[dict] = None) -> 
     """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use (and its
     call's microbatch, in an iteration of several)."""
     row, m = rows[index], rows[index].metrics
-    data = {"index": index, "module": row.module, "call": row.call, "phase": row.phase, "tensor": row.tensor,
-            "entry_status": row.status, "reason": row.reason,
+    data = {"index": index, **row.key._asdict(), "entry_status": row.status, "reason": row.reason,
             **_microbatch(microbatches or {}, row.module, row.call, row.phase)}
     if m is None:
         return {**data, "rel_l2": None, "max_abs": None, "cosine": None}

@@ -14,6 +14,10 @@ presentation (`oneiter.report`, the CLI). Steps:
    (`verdict.py`) is decided once from all of it: the culprit, or the first row, in that order, that is not a
    match.
 
+Each step returns what it finds (`_compare_open` the measured result, `_read_local` the target's local data,
+`_culprit` the culprit's finding and chain, `_unattributed` what no probe explains, `_rounding`, `_nan_origin`);
+`_blame` builds the judged result from them by keyword (`dataclasses.replace`), nothing is filled in afterwards.
+
 Row statuses (`entries.py`) are set here, drift and rounding settled by `verdict.py`. Stored dtypes may differ
 without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta `dtype`/`amp`
 differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.

@@ -1,9 +1,10 @@
 """What one comparison of two recordings holds: `CompareResult`, its rows, findings and notes, and the verdict
 decided from them, and its JSON form.
 
-The engine (`engine.py`) fills one from two files, blame and the findings (`blame.py`, `findings.py`) add what they
-found, and the verdict (`verdict.py`, which reads a result as `verdict.Evidence`) is decided once, the first time it
-is asked for; every report (`oneiter.report`) and the public API read it. The rows themselves are `entries.py`'s.
+The engine (`engine.py`) builds one from two files: the measured rows first, then, by keyword, the same result with
+what blame and the findings (`blame.py`, `findings.py`) found and its rows settled; the verdict (`verdict.py`, which
+reads a result as `verdict.Evidence`) is decided once, the first time it is asked for; every report
+(`oneiter.report`) and the public API read it. The rows themselves are `entries.py`'s.
 """
 
 from __future__ import annotations

@@ -53,10 +53,11 @@ from oneiter.judge.iteration.sentences import (
 )
 from oneiter.judge.iteration.statement import EXIT_CODES, FOCUS, Culprit, RankedVerdict, Sentences, Verdict, render
 
-__all__ = ["Verdict", "Culprit", "Evidence", "RankedVerdict", "Sentences", "decide", "decide_ranked", "settled_rows",
-           "settle_rows",
-           "render", "culprit_reason", "calibration_reason", "EXIT_CODES", "FOCUS", "num", "json_ready", "entry_name",
-           "impact_lines"]
+# the verdict's own names, then what the reports and the engine read of the verdict through here: the types and words
+# it is stated in (`statement.py`, `sentences.py`) and how numbers are written (`oneiter.formatting`)
+__all__ = ["Evidence", "decide", "decide_ranked", "settled_rows", "settle_rows",
+           "Verdict", "Culprit", "RankedVerdict", "Sentences", "render", "EXIT_CODES", "FOCUS",
+           "culprit_reason", "calibration_reason", "entry_name", "impact_lines", "num", "json_ready"]
 
 HINT_RTOLS = 10  # a divergence no larger than this many rtol is rounding-noise size: say so
 

@@ -4,7 +4,7 @@ Sits after the engine and `CompareResult.to_json`: its only input is the JSON do
 saved `--json` report can be rendered again later. The page holds, top to bottom:
 
 - the verdict banner (green match / red divergence / amber inconclusive): the verdict's headline and details in
-  the words of the terminal report (the document's `verdict` rebuilt by `judge.iteration.verdict.Verdict.from_dict`);
+  the words of the terminal report (the document's `verdict` rebuilt by `judge.iteration.statement.Verdict.from_dict`);
 - with `compare --drill` (the document's `drill`), right under it, the culprit call's ops: their verdict and table
   (`report/op_table.py`), or the `oneiter replay ... --ops` command to run where the target's stack is;
 - both runs' metadata and the per-status counts;

@@ -13,7 +13,7 @@ tensorboard's own event writer and protos: neither TensorFlow nor torch is impor
 - ``error/<module>@<call>/<phase>/<tensor>`` (histograms) the elementwise error target - reference (finite
   elements, in float64) of the first `max_histograms` divergent rows, at the row's step.
 - ``verdict`` (text) the verdict in the words of the terminal and HTML reports
-  (`judge.iteration.verdict.Verdict.from_dict`).
+  (`judge.iteration.statement.Verdict.from_dict`).
 - ``entries`` (text) which entry each step is: a table `step | entry | status` (the scalars' x axis is the row
   number; hovering a point shows the step, this table names it).
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import BACKWARD, FORWARD, ROOT_MODULE, LocalRow, is_input
-from oneiter.judge.iteration.entries import LocalMetrics, LocalResult
+from oneiter.judge.iteration.entries import Key, LocalMetrics, LocalResult
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.summed import inherited, readers_gradients
 from oneiter.judge.measure.tolerance import NoisePolicy
@@ -62,8 +62,9 @@ def local_results(tgt: IterationFile, noise: NoisePolicy) -> list[LocalResult]:
 
 
 def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
-    metrics = LocalMetrics(row.numel, row.rel_l2, row.max_abs, row.cosine, row.nan_ref, row.inf_ref, row.nan,
-                           row.inf, row.mismatch)
+    metrics = LocalMetrics(num_elements=row.numel, rel_l2=row.rel_l2, max_abs=row.max_abs, cosine=row.cosine,
+                           num_nan_ref=row.nan_ref, num_inf_ref=row.inf_ref, num_nan_target=row.nan,
+                           num_inf_target=row.inf, num_mismatch=row.mismatch)
     # not calibrated (NaN: within one unit roundoff of the tensor's dtype and of the run's compute precision, bf16
     # under --amp bf16), or calibrated far above what the precision can produce: `precision.expected_noise`
     calibrated, expected, bound = expected_noise(row.noise_target, row.noise_reference, row.noise_bound,
@@ -73,8 +74,9 @@ def _judge(row: LocalRow, noise: NoisePolicy, run_dtype: str) -> LocalResult:
     factor = noise.factor_for(row.module)
     error = row.rel_l2 if not math.isnan(row.rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
-    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, bound, not flagged and expected >= ROUNDING_NOISE)
+    return LocalResult(**Key(*row.key)._asdict(), dtype=row.dtype, seq=row.seq, metrics=metrics, calibrated=calibrated,
+                       calibration=row.calibration, expected=expected, factor=factor, flagged=flagged, bound=bound,
+                       rounding=not flagged and expected >= ROUNDING_NOISE)
 
 
 def _judge_recipe(row: LocalRow, noise: NoisePolicy, metrics: LocalMetrics, calibrated: Optional[float]
@@ -87,9 +89,9 @@ def _judge_recipe(row: LocalRow, noise: NoisePolicy, metrics: LocalMetrics, cali
     factor = noise.factor_for(row.module)
     error = row.recipe_rel_l2 if not math.isnan(row.recipe_rel_l2) else math.inf
     flagged = not noise.skipped(row.module) and (error > factor * expected or row.mismatch > 0)
-    return LocalResult(row.module, row.call, row.phase, row.tensor, row.dtype, row.seq, metrics, calibrated,
-                       row.calibration, expected, factor, flagged, recipe=row.recipe,
-                       recipe_rel_l2=row.recipe_rel_l2, format_cost=row.format_cost)
+    return LocalResult(**Key(*row.key)._asdict(), dtype=row.dtype, seq=row.seq, metrics=metrics, calibrated=calibrated,
+                       calibration=row.calibration, expected=expected, factor=factor, flagged=flagged,
+                       recipe=row.recipe, recipe_rel_l2=row.recipe_rel_l2, format_cost=row.format_cost)
 
 
 def find_culprit(results: list[LocalResult]) -> Optional[LocalResult]:
@@ -171,7 +173,7 @@ class Sources:
                  norm: Optional[Callable[[tuple], Optional[float]]] = None, run_dtype: str = "",
                  stepped_changed: bool = False):
         self.stepped_changed = stepped_changed
-        self.errors = {(r.module, r.call, r.phase, r.tensor): r.metrics.rel_l2 for r in rows if r.metrics is not None}
+        self.errors = {r.key: r.metrics.rel_l2 for r in rows if r.metrics is not None}
         self.summands = readers_gradients(rows, stored, parents or {}) if stored is not None else {}
         self.norm, self.run_roundoff = norm, unit_roundoff(run_dtype) if run_dtype else 0.0
         self.by_call: dict[tuple[str, int, str], list[float]] = {}
@@ -180,7 +182,7 @@ class Sources:
             kind = "in" if is_input(tensor) else "out"
             self.by_call.setdefault((module, call, f"{phase}.{kind}"), []).append(err)
             self.keys.setdefault((module, call, f"{phase}.{kind}"), []).append((module, call, phase, tensor))
-        self.bitwise = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None
+        self.bitwise = {r.key for r in rows if r.metrics is not None
                       and r.status in ("match", "diverged") and _bitwise(r.metrics)}
         for (module, call, phase), key, err, bitwise in consumed:
             self.by_call.setdefault((module, call, f"{phase}.in"), []).append(err)
@@ -207,9 +209,8 @@ class Sources:
         for r in rows:
             if r.phase != BACKWARD or r.metrics is None:
                 continue
-            key = (r.module, r.call, r.phase, r.tensor)
             if r.module == ROOT_MODULE and r.tensor.startswith("grad_output"):
-                self.backward_before[key] = running
+                self.backward_before[r.key] = running
             running = max(running, r.metrics.rel_l2) if not math.isnan(r.metrics.rel_l2) else running
 
     def exact_call(self, module: str, call: int, phase: str) -> bool:
@@ -237,7 +238,7 @@ class Sources:
             return False
         if r.phase == "param_grad":
             return self.all_exact
-        grad = (r.module, 0, "param_grad", r.tensor)
+        grad = r.key.param_grad
         if grad in self.errors:
             return grad in self.bitwise and not self.stepped_changed
         calls = self.calls_of.get(r.module, [])
@@ -254,13 +255,13 @@ class Sources:
 
     def upstream(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> Optional[float]:
         """The error the entry may inherit, or None when a probe (or a local row) covers it."""
-        if (r.module, r.call, r.phase, r.tensor) in covered:
+        if r.key in covered:
             return None
         if r.phase == "param_grad":
             sources = self._module_errors(r.module, ("forward.in", "backward.in"))
             return max(sources) if sources else self.everything
         if r.phase == "optimizer":
-            grad = self.errors.get((r.module, 0, "param_grad", r.tensor))
+            grad = self.errors.get(r.key.param_grad)
             if grad is not None:
                 return grad
             sources = self._module_errors(r.module, ("forward.in",))
@@ -268,9 +269,8 @@ class Sources:
         if r.module == ROOT_MODULE and r.phase == BACKWARD and r.tensor.startswith("grad_output"):
             # from the loss (computed from the outputs), and from whatever the model's own backward summed into it:
             # the gradients its readers handed back (`summed.py`), else every backward entry before it
-            key = (r.module, r.call, r.phase, r.tensor)
-            before = self.backward_before.get(key, 0.0)
-            return max(self.root_out, self.loss_err or 0.0, before, self.summed(key, r.dtype_target or r.dtype))
+            before = self.backward_before.get(r.key, 0.0)
+            return max(self.root_out, self.loss_err or 0.0, before, self.summed(r.key, r.dtype_target or r.dtype))
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
             return self._call_inputs(r)
         return None  # covered by a probe
@@ -286,10 +286,10 @@ class Sources:
     def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
         """Whether everything an entry no probe covers was computed from is known and bitwise equal to the
         reference's (an update from exact gradients; an unprobed call's output from exact inputs)."""
-        if (r.module, r.call, r.phase, r.tensor) in covered:
+        if r.key in covered:
             return False
         if r.phase == "optimizer":
-            return (r.module, 0, "param_grad", r.tensor) in self.bitwise and not self.stepped_changed
+            return r.key.param_grad in self.bitwise and not self.stepped_changed
         if r.phase == "param_grad":  # summed over every call that used it (shared weights too): every entry
             return self.all_exact
         if (r.module, r.call) in unprobed and not is_input(r.tensor):
@@ -299,7 +299,7 @@ class Sources:
     def inputs(self, r) -> float:
         """The largest error of what the entry was computed from (its call's inputs; a gradient's, too)."""
         if r.phase == "optimizer":
-            grad = self.errors.get((r.module, 0, "param_grad", r.tensor), 0.0)
+            grad = self.errors.get(r.key.param_grad, 0.0)
             return max(grad, *self.by_call.get((r.module, 0, "forward.in"), [0.0]))
         if r.phase == "param_grad":
             return max(self._module_errors(r.module, ("forward.in", "backward.in")), default=0.0)
@@ -351,14 +351,14 @@ def own_values(rows: list, local: list[LocalResult], sources: Sources, *, on_cpu
     finding, whichever way: the value is not what its code computes from those values (a gradient scaled after
     backward, a wrong accumulation), or its local row claims an error the value does not have (a damaged or
     forged file). Returns the findings and the rows that agree and are outside tolerance: their own rounding,
-    never accumulated drift (`verdict.settle_rows` labels them `rounding`). Flagged rows are the culprit's
+    never accumulated drift (`verdict.settled_rows` labels them `rounding`). Flagged rows are the culprit's
     business and left alone.
 
     A parameter's update row measures the update (after - before, relative to the reference's update), its entry
     the updated value (relative to the updated value): `update_scale(module, tensor)` gives ||after|| / ||update||
     of the reference, which turns one into the other (read only where the updated value is not bitwise the
     reference's; without it, those are not checked)."""
-    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(rows)}
+    index = {r.key: i for i, r in enumerate(rows)}
     found, rounding = [], set()
     ulps = AGREE_ULPS["cpu" if on_cpu else "device"]
     for lr in local:
@@ -369,7 +369,7 @@ def own_values(rows: list, local: list[LocalResult], sources: Sources, *, on_cpu
             continue
         acc, own, what = rows[i].metrics.rel_l2, lr.rel_l2, "rel_l2"
         floor = max(unit_roundoff(lr.dtype), unit_roundoff(run_dtype))
-        if lr.phase == "optimizer" and (lr.module, 0, "param_grad", lr.tensor) in sources.errors and acc > 0:
+        if lr.phase == "optimizer" and lr.key.param_grad in sources.errors and acc > 0:
             if update_scale is None:
                 continue
             scale = update_scale(lr.module, lr.tensor)  # ||after|| / ||update||: the updated value's rounding too
@@ -399,7 +399,7 @@ def _gross_finding(i: int, r, upstream: Sources, noise: NoisePolicy) -> Optional
     """An `unexplained` finding for a diverged entry far off (see GROSS) from inputs that are close: no rounding
     drift does this, whatever the local rows say (they cover each call's own code; this value did not come out
     of it)."""
-    trained = r.phase != "optimizer" or (r.module, 0, "param_grad", r.tensor) in upstream.errors  # not a buffer
+    trained = r.phase != "optimizer" or r.key.param_grad in upstream.errors  # not a buffer
     if not (r.status == "diverged" and trained and _gross(r) and not is_input(r.tensor)):
         return None
     source = upstream.inputs(r)

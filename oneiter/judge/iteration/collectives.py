@@ -20,10 +20,10 @@ then judged by its sum against the sum of the inputs' sums, with the same bound 
 are not judged there.
 
 A collective is flagged when its error exceeds `factor` (the noise policy's, 4) times its expected noise, or (no
-arithmetic) when it is not bitwise; `findings` turns the first flagged collective of a rank into that rank's
-`collective` finding (`findings.PRIORITY`: above every other, since it is judged on its own inputs), with its causal
-position across ranks: the row where its result first shows (its owner's outputs or input gradients, or, for a
-gradient bucket, the first parameter gradient). `consumed` gives blame (`blame.Sources`) each call's collectives as
+arithmetic) when it is not bitwise; `collective_finding` turns the first flagged collective of a rank into that
+rank's `collective` finding (`findings.PRIORITY`: above every other, since it is judged on its own inputs), with its
+causal position across ranks: the row where its result first shows (its owner's outputs or input gradients, or, for
+a gradient bucket, the first parameter gradient). `consumed` gives blame (`blame.Sources`) each call's collectives as
 values its own code computed from.
 """
 
@@ -43,7 +43,7 @@ from oneiter.judge.iteration.findings import Finding
 from oneiter.runtime.precision import unit_roundoff
 
 __all__ = ["Judged", "Instance", "read_plans", "instances", "judge", "judge_files", "consumed", "step_reduced",
-           "findings", "EXACT_OPS"]
+           "collective_finding", "EXACT_OPS"]
 
 EXACT_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")  # what the judge computes
 _SUMS = ("sum", "avg", "premul_sum")
@@ -247,9 +247,11 @@ def _float64(f: IterationFile, path: str) -> np.ndarray:
 def _result(rank: int, member: tuple[int, dict], dtype: str, rel: float, max_abs: float, expected: float,
             exact: str, level: str = "data", reason: str = "") -> Judged:
     index, a = member
-    return Judged(rank, index, str(a["op"]), str(a["reduce_op"]), str(a["group"]),
-                  tuple(int(r) for r in a["group_ranks"]), int(a["group_seq"]), str(a["phase"]), str(a["call"]),
-                  str(a["site"]), str(a["via"]), int(a["bucket"]), dtype, rel, max_abs, expected, exact, level, reason)
+    return Judged(rank=rank, index=index, op=str(a["op"]), reduce_op=str(a["reduce_op"]), group=str(a["group"]),
+                  group_ranks=tuple(int(r) for r in a["group_ranks"]), group_seq=int(a["group_seq"]),
+                  phase=str(a["phase"]), call=str(a["call"]), site=str(a["site"]), via=str(a["via"]),
+                  bucket=int(a["bucket"]), dtype=dtype, rel_l2=rel, max_abs=max_abs, expected=expected, exact=exact,
+                  level=level, reason=reason)
 
 
 def _roundoff(dtype: str) -> float:
@@ -541,19 +543,16 @@ def _compare(ref: IterationFile, tgt: IterationFile, path: str) -> tuple[float, 
     return _distance(np.asarray(tgt.read(path), np.float64), np.asarray(ref.read(path), np.float64))[0], False
 
 
-def findings(result, judged: list[Judged], factor: float) -> Optional[Finding]:
-    """Put the rank's first flagged collective among `result`'s findings, in causal order (module docstring), and
-    return it (None: none flagged). `result` is that rank's `CompareResult`; its verdict is decided again."""
+def collective_finding(rows: list, judged: list[Judged], factor: float) -> Optional[Finding]:
+    """The `collective` finding of a rank's first flagged collective, placed in causal order among the rows of that
+    rank's `CompareResult` (module docstring); None: none is flagged."""
     flagged = sorted((j for j in judged if j.flagged(factor)), key=lambda j: j.index)
     if not flagged:
         return None
     first = flagged[0]
-    order = _position(result.rows, first)
+    order = _position(rows, first)
     details = {**first.as_dict(), "order": order, "num_flagged": len(flagged)}
-    finding = Finding.of("collective", None, first.why(), collective=details)
-    result.findings.append(finding)
-    result.__dict__.pop("verdict_obj", None)  # decided again, with it
-    return finding
+    return Finding.of("collective", None, first.why(), collective=details)
 
 
 def _position(rows: list, judged: Judged) -> int:

@@ -14,6 +14,10 @@ presentation (`oneiter.report`, the CLI). Steps:
    (`verdict.py`) is decided once from all of it: the culprit, or the first row, in that order, that is not a
    match.
 
+Each step returns what it finds (`_compare_open` the measured result, `_read_local` the target's local data,
+`_culprit` the culprit's finding and chain, `_unattributed` what no probe explains, `_rounding`, `_nan_origin`);
+`_blame` builds the judged result from them by keyword (`dataclasses.replace`), nothing is filled in afterwards.
+
 Row statuses (`entries.py`) are set here, drift and rounding settled by `verdict.py`. Stored dtypes may differ
 without a dtype_mismatch only when the two runs were made in different precisions on purpose (meta `dtype`/`amp`
 differ): the values are then compared in float64 with the tolerance of the lower-precision dtype.
@@ -26,7 +30,8 @@ import functools
 import json
 import math
 import os
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -62,12 +67,13 @@ from oneiter.judge.iteration.blame import (
     unexplained_rows,
 )
 from oneiter.judge.iteration.collectives import consumed, step_reduced
-from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
+from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Key, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.impact import read_impact
-from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, positions
+from oneiter.judge.iteration.pairing import causal_pairs, check_compatible, check_replay, hidden, positions
 from oneiter.judge.iteration.results import CompareResult
-from oneiter.judge.iteration.verdict import STATS_REASON, calibration_reason, culprit_reason, settle_rows
+from oneiter.judge.iteration.sentences import STATS_REASON, calibration_reason, culprit_reason
+from oneiter.judge.iteration.verdict import settled_rows
 from oneiter.judge.measure.metrics import Metrics, compare_arrays
 from oneiter.judge.measure.stat_metrics import compare_stats
 from oneiter.judge.measure.tolerance import DtypeTolerance, NoisePolicy, Tolerance, TolerancePolicy, looser
@@ -94,36 +100,39 @@ class _Judge:
         self.ref, self.tgt, self.policy = ref, tgt, policy
         self.same_precision = _run_precision(ref.meta) == _run_precision(tgt.meta)
         self.cache: dict[tuple, Metrics] = {}
-        self.stored: dict[tuple, tuple] = {}  # row key -> (reference dataset, target dataset) it compared
+        self.stored: dict[Key, tuple] = {}  # row key -> (reference dataset, target dataset) it compared
 
     def row(self, re_: Optional[Entry], te: Optional[Entry]) -> Row:
-        entry = re_ or te
-        row = Row(entry.module, entry.call, entry.phase, entry.tensor, "match")
+        """The pair's row: missing on one side, of another shape or dtype, or measured."""
+        key = Key(*(re_ or te).key)
+        sides: dict[str, Any] = {}
         if re_ is not None:
-            row.shape, row.dtype = self.ref.shape_of(re_.path), self.ref.dtype_of(re_.path)
+            sides.update(shape=self.ref.shape_of(re_.path), dtype=self.ref.dtype_of(re_.path))
         if te is not None:
-            row.shape_target, row.dtype_target = self.tgt.shape_of(te.path), self.tgt.dtype_of(te.path)
+            sides.update(shape_target=self.tgt.shape_of(te.path), dtype_target=self.tgt.dtype_of(te.path))
+        shape, dtype = sides.get("shape"), sides.get("dtype")
+        shape_target, dtype_target = sides.get("shape_target"), sides.get("dtype_target")
         if te is None:
-            row.status, row.reason = "missing_in_target", "only the reference has this entry"
+            status, reason = "missing_in_target", "only the reference has this entry"
         elif re_ is None:
-            row.status, row.reason = "missing_in_reference", "only the target has this entry"
-        elif row.shape != row.shape_target:
-            row.status, row.reason = "shape_mismatch", f"shape {_shape(row.shape)} vs {_shape(row.shape_target)}"
-        elif row.dtype != row.dtype_target and self.same_precision:
-            row.status, row.reason = "dtype_mismatch", f"dtype {row.dtype} vs {row.dtype_target}"
+            status, reason = "missing_in_reference", "only the target has this entry"
+        elif shape != shape_target:
+            status, reason = "shape_mismatch", f"shape {_shape(shape)} vs {_shape(shape_target)}"
+        elif dtype != dtype_target and self.same_precision:
+            status, reason = "dtype_mismatch", f"dtype {dtype} vs {dtype_target}"
         else:
-            self._measure(row, re_, te)
-        return row
+            return Row(**key._asdict(), **sides, **self._measure(key, re_, te, dtype, dtype_target))
+        return Row(**key._asdict(), status=status, reason=reason, **sides)
 
-    def _measure(self, row: Row, re_: Entry, te: Entry) -> None:
-        tol = self.policy(re_, row.dtype)
-        if row.dtype_target != row.dtype:
-            tol = looser(tol, self.policy(te, row.dtype_target))
-        row.tolerance = tol
+    def _measure(self, key: Key, re_: Entry, te: Entry, dtype: str, dtype_target: str) -> dict[str, Any]:
+        """A pair both sides hold alike: its tolerance, metrics, status and reason (a Row's keywords)."""
+        tol = self.policy(re_, dtype)
+        if dtype_target != dtype:
+            tol = looser(tol, self.policy(te, dtype_target))
         # a dataset hard-linked under two names (a layer's output is the next one's input) is judged once
-        key = (dataset_id(self.ref, re_.path), dataset_id(self.tgt, te.path), tol.atol, tol.rtol)
-        self.stored[(row.module, row.call, row.phase, row.tensor)] = key[:2]
-        metrics = self.cache.get(key)
+        ident = (dataset_id(self.ref, re_.path), dataset_id(self.tgt, te.path), tol.atol, tol.rtol)
+        self.stored[key] = ident[:2]
+        metrics = self.cache.get(ident)
         if metrics is None:
             if self.ref.is_stats(re_.path) or self.tgt.is_stats(te.path):  # `--level stats` on either side
                 metrics = compare_stats(self.ref.stats_of(re_.path), self.tgt.stats_of(te.path), atol=tol.atol,
@@ -131,10 +140,9 @@ class _Judge:
             else:
                 metrics = compare_arrays(self.ref.read(re_.path), self.tgt.read(te.path), atol=tol.atol,
                                          rtol=tol.rtol)
-            self.cache[key] = metrics
-        row.metrics = metrics
-        if metrics.diverged:
-            row.status, row.reason = "diverged", _reason(metrics, tol)
+            self.cache[ident] = metrics
+        status, reason = ("diverged", _reason(metrics, tol)) if metrics.diverged else ("match", "")
+        return {"status": status, "reason": reason, "tolerance": tol, "metrics": metrics}
 
 
 def dataset_id(f: IterationFile, path: str):
@@ -177,9 +185,7 @@ def compare_files(
     with reading(ref_path, tgt_path), contextlib.ExitStack() as stack:
         ref = stack.enter_context(IterationFile(ref_path))
         tgt = stack.enter_context(IterationFile(tgt_path))
-        result = _compare_open(ref, tgt, policy)
-        _blame(result, ref, tgt, policy, noise or NoisePolicy())
-        return result
+        return _blame(_compare_open(ref, tgt, policy), ref, tgt, policy, noise or NoisePolicy())
 
 
 def _policy(tolerance: Optional[TolerancePolicy], atol: Optional[float], rtol: Optional[float]) -> TolerancePolicy:
@@ -205,23 +211,20 @@ def compare_local(
             raise FormatError(
                 f"'{path}' alone cannot be judged: record it with --against cpu, or compare it with a reference"
             )
-        result = CompareResult(str(path), str(path), _meta(tgt), _meta(tgt), [], None, {"target": _loss(tgt)})
-        parents = _read_local(result, tgt, noise or NoisePolicy())
-        result.precision = _precision(None, tgt)
-        result.rows = [
-            Row(r.row_key[0], r.row_key[1], r.phase, r.row_key[3], "diverged" if r.flagged else "match",
-                dtype=r.dtype, dtype_target=r.dtype, metrics=r.metrics.as_metrics())
-            for r in result.local
-        ]
-        counts = {}
-        for entry in tgt.entries():
-            if entry.phase in ("forward", "backward"):
-                counts[entry.key] = _nonfinite_count(tgt.read(entry.path))
-        result.nan_origin = nan_origin(counts, list(counts))
+        local = _read_local(tgt, noise or NoisePolicy())
+        rows = [Row(**r.row_key._asdict(), status="diverged" if r.flagged else "match", dtype=r.dtype,
+                    dtype_target=r.dtype, metrics=r.metrics.as_metrics()) for r in local.results]
+        counts = {entry.key: _nonfinite_count(tgt.read(entry.path)) for entry in tgt.entries()
+                  if entry.phase in ("forward", "backward")}
+        culprit = _culprit(local, rows)
         # its rows are the local results themselves: nothing to settle, nothing no probe covers
-        result.findings = [*_culprit(result, parents), *_calibration_findings(result),
-                           *row_findings(result.rows, None, True)]
-        return result
+        return CompareResult(
+            reference=str(path), target=str(path), meta_reference=_meta(tgt), meta_target=_meta(tgt), rows=rows,
+            first_divergence=None, loss={"target": _loss(tgt)}, **local.fields(), notes=local.notes,
+            precision=_precision(None, tgt), chain=culprit.chain, culprit_includes=culprit.includes,
+            nan_origin=nan_origin(counts, list(counts)),
+            findings=[*culprit.findings, *_calibration_findings(rows, local.results), *row_findings(rows, None, True)],
+        )
 
 
 def _precision(ref: Optional[IterationFile], tgt: IterationFile) -> Optional[dict]:
@@ -250,43 +253,63 @@ def _nonfinite_count(array) -> int:
     return int(array.size - np.count_nonzero(np.isfinite(array))) if array.dtype.kind in "fc" else 0
 
 
-def _blame(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy, noise: NoisePolicy) -> None:
-    """Record what blame finds (local errors, the culprit and its chain, what no probe explains, NaN/Inf and its
-    origin, structural differences) as the result's findings, and settle the rows' statuses by them."""
-    parents = _read_local(result, tgt, noise)
-    result.precision = _precision(ref, tgt)
+def _blame(measured: CompareResult, ref: IterationFile, tgt: IterationFile, policy,
+           noise: NoisePolicy) -> CompareResult:
+    """The measured comparison with what blame finds (local errors, the culprit and its chain, what no probe
+    explains, NaN/Inf and its origin, structural differences) as its findings, and its rows settled by them."""
+    local = _read_local(tgt, noise)
     run_dtype = amp_dtype_name(tgt.meta.get("amp")) or str(tgt.meta.get("dtype") or "float32")
-    sources = Sources(result.rows, result.loss, parents, tuple(consumed(ref, tgt)), stored=result.stored,
+    sources = Sources(measured.rows, measured.loss, local.parents, tuple(consumed(ref, tgt)), stored=measured.stored,
                       norm=_reference_norms(ref), run_dtype=run_dtype,
                       stepped_changed=ref.has(STEP_GRADS) or tgt.has(STEP_GRADS))
-    own: list[Finding] = []
-    if result.local_kind == "teacher_forced":
-        own, result.rounding = own_values(
-            result.rows, result.local, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
-            run_dtype=run_dtype,
-            world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
-            update_scale=functools.partial(_update_scale, ref))
-    # a value its precision cannot resolve (its local row's expected noise is as large as it: `LocalResult.rounding`)
-    result.rounding |= {i for i, row in enumerate(result.rows) if row.status in ("match", "diverged")
-                        and row.metrics is not None and row.metrics.rel_l2 > 0
-                        and getattr(result.local_for(row), "rounding", False)}
-    if result.rounding:  # the same tensor under another name (the next call's input) is the same rounding
-        same = {result.stored[i] for i in result.rounding}
-        result.rounding = {i for i, ident in enumerate(result.stored) if ident is not None and ident in same}
-    found = _culprit(result, parents)
-    if not found:
-        found = sorted([*own, *_unattributed(result, ref, tgt, policy, noise, sources)],
-                       key=lambda f: (f.entry is None, f.entry or 0))
-    found += _calibration_findings(result)
-    counts = {}
-    for row in result.rows:
-        if row.metrics is not None:
-            key = (row.module, row.call, row.phase, row.tensor)
-            counts[key] = row.metrics.num_nan_target + row.metrics.num_inf_target
-    if any(row.metrics is not None and row.metrics.nonfinite_differs for row in result.rows):
-        result.nan_origin = nan_origin(counts, list(counts))
-    settle_rows(result, found)
-    result.findings = [*found, *row_findings(result.rows, result.first_divergence, result.has_local)]
+    own, rounding = _own_values(measured.rows, local, sources, ref, tgt, run_dtype)
+    rounding = _rounding(measured, local, rounding)
+    culprit = _culprit(local, measured.rows)
+    found = culprit.findings or sorted(
+        [*own, *_unattributed(measured, local, rounding, ref, tgt, policy, noise, sources)],
+        key=lambda f: (f.entry is None, f.entry or 0))
+    found = [*found, *_calibration_findings(measured.rows, local.results)]
+    evidence = replace(measured, **local.fields(), notes=[*measured.notes, *local.notes],
+                       precision=_precision(ref, tgt), rounding=rounding, chain=culprit.chain,
+                       culprit_includes=culprit.includes, nan_origin=_nan_origin(measured.rows))
+    rows = settled_rows(evidence, found)
+    return replace(evidence, rows=rows,
+                   findings=[*found, *row_findings(rows, evidence.first_divergence, evidence.has_local)])
+
+
+def _own_values(rows: list[Row], local: _Local, sources: Sources, ref: IterationFile, tgt: IterationFile,
+                run_dtype: str) -> tuple[list[Finding], set[int]]:
+    """Of a teacher-forced replay: the local rows computed from values all bitwise the reference's that disagree
+    with their accumulated row (`blame.own_values`: findings), and those that agree (their own rounding)."""
+    if local.kind != "teacher_forced":
+        return [], set()
+    return own_values(
+        rows, local.results, sources, on_cpu=str(tgt.meta.get("device") or "cpu").startswith("cpu"),
+        run_dtype=run_dtype, world_size=int(tgt.meta.get("world_size") or 1) if grads_reduced(tgt.meta) else 1,
+        update_scale=functools.partial(_update_scale, ref))
+
+
+def _rounding(measured: CompareResult, local: _Local, own: set[int]) -> set[int]:
+    """The rows that are rounding: their own call's (`own`), and those whose value its precision cannot resolve
+    (its local row's expected noise is as large as it: `LocalResult.rounding`); the same tensor under another name
+    (the next call's input) is the same rounding."""
+    by_row = {r.row_key: r for r in local.results}
+    rounding = own | {i for i, row in enumerate(measured.rows) if row.status in ("match", "diverged")
+                      and row.metrics is not None and row.metrics.rel_l2 > 0
+                      and getattr(by_row.get(row.key), "rounding", False)}
+    if not rounding:
+        return rounding
+    same = {measured.stored[i] for i in rounding}
+    return {i for i, ident in enumerate(measured.stored) if ident is not None and ident in same}
+
+
+def _nan_origin(rows: list[Row]) -> Optional[dict]:
+    """Where NaN/Inf first appear in the target (`blame.nan_origin`), when any row's differ from the reference's."""
+    if not any(row.metrics is not None and row.metrics.nonfinite_differs for row in rows):
+        return None
+    counts = {row.key: row.metrics.num_nan_target + row.metrics.num_inf_target for row in rows
+              if row.metrics is not None}
+    return nan_origin(counts, list(counts))
 
 
 def _reference_norms(ref: IterationFile):
@@ -302,61 +325,80 @@ def _reference_norms(ref: IterationFile):
     return norm
 
 
-def _read_local(result: CompareResult, tgt: IterationFile, noise: NoisePolicy) -> dict:
-    """The target's local data into the result (its kind, each tensor judged, the calls no probe reran); returns
-    each call's parent call."""
+class _Local(NamedTuple):
+    """The target's local data: its kind ("" without), each tensor judged, the calls no probe reran, what the
+    recording says about its calibration, and each call's parent call."""
+
+    kind: str
+    results: list[LocalResult]
+    unprobed: list[dict]
+    notes: list[str]
+    parents: dict
+
+    def fields(self) -> dict[str, Any]:
+        """What a `CompareResult` holds of it (its notes join the comparison's own)."""
+        return {"local_kind": self.kind, "local": self.results, "unprobed": self.unprobed}
+
+
+def _read_local(tgt: IterationFile, noise: NoisePolicy) -> _Local:
+    """The target's local data (`_Local`)."""
     if tgt.local_kind() and not tgt.has(LOCAL):  # the recorder always writes the table (maybe empty) with the attr
         raise FormatError(f"'{tgt.path}' says it holds per-call local data (local = '{tgt.local_kind()}') but its "
                           f"/local table is missing: the file is damaged; record the target again")
-    result.local_kind = tgt.local_kind() if tgt.has(LOCAL) else ""
-    result.local = local_results(tgt, noise) if result.local_kind else []
-    if result.local_kind:
-        result.notes.extend(foreign_notes(tgt.local_attrs()))
-        result.notes.extend(unbounded_notes(tgt.local_attrs()))
-    result.unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
+    kind = tgt.local_kind() if tgt.has(LOCAL) else ""
+    results = local_results(tgt, noise) if kind else []
+    notes = [*foreign_notes(tgt.local_attrs()), *unbounded_notes(tgt.local_attrs())] if kind else []
+    unprobed = [{"module": m, "call": c, "reason": why} for m, c, why in tgt.unprobed()]
     parents = {}
     for _key, attrs in tgt.calls():
         module, call = attrs.get("module") or ROOT_MODULE, int(attrs.get("call", 0))
         parent = str(attrs.get("parent") or "")
         parents[(module, call)] = _call_of(parent) if parent else None
-    return parents
+    return _Local(kind=kind, results=results, unprobed=unprobed, notes=notes, parents=parents)
 
 
-def _culprit(result: CompareResult, parents: dict) -> list[Finding]:
-    """The `culprit` finding (the first flagged local result), its chain and the unprobed calls its rerun
-    included; none when no local result is flagged."""
-    culprit = find_culprit(result.local)
+class _Culprit(NamedTuple):
+    """The `culprit` finding (none: no local result is flagged), its chain and the unprobed calls its rerun
+    included."""
+
+    findings: list[Finding]
+    chain: list[dict]
+    includes: list[dict]
+
+
+def _culprit(local: _Local, rows: list[Row]) -> _Culprit:
+    """The first flagged local result as the `culprit` finding, with its row (None: the report has none)."""
+    culprit = find_culprit(local.results)
     if culprit is None:
-        return []
-    result.chain = culprit_chain(culprit, parents, result.local)
-    result.culprit_includes = _included(culprit, parents, result.unprobed)
-    index = next((i for i, r in enumerate(result.rows) if (r.module, r.call, r.phase, r.tensor) == culprit.row_key),
-                 None)
-    return [Finding.of("culprit", index, culprit_reason(culprit), culprit)]
+        return _Culprit(findings=[], chain=[], includes=[])
+    index = next((i for i, r in enumerate(rows) if r.key == culprit.row_key), None)
+    return _Culprit(findings=[Finding.of("culprit", index, culprit_reason(culprit), culprit)],
+                    chain=culprit_chain(culprit, local.parents, local.results),
+                    includes=_included(culprit, local.parents, local.unprobed))
 
 
-def _unattributed(result: CompareResult, ref: IterationFile, tgt: IterationFile, policy,
-                  noise: NoisePolicy, sources: Sources) -> list[Finding]:
+def _unattributed(measured: CompareResult, local: _Local, rounding: set[int], ref: IterationFile,
+                  tgt: IterationFile, policy, noise: NoisePolicy, sources: Sources) -> list[Finding]:
     """With no call to blame: the entries no probe covers and the loss, where the precision does not explain
     them; without local data, the loss outside its tolerance. Calls with nothing of their own to judge (their
     outputs are their inputs) are held to their inputs like unprobed ones."""
-    if not result.local_kind:
-        return _loss_outside(result.loss, policy, _loss_dtype(tgt))
+    if not local.kind:
+        return _loss_outside(measured.loss, policy, _loss_dtype(tgt))
     same = _run_precision(ref.meta) == _run_precision(tgt.meta)
-    unprobed = {(u["module"], u["call"]) for u in result.unprobed} | tgt.pass_through_calls()
+    unprobed = {(u["module"], u["call"]) for u in local.unprobed} | tgt.pass_through_calls()
     if not tgt.meta.get("random_replay", True):  # random ops drew this run's own values: not judged locally
         unprobed |= {(a.get("module") or ROOT_MODULE, int(a.get("call", 0))) for _, a in tgt.calls()
                      if int(a.get("random_end", 0) or 0) > int(a.get("random_begin", 0) or 0)}
-    covered = {r.key for r in result.local if r.phase in ("param_grad", "optimizer")}
+    covered = {r.key for r in local.results if r.phase in ("param_grad", "optimizer")}
+    rows = measured.rows
     if grads_reduced(tgt.meta):  # averaged over ranks (grad_reduction): not this rank's own numbers
-        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "param_grad"}
-        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows
-                    if r.phase == "optimizer" and (r.module, 0, "param_grad", r.tensor) in covered}
+        covered |= {r.key for r in rows if r.phase == "param_grad"}
+        covered |= {r.key for r in rows if r.phase == "optimizer" and r.key.param_grad in covered}
     if step_reduced(ref, tgt):  # the step's own collectives (tensor-parallel gradients) differ: judged across ranks
-        covered |= {(r.module, r.call, r.phase, r.tensor) for r in result.rows if r.phase == "optimizer"}
-    found = unexplained_rows(result.rows, unprobed, noise, same_precision=same, loss=result.loss, covered=covered,
-                             amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources, rounding=result.rounding)
-    return found + loss_unexplained(result.loss, result.rows, noise, same, _loss_dtype(tgt))
+        covered |= {r.key for r in rows if r.phase == "optimizer"}
+    found = unexplained_rows(rows, unprobed, noise, same_precision=same, loss=measured.loss, covered=covered,
+                             amp=amp_dtype_name(tgt.meta.get("amp")), sources=sources, rounding=rounding)
+    return found + loss_unexplained(measured.loss, rows, noise, same, _loss_dtype(tgt))
 
 
 def _loss_outside(loss: dict[str, Optional[float]], policy, dtype: str) -> list[Finding]:
@@ -385,11 +427,11 @@ def _update_scale(ref: IterationFile, module: str, tensor: str) -> float:
     return float(np.linalg.norm(a)) / update if update else math.inf
 
 
-def _calibration_findings(result: CompareResult) -> list[Finding]:
+def _calibration_findings(rows: list[Row], local: list[LocalResult]) -> list[Finding]:
     """A `calibration` finding for every local row whose calibrated noise was not trusted and that is not flagged
     (a flagged one is judged against what its precision can produce, and may be the culprit), in causal order."""
-    index = {(r.module, r.call, r.phase, r.tensor): i for i, r in enumerate(result.rows)}
-    return [Finding.of("calibration", index.get(r.row_key), calibration_reason(r), r) for r in result.local
+    index = {r.key: i for i, r in enumerate(rows)}
+    return [Finding.of("calibration", index.get(r.row_key), calibration_reason(r), r) for r in local
             if r.untrusted and not r.flagged]
 
 
@@ -474,13 +516,14 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
     check_compatible(ref, tgt)
     note = check_replay(ref, tgt)
     pairs = causal_pairs(list(ref.entries()), list(tgt.entries()), positions(ref), positions(tgt))
-    pairs, compiled = _hidden(pairs, ref, tgt)
+    pairs, compiled = hidden(pairs, ref, tgt)
     if not pairs:
         raise FormatError(f"'{ref.path}' and '{tgt.path}' hold no entries to compare")
     judge = _Judge(ref, tgt, policy)
     rows = [judge.row(r, t) for r, t in pairs]
-    stored = [judge.stored.get((r.module, r.call, r.phase, r.tensor)) for r in rows]
-    unjudged = _updates_not_judged(ref, tgt, rows)
+    stored = [judge.stored.get(r.key) for r in rows]
+    unjudged = _updates_not_judged(ref, tgt)
+    rows = _not_judged(rows, unjudged) if unjudged else rows
     # before blame: no drift yet
     first = next((i for i, row in enumerate(rows) if row.status not in ("match", NOT_JUDGED)), None)
     notes = [note] if note and first is not None else []  # two equal recordings need no explaining
@@ -496,48 +539,20 @@ def _compare_open(ref: IterationFile, tgt: IterationFile, policy: TolerancePolic
     )
 
 
-def _hidden(pairs: list, ref: IterationFile, tgt: IterationFile) -> tuple[list, Optional[dict]]:
-    """The pairs to compare, and what each side compiled: an entry one side holds of a call that runs inside a
-    compiled block of the other side (whose modules there run inside its graph, unhooked) is left out and
-    counted per block; never a structural difference."""
-    sides = {"reference": ref.compiled(), "target": tgt.compiled()}
-    if not any(sides.values()):
-        return pairs, None
-    blocks = {side: dict(info.get("blocks") or {}) for side, info in sides.items()}
-    kept, hidden = [], {}
-    for pair in pairs:
-        lacking = "target" if pair[1] is None else "reference" if pair[0] is None else None
-        entry = pair[0] or pair[1]
-        block = None
-        if lacking is not None and entry.phase in ("forward", "backward"):
-            block = next((b for b in blocks[lacking] if _inside(entry.module, b)), None)
-        if block is None:
-            kept.append(pair)
-            continue
-        count = hidden.setdefault((lacking, block), {"side": lacking, "block": block, "entries": 0, "calls": set()})
-        count["entries"] += 1
-        count["calls"].add((entry.module, entry.call))
-    gone = [{**h, "calls": len(h["calls"])} for h in hidden.values()]
-    return kept, {**{side: info for side, info in sides.items() if info}, "hidden": gone}
+def _updates_not_judged(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
+    """Why the parameters' updates are not judged: the target's optimizer did not start from the reference's state
+    (`format/optimizer_state.py`); None: they are."""
+    return updates_not_judged(str(ref.meta.get(OPTIMIZER_STATE) or ""), str(tgt.meta.get(OPTIMIZER_STATE) or ""),
+                              str(tgt.meta.get("optimizer") or ""))
 
 
-def _inside(module: str, block: str) -> bool:
-    """Whether the call of `module` (a file's module name, `(root)` the model) runs strictly inside `block`."""
-    return module != ROOT_MODULE and module != block and (block == "" or module.startswith(block + "."))
-
-
-def _updates_not_judged(ref: IterationFile, tgt: IterationFile, rows: list[Row]) -> Optional[str]:
-    """When the target's optimizer did not start from the reference's state (`format/optimizer_state.py`), every
-    parameter's update row is `not_judged`, with the reason; returns the reason (None: updates are judged)."""
-    why = updates_not_judged(str(ref.meta.get(OPTIMIZER_STATE) or ""), str(tgt.meta.get(OPTIMIZER_STATE) or ""),
-                             str(tgt.meta.get("optimizer") or ""))
-    if why is None:
-        return None
+def _not_judged(rows: list[Row], why: str) -> list[Row]:
+    """The rows with every parameter's measured update row `not_judged`, with the reason."""
     trained = {(r.module, r.tensor) for r in rows if r.phase == "param_grad"}  # parameters (buffers have no grad)
-    for row in rows:
-        if row.phase == "optimizer" and (row.module, row.tensor) in trained and row.status in MEASURED:
-            row.status, row.reason = NOT_JUDGED, "its optimizer did not start from the reference's state (see verdict)"
-    return why
+    return [replace(row, status=NOT_JUDGED, reason="its optimizer did not start from the reference's state (see "
+                                                   "verdict)")
+            if row.phase == "optimizer" and (row.module, row.tensor) in trained and row.status in MEASURED else row
+            for row in rows]
 
 
 def _meta(f: IterationFile) -> dict[str, Any]:

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from oneiter.format.schema import ROOT_MODULE, split_call_key, split_child_tensor
 from oneiter.judge.measure.metrics import Metrics
 from oneiter.judge.measure.tolerance import Tolerance
 
-__all__ = ["PHASES", "STATUSES", "NOT_DIVERGED", "MEASURED", "NOT_JUDGED", "Row", "nan_inf_text", "LocalMetrics",
-           "LocalResult"]
+__all__ = ["PHASES", "STATUSES", "NOT_DIVERGED", "MEASURED", "NOT_JUDGED", "Key", "Row", "nan_inf_text",
+           "LocalMetrics", "LocalResult"]
 
 # row statuses of entries both sides hold with one shape and dtype
 MEASURED = ("match", "diverged", "drift", "rounding")
@@ -33,6 +33,22 @@ PHASES = ("forward", "backward", "param_grad", "optimizer")
 STATUSES = ("match", "rounding", "drift", "diverged", NOT_JUDGED, "missing_in_target", "missing_in_reference",
             "shape_mismatch", "dtype_mismatch")
 NOT_DIVERGED = ("match", "rounding", "drift", NOT_JUDGED)
+
+
+class Key(NamedTuple):
+    """What names one tensor of an iteration, the same in both recordings: a row's (`Row.key`), a call's own tensor's
+    (`LocalResult.key`) and the row that tensor has in the report (`LocalResult.row_key`). A tuple: it equals, and
+    hashes as, the plain `(module, call, phase, tensor)` a file's `Entry.key` gives."""
+
+    module: str
+    call: int
+    phase: str
+    tensor: str
+
+    @property
+    def param_grad(self) -> Key:
+        """The key of a parameter's gradient (`param_grad`), for the key of its update (`optimizer`)."""
+        return Key(self.module, 0, "param_grad", self.tensor)
 
 
 @dataclass
@@ -53,6 +69,11 @@ class Row:
     reason: str = ""
 
     @property
+    def key(self) -> Key:
+        """(module, call, phase, tensor): the entry's key, as a `LocalResult.row_key` names it."""
+        return Key(self.module, self.call, self.phase, self.tensor)
+
+    @property
     def diverged(self) -> bool:
         """A divergence (drift, accumulated error whose calls are each within noise, is not; nor is rounding, a
         call's own error within its noise on values bitwise the reference's; nor an entry not judged)."""
@@ -65,10 +86,7 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         """Flat, JSON-ready (shapes as lists; non-finite floats stay floats, see `CompareResult.to_json`)."""
-        data = {
-            "module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-            "status": self.status, "nan_inf": nan_inf_text(self.metrics),
-        }
+        data = {**self.key._asdict(), "status": self.status, "nan_inf": nan_inf_text(self.metrics)}
         names = Metrics.__dataclass_fields__
         data.update(self.metrics.as_dict() if self.metrics else {k: None for k in names})
         data.update({
@@ -112,9 +130,11 @@ class LocalMetrics:
     def as_metrics(self) -> Metrics:
         """The same numbers as a full `Metrics` (what the local table does not hold is NaN)."""
         nan = math.nan
-        return Metrics(self.num_elements, self.max_abs, nan, self.rel_l2, self.cosine, self.num_mismatch,
-                       self.num_mismatch / self.num_elements if self.num_elements else 0.0, nan, nan,
-                       self.num_nan_ref, self.num_inf_ref, self.num_nan_target, self.num_inf_target)
+        return Metrics(num_elements=self.num_elements, max_abs=self.max_abs, max_rel=nan, rel_l2=self.rel_l2,
+                       cosine=self.cosine, num_out=self.num_mismatch,
+                       frac_out=self.num_mismatch / self.num_elements if self.num_elements else 0.0, need_atol=nan,
+                       need_rtol=nan, num_nan_ref=self.num_nan_ref, num_inf_ref=self.num_inf_ref,
+                       num_nan_target=self.num_nan_target, num_inf_target=self.num_inf_target)
 
 
 @dataclass
@@ -155,16 +175,19 @@ class LocalResult:
         return self.calibrated is not None and self.bound is not None and self.calibrated > self.expected
 
     @property
-    def key(self) -> tuple[str, int, str, str]:
-        return (self.module, self.call, self.phase, self.tensor)
+    def key(self) -> Key:
+        """The call's own tensor: (module, call, phase, tensor)."""
+        return Key(self.module, self.call, self.phase, self.tensor)
 
     @property
-    def row_key(self) -> tuple[str, int, str, str]:
+    def row_key(self) -> Key:
+        """The key of the row the same tensor has in the report (`Row.key`): a tensor handed to a child is the
+        child's."""
         child = split_child_tensor(self.tensor)
         if child is None:
             return self.key
         module, call = split_call_key(child[0])
-        return (module or ROOT_MODULE, call, self.phase, child[1])
+        return Key(module or ROOT_MODULE, call, self.phase, child[1])
 
     @property
     def rel_l2(self) -> float:
@@ -200,6 +223,5 @@ class LocalResult:
         }
 
     def verdict(self) -> dict[str, Any]:
-        return {"module": self.module, "call": self.call, "phase": self.phase, "tensor": self.tensor,
-                "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
+        return {**self.key._asdict(), "local_rel_l2": self.error, "expected": self.expected, "ratio": self.ratio,
                 "calibrated": self.calibrated, "nan_mismatch": self.metrics.num_mismatch}

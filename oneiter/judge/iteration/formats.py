@@ -31,7 +31,7 @@ def recipe_error(recipe: Any, deviation: Any, ratio: Any, expected: Any, format_
 
 
 def _entry(r: LocalResult) -> dict[str, Any]:
-    return {"module": r.module, "call": r.call, "phase": r.phase, "tensor": r.tensor}
+    return r.key._asdict()
 
 
 def _name(e: dict) -> str:

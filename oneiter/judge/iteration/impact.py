@@ -159,11 +159,11 @@ class Impact:
         """The Impact of a saved JSON report (None where it holds none)."""
         if not d:
             return None
-        return cls(tuple(Fix.from_dict(f) for f in d.get("fixes") or ()), dict(d.get("plain") or {}),
-                   dict(d["every"]) if d.get("every") else None, int(d.get("num_flagged") or 0),
-                   None if d.get("top") is None else int(d["top"]), str(d.get("note") or ""),
-                   None if d.get("step") is None else int(d["step"]),
-                   dict(d["perturbed"]) if d.get("perturbed") else None)
+        return cls(fixes=tuple(Fix.from_dict(f) for f in d.get("fixes") or ()), plain=dict(d.get("plain") or {}),
+                   every=dict(d["every"]) if d.get("every") else None, num_flagged=int(d.get("num_flagged") or 0),
+                   top=None if d.get("top") is None else int(d["top"]), note=str(d.get("note") or ""),
+                   step=None if d.get("step") is None else int(d["step"]),
+                   perturbed=dict(d["perturbed"]) if d.get("perturbed") else None)
 
 
 def _gaps(row: ImpactRow) -> dict:
@@ -187,19 +187,21 @@ def read_impact(tgt: IterationFile) -> Optional[Impact]:
     step = int(attrs["step"]) if "step" in attrs else None
     plain = next((r for r in rows if r.kind == "plain"), None)
     if plain is None:
-        return Impact((), {}, None, flagged, top, step=step)
+        return Impact(fixes=(), plain={}, every=None, num_flagged=flagged, top=top, step=step)
     if plain.note:
-        return Impact((), _gaps(plain), None, flagged, top, plain.note, step)
+        return Impact(fixes=(), plain=_gaps(plain), every=None, num_flagged=flagged, top=top, note=plain.note,
+                      step=step)
     calls = [r for r in rows if r.kind == "call"]
-    fixes = [Fix(r.module, r.call, r.phase, r.tensor, r.rel_l2, r.ratio, **_shares(plain, r), loss_gap=r.loss_gap,
-                 grad_gap=r.grad_gap, weight_gap=r.weight_gap, note=r.note) for r in calls]
+    fixes = [Fix(module=r.module, call=r.call, phase=r.phase, tensor=r.tensor, rel_l2=r.rel_l2, ratio=r.ratio,
+                 **_shares(plain, r), loss_gap=r.loss_gap, grad_gap=r.grad_gap, weight_gap=r.weight_gap, note=r.note)
+             for r in calls]
     every = next((r for r in rows if r.kind == "all"), calls[0] if len(calls) == 1 else None)
     perturbed = next((r for r in rows if r.kind == "perturbed"), None)
     by_loss = plain.loss_gap > 0
     fixes.sort(key=lambda f: _rank(f, by_loss))
-    return Impact(tuple(fixes), _gaps(plain), None if every is None else {**_gaps(every), **_shares(plain, every),
-                                                                          "note": every.note},
-                  flagged, top, step=step,
+    return Impact(fixes=tuple(fixes), plain=_gaps(plain),
+                  every=None if every is None else {**_gaps(every), **_shares(plain, every), "note": every.note},
+                  num_flagged=flagged, top=top, step=step,
                   perturbed=None if perturbed is None else {**_gaps(perturbed), **_shares(plain, perturbed)})
 
 

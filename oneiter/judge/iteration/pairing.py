@@ -4,7 +4,8 @@ The first steps of every comparison (`engine.py` for one iteration, `judge/steps
 recordings): entries are paired by (module path, call index, phase, tensor name), never by position, so one extra
 call on one side shows up as a missing entry instead of shifting every later pair; the pairs are put in causal
 order (forward in capture order, backward in the order gradients were computed, then parameter gradients, then
-updated parameters); two recordings of different models, or a "replay" that did not start where its reference
+updated parameters); an entry one side holds of a call inside a block the other side ran compiled is left out
+(`hidden`); two recordings of different models, or a "replay" that did not start where its reference
 did, are refused before anything is measured.
 """
 
@@ -21,6 +22,7 @@ from oneiter.format.layout import Entry, IterationFile
 from oneiter.format.optimizer_state import LOADED, OPTIMIZER_STATE
 from oneiter.format.schema import (
     OPTIMIZER,
+    ROOT_MODULE,
     STATE_AFTER,
     STATE_BEFORE,
     STATE_NAMES,
@@ -32,7 +34,7 @@ from oneiter.format.schema import (
 from oneiter.judge.iteration.entries import PHASES
 from oneiter.runtime.training import OPTIMIZERS
 
-__all__ = ["positions", "causal_pairs", "check_compatible", "check_replay", "same_start"]
+__all__ = ["positions", "causal_pairs", "hidden", "check_compatible", "check_replay", "same_start"]
 
 _KIND_RANK = {"input": 0, "output": 1, "grad_output": 0, "grad_input": 1}
 _NO_ANCHOR = (-1, 0, 0, ())
@@ -190,3 +192,33 @@ def _model_id(spec) -> str:
     text = str(spec or "")
     path, sep, func = text.rpartition(":")
     return f"{os.path.basename(path)}:{func}" if sep and path.endswith(".py") else text
+
+
+def hidden(pairs: list, ref: IterationFile, tgt: IterationFile) -> tuple[list, Optional[dict]]:
+    """The pairs to compare, and what each side compiled: an entry one side holds of a call that runs inside a
+    compiled block of the other side (whose modules there run inside its graph, unhooked) is left out and
+    counted per block; never a structural difference."""
+    sides = {"reference": ref.compiled(), "target": tgt.compiled()}
+    if not any(sides.values()):
+        return pairs, None
+    blocks = {side: dict(info.get("blocks") or {}) for side, info in sides.items()}
+    kept, hidden = [], {}
+    for pair in pairs:
+        lacking = "target" if pair[1] is None else "reference" if pair[0] is None else None
+        entry = pair[0] or pair[1]
+        block = None
+        if lacking is not None and entry.phase in ("forward", "backward"):
+            block = next((b for b in blocks[lacking] if _inside(entry.module, b)), None)
+        if block is None:
+            kept.append(pair)
+            continue
+        count = hidden.setdefault((lacking, block), {"side": lacking, "block": block, "entries": 0, "calls": set()})
+        count["entries"] += 1
+        count["calls"].add((entry.module, entry.call))
+    gone = [{**h, "calls": len(h["calls"])} for h in hidden.values()]
+    return kept, {**{side: info for side, info in sides.items() if info}, "hidden": gone}
+
+
+def _inside(module: str, block: str) -> bool:
+    """Whether the call of `module` (a file's module name, `(root)` the model) runs strictly inside `block`."""
+    return module != ROOT_MODULE and module != block and (block == "" or module.startswith(block + "."))

@@ -29,7 +29,7 @@ import functools
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +37,7 @@ from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import COLLECTIVES
 from oneiter.formatting import json_ready
-from oneiter.judge.iteration.collectives import Judged, findings, read_plans
+from oneiter.judge.iteration.collectives import Judged, collective_finding, read_plans
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.transfers import judge_planned, plan
@@ -257,13 +257,20 @@ def compare_ranks(
 
 def _ranked(reference, target, results: dict, judged: list[Judged], factor: float) -> RankedResult:
     """The RankedResult of every rank's result, each rank's first flagged collective among its findings."""
-    results = dict(sorted(results.items()))
-    for rank, result in results.items():
-        if isinstance(result, CompareResult):
-            findings(result, [j for j in judged if j.rank == rank], factor)
+    results = {rank: _with_collective(result, [j for j in judged if j.rank == rank], factor)
+               for rank, result in sorted(results.items())}
     notes = sorted({f"rank {rank}: {note}" for rank, r in results.items() for note in r.notes})
     judged = sorted(judged, key=lambda j: (j.rank, j.index))
-    return RankedResult(str(reference), str(target), results, notes, judged, factor)
+    return RankedResult(reference=str(reference), target=str(target), results=results, notes=notes,
+                        collectives=judged, factor=factor)
+
+
+def _with_collective(result, judged: list[Judged], factor: float):
+    """A rank's `CompareResult` with its first flagged collective among its findings (`collectives.py`)."""
+    if not isinstance(result, CompareResult):
+        return result
+    found = collective_finding(result.rows, judged, factor)
+    return result if found is None else replace(result, findings=[*result.findings, found])
 
 
 def compare_ranks_distributed(

@@ -1,9 +1,10 @@
 """What one comparison of two recordings holds: `CompareResult`, its rows, findings and notes, and the verdict
 decided from them, and its JSON form.
 
-The engine (`engine.py`) fills one from two files, blame and the findings (`blame.py`, `findings.py`) add what they
-found, and the verdict (`verdict.py`, which reads a result as `verdict.Evidence`) is decided once, the first time it
-is asked for; every report (`oneiter.report`) and the public API read it. The rows themselves are `entries.py`'s.
+The engine (`engine.py`) builds one from two files: the measured rows first, then, by keyword, the same result with
+what blame and the findings (`blame.py`, `findings.py`) found and its rows settled; the verdict (`verdict.py`, which
+reads a result as `verdict.Evidence`) is decided once, the first time it is asked for; every report
+(`oneiter.report`) and the public API read it. The rows themselves are `entries.py`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from oneiter.formatting import json_ready
-from oneiter.judge.iteration.entries import STATUSES, LocalResult, Row
+from oneiter.judge.iteration.entries import STATUSES, Key, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding
 from oneiter.judge.iteration.impact import Impact
 from oneiter.judge.iteration.verdict import Culprit, Verdict, decide
@@ -53,7 +54,7 @@ class CompareResult:
     (`_precision`); None when neither side ran any."""
     compiled: Optional[dict] = None
     """The compiled blocks (torch.compile) each side ran, what compiling cost, its graph breaks, and the entries
-    the other side recorded inside a block, which are not compared (`engine._hidden`); None when neither compiled."""
+    the other side recorded inside a block, which are not compared (`pairing.hidden`); None when neither compiled."""
     rounding: set[int] = field(default_factory=set)
     """Rows outside tolerance computed from values all bitwise the reference's, whose error is their own code's
     and within its noise (`blame.own_values`), and every row stored as the same pair of datasets (a layer's output
@@ -144,12 +145,12 @@ class CompareResult:
         return counts
 
     @functools.cached_property
-    def _local_index(self) -> dict[tuple, LocalResult]:
+    def _local_index(self) -> dict[Key, LocalResult]:
         return {r.row_key: r for r in self.local}
 
     def local_for(self, row: Row) -> Optional[LocalResult]:
         """The local error measured for the same (module, call, phase, tensor) as an accumulated row."""
-        return self._local_index.get((row.module, row.call, row.phase, row.tensor))
+        return self._local_index.get(row.key)
 
 
 def _local_dict(local: Optional[LocalResult]) -> Optional[dict[str, Any]]:

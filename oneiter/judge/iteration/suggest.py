@@ -48,7 +48,7 @@ def suggest_region(result) -> Optional[Suggestion]:
     if not region:  # a top-level module or the root: its parent is the model itself
         region = path
     include = f"^{re.escape(region)}(\\.|$)" if region else None
-    return Suggestion(index, module, region, include)
+    return Suggestion(row=index, module=module, region=region, include=include)
 
 
 def _stem(path: str) -> str:

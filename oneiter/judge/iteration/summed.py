@@ -30,10 +30,9 @@ import math
 from typing import Callable, Optional
 
 from oneiter.format.schema import BACKWARD, FORWARD
+from oneiter.judge.iteration.entries import Key
 
 __all__ = ["readers_gradients", "inherited"]
-
-Key = tuple[str, int, str, str]
 
 
 def readers_gradients(rows: list, stored: list, parents: dict) -> dict[Key, list[Key]]:
@@ -41,11 +40,11 @@ def readers_gradients(rows: list, stored: list, parents: dict) -> dict[Key, list
     `grad_kwarg.*` of its outermost readers) it is summed from; only keys the rows hold with numbers."""
     if len(stored) != len(rows):  # not the rows' own datasets: no readers known
         return {}
-    measured = {(r.module, r.call, r.phase, r.tensor) for r in rows if r.metrics is not None}
+    measured = {r.key for r in rows if r.metrics is not None}
     tensors: dict[object, list[Key]] = {}
     for r, ident in zip(rows, stored, strict=True):
         if ident is not None and r.phase == FORWARD:
-            tensors.setdefault(ident[0], []).append((r.module, r.call, r.phase, r.tensor))
+            tensors.setdefault(ident[0], []).append(r.key)
     found: dict[Key, list[Key]] = {}
     for keys in tensors.values():
         outputs = [k for k in keys if k[3].startswith("output")]
@@ -56,12 +55,12 @@ def readers_gradients(rows: list, stored: list, parents: dict) -> dict[Key, list
         readers = [k for k in inputs if (k[0], k[1]) not in returned]
         calls = {(k[0], k[1]) for k in readers}
         outer = [k for k in readers if not _inside(parents, (k[0], k[1]), calls)]
-        grads = [(k[0], k[1], BACKWARD, f"grad_{k[3]}") for k in outer]
+        grads = [Key(k.module, k.call, BACKWARD, f"grad_{k.tensor}") for k in outer]
         grads = [g for g in dict.fromkeys(grads) if g in measured]
         if not grads:
             continue
         for m, c, _, tensor in outputs:
-            grad = (m, c, BACKWARD, "grad_" + tensor)
+            grad = Key(m, c, BACKWARD, "grad_" + tensor)
             if grad in measured:
                 found[grad] = grads
     return found

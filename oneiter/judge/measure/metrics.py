@@ -159,7 +159,7 @@ def _identical(a: np.ndarray, b: np.ndarray, num_elements: int) -> Metrics | Non
         return None  # array_equal is False as soon as there is a NaN: those take the full path
     if not np.isfinite(a).all():
         return None
-    return Metrics(num_elements, 0.0, 0.0, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+    return _equal(num_elements)
 
 
 def compare_arrays(ref: np.ndarray, target: np.ndarray, *, atol: float, rtol: float, chunk: int = CHUNK) -> Metrics:
@@ -193,8 +193,16 @@ def _compare_integers(a: np.ndarray, b: np.ndarray, chunk: int) -> Metrics:
             pa, pb = pa.astype(np.int8), pb.astype(np.int8)
         differ += int(np.count_nonzero(pa != pb))  # numpy compares int64 with uint64 exactly (no float detour)
     if differ == 0:
-        return Metrics(a.size, 0.0, 0.0, 0.0, 1.0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0)
+        return _equal(a.size)
     shown = compare_arrays(a.astype(np.float64), b.astype(np.float64), atol=0.0, rtol=0.0, chunk=chunk)
     need = 1.0 if shown.max_abs == 0 else shown.need_atol  # apart by less than float64 resolves
-    return Metrics(a.size, max(shown.max_abs, 1.0), shown.max_rel, shown.rel_l2, shown.cosine, differ,
-                   differ / a.size, need, math.inf, 0, 0, 0, 0)
+    return Metrics(num_elements=a.size, max_abs=max(shown.max_abs, 1.0), max_rel=shown.max_rel, rel_l2=shown.rel_l2,
+                   cosine=shown.cosine, num_out=differ, frac_out=differ / a.size, need_atol=need, need_rtol=math.inf,
+                   num_nan_ref=0, num_inf_ref=0, num_nan_target=0, num_inf_target=0)
+
+
+def _equal(num_elements: int) -> Metrics:
+    """The metrics of two bitwise-equal, all-finite tensors."""
+    return Metrics(num_elements=num_elements, max_abs=0.0, max_rel=0.0, rel_l2=0.0, cosine=1.0, num_out=0,
+                   frac_out=0.0, need_atol=0.0, need_rtol=0.0, num_nan_ref=0, num_inf_ref=0, num_nan_target=0,
+                   num_inf_target=0)

@@ -79,13 +79,16 @@ def check_tensor(name: str, ref: IterationFile, path: str, got: tuple[np.ndarray
     against the recorded `path`."""
     want_shape, want_dtype = ref.shape_of(path), ref.dtype_of(path)
     if got is None:
-        return TensorCheck(name, want_shape, want_dtype, False, math.inf, math.inf, 0.0, 0.0, False)
+        return TensorCheck(name=name, shape=want_shape, dtype=want_dtype, bitwise=False, max_abs=math.inf,
+                           rel_l2=math.inf, atol=0.0, rtol=0.0, matched=False)
     array, dtype = got
     shape = tuple(array.shape)
     tol = looser(default_tolerance(want_dtype), default_tolerance(dtype))
     if shape != want_shape:
-        return TensorCheck(name, shape, dtype, False, math.inf, math.inf, tol.atol, tol.rtol, False)
+        return TensorCheck(name=name, shape=shape, dtype=dtype, bitwise=False, max_abs=math.inf, rel_l2=math.inf,
+                           atol=tol.atol, rtol=tol.rtol, matched=False)
     bitwise = dtype == want_dtype and array.tobytes() == np.asarray(ref.raw(path)).tobytes()
     metrics = compare_arrays(ref.read(path), decode(array, dtype), atol=tol.atol, rtol=tol.rtol)
     matched = bitwise or not metrics.diverged
-    return TensorCheck(name, shape, dtype, bitwise, metrics.max_abs, metrics.rel_l2, tol.atol, tol.rtol, matched)
+    return TensorCheck(name=name, shape=shape, dtype=dtype, bitwise=bitwise, max_abs=metrics.max_abs,
+                       rel_l2=metrics.rel_l2, atol=tol.atol, rtol=tol.rtol, matched=matched)

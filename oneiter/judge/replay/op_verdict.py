@@ -217,8 +217,9 @@ def replay_ops(
                         compile=compile, float8=float8)
     run, tracer = trace.run, trace.tracer
     kernels = foreign_notes({FOREIGN_KERNELS: json.dumps({"cpu": trusted.met_kernels(since)})})
-    result = OpsResult(str(path), run.key, run.class_name, run.device, run.dtype, run.amp, factor, tracer.rows,
-                       [], notes=[*run.notes, *kernels])
+    result = OpsResult(recording=str(path), key=run.key, class_name=run.class_name, device=run.device,
+                       dtype=run.dtype, amp=run.amp, factor=factor, rows=tracer.rows, program=[],
+                       notes=[*run.notes, *kernels])
     if trace.random_values:
         result.program = _program(path, trace, factor)
     else:
@@ -278,7 +279,7 @@ def drill(result: CompareResult, *, model: str | None = None) -> Drill | None:
     named = spec if spec and (model or is_file_spec(spec)) else None  # a built-in one is the recording's default
     command = replay_ops_command(result.reference, culprit.module, culprit.call, device=device, dtype=dtype, amp=amp,
                                  model=named, compile=backend or None, float8=float8)
-    found = Drill(culprit.module, culprit.call, command)
+    found = Drill(layer=culprit.module, call=culprit.call, command=command)
     if is_file_spec(spec) and model is None:
         found.why_not = "the target's model is a file: name it with --model (a recording never chooses the code)"
         return found
@@ -314,7 +315,8 @@ def _program(path, trace: LayerTrace, factor: float) -> list[ProgramTensor]:
             explained = max(_rel_l2_to_exact(exact[name], _values(target[name])), coarse_error)
             floor = max(unit_roundoff(recorded_dtype), unit_roundoff(target[name][1]))
             ratio = program / max(explained, floor)
-            out.append(ProgramTensor(name, program, explained, floor, ratio, ratio > factor))
+            out.append(ProgramTensor(name=name, program=program, explained=explained, floor=floor, ratio=ratio,
+                                     flagged=ratio > factor))
     return out
 
 
@@ -350,8 +352,9 @@ def departures(reference: list[dict], rows: list[OpRow]) -> list[Departure]:
             if kind == "equal":
                 continue
             at = ours[b0] if b0 < len(ours) else None
-            found.append(Departure(phase, kind, [t[0] for t in theirs[a0:a1]], [o[0] for o in ours[b0:b1]],
-                                   at[1] if at else None, at[2] if at else ""))
+            found.append(Departure(phase=phase, kind=kind, reference=[t[0] for t in theirs[a0:a1]],
+                                   target=[o[0] for o in ours[b0:b1]], index=at[1] if at else None,
+                                   line=at[2] if at else ""))
     return found
 
 

@@ -169,11 +169,13 @@ def step_rows(ref: IterationFile, tgt: IterationFile, steps: list[int], mine: Si
     for i, step in enumerate(steps):
         k, j = index_ref[i], index_tgt[i]
         rows.append(StepRow(
-            step, (float(mine.loss[k]), float(theirs.loss[j])), (float(mine.grad_norm[k]), float(theirs.grad_norm[j])),
-            (float(mine.update_norm[k]), float(theirs.update_norm[j])),
-            {g: float(errors[g][i]) for g in GROUPS}, {g: bands[g][i] for g in GROUPS},
-            _bitwise(ref.step(step), tgt.step(step)), bool(nonfinite[i]),
-            None if twin is None else (float(twin.loss[j]), float(twin.grad_norm[j]), float(twin.update_norm[j]))))
+            step=step, loss=(float(mine.loss[k]), float(theirs.loss[j])),
+            grad_norm=(float(mine.grad_norm[k]), float(theirs.grad_norm[j])),
+            update_norm=(float(mine.update_norm[k]), float(theirs.update_norm[j])),
+            errors={g: float(errors[g][i]) for g in GROUPS}, bands={g: bands[g][i] for g in GROUPS},
+            bitwise=_bitwise(ref.step(step), tgt.step(step)), nonfinite=bool(nonfinite[i]),
+            twin=None if twin is None else (float(twin.loss[j]), float(twin.grad_norm[j]),
+                                            float(twin.update_norm[j]))))
     return rows
 
 

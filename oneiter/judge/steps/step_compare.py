@@ -109,7 +109,8 @@ def _compare_open(ref: IterationFile, tgt: IterationFile) -> StepsResult:
         raise FormatError(f"'{ref.path if mine is None else tgt.path}' holds no /signature table")
     rows = step_rows(ref, tgt, steps, mine, theirs, tgt.signature(twin=True))
     verdict = decide_steps(ref, tgt, rows, notes)
-    return StepsResult(str(ref.path), str(tgt.path), _meta(ref), _meta(tgt), rows, verdict, notes)
+    return StepsResult(reference=str(ref.path), target=str(tgt.path), meta_reference=_meta(ref),
+                       meta_target=_meta(tgt), rows=rows, verdict_obj=verdict, notes=notes)
 
 
 def _check_batches(ref: IterationFile, tgt: IterationFile, steps: list[int]) -> None:

@@ -123,8 +123,9 @@ def decide_steps(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], no
     impact = read_impact(tgt)
     details += impact_lines(impact)
     return StepVerdict(
-        status, basis, None if named is None else named.step, title, reason, details, warnings, commands,
-        None if first_diff is None else rows[first_diff].step, entry, num_steps=len(rows),
+        status=status, basis=basis, step=None if named is None else named.step, title=title, reason=reason,
+        details=details, warnings=warnings, commands=commands,
+        first_difference=None if first_diff is None else rows[first_diff].step, entry=entry, num_steps=len(rows),
         findings=tuple(f.as_dict() for f in found), index=None if top is None else top.entry,
         first_difference_index=first_diff, impact=impact)
 

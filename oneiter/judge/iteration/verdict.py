@@ -118,10 +118,11 @@ def _settled(i: int, row: Row, result: Evidence, unexplained: dict[Optional[int]
         return replace(row, status="diverged", reason=unexplained[i])
     if local is not None and local.rounding and i in result.rounding:  # inside tolerance or not: rounding
         return replace(row, status="rounding", reason=rounding_reason(local))
-    assert row.metrics is not None  # a measured row (`MEASURED`) holds its metrics
-    if row.status == "diverged" and not row.metrics.nonfinite_differs:
-        # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
-        return replace(row, status="rounding" if i in result.rounding else "drift")
+    if row.status == "diverged":
+        assert row.metrics is not None  # a measured divergence holds its metrics (`engine._Judge._measure`)
+        if not row.metrics.nonfinite_differs:
+            # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
+            return replace(row, status="rounding" if i in result.rounding else "drift")
     return row
 
 

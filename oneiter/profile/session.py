@@ -162,7 +162,9 @@ def overhead(profiled: list[float], unprofiled: list[float]) -> Optional[dict[st
         "measured": "median recorded training step (trace export excluded) over the median of unprofiled steps of "
                     "the same iteration run right after; spread = (max - min) / median",
     }
-    if len(profiled) < 2 or len(unprofiled) < 3:
+    if ratio is None:  # a clock too coarse for the steps: no figure to format
+        result["verdict"] = "unprofiled steps took no measurable time (median 0 s): no ratio"
+    elif len(profiled) < 2 or len(unprofiled) < 3:
         result["verdict"] = (f"{ratio:.2f}x from {len(profiled)} profiled and {len(unprofiled)} unprofiled steps: too "
                              f"few to tell the machine's noise apart (give the schedule active=2 or more)")
         result["ratio"] = None

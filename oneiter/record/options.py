@@ -33,8 +33,9 @@ Against = Literal["cpu"]
 LEVELS: tuple[str, ...] = get_args(Level)
 CALIBRATIONS: tuple[str, ...] = get_args(Calibration)
 # what `amp=` accepts for each autocast dtype: its short name, torch's name, and `str(torch.bfloat16)` (mmengine)
-_AMP_DTYPES: tuple[tuple[Amp, str], ...] = (("bf16", "bfloat16"), ("fp16", "float16"))
-_AMP_NAMES: dict[str, Amp] = {alias: short for short, long in _AMP_DTYPES for alias in (short, long, f"torch.{long}")}
+_AMP_TORCH_NAMES: tuple[tuple[Amp, str], ...] = (("bf16", "bfloat16"), ("fp16", "float16"))
+_AMP_NAMES: dict[str, Amp] = {alias: short for short, long in _AMP_TORCH_NAMES
+                              for alias in (short, long, f"torch.{long}")}
 
 
 @dataclass(kw_only=True)

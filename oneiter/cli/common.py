@@ -88,11 +88,11 @@ def cli_message(exc: BaseException) -> str:
     return re.sub(r"\b([a-z][a-z_]*)=True\b", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 
-def _pass_through() -> tuple[type, ...]:
+def _pass_through() -> tuple[type[BaseException], ...]:
     """What commands raise on purpose for typer to handle: Exit (the exit code), Abort, usage errors."""
     import typer.exceptions
 
-    kinds: list[type] = [typer.Exit, typer.Abort, typer.exceptions.TyperException]
+    kinds: list[type[BaseException]] = [typer.Exit, typer.Abort, typer.exceptions.TyperException]
     try:
         import click
 

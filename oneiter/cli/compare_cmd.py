@@ -67,7 +67,7 @@ Reference = Annotated[
                    help="The reference recording (.h5), e.g. made on CPU; or a multi-rank run (directory, -o name)."),
 ]
 Target = Annotated[
-    Path,
+    Optional[Path],
     typer.Argument(metavar="TARGET", show_default=False,
                    help="The recording to judge against it (.h5), or a multi-rank run."),
 ]
@@ -139,7 +139,7 @@ def compare(
     # a report written to stdout (`--json -`, `--csv /dev/stdout`) is all stdout carries: the human report goes to
     # stderr
     to_stdout = any(d.to_stdout for d in dests.values())
-    if _ranked_inputs(reference, target, dests, tb_dir is not None, drill):
+    if _ranked_inputs(reference, target, dests, tb_dir is not None, drill) and target is not None:  # ranked: a pair
         raise typer.Exit(_compare_ranks(reference, target, rtol, atol, tolerances, show_all, dests.get(flags.JSON.name),
                                         to_stdout))
 

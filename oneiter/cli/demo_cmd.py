@@ -33,7 +33,8 @@ def demo_command(
     from oneiter.demo import run_demo
     from oneiter.report.terminal import print_report
 
-    demo = run_demo(directory, model=model, batch_size=batch_size, fault=fault, say=err.print)
+    demo = run_demo(directory, model=model if model is not None else "resnet18", batch_size=batch_size, fault=fault,
+                    say=err.print)
     print_report(out, demo.result)
     if demo.found:
         out.print(f"\n[bold green]demo OK:[/] oneiter named {demo.fault}, the layer that was broken on purpose.")

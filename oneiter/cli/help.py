@@ -53,5 +53,7 @@ def readable(app: typer.Typer) -> None:
             command.cls = HelpCommand
         command.short_help = command.short_help or summary(command.help or "")
     for group in app.registered_groups:
-        group.short_help = group.short_help or summary(group.help or group.typer_instance.info.help or "")
-        readable(group.typer_instance)
+        sub = group.typer_instance
+        assert sub is not None  # `add_typer` registers a group with its Typer
+        group.short_help = group.short_help or summary(group.help or sub.info.help or "")
+        readable(sub)

@@ -53,7 +53,7 @@ class OneIterProfilerHook(Hook):
 
     def __init__(self, **settings: Any):
         self.settings = ProfileSettings.given(type(self).__name__, settings)  # its fields: the keywords
-        self.schedule, self.out_dir = self.settings.schedule, self.settings.out_dir
+        self.schedule, self.out_dir = self.settings.profile_schedule, self.settings.profile_dir
         self.profiler: Optional[StepProfiler] = None  # from before_train on
 
     __init__.__signature__ = ProfileSettings.keywords_signature()  # type: ignore[attr-defined]  # for help()

@@ -52,21 +52,21 @@ class ProfileEvents:
 
     @property
     def out_dir(self) -> Optional[Path]:
-        return self.profiler.out_dir if self.profiler is not None else self.settings.out_dir
+        return self.profiler.out_dir if self.profiler is not None else self.settings.profile_dir
 
     def _start(self, model, optimizer, *, default_dir: Union[str, os.PathLike], batch_size: int, seed: int,
                amp: Optional[str], remaining: Optional[int], first_step: int, version: str) -> None:
         """Training starts: check the schedule fits, and turn the profiler on."""
         self.settings.check_fits(remaining, "steps")
         model = unwrap_model(model)
-        out_dir = self.settings.out_dir or Path(default_dir) / "oneiter_profile"
+        out_dir = self.settings.profile_dir or Path(default_dir) / "oneiter_profile"
         info = current_rank()
         if info.distributed:  # each rank its own folder: one summary.json each
             out_dir = out_dir / f"rank{info.rank}"
         optimizers = unwrap_optimizers(optimizer) if optimizer is not None else []
         options = self.settings.options(model, out_dir=out_dir, batch_size=batch_size, seed=seed, amp=amp,
                                         optimizer=",".join(type(o).__name__.lower() for o in optimizers))
-        self.profiler = StepProfiler(model, options, self.settings.schedule,
+        self.profiler = StepProfiler(model, options, self.settings.profile_schedule,
                                      extra={"first_step": first_step, "framework": self.FRAMEWORK,
                                             f"{self.FRAMEWORK}_version": version})
         self.profiler.start()

@@ -21,13 +21,16 @@ import contextlib
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from oneiter.profile.module_ranges import ModuleRanges
 from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
 from oneiter.profile.run_parts import CycleExporter, activities, memory_history, option_warnings, summary_head, sync
 from oneiter.profile.schedule import ProfileSchedule
 from oneiter.profile.summary import write_summary
+
+if TYPE_CHECKING:
+    import torch.profiler
 
 __all__ = ["ProfileSession", "overhead", "UNPROFILED_STEPS", "NOISY_SPREAD"]
 
@@ -53,7 +56,7 @@ class ProfileSession:
         self.step = 0  # profiler steps run so far
         self.active: list[float] = []  # wall time of each recorded (active) step
         self.unprofiled: list[float] = []  # wall time of each unprofiled step after the profiler stopped
-        self._prof = None
+        self._prof: Optional[torch.profiler.profile] = None
         self._ranges: Optional[ModuleRanges] = None
         self._stack = contextlib.ExitStack()
         self._started = 0.0
@@ -76,7 +79,7 @@ class ProfileSession:
         import torch.profiler
 
         o = self.options
-        self._prof = torch.profiler.profile(
+        prof = self._prof = torch.profiler.profile(
             activities=activities(self.device), schedule=self.schedule.torch_schedule(), on_trace_ready=self.exporter,
             record_shapes=o.record_shapes, profile_memory=o.profile_memory, with_stack=o.with_stack,
             with_flops=o.with_flops,
@@ -85,7 +88,7 @@ class ProfileSession:
             self._ranges = self._stack.enter_context(ModuleRanges(self.model))
         self._stack.enter_context(memory_history(self.device, o.profile_memory))
         with native_output_filtered():
-            self._prof.start()
+            prof.start()
 
     def begin_step(self) -> None:
         sync(self.device)
@@ -98,6 +101,7 @@ class ProfileSession:
         seconds = time.perf_counter() - self._started
         if self.schedule.phase(self.step) == "active":
             self.active.append(seconds)
+        assert self._prof is not None  # a profiled step follows start()
         with native_output_filtered():
             self._prof.step()
         self.step += 1
@@ -150,7 +154,7 @@ def overhead(profiled: list[float], unprofiled: list[float]) -> Optional[dict[st
     spread_p = (max(profiled) - min(profiled)) / med_p if med_p > 0 else 0.0
     spread_u = (max(unprofiled) - min(unprofiled)) / med_u if med_u > 0 else 0.0
     ratio = med_p / med_u if med_u > 0 else None
-    result = {
+    result: dict[str, Any] = {
         "num_profiled": len(profiled), "num_unprofiled": len(unprofiled),
         "profiled_median_s": round(med_p, 6), "unprofiled_median_s": round(med_u, 6),
         "profiled_spread": round(spread_p, 4), "unprofiled_spread": round(spread_u, 4),
@@ -158,7 +162,9 @@ def overhead(profiled: list[float], unprofiled: list[float]) -> Optional[dict[st
         "measured": "median recorded training step (trace export excluded) over the median of unprofiled steps of "
                     "the same iteration run right after; spread = (max - min) / median",
     }
-    if len(profiled) < 2 or len(unprofiled) < 3:
+    if ratio is None:  # a clock too coarse for the steps: no figure to format
+        result["verdict"] = "unprofiled steps took no measurable time (median 0 s): no ratio"
+    elif len(profiled) < 2 or len(unprofiled) < 3:
         result["verdict"] = (f"{ratio:.2f}x from {len(profiled)} profiled and {len(unprofiled)} unprofiled steps: too "
                              f"few to tell the machine's noise apart (give the schedule active=2 or more)")
         result["ratio"] = None

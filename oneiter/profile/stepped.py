@@ -93,6 +93,16 @@ class ProfileSettings:
         self.schedule = schedule_of(self.schedule)
         self.out_dir = None if self.out_dir is None else Path(self.out_dir)
 
+    @property
+    def profile_schedule(self) -> ProfileSchedule:
+        """`schedule` as it is held (`__post_init__` made it a `ProfileSchedule`)."""
+        return schedule_of(self.schedule)
+
+    @property
+    def profile_dir(self) -> Optional[Path]:
+        """`out_dir` as it is held (`__post_init__` made it a Path), None: the framework's default."""
+        return None if self.out_dir is None else Path(self.out_dir)
+
     @classmethod
     def given(cls, owner: str, settings: Mapping[str, Any]) -> "ProfileSettings":
         """The settings a constructor took as keywords (`**settings`); a keyword that is no field is refused, the
@@ -114,9 +124,10 @@ class ProfileSettings:
 
     def check_fits(self, remaining: Optional[int], what: str = "iterations") -> None:
         """Refuse a schedule that needs more steps than the run has left (its active window would never come)."""
-        if remaining is not None and self.schedule.num_steps > remaining:
-            raise ValueError(f"schedule should fit in the training run, but {self.schedule} needs "
-                             f"{self.schedule.num_steps} {what} and only {remaining} remain: its active window would "
+        schedule = self.profile_schedule
+        if remaining is not None and schedule.num_steps > remaining:
+            raise ValueError(f"schedule should fit in the training run, but {schedule} needs "
+                             f"{schedule.num_steps} {what} and only {remaining} remain: its active window would "
                              f"never be reached")
 
     def options(self, model, *, out_dir: Path, batch_size: int, seed: int, amp: Optional[str],
@@ -167,7 +178,7 @@ class StepProfiler:
         self.session.start()
 
     def begin_step(self) -> None:
-        if self.wants_steps:
+        if self.session is not None and self.wants_steps:
             self.session.begin_step()
 
     def end_step(self) -> None:
@@ -177,7 +188,7 @@ class StepProfiler:
         if session.profiling:
             session.end_step()
             if session.done:
-                self._stop()
+                self._stop(session)
         elif self._timing:
             session.end_unprofiled_step()
             if len(session.unprofiled) >= session.unprofiled_wanted:
@@ -193,7 +204,7 @@ class StepProfiler:
             session.summary["warnings"].append(
                 f"training ended after {session.step} of the schedule's {self.schedule.num_steps} steps: cycles not "
                 "finished have no trace")
-            self._stop()
+            self._stop(session)
         if self._timing:
             session.summary["notes"].append(
                 f"training ended after {len(session.unprofiled)} of {session.unprofiled_wanted} unprofiled steps: "
@@ -206,8 +217,7 @@ class StepProfiler:
         if self.session is not None and self.session.profiling:
             self.session.stop(failed=True)
 
-    def _stop(self) -> None:
-        session = self.session
+    def _stop(self, session: ProfileSession) -> None:
         session.stop()
         self._timing = session.unprofiled_wanted > 0
         write_summary(session.out_dir, session.summary)  # the traces are complete; the overhead comes later

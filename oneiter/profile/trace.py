@@ -123,7 +123,7 @@ def _backward_spans(data: dict) -> int:
 
 def _tracks(spans: list[dict], kept: list[dict]) -> dict[tuple, int]:
     """A new integer tid per (pid, tid) that ran backward spans, named and sorted right after that thread."""
-    used = {e.get("tid") for e in kept if isinstance(e.get("tid"), int)}
+    used = {e["tid"] for e in kept if isinstance(e.get("tid"), int)}
     next_tid = max(used | {0}) + 1
     tracks: dict[tuple, int] = {}
     for span in spans:

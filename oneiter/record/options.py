@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, get_args
 
@@ -33,13 +33,18 @@ Against = Literal["cpu"]
 LEVELS: tuple[str, ...] = get_args(Level)
 CALIBRATIONS: tuple[str, ...] = get_args(Calibration)
 # what `amp=` accepts for each autocast dtype: its short name, torch's name, and `str(torch.bfloat16)` (mmengine)
-_AMP_NAMES: dict[str, str] = {alias: short for short, long in (("bf16", "bfloat16"), ("fp16", "float16"))
+_AMP_TORCH_NAMES: tuple[tuple[Amp, str], ...] = (("bf16", "bfloat16"), ("fp16", "float16"))
+_AMP_NAMES: dict[str, Amp] = {alias: short for short, long in _AMP_TORCH_NAMES
                               for alias in (short, long, f"torch.{long}")}
 
 
 @dataclass(kw_only=True)
 class RecordOptions:
-    """The settings of one recording (not the live objects it records: model, optimizer, callbacks)."""
+    """The settings of one recording (not the live objects it records: model, optimizer, callbacks).
+
+    A field's type is what it holds once checked; the constructor takes more where its docstring says so (a str
+    path, `bfloat16`, `compile=True`, one regex for a list of them, None for a default), made so by `__post_init__`.
+    """
 
     out: Path
     """The `.h5` file to write; never overwritten unless `force`."""
@@ -166,7 +171,8 @@ class RecordOptions:
 
     def _check_compile(self) -> None:
         """compile: a backend name (True: inductor); compile_modules: regexes, only with compile."""
-        if self.compile is True:
+        given: object = self.compile  # the field holds a name; True is taken as torch.compile's default
+        if given is True:
             self.compile = "inductor"
         if self.compile is not None and (not isinstance(self.compile, str) or not self.compile.strip()):
             raise OneIterError(f"compile takes a torch.compile backend name such as 'inductor' (or True), got "
@@ -262,7 +268,13 @@ def keyword_signature(function: Callable) -> inspect.Signature:
     `RecordOptions` but `out`, with its default (what `help()` and `inspect.signature` show of `oneiter.Recorder`)."""
     own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
     taken = {p.name for p in own}
-    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
-                                  default=f.default if f.default is not MISSING else f.default_factory())
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type, default=_default(f))
                 for f in fields(RecordOptions) if f.name not in taken]
     return inspect.Signature(own + settings)
+
+
+def _default(f: Field) -> Any:
+    """A field's default: its value, or what its factory makes (a fresh list or dict); none: a required keyword."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else inspect.Parameter.empty

@@ -46,7 +46,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
@@ -81,6 +81,11 @@ from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.host_random import seed_all
 from oneiter.runtime.sharding import is_sharded, reduction
 from oneiter.runtime.wrappers import accumulation_steps, grad_scalers, model_forward_cast
+
+if TYPE_CHECKING:
+    import torch
+
+    from oneiter.record.impact.start import Start
 
 __all__ = ["Recorder", "RecordSummary", "RecordOptions", "Phase", "module_selector", "regex_list", "CALIBRATIONS",
            "LEVELS", "optimizer_list", "model_of"]
@@ -172,14 +177,17 @@ class Recorder:
             self.replay = replay_path(self.replay, self.rank) if self.replay is not None else None
         self.summary: RecordSummary | None = None
         self._stack: ExitStack | None = None
-        self._loss = None  # the iteration's loss, once the block ends
+        self.session: RecordingSession | None = None  # with its modes and compile watch: the block's, while it runs
+        self._modes: ActiveModes | None = None
+        self._watch: CompileWatch | None = None
+        self._loss: torch.Tensor | None = None  # the iteration's loss, once the block ends
         self._swap: list[BatchSwap] | None = None  # a replay: the reference's batch of each microbatch
         self._given_ref, self._start = None, True  # `from_options`: a step of a multi-step recording
         self._step_of = False
         self.optimizer_start = ""  # the file's `optimizer_state` (format/optimizer_state.py), set on enter
         self._meta_batch_size = 0  # the batch size the file's attributes state (0: its batch's rows, once taken)
         self._iteration: Callable[[], Any] | None = None  # `run(fn)`'s fn: what `impact` runs again
-        self._impact_start = None  # `impact`: the iteration's start (`record/impact/start.py`)
+        self._impact_start: Start | None = None  # `impact`: the iteration's start (`record/impact/start.py`)
         self._pass = None  # the impact run in progress: `inputs`, `loss` and `note` are its
         if options.impact and self.rank.distributed:
             raise OneIterError("impact runs the iteration again in one process: record without torchrun",
@@ -213,6 +221,7 @@ class Recorder:
         self._flow.advance(Phase.OPEN)
         for scaler in self._scalers:
             self.loss_scale(scaler)
+        assert self.session is not None  # `_open` made it
         self.session.enter_phase("forward")
         return self
 
@@ -283,6 +292,7 @@ class Recorder:
         """The modes, hooks and patches of the block, each undone by `stack`."""
         flow = self._flow
         opts = self.options
+        assert self.session is not None  # `_open` made it
         self._modes = ActiveModes(self.session.sink, self.ref, self.device, opts.random_replay, opts.fallback,
                                   self.session.module_capture, self.session.live_collective, flow.on_chunk,
                                   flow.on_scaled)
@@ -340,7 +350,8 @@ class Recorder:
     def _write_end(self) -> dict:
         """What the block writes when it ends: state_after, the loss (and each microbatch's), the impact runs, the
         modes' and compilation's attributes, the `/local` table; returns what the impact runs took."""
-        flow, session = self._flow, self.session
+        flow, session, modes, watch = self._flow, self.session, self._modes, self._watch
+        assert session is not None and modes is not None and watch is not None  # the block ran to its end
         session.enter_phase("writing")
         session.state_after()
         # the tensor each backward ran on: the loss times the GradScaler's scale
@@ -350,15 +361,16 @@ class Recorder:
             session.microbatch_losses(flow.mb.as_floats(losses))
             session.extra_attrs[MICROBATCHES] = flow.mb.count
         impact = self._measure_impact() if self.options.impact else {}
-        reduced = reduction(self.model, self.rank.world_size, self._modes.reduced_grads())
-        self._watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
-        compiled = compiled_attr(session.module_capture.blocks, self._watch, self._modes.random.num_compiled)
-        self._counts = session.finish(self._loss, {**self._modes.summary(), GRAD_REDUCTION: reduced, **compiled})
+        reduced = reduction(self.model, self.rank.world_size, modes.reduced_grads())
+        watch.__exit__(None, None, None)  # before the attribute that says what it saw is written
+        compiled = compiled_attr(session.module_capture.blocks, watch, modes.random.num_compiled)
+        self._counts = session.finish(self._loss, {**modes.summary(), GRAD_REDUCTION: reduced, **compiled})
         for line in compiled_notes(compiled) if self.notify is not None and not self._step_of else ():
             self.notify(line)
         return impact
 
     def _summarise(self, impact: dict) -> None:
+        assert self._watch is not None and self.session is not None and self._loss is not None  # `_write_end` ran
         compiling, counts = self._watch.total_seconds, self._counts
         self.summary = RecordSummary(
             self.out, counts[0], counts[1], self.out.stat().st_size, time.perf_counter() - self._started - compiling,
@@ -385,6 +397,7 @@ class Recorder:
 
         if self._iteration is None:
             raise _no_iteration()
+        assert self._loss is not None  # `_write_end` took it
         return measure_block(self.model, self.ref, self.options, self.device, self.optimizers,
                              loss=float(self._loss.float()), session=self.session, start=self._impact_start,
                              modes=self.precision_modes, dtype=param_dtype(self.model), progress=self.progress,
@@ -393,6 +406,7 @@ class Recorder:
     def _impact_run(self, step) -> None:
         """One impact run: the iteration again, `step` (an `ImpactPass`) handing out its batch and taking its loss."""
         self._pass = step
+        assert self._iteration is not None  # `_measure_impact` checked it
         try:
             self._iteration()
         finally:
@@ -446,6 +460,7 @@ class Recorder:
         if self.phase >= Phase.BACKWARD:
             raise OneIterError("rec.loss_scale() comes before the backward (the gradients are stored as it runs)",
                                param="loss_scale")
+        assert self.session is not None  # the block runs
         self.session.module_capture.grad_scale = value
         self.session.extra_attrs["loss_scale"] = value
 
@@ -454,6 +469,7 @@ class Recorder:
         if self._pass is not None:
             return
         self._active("note")
+        assert self.session is not None  # the block runs
         self.session.extra_attrs.update(attrs)
 
     def locate(self, exc: BaseException, frame: tuple[str, int, str] | None) -> tuple[str, str] | None:
@@ -474,6 +490,7 @@ class Recorder:
         if self.options.impact and self._iteration is None:  # refused before the iteration and its probes run
             raise _no_iteration()
         mb = self._flow.mb
+        assert self.session is not None  # the block runs
         args, kwargs = mb.take(self.session.sink, args, kwargs, self._swap,
                                self.ref.path.name if self.ref is not None else "")
         if not self._meta_batch_size and mb.current == 0:  # nothing said how large: its first tensor's rows
@@ -484,6 +501,7 @@ class Recorder:
 
     def _estimate(self) -> None:
         """Forward is done (the block's first backward begins): the file's size estimated, and checked."""
+        assert self.session is not None  # the block runs
         self.estimated_bytes = forward_done(self.out, self.session.sink.num_bytes, self._before_bytes,
                                             self._state_bytes, None if self._step_of else self.notify)
 

@@ -61,6 +61,7 @@ def check_output(out: Path, force: bool) -> Path:
     if out.is_dir():
         raise OneIterError(f"out '{out}' is a directory; give a file name such as {out / 'run.h5'}", param="out")
     target = resolve(out, "out", streams=False).path
+    assert target is not None  # a regular file (streams=False refuses the rest) always has its path
     if target.exists() and not force:
         raise OutputExists(f"out '{out}' already exists; pass force=True to overwrite it", param="out")
     return target

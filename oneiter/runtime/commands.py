@@ -45,6 +45,11 @@ class Flag(NamedTuple):
         first = self.name if self.off is None else f"{self.name}/{self.off}"
         return (first,) if self.short is None else (first, self.short)
 
+    @property
+    def brief(self) -> str:
+        """How a printed command writes it: its one-letter alias where it has one, else its name."""
+        return self.short or self.name
+
 
 # the model, its run and its output (record, replay, profile, demo), and the flags the printed commands use
 MODEL = Flag("--model", "-m")
@@ -134,8 +139,8 @@ def record_step_commands(reference: dict[str, Any], target: dict[str, Any], ref_
     ref_out, tgt_out = _beside(ref_path, step), _beside(tgt_path, step)
     args = model_arg_flags(reference.get("model_args"))
     first = ["oneiter", "record", MODEL.name, spec, STEP.name, str(step), *_build(reference), *args, *_run(reference),
-             OUT.short, str(ref_out)]
-    then = ["oneiter", "record", REPLAY.name, str(ref_out), MODEL.name, spec, *args, *_run(target), OUT.short,
+             OUT.brief, str(ref_out)]
+    then = ["oneiter", "record", REPLAY.name, str(ref_out), MODEL.name, spec, *args, *_run(target), OUT.brief,
             str(tgt_out)]
     return [shlex.join(first), shlex.join(then)]
 

@@ -45,6 +45,13 @@ def test_the_step_commands_parse_into_what_they_were_built_from(tmp_path: Path):
         "cuda:1", "bfloat16", "bf16", ["layer3.1.conv2"], "convolution,addmm")
 
 
+def test_a_printed_command_writes_a_flag_by_its_alias_else_by_its_name(tmp_path: Path):
+    assert (commands.OUT.brief, commands.STEP.brief) == ("-o", "--step")
+    first, then = commands.record_step_commands(REFERENCE, TARGET, tmp_path / "ref.h5", tmp_path / "tgt.h5", 6)
+    assert shlex.split(first)[-2:] == ["-o", str(tmp_path / "ref.step6.h5")]
+    assert shlex.split(then)[-2:] == ["-o", str(tmp_path / "tgt.step6.h5")]
+
+
 def test_a_recording_that_names_no_model_spec_gets_no_command(tmp_path: Path):
     assert commands.record_step_commands({**REFERENCE, "model": "MyNet"}, TARGET, tmp_path / "a.h5",
                                          tmp_path / "b.h5", 6) is None

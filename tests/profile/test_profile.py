@@ -149,6 +149,17 @@ def test_overhead_is_a_ratio_of_medians_or_says_the_machine_is_too_noisy():
     assert "below 1x" not in quiet["verdict"]
 
 
+def test_overhead_of_unprofiled_steps_of_no_measurable_time_has_no_ratio():
+    """A median of 0 s unprofiled (a clock too coarse for the steps) gives no ratio and says why, in each branch."""
+    from oneiter.profile.session import overhead
+
+    zero = [0.0, 0.0, 0.0]
+    for profiled, unprofiled in (([0.1], zero), ([0.1, 0.1], zero), ([0.1, 0.1], [0.0, 0.0, 1.0])):
+        result = overhead(profiled, unprofiled)
+        assert result["ratio"] is None and result["unprofiled_median_s"] == 0.0
+        assert result["verdict"] == "unprofiled steps took no measurable time (median 0 s): no ratio"
+
+
 def test_backward_spans_name_the_root_and_call_n_of_each_module_as_recordings_do(fp32_cli):
     out, _ = fp32_cli
     events = trace_events(sorted(out.glob("*.pt.trace.json.gz"))[0])

@@ -29,6 +29,8 @@ def test_settings_are_checked_and_normalised():
     settings = ProfileSettings(schedule={"active": 2}, out_dir="p", with_flops=True)
     assert settings.schedule == ProfileSchedule(wait=0, warmup=1, active=2) and settings.out_dir == Path("p")
     assert ProfileSettings().schedule == parse_schedule("wait=1,warmup=1,active=2") and ProfileSettings().module_ranges
+    assert settings.profile_schedule is settings.schedule and settings.profile_dir == Path("p")
+    assert ProfileSettings().profile_dir is None
     with pytest.raises(TypeError, match="with_stack should be a bool, but got 1"):
         ProfileSettings(with_stack=1)
     with pytest.raises(ValueError, match="memory_sort should be one of"):

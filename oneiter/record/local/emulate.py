@@ -176,7 +176,7 @@ def product(a: torch.Tensor, b: torch.Tensor, gemm: Gemm, dtype: str, u_acc: flo
     steps.append(("round", dtype))
     if bias is not None:
         steps += [("add", bias.reshape(1, -1)), ("round", dtype)]
-    coarse = any(kind == "round" and unit_roundoff(arg) > u_acc for kind, arg in steps)
+    coarse = any(kind == "round" and isinstance(arg, str) and unit_roundoff(arg) > u_acc for kind, arg in steps)
     width = WINDOW * sigma if coarse else torch.zeros_like(sigma)
     return Emulated(_apply(exact, steps), _apply(exact - width, steps), _apply(exact + width, steps), sigma_out)
 

@@ -84,7 +84,7 @@ def step_chunks(opt, budget_bytes: int | None = None) -> list[set[int] | None]:
                 size = 0
             chunks[-1].add(id(p))
             size += nbytes
-    return chunks
+    return list(chunks)
 
 
 def shadow_step(opt, names: dict, rerunner: Rerunner, site: Site, chunk: set[int] | None = None,
@@ -187,7 +187,7 @@ def faithful_copy(opt, shadows: dict, *, plain: bool = False):
             options.update({k: False for k in ("foreach", "fused", "capturable") if options.get(k)})
         groups.append({**options, "params": params})
     shadow.param_groups = groups
-    state = collections.defaultdict(dict)
+    state: collections.defaultdict[torch.Tensor, dict] = collections.defaultdict(dict)
     for p, q in _pairs(opt, shadows):
         if p in opt.state:  # each value as torch's load_state_dict gives it to q: in q's dtype and on its device
             state[q] = {key: _for_param(q, key, value, groups) for key, value in
@@ -217,7 +217,7 @@ def optimizer_rows(opt, model, rerunner: Rerunner, device, needs_noise: Callable
     The caller has checked that the optimizer starts from the reference's state (`format/optimizer_state.py`)."""
     names = {id(p): n for n, p in parameters(model)}
     order = {n: i for i, n in enumerate(names.values())}
-    rows = []
+    rows: list[JudgedRow] = []
     chunks, apart = step_chunks(opt), _placed_apart(names, rerunner)
     if apart and chunks == [None]:
         return [], _apart_reason(apart, len(apart))

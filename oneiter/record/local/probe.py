@@ -220,6 +220,7 @@ class TeacherForcedProbe(LocalProbe):
 
     def _buffer_rows(self) -> None:
         """One row per buffer a single call updated (BatchNorm's running statistics) against its state_after."""
+        assert self.model is not None  # bound: `after_backward` runs this only then
         names = [canonical(n) for n, _ in self.model.named_buffers()]
         for index, name in enumerate(names):
             records = self._contributors.get(name)

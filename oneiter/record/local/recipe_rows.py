@@ -87,9 +87,9 @@ class RecipeRows:
             if role is not None and role[0] in found:
                 reference, value = sides(source.tensor(role[2]), role[1][row.tensor])
                 fill(row, recipe.name, found[role[0]], value, reference)
-        for role, name in (("weight", w_name), ("bias", b_name)):
-            if name is not None and role in found and name in primary.grad_contributions:
-                self._keep(name, recipe.name, found[role], primary.grad_contributions[name])
+        for part, name in (("weight", w_name), ("bias", b_name)):
+            if name is not None and part in found and name in primary.grad_contributions:
+                self._keep(name, recipe.name, found[part], primary.grad_contributions[name])
 
     def _param(self, module, attr: str, rerunner) -> tuple[torch.Tensor, str]:
         """The reference's recorded parameter (state_before) in the live parameter's dtype, and its name."""

@@ -165,7 +165,8 @@ def _torchao_mxfp8(module) -> Optional[Recipe]:
     if cls.__name__ == "MXFP8Linear" and cls.__module__.startswith("torchao."):
         return _mx_recipe(module.kernel_preference, module.scale_calculation_mode, bool(module.wgrad_with_hp))
     weight = getattr(module, "weight", None)
-    if type(weight).__name__ == "MXFP8TrainingWeightWrapperTensor" and type(module).__name__ == "Linear":
+    if weight is not None and type(weight).__name__ == "MXFP8TrainingWeightWrapperTensor" \
+            and type(module).__name__ == "Linear":
         config = weight.config
         return _mx_recipe(config.kernel_preference, config.scale_calculation_mode, bool(config.wgrad_with_hp))
     return None

@@ -146,6 +146,7 @@ class Rerunner:
         values: dict[str, Any] = {}  # slot name -> what the call is handed there
         leaves: dict[str, Any] = {}
         versions: dict[int, int] = {}
+        assert rec.args is not None and rec.kwargs is not None  # released only once the call is probed
         with torch.enable_grad():  # the leaves' clones stay in the graph inside a no_grad forward (a reentrant
             for slot in (*rec.args.slots, *rec.kwargs.slots):  # checkpoint's region) too
                 if slot.alias in values:
@@ -314,7 +315,7 @@ class Rerunner:
 
     def _random(self, rec: CallRecord, forced: list[CallRecord], device):
         """Replay the random ops this call's own code ran (forced children's ops do not run in the rerun)."""
-        inside = set()
+        inside: set[int] = set()
         for child in forced:
             inside.update(range(child.random_begin, child.random_end))
         wanted = [k for k in range(rec.random_begin, max(rec.random_end, rec.random_begin)) if k not in inside]

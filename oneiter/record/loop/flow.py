@@ -10,15 +10,19 @@ managed autocast; it patches `Tensor.backward` for the block and locates an exce
 from __future__ import annotations
 
 from contextlib import ExitStack
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from oneiter.errors import OneIterError
 from oneiter.record.capture import raised_at
 from oneiter.record.capture.hooks import next_node_number
 from oneiter.record.capture.microbatches import Microbatches, refuse_accumulated
 from oneiter.record.loop.phases import MOVES, Phase, never_called
+from oneiter.record.modes.active import ActiveModes
 from oneiter.record.options import RecordOptions
 from oneiter.runtime.precision import AMP_DTYPES, active_autocast, autocast_for
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["IterationFlow"]
 
@@ -38,8 +42,12 @@ class IterationFlow:
         self._grad_versions: dict[str, int] = {}
         self.first_call: tuple | None = None  # the model's call of this microbatch: (args, kwargs, first node)
         self.failed_backward: tuple | None = None  # (the exception backward raised, the tensor it ran on)
-        self._autocast = None
-        self.session = self.modes = self.device = None  # the block's, once it starts (`bind`)
+        self._autocast: torch.autocast | None = None
+        # the block's, once it starts (`bind`): its RecordingSession (record/session.py, a part of loop's own rank
+        # that loop may not import), modes and device
+        self.session: Any = None
+        self._modes: ActiveModes | None = None
+        self._device: torch.device | None = None
         self._swapped = False
         self.take_batch: Callable | None = None
         self.on_first_backward: Callable[[], None] = lambda: None
@@ -48,12 +56,24 @@ class IterationFlow:
              swapped: bool) -> None:
         """The block started: its session, modes and device, and what the Recorder does at the batch and at the
         first backward; `swapped`: a replay hands the reference's batch to the model's call in its place."""
-        self.session, self.modes, self.device, self._swapped = session, modes, device, swapped
+        self.session, self._modes, self._device, self._swapped = session, modes, device, swapped
         self.take_batch, self.on_first_backward = take_batch, on_first_backward
+
+    @property
+    def modes(self) -> ActiveModes:
+        """The block's modes (`bind`)."""
+        assert self._modes is not None, "the iteration's events come while its block runs"
+        return self._modes
+
+    @property
+    def device(self) -> torch.device:
+        """The block's device (`bind`)."""
+        assert self._device is not None, "the iteration's events come while its block runs"
+        return self._device
 
     def release(self) -> None:
         """The block ended: what it held goes (a loop that records again must not hold the previous recording's)."""
-        self.session = self.modes = self.take_batch = None
+        self.session = self._modes = self.take_batch = None
         self.first_call = self.failed_backward = None
         self.on_first_backward = lambda: None
 
@@ -83,6 +103,7 @@ class IterationFlow:
             return None
         if not self._call_begins_microbatch() or not self.begin_microbatch():
             return None  # another call in this microbatch (two views of one batch), or after the step
+        assert self.take_batch is not None  # bound, as the session is
         new_args, new_kwargs = self.take_batch(args, kwargs)
         self.first_call = (new_args, new_kwargs, next_node_number())
         return (new_args, new_kwargs) if self._swapped else None
@@ -157,7 +178,8 @@ class IterationFlow:
         import torch
 
         originals = (torch.Tensor.backward, torch.autograd.backward)
-        flow, running = self, []
+        flow = self
+        running: list[bool] = []  # not empty while a backward of the block runs
 
         def patched(original, fed):
             def backward(tensor, *args, **kwargs):
@@ -170,7 +192,8 @@ class IterationFlow:
                     running.clear()
             return backward
 
-        torch.Tensor.backward = patched(originals[0], lambda a, k: k.get("gradient", a[0] if a else None))
+        torch.Tensor.backward = patched(  # type: ignore[method-assign]  # for the block: `stack` puts it back
+            originals[0], lambda a, k: k.get("gradient", a[0] if a else None))
         torch.autograd.backward = patched(originals[1], lambda a, k: k.get("grad_tensors", a[0] if a else None))
         stack.callback(setattr, torch.Tensor, "backward", originals[0])
         stack.callback(setattr, torch.autograd, "backward", originals[1])

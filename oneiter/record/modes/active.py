@@ -31,6 +31,7 @@ class ActiveModes:
 
         held = weakref.ref(capture) if capture is not None else lambda: None  # the capture counts this mode's ops:
         inside = lambda: open_block(held())  # noqa: E731 - no cycle between them, which would outlive the block
+        self.random: RandomRecorder | RandomReplayer
         if ref is None:
             self.random = RandomRecorder(sink, inside=inside)
         else:  # without random replay: still count the random ops (each call notes which ones it ran)
@@ -38,12 +39,13 @@ class ActiveModes:
         self.fallback = OpFallback(fallback) if fallback else None
         self.pipeline = PipelineWatch(on_chunk, getattr(capture, "suspended", None), on_scaled) \
             if is_distributed() else None
-        self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) if is_distributed() \
-            else None
+        self.collectives = CollectiveRecorder(sink, capture, on_output, self.pipeline.tagged) \
+            if self.pipeline is not None else None
         self._stack, self._until_end = ExitStack(), ExitStack()
 
     def __enter__(self) -> "ActiveModes":
         if self.collectives is not None:  # first: dispatch modes leave in the reverse order they came
+            assert self.pipeline is not None  # made with the collectives' recorder
             self._until_end.enter_context(self.pipeline)
             self._until_end.enter_context(self.collectives)
         for mode in (self.random, self.fallback):
@@ -113,7 +115,8 @@ class ActiveModes:
         the last backward only. A pipeline schedule over DDP (`torch.distributed.pipelining`) lets DDP reduce in an
         earlier microbatch's backward too; the next backward then adds to averaged gradients, and no rank's own sum
         is ever held: nothing is stored as one (`param_grads_unreduced`), and the parameter rows go unjudged."""
-        return self.reduced_grads() and self.collectives.reduced_only_last(self._backwards)
+        return self.collectives is not None and self.reduced_grads() \
+            and self.collectives.reduced_only_last(self._backwards)
 
     _backwards = 0  # backwards returned so far
 

@@ -177,6 +177,8 @@ class RandomRecorder(IterationMode):
             self.sink.writer.attrs(self.group, {"num_ops": self.num_ops, "ops": list(self.ops)})
         return result
 
+    pausing = False  # as `RandomReplayer.pausing` (set by `ActiveModes.pause`); a recording's exit checks nothing
+
 
 @dataclass(frozen=True)
 class RecordedOp:

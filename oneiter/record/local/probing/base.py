@@ -74,8 +74,9 @@ class LocalProbe(SummedValues):
             self.rows = [r for r in self.rows if not (r.module == module and r.call == earlier.call
                                                       and r.phase == BACKWARD)]
             self._not_summed |= {n for n, calls in self._contributors.items() if any(c is earlier for c in calls)}
-            if getattr(self, "backward_checks", None) is not None:
-                self.backward_checks.forget(module, earlier.call)
+            checks = getattr(self, "backward_checks", None)  # the teacher-forced probe's (`probe.py`)
+            if checks is not None:
+                checks.forget(module, earlier.call)
         if not earlier.status.startswith("state carried"):
             earlier.status = why
             self.unprobed.append((module, earlier.call, why))

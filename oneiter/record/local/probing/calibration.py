@@ -57,6 +57,7 @@ class Calibration(NoiseBounds):
         if primary is None and self._rerun_primary(low_site):
             primary = self._run(rec, self._primary_site(explicit=True))
         low = primary if low_site is None else self._run(rec, low_site)
+        assert low is not None  # without a low site the primary rerun is it (`_rerun_primary` ran it again)
         self._note_reduced("low", low_site, rec)
         reference = self._reference_run(rec, primary)
         self._note_reduced("reference", self._reference_site_used, rec)
@@ -110,7 +111,7 @@ class Calibration(NoiseBounds):
         noise_t = spread_all(base, samples)
         noise_r: dict = {}
         sampling = self._reference_sampling() if reference is not None else None
-        if sampling is not None:
+        if sampling is not None and reference is not None:
             site, roundoff = sampling
             refs = [self._run(rec, replace(site, name=f"mc_ref{k}", perturb=(SEED + k, roundoff)))
                     for k in range(SAMPLES)]

@@ -64,7 +64,7 @@ class ProbeState(ABC):
         self.unprobed: list[tuple[str, int, str]] = []
         self.num_calls = 0
         self.rerunner = Rerunner(self.source, device, list(random_ops or []), {})
-        self.model = None
+        self.model: torch.nn.Module | None = None  # the model being recorded, once bound (`bind`)
         self.optimizer = None
         self._sums = Sums()
         self._contributors: dict[str, list[CallRecord]] = {}

@@ -89,6 +89,7 @@ class SummedValues(Calibration):
         _, low_site, _ = self._calibration_sites()
         primary = self._run(rec, self._primary_site(explicit=True)) if self._rerun_primary(low_site) else None
         low = primary if low_site is None else self._run(rec, low_site)
+        assert low is not None  # without a low site the primary rerun is it (`_rerun_primary` ran it again)
         self._monte_carlo(rec, low_site, low, self._reference_run(rec, primary))
         self.source.clear()
 

@@ -112,6 +112,7 @@ class Forcing:
         """The child's recorded outputs, by slot; those that need a gradient are returned apart (in slot order), to
         go through the stand-in's autograd node."""
         outs, grad_slots = {}, []
+        assert child.output is not None  # the child returned: its outputs are recorded
         for slot in child.output.slots:
             if slot.alias is not None:  # the same tensor as an earlier slot (`_forward` fills it in)
                 continue
@@ -128,6 +129,7 @@ class Forcing:
     def _force(self, child: CallRecord, grad_inputs: list, grad_slots: list, outs: dict) -> None:
         """Put the outputs that need a gradient in `outs` as outputs of a stand-in autograd node (`Forced`)."""
         aliases: dict[str, list] = {}
+        assert child.output is not None  # the child returned: its outputs are recorded
         for slot in child.output.slots:
             aliases.setdefault(slot.alias or slot.name, []).append(slot.name)
         info = _ForcedCall(self, child, [n for n, _ in grad_inputs], [slot.name for slot, _ in grad_slots],

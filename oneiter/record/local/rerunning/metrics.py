@@ -38,6 +38,8 @@ def tensor_stats(reference, value) -> dict:
     in float64."""
     a, b = _pair(reference, value)
     sums = pair_sums(a, b)  # the C kernel: one pass, float64 sums
+    dot: float | None
+    max_abs: float | None
     if sums is not None:
         norm_a, norm_b, diff = (math.sqrt(s) for s in sums[:3])
         dot, max_abs = sums[3], sums[4]

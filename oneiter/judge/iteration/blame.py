@@ -107,7 +107,8 @@ def culprit_chain(culprit: LocalResult, parents: dict[tuple[str, int], tuple[str
         key = (r.module, r.call)
         if key not in worst or r.ratio > worst[key].ratio:
             worst[key] = r
-    chain, at, seen = [], (culprit.module, culprit.call), set()
+    chain, seen = [], set()
+    at: Optional[tuple[str, int]] = (culprit.module, culprit.call)
     while at is not None and at not in seen:
         seen.add(at)
         mine = worst.get(at)
@@ -253,7 +254,7 @@ class Sources:
         kinds = ("forward.in",) if r.phase == FORWARD else ("backward.in", "forward.in")
         return max((e for k in kinds for e in self.by_call.get((r.module, r.call, k), [])), default=0.0)
 
-    def upstream(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> Optional[float]:
+    def upstream(self, r, unprobed: set[tuple[str, int]], covered: set[Key]) -> Optional[float]:
         """The error the entry may inherit, or None when a probe (or a local row) covers it."""
         if r.key in covered:
             return None
@@ -275,7 +276,7 @@ class Sources:
             return self._call_inputs(r)
         return None  # covered by a probe
 
-    def summed(self, key: tuple, dtype: Optional[str] = None) -> float:
+    def summed(self, key: Key, dtype: Optional[str] = None) -> float:
         """What the gradient `key` inherits from the readers' gradients it is the sum of (0.0: no readers known)."""
         terms = self.summands.get(key)
         if not terms:
@@ -283,7 +284,7 @@ class Sources:
         floor = max(self.run_roundoff, unit_roundoff(dtype) if dtype else 0.0)
         return inherited(terms, key, self.errors, floor, self.norm)
 
-    def exact(self, r, unprobed: set[tuple[str, int]], covered: set[tuple]) -> bool:
+    def exact(self, r, unprobed: set[tuple[str, int]], covered: set[Key]) -> bool:
         """Whether everything an entry no probe covers was computed from is known and bitwise equal to the
         reference's (an update from exact gradients; an unprobed call's output from exact inputs)."""
         if r.key in covered:
@@ -307,7 +308,7 @@ class Sources:
 
 
 def unexplained_rows(rows: list, unprobed: set[tuple[str, int]], noise: NoisePolicy, *, same_precision: bool,
-                     loss: dict[str, Optional[float]], covered: set[tuple], amp: str = "",
+                     loss: dict[str, Optional[float]], covered: set[Key], amp: str = "",
                      sources: Optional[Sources] = None, rounding: frozenset[int] | set[int] = frozenset()
                      ) -> list[Finding]:
     """An `unexplained` finding (row index, why) for every entry no probe covers whose difference the precision

@@ -146,10 +146,10 @@ class Instance:
 
 def read_plans(files: dict[int, Path]) -> dict[int, list[tuple[int, dict]]]:
     """rank -> (index, attributes) of every collective its file holds."""
-    plans = {}
+    plans: dict[int, list[tuple[int, dict]]] = {}
     for rank, path in files.items():
         with IterationFile(path) as f:
-            plans[rank] = [(collective_index(name), attrs) for name, attrs in f.collectives()]
+            plans[rank] = [(_index(name), attrs) for name, attrs in f.collectives()]
     return plans
 
 
@@ -170,7 +170,8 @@ class _Files:
     """The target files, opened once each."""
 
     def __init__(self, files: dict[int, Path]):
-        self.paths, self.open = files, {}
+        self.paths = files
+        self.open: dict[int, IterationFile] = {}
 
     def __getitem__(self, rank: int) -> IterationFile:
         if rank not in self.open:
@@ -224,6 +225,13 @@ def _judge_instance(inst: Instance, files: _Files) -> list[Judged]:
 
 class _Unjudged(Exception):
     """The instance cannot be judged from what the files hold (statistics of an op judged from data only)."""
+
+
+def _index(name: str) -> int:
+    """The index of a collective's group name (the names are checked on open, `format/validate.py`)."""
+    index = collective_index(name)
+    assert index is not None  # checked on open
+    return index
 
 
 def _names(f: IterationFile, index: int, kind: str) -> list[str]:
@@ -316,7 +324,9 @@ def _noise(values_abs: np.ndarray, exact: np.ndarray, n: int, dtype: str, how: s
 def _exact_of(files: _Files, present: dict, paths_of, how: str) -> tuple[np.ndarray, np.ndarray]:
     """The float64 reduction of every member's input (`paths_of(rank)`), and the sum of their magnitudes, one
     member at a time."""
-    values, total, mags = [], None, None
+    values: list[np.ndarray] = []
+    total: Optional[np.ndarray] = None
+    mags: Optional[np.ndarray] = None
     for rank in sorted(present):
         value = _float64(files[rank], paths_of(rank))
         if how in _SUMS:
@@ -325,6 +335,7 @@ def _exact_of(files: _Files, present: dict, paths_of, how: str) -> tuple[np.ndar
         else:
             values.append(value)
     if how in _SUMS:
+        assert total is not None and mags is not None  # `present` holds a member (`_judge_instance` checks)
         return (total / len(present) if how == "avg" else total), mags
     stacked = _reduce(values, how)
     return stacked, np.abs(np.stack(values)).sum(axis=0)
@@ -508,9 +519,9 @@ def consumed(ref: IterationFile, tgt: IterationFile) -> list[tuple]:
     """Each output of a collective a call's own code ran on the target, as `blame.Sources` takes what a call
     computed from: ((module, call, phase), key, rel_l2 to the reference's, bitwise)."""
     found = []
-    theirs = {collective_index(name): attrs for name, attrs in ref.collectives()}
+    theirs = {_index(name): attrs for name, attrs in ref.collectives()}
     for name, attrs in tgt.collectives():
-        index = collective_index(name)
+        index = _index(name)
         if not attrs["call"] or attrs["recomputed"]:
             continue
         module, call = split_call_key(str(attrs["call"]))
@@ -528,7 +539,7 @@ def step_reduced(ref: IterationFile, tgt: IterationFile) -> bool:
     step reduces a norm weight's `Partial` gradient): its updates then hold other ranks' values too."""
     for name, attrs in tgt.collectives():
         if attrs["phase"] == "optimizer":
-            index = collective_index(name)
+            index = _index(name)
             if any(not _compare(ref, tgt, path)[1] for path in _names(tgt, index, "output")):
                 return True
     return False

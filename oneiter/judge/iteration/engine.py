@@ -104,7 +104,9 @@ class _Judge:
 
     def row(self, re_: Optional[Entry], te: Optional[Entry]) -> Row:
         """The pair's row: missing on one side, of another shape or dtype, or measured."""
-        key = Key(*(re_ or te).key)
+        entry = re_ or te
+        assert entry is not None  # a pair holds at least one side
+        key = Key(*entry.key)
         sides: dict[str, Any] = {}
         if re_ is not None:
             sides.update(shape=self.ref.shape_of(re_.path), dtype=self.ref.dtype_of(re_.path))
@@ -121,7 +123,7 @@ class _Judge:
         elif dtype != dtype_target and self.same_precision:
             status, reason = "dtype_mismatch", f"dtype {dtype} vs {dtype_target}"
         else:
-            return Row(**key._asdict(), **sides, **self._measure(key, re_, te, dtype, dtype_target))
+            return Row(**key._asdict(), **sides, **self._measure(key, re_, te, sides["dtype"], sides["dtype_target"]))
         return Row(**key._asdict(), status=status, reason=reason, **sides)
 
     def _measure(self, key: Key, re_: Entry, te: Entry, dtype: str, dtype_target: str) -> dict[str, Any]:
@@ -307,8 +309,8 @@ def _nan_origin(rows: list[Row]) -> Optional[dict]:
     """Where NaN/Inf first appear in the target (`blame.nan_origin`), when any row's differ from the reference's."""
     if not any(row.metrics is not None and row.metrics.nonfinite_differs for row in rows):
         return None
-    counts = {row.key: row.metrics.num_nan_target + row.metrics.num_inf_target for row in rows
-              if row.metrics is not None}
+    counts: dict[tuple[str, int, str, str], int] = {
+        row.key: row.metrics.num_nan_target + row.metrics.num_inf_target for row in rows if row.metrics is not None}
     return nan_origin(counts, list(counts))
 
 

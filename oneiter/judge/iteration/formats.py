@@ -82,7 +82,7 @@ def summary(local: list[LocalResult]) -> Optional[dict[str, Any]]:
     rows = [r for r in local if r.recipe]
     if not rows:
         return None
-    recipes = {}
+    recipes: dict[str, dict[str, Any]] = {}
     for r in rows:
         item = recipes.setdefault(r.recipe, {"recipe": r.recipe, "calls": set(), "num_tensors": 0, "num_flagged": 0})
         if r.phase in ("forward", "backward"):

@@ -78,7 +78,7 @@ class Fix:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Fix":
-        values = {f.name: d.get(f.name) for f in fields(cls)}
+        values: dict[str, Any] = {f.name: d.get(f.name) for f in fields(cls)}
         for key in ("rel_l2", "ratio", "share", "grad_share", "weight_share", "loss_gap", "grad_gap", "weight_gap"):
             values[key] = _float(values[key])
         values["call"], values["note"] = int(values["call"] or 0), str(values["note"] or "")
@@ -181,8 +181,8 @@ def read_impact(tgt: IterationFile) -> Optional[Impact]:
     if found is None:
         return None
     rows, attrs = found
-    top = int(attrs.get("top", -1))
-    top = None if top < 0 else top
+    recorded_top = int(attrs.get("top", -1))
+    top = None if recorded_top < 0 else recorded_top
     flagged = int(attrs.get("num_flagged", 0))
     step = int(attrs["step"]) if "step" in attrs else None
     plain = next((r for r in rows if r.kind == "plain"), None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -40,8 +40,8 @@ _KIND_RANK = {"input": 0, "output": 1, "grad_output": 0, "grad_input": 1}
 _NO_ANCHOR = (-1, 0, 0, ())
 
 
-def positions(f: IterationFile) -> dict[tuple[str, int], int]:
-    """(module, call) -> execution position."""
+def positions(f: IterationFile) -> dict[tuple[Optional[str], int], int]:
+    """(module, call) -> execution position (module None: a call recorded without its module's name)."""
     return {(attrs.get("module"), int(attrs.get("call", 0))): i for i, (_, attrs) in enumerate(f.calls())}
 
 
@@ -66,8 +66,10 @@ def causal_pairs(
     """
     tgt_by_key = {e.key: e for e in tgt_entries}
     ref_keys = {e.key: _sort_key(e, ref_positions) for e in ref_entries}
-    ordered = [(ref_keys[e.key] + (0, 0), e, tgt_by_key.get(e.key)) for e in ref_entries]
-    anchor, phase = None, None
+    ordered: list[tuple[tuple, Optional[Entry], Optional[Entry]]] = [
+        (ref_keys[e.key] + (0, 0), e, tgt_by_key.get(e.key)) for e in ref_entries]
+    anchor: tuple = ()  # set by the first target entry (its phase differs from None)
+    phase: Optional[str] = None
     for j, entry in enumerate(sorted(tgt_entries, key=lambda e: _sort_key(e, tgt_positions))):
         if entry.phase != phase:
             anchor, phase = (PHASES.index(entry.phase),) + _NO_ANCHOR, entry.phase
@@ -121,16 +123,16 @@ def check_replay(ref: IterationFile, tgt: IterationFile) -> Optional[str]:
     state_ref, state_tgt = ref.state(STATE_BEFORE), tgt.state(STATE_BEFORE)
     pairs += [(state_ref[name], state_tgt[name]) for name in state_ref if name in state_tgt]
     if tgt.meta.get(OPTIMIZER_STATE) == LOADED:  # the optimizer's state it loaded is the reference's too
-        opt_ref, opt_tgt = ref.state(OPTIMIZER), _as_reference_names(tgt)
+        state_opt_ref, state_opt_tgt = ref.state(OPTIMIZER), _as_reference_names(tgt)
         grouped = _kept_in_groups(tgt)  # the target keeps these in its param groups: no dataset to compare
-        opt_ref = {name: path for name, path in opt_ref.items()
-                   if (split_optimizer_entry(name) or ("", ""))[1] not in grouped}
-        missing = sorted(set(opt_ref) - set(opt_tgt))
+        state_opt_ref = {name: path for name, path in state_opt_ref.items()
+                         if (split_optimizer_entry(name) or ("", ""))[1] not in grouped}
+        missing = sorted(set(state_opt_ref) - set(state_opt_tgt))
         if missing:
             raise FormatError(f"bad replay: the target's optimizer holds no '{missing[0]}' after loading the "
-                              f"reference's state ({len(missing)} of {len(opt_ref)} values missing): its update "
-                              f"cannot start where the reference's did")
-        pairs += [(opt_ref.get(name, ""), path) for name, path in opt_tgt.items()]
+                              f"reference's state ({len(missing)} of {len(state_opt_ref)} values missing): its "
+                              f"update cannot start where the reference's did")
+        pairs += [(state_opt_ref.get(name, ""), path) for name, path in state_opt_tgt.items()]
     for ref_path, tgt_path in pairs:
         if not ref_path or not same_start(ref, tgt, ref_path, tgt_path):
             raise FormatError(
@@ -202,7 +204,8 @@ def hidden(pairs: list, ref: IterationFile, tgt: IterationFile) -> tuple[list, O
     if not any(sides.values()):
         return pairs, None
     blocks = {side: dict(info.get("blocks") or {}) for side, info in sides.items()}
-    kept, hidden = [], {}
+    kept: list = []
+    hidden: dict[tuple, dict[str, Any]] = {}  # (side lacking the entries, block) -> what it lacks
     for pair in pairs:
         lacking = "target" if pair[1] is None else "reference" if pair[0] is None else None
         entry = pair[0] or pair[1]

@@ -317,7 +317,7 @@ def compare_ranks_distributed(
 def _shared_pairs(reference, target, info: RankInfo) -> tuple[dict[int, Path], dict[int, Path]]:
     """The rank files of both runs, found and checked by process 0 and sent to every process (which all raise its
     OneIterError when they cannot be compared)."""
-    found = None
+    found: tuple[dict[int, Path], dict[int, Path]] | OneIterError | None = None
     if info.rank == 0:
         try:
             refs, tgts = find_rank_files(reference), find_rank_files(target)

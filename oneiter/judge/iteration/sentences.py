@@ -91,7 +91,8 @@ def own_error(tensor: Any, rel_l2: Optional[float], ratio: Optional[float], expe
     own = f"its own code's (what it hands {tensor.partition(':')[0]})" if ":" in tensor else "its own code's"
     text = (f"{own} error rel_l2 {sci(rel_l2)}, on the reference's inputs, is "
             f"{num(ratio) or 0:.1f}x its expected noise {sci(expected)}")
-    if num(calibrated) is not None and num(expected) is not None and num(calibrated) > num(expected):
+    cal, exp = num(calibrated), num(expected)
+    if cal is not None and exp is not None and cal > exp:
         text += (f" (what its precision can produce for it; its calibrated noise {sci(calibrated)} is not "
                  f"trusted, far above that)")
     return text

@@ -73,9 +73,10 @@ class Culprit:
     @classmethod
     def from_dict(cls, d: dict) -> Culprit:
         """The culprit of a saved report's verdict (numbers as `num` reads them; what it lacks, None)."""
-        values = {f.name: d.get(f.name) for f in fields(cls)}
+        values: dict[str, Any] = {f.name: d.get(f.name) for f in fields(cls)}
         numbers = ("local_rel_l2", "expected", "ratio", "calibrated", "format_cost")
-        return cls(**{**values, **{k: num(values[k]) for k in numbers}})
+        values.update({k: num(values[k]) for k in numbers})
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ class Verdict:
         where = {k: v for k, v in d.items() if k not in _OWN}
         unnamed = d.get("focus") is None and all(v is None for v in where.values())
         own = {name: d.get(name) for name in _OWN_FIELDS}
-        verdict = cls(**{
+        saved: dict[str, Any] = {
             **own, "entry": None if unnamed else where,
             "culprit": Culprit.from_dict(d["culprit"]) if d.get("culprit") else None,
             **{name: tuple(d.get(name) or ()) for name in ("chain", "culprit_includes", "unprobed", "unexplained",
@@ -211,7 +212,8 @@ class Verdict:
             "largest_rel_l2": num(d.get("largest_rel_l2")), "num_not_judged": int(d.get("num_not_judged") or 0),
             "num_rounding_values": int(d.get("num_rounding_values") or 0),
             "impact": Impact.from_dict(d.get("impact")),
-        })
+        }
+        verdict = cls(**saved)
         title, reason, details = render(verdict)
         return replace(verdict, title=title, reason=reason, details=tuple(details))
 

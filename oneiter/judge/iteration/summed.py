@@ -86,6 +86,7 @@ def inherited(terms: list[Key], total: Key, errors: dict[Key, float], floor: flo
         return max(errs, default=0.0)
     sizes = [norm(t) for t in terms] if norm is not None else []
     whole = norm(total) if norm is not None else None
-    if not whole or any(s is None or not math.isfinite(s) for s in sizes) or not math.isfinite(whole):
+    known = [s for s in sizes if s is not None and math.isfinite(s)]
+    if not whole or len(known) != len(sizes) or not math.isfinite(whole):
         return max(errs)
-    return sum(e * s for e, s in zip(errs, sizes, strict=True)) / whole
+    return sum(e * s for e, s in zip(errs, known, strict=True)) / whole

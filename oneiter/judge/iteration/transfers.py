@@ -81,6 +81,7 @@ def _judge_transfer(inst: Instance, files: _Files) -> list[Judged]:
     send, recv = inst.members.get(sender), inst.members.get(receiver)
     if send is None or recv is None:
         missing, present = (sender, recv) if send is None else (receiver, send)
+        assert present is not None  # an instance holds the member it was found by
         rank = receiver if send is None else sender
         if rank not in files.paths or (missing not in files.paths and send is not None):
             return []  # the other rank's file is not judged here (a pair of rank files)

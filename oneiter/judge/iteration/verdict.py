@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import replace
-from typing import Any, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol, Union
 
 from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num
@@ -88,6 +88,15 @@ class Evidence(Protocol):
     def local_for(self, row: Row) -> Optional[LocalResult]: ...
 
 
+class StepsVerdict(Protocol):
+    """What `decide_ranked` reads of a rank's multi-step verdict (`judge/steps/step_verdict.StepVerdict`, a layer
+    above this module: named here, not imported)."""
+
+    status: str
+    title: str
+    step: Optional[int]
+
+
 def settled_rows(result: Evidence, findings: list[Finding]) -> list[Row]:
     """The rows with the status each one's flag implies (see the module docstring), the `unexplained` `findings`
     theirs: a new `Row` for each row whose status changes. The engine settles them once, before it records the
@@ -98,7 +107,7 @@ def settled_rows(result: Evidence, findings: list[Finding]) -> list[Row]:
     return [_settled(i, row, result, unexplained) for i, row in enumerate(result.rows)]
 
 
-def _settled(i: int, row: Row, result: Evidence, unexplained: dict[int, str]) -> Row:
+def _settled(i: int, row: Row, result: Evidence, unexplained: dict[Optional[int], str]) -> Row:
     if row.status not in MEASURED:
         return row
     local = result.local_for(row)
@@ -109,9 +118,11 @@ def _settled(i: int, row: Row, result: Evidence, unexplained: dict[int, str]) ->
         return replace(row, status="diverged", reason=unexplained[i])
     if local is not None and local.rounding and i in result.rounding:  # inside tolerance or not: rounding
         return replace(row, status="rounding", reason=rounding_reason(local))
-    if row.status == "diverged" and not row.metrics.nonfinite_differs:
-        # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
-        return replace(row, status="rounding" if i in result.rounding else "drift")
+    if row.status == "diverged":
+        assert row.metrics is not None  # a measured divergence holds its metrics (`engine._Judge._measure`)
+        if not row.metrics.nonfinite_differs:
+            # computed from values bitwise the reference's: its own rounding; otherwise accumulated drift
+            return replace(row, status="rounding" if i in result.rounding else "drift")
     return row
 
 
@@ -173,6 +184,7 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
     explains it), the culprit's own error (or the call whose calibration was not trusted), or the loss."""
     if finding.kind in ("culprit", "calibration"):
         local = finding.local
+        assert local is not None  # a culprit or calibration finding carries its local result
         status = "local_error" if finding.kind == "culprit" else "calibration_not_trusted"
         return {"index": finding.entry, **local.key._asdict(), "entry_status": status, "reason": finding.reason,
                 "rel_l2": local.error, "max_abs": local.metrics.max_abs, "cosine": local.metrics.cosine,
@@ -183,6 +195,7 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
                 "entry_status": "diverged", "reason": finding.reason, "rel_l2": None, "max_abs": None, "cosine": None}
     if finding.kind == "collective":  # no row: the collective itself (`collectives.Judged`), and where it shows
         c = finding.collective
+        assert c is not None  # a collective finding carries its judged collective
         return {"index": None, "module": None, "call": None, "phase": c["phase"], "tensor": None,
                 "entry_status": "collective", "reason": finding.reason, "rel_l2": c["rel_l2"],
                 "max_abs": c["max_abs"], "cosine": None, "collective": c, "order": c["order"]}
@@ -192,6 +205,7 @@ def _named(result: Evidence, finding: Finding) -> dict[str, Any]:
 
 def _culprit(finding: Finding, microbatches: dict) -> Culprit:
     local = finding.local
+    assert local is not None  # a culprit finding carries its local result
     return Culprit(**local.key._asdict(), index=finding.entry, local_rel_l2=local.error, expected=local.expected,
                    ratio=local.ratio, calibrated=local.calibrated, nan_mismatch=local.metrics.num_mismatch,
                    reason=finding.reason,
@@ -211,9 +225,10 @@ def _nonfinite_counts(m) -> dict[str, int]:
     return {k: getattr(m, k) for k in ("num_nan_ref", "num_inf_ref", "num_nan_target", "num_inf_target")}
 
 
-def _entry(rows: list[Row], index: int, microbatches: Optional[dict] = None) -> dict[str, Any]:
+def _entry(rows: list[Row], index: Optional[int], microbatches: Optional[dict] = None) -> dict[str, Any]:
     """One row as the verdict names it: its index, key, status, reason and the numbers the sentences use (and its
-    call's microbatch, in an iteration of several)."""
+    call's microbatch, in an iteration of several). `index` a finding's `entry`: one that names a row."""
+    assert index is not None  # the findings named here (first divergence, structural, NaN/Inf, unexplained) name a row
     row, m = rows[index], rows[index].metrics
     data = {"index": index, **row.key._asdict(), "entry_status": row.status, "reason": row.reason,
             **_microbatch(microbatches or {}, row.module, row.call, row.phase)}
@@ -260,7 +275,7 @@ def _compiled_next(result: Evidence, culprit: Optional[Culprit]) -> Optional[str
             f"a block of its own, so the next compare names the call inside it")
 
 
-def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
+def decide_ranked(verdicts: Mapping[int, Union[Verdict, StepsVerdict]]) -> RankedVerdict:
     """Combine one Verdict per rank (ascending ranks); of multi-step recordings (`StepVerdict`s, which name a
     `step`), the rank whose first step outside the band comes first."""
     diverged = tuple(r for r, v in verdicts.items() if v.status == "diverged")
@@ -268,13 +283,14 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
     total = len(verdicts)
 
     def position(rank: int) -> tuple:
-        if not isinstance(verdicts[rank], Verdict):  # multi-step recordings: the first step outside the band
-            step = verdicts[rank].step
+        v = verdicts[rank]
+        if not isinstance(v, Verdict):  # multi-step recordings: the first step outside the band
+            step = v.step
             return (math.inf if step is None else step, rank)
-        index = verdicts[rank].index
+        index = v.index
         if index is None:  # a collective: where its result first shows; else after every row
-            index = (verdicts[rank].entry or {}).get("order")
-        return (verdicts[rank].num_entries if index is None else index, rank)
+            index = (v.entry or {}).get("order")
+        return (v.num_entries if index is None else index, rank)
 
     origin = min(diverged, key=position, default=None)
     if origin is not None:
@@ -286,6 +302,7 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
                                           f"ranks diverged{which})", note=None)
         where = f" at {entry_name(v.entry)}" if v.entry and v.entry.get("module") is not None else f": {v.headline}"
         if v.focus == "collective":
+            assert v.entry is not None  # a collective's verdict names it in its entry (`_named`)
             c = v.entry["collective"]
             where = f" at {c.get('kind', 'collective')} {c['name']}"
         which = f": {', '.join(map(str, diverged))}" if len(diverged) > 1 else ""
@@ -301,11 +318,16 @@ def decide_ranked(verdicts: dict[int, Verdict]) -> RankedVerdict:
                          headline=f"MATCH on all {total} ranks", note=None)
 
 
-def _spread_note(verdicts: dict[int, Verdict], origin: int, diverged: tuple[int, ...]) -> Optional[str]:
-    later = [r for r in diverged if r != origin and (verdicts[r].entry or {}).get("phase") in ("param_grad",
-                                                                                               "optimizer")]
+def _spread_note(verdicts: Mapping[int, Union[Verdict, StepsVerdict]], origin: int,
+                 diverged: tuple[int, ...]) -> Optional[str]:
+    later = [r for r in diverged if r != origin and _entry_phase(verdicts[r]) in ("param_grad", "optimizer")]
     if not later:
         return None
     who = f"rank {later[0]} diverges" if len(later) == 1 else f"ranks {', '.join(map(str, later))} diverge"
     return (f"note: {who} only from param_grad on: gradients are averaged across ranks (DDP's allreduce, FSDP2's "
             f"reduce-scatter), so rank {origin}'s error reaches every rank's gradients and weights")
+
+
+def _entry_phase(v: Union[Verdict, StepsVerdict]) -> Optional[str]:
+    """The phase of the entry a rank's verdict names (None: it names none, or it is a multi-step verdict)."""
+    return (v.entry or {}).get("phase") if isinstance(v, Verdict) else None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -92,9 +93,9 @@ class FileTolerance:
 
 def _read(path: Path) -> dict[str, Any]:
     if path.suffix == ".toml":
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ImportError:  # Python 3.10: the same parser, as a package
+        else:  # Python 3.10: the same parser, as a package
             import tomli as tomllib
 
         try:
@@ -121,8 +122,8 @@ def _toml_table(where: str, value: Any, keys: tuple[str, ...] | None = None) -> 
     """`value` as a table (dict), with only `keys` in it (when given): a misspelled key is an error, not ignored."""
     if not isinstance(value, dict):
         raise OneIterError(f"{where}: expected a table, got {type(value).__name__} {value!r}")
-    unknown = sorted(str(k) for k in value if keys is not None and k not in keys)
-    if unknown:
+    unknown = [] if keys is None else sorted(str(k) for k in value if k not in keys)
+    if keys is not None and unknown:
         raise OneIterError(f"{where}: unknown key(s) {', '.join(unknown)}; expected {', '.join(keys)}")
     return value
 

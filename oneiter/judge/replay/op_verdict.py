@@ -241,6 +241,7 @@ def _repro(folder: Path, tracer: OpTracer, result: OpsResult) -> list[str]:
         result.notes.append("--repro: no op is flagged, so there is no op to reproduce; nothing written")
         return []
     meta = {"device": result.device, "layer": result.key, "recording": result.recording}
+    assert case.row.noise is not None  # the case kept is a flagged op, so judged: its noise is set
     return [str(p) for p in write_repro(folder, case, noise=case.row.noise, factor=result.factor, meta=meta)]
 
 

@@ -269,6 +269,7 @@ def first_entry(a: IterationFile, b: IterationFile) -> Optional[str]:
     for re_, te in causal_pairs(list(a.entries()), list(b.entries()), positions(a), positions(b)):
         if re_ is None or te is None:
             entry = re_ or te
+            assert entry is not None  # a pair holds at least one side
             return f"{entry.module}@{entry.call} {entry.phase} {entry.tensor}"
         if not a.is_stats(re_.path) or not b.is_stats(te.path):
             continue

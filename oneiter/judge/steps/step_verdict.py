@@ -115,7 +115,7 @@ def decide_steps(ref: IterationFile, tgt: IterationFile, rows: list[StepRow], no
         details.append(f"first difference: step {rows[first_diff].step}" + (f", first entry {entry}" if entry else "")
                        + " (not bitwise the reference's)")
     details += [f"warning: {w}" for w in warnings]
-    named = None if top is None else rows[top.entry]
+    named = None if top is None or top.entry is None else rows[top.entry]  # a step finding names its step
     at = named if named is not None else (unjudged[0] if status == "inconclusive" else None)
     commands = None if at is None else _commands(ref, tgt, at.step)
     title, reason = _headline(status, basis, rows, named, unjudged, first_diff)
@@ -173,6 +173,7 @@ def _basis_lines(rows: list[StepRow], basis: str, unjudged: list[StepRow]) -> li
 def _headline(status: str, basis: str, rows: list[StepRow], named: Optional[StepRow], unjudged: list[StepRow],
               first_diff: Optional[int]) -> tuple[str, str]:
     if status == "diverged":
+        assert named is not None  # a divergence rests on a step finding, which names its step
         return f"DIVERGED at step {named.step}", _why(named, basis)
     if status == "match":
         return (f"MATCH: all {len(rows)} steps bitwise the reference's" if first_diff is None else

@@ -62,7 +62,7 @@ class ProfileDiff:
 
 
 def _ratio(a: float, b: float) -> float | None:
-    return round(b / a, 4) if a > 0 else None
+    return float(f"{b / a:.4g}") if a > 0 else None  # 4 significant digits: a small ratio keeps its precision
 
 
 def _uses_device(summary: dict) -> bool:

@@ -37,11 +37,9 @@ def record_small(out: Path, model: str = "resnet18", **kwargs):
 
 
 @pytest.fixture(scope="session")
-def resnet_ref(tmp_path_factory) -> Path:
-    """A small resnet18 reference recording shared by tests that only read it."""
-    out = tmp_path_factory.mktemp("ref") / "ref.h5"
-    record_small(out, "resnet18")
-    return out
+def resnet_ref(references) -> Path:
+    """A small resnet18 reference recording shared by tests that only read it (the one `references` holds)."""
+    return references("resnet18")
 
 
 FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0",
@@ -50,19 +48,26 @@ BUILTIN = ("resnet18", "mobilenet_v2", "llama_tiny")
 
 
 @pytest.fixture(scope="session")
-def files(tmp_path_factory):
-    """The MLP recordings of `tests/format/mutants.py`: the reference, a plain recording equal to it, and a copy of
-    that with one output changed (shared by the exit-code and output tests)."""
+def mlp_pair(tmp_path_factory):
+    """The MLP recordings of `tests/format/mutants.py` (`make_pair`: a reference, a replay target, a plain and a
+    statistics-level recording, a 3-step reference), made once per session: every test that uses them only reads
+    them (the format tests change copies)."""
     import sys
-
-    import h5py
 
     sys.path.insert(0, str(Path(__file__).parent / "format"))
     import mutants
 
-    folder = tmp_path_factory.mktemp("mlp_files")
-    pair = mutants.make_pair(folder)
-    diverged = folder / "diverged.h5"
+    return mutants.make_pair(tmp_path_factory.mktemp("mlp_pair"))
+
+
+@pytest.fixture(scope="session")
+def files(mlp_pair, tmp_path_factory):
+    """Of `mlp_pair`: the reference, a plain recording equal to it, and a copy of that with one output changed
+    (shared by the exit-code and output tests)."""
+    import h5py
+
+    pair = mlp_pair
+    diverged = tmp_path_factory.mktemp("mlp_files") / "diverged.h5"
     diverged.write_bytes(pair.plain.read_bytes())
     with h5py.File(diverged, "r+") as f:
         f["calls/0@0/forward/output"][0, 0] += 1.0
@@ -140,6 +145,20 @@ def _no_leftover_fault(monkeypatch):
     kit = sys.modules.get("faultkit")
     if kit is not None:
         kit.undo_faults()
+
+
+@pytest.fixture
+def plugin():
+    """The stand-in vendor plugin (`model_files/faulty_kernels.py`), importable as a plugin is; its kernels removed
+    after the test."""
+    import sys
+
+    sys.path.insert(0, str(MODEL_FILES))
+    import faulty_kernels
+
+    yield faulty_kernels
+    faulty_kernels.uninstall()
+    sys.path.remove(str(MODEL_FILES))
 
 
 def replay_with_fault(ref: Path, out: Path, fault: str, monkeypatch, **kwargs):

@@ -40,8 +40,8 @@ TALLY: dict[str, collections.Counter] = collections.defaultdict(collections.Coun
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory):
-    return mutants.make_pair(tmp_path_factory.mktemp("mutation_pair"))
+def pair(mlp_pair):
+    return mlp_pair  # the MLP recordings, made once per session (conftest)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("ONEITER_NO_PROGRESS", "1")
+# torch's OpenMP threads sleep when they wait instead of spinning (GNU OpenMP's default: spin ~0.3 s first). Set
+# before torch loads (its libgomp reads it then); the CLI processes and torchrun ranks the tests start inherit it.
+# The numbers are the same (same threads, same split of the work); on a loaded machine a spinning thread holds a
+# core another test's thread waits for: one tiny conv net's 30 iterations took 79 s instead of 1.3-5.5 s with 16
+# processes running on 2 cores (bench/suite_time.py measures the suite).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SMALL_ARGS = {
     "resnet18": {"image_size": 32, "num_classes": 10},
@@ -92,16 +98,18 @@ def run_cli(*args):
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    """One small float32 CPU reference per built-in model or model file (a `file.py:build` spec), recorded clean on
-    first use."""
+    """One small float32 CPU reference per built-in model or model file (a `file.py:build` spec) and recording
+    settings (`record_small`'s keywords, e.g. `batch_size=8`), recorded clean on first use and shared by every test
+    that asks for the same: tests only read it (a test that changes a reference changes a copy)."""
     made = {}
 
-    def get(model: str) -> Path:
-        if model not in made:
+    def get(model: str, **kwargs) -> Path:
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in made:
             out = tmp_path_factory.mktemp("ref") / "ref.h5"
-            record_small(out, model)
-            made[model] = out
-        return made[model]
+            record_small(out, model, **kwargs)
+            made[key] = out
+        return made[key]
 
     return get
 

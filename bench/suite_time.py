@@ -3,6 +3,8 @@
     python bench/suite_time.py             # the fast loop: pytest -m "not slow"
     python bench/suite_time.py --full      # everything, as .ci/run's pytest runs it
     python bench/suite_time.py --cores 2   # pinned to 2 cores (taskset), as CI's machine has
+    python bench/suite_time.py --wait-policy active   # torch's OpenMP threads spinning, as before the suite set
+                                                      # OMP_WAIT_POLICY=PASSIVE (tests/conftest.py)
 
 Prints the wall seconds, the CPU seconds of pytest and every process it started (the figure that depends least on
 what else runs: a loaded machine stretches the wall time, not the CPU time), the load average before and after
@@ -30,14 +32,18 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="the whole suite (default: -m 'not slow')")
     parser.add_argument("--cores", type=int, default=0, help="pin to this many cores with taskset")
     parser.add_argument("--log", type=Path, default=None, help="also write pytest's output here")
+    parser.add_argument("--durations", type=int, default=25, help="how many of the slowest tests pytest lists")
+    parser.add_argument("--wait-policy", choices=("passive", "active"), default="passive",
+                        help="OMP_WAIT_POLICY for the run (the suite's conftest sets passive unless it is set)")
     args = parser.parse_args()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=25"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={args.durations}"]
     if not args.full:
         cmd += ["-m", "not slow"]
     if args.cores and shutil.which("taskset"):
         cmd = ["taskset", "-c", ",".join(map(str, range(args.cores))), *cmd]
     load_before, start = os.getloadavg()[0], time.monotonic()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    env = {**os.environ, "OMP_WAIT_POLICY": args.wait_policy.upper()}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     wall, load_after = time.monotonic() - start, os.getloadavg()[0]
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     if args.log:
@@ -49,7 +55,7 @@ def main() -> int:
           f"{usage.ru_utime + usage.ru_stime:.0f} s CPU, load {load_before:.1f} before / {load_after:.1f} after, "
           f"{os.cpu_count()} CPUs{f' (pinned to {args.cores})' if args.cores else ''}; pytest exit {done.returncode}")
     print("tests:", ", ".join(f"{n} {k}" for k, n in counts.items()))
-    print("slowest:", *slowest, sep="\n  ")
+    print(f"OMP_WAIT_POLICY={env['OMP_WAIT_POLICY']}; slowest:", *slowest[:25], sep="\n  ")
     return done.returncode
 
 

@@ -114,6 +114,23 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def replays(references, tmp_path_factory):
+    """One replay of `references(model)` per set of `replay` keywords (`amp="bf16"`, `faults=[...]`), made on first
+    use and shared by every test that asks for the same (tests only read it, as `references`)."""
+    made = {}
+
+    def get(model: str, **kwargs) -> Path:
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp("replay") / "tgt.h5"
+            replay(references(model), out, **kwargs)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
 def compare_verdict(ref: Path, tgt: Path, tmp_path: Path) -> tuple[int, dict]:
     """`oneiter compare ref tgt --json`: its exit code (0 or 1, asserted) and the JSON report's verdict."""
     import json

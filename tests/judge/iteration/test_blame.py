@@ -75,10 +75,9 @@ def _conv_local_errors(result) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fallback_convolution_brings_conv_local_error_to_float32_rounding(references, tmp_path):
+def test_fallback_convolution_brings_conv_local_error_to_float32_rounding(references, replays, tmp_path):
     ref = references("resnet18")
-    plain, fallback = tmp_path / "bf16.h5", tmp_path / "bf16_fb.h5"
-    replay(ref, plain, amp="bf16")
+    plain, fallback = replays("resnet18", amp="bf16"), tmp_path / "bf16_fb.h5"
     replay(ref, fallback, amp="bf16", fallback=["convolution"])
     before = _conv_local_errors(compare_files(ref, plain))
     after = _conv_local_errors(compare_files(ref, fallback))
@@ -105,9 +104,8 @@ def test_against_cpu_names_the_faulty_layer_without_a_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_tolerance_file_skip_and_factor(references, tmp_path):
-    ref, tgt = references("resnet18"), tmp_path / "fault.h5"
-    replay(ref, tgt, amp="bf16", faults=["layer3.1.conv2:forward=0.05"])
+def test_tolerance_file_skip_and_factor(references, replays, tmp_path):
+    ref, tgt = references("resnet18"), replays("resnet18", amp="bf16", faults=["layer3.1.conv2:forward=0.05"])
     skip = tmp_path / "skip.toml"
     skip.write_text('device = "cpu"\n[skip]\nmodules = ["layer3.1.conv2"]\n')
     res = run_cli("compare", ref, tgt, "--tolerances", skip)

@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--wait-policy", choices=("passive", "active"), default="passive",
                         help="OMP_WAIT_POLICY for the run (the suite's conftest sets passive unless it is set)")
     args = parser.parse_args()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={args.durations}"]
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--durations={args.durations}"]  # -q: addopts
     if not args.full:
         cmd += ["-m", "not slow"]
     if args.cores and shutil.which("taskset"):

@@ -15,9 +15,8 @@ from oneiter.judge.measure.tolerance import default_tolerance
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", BUILTIN)
-def test_bf16_target_without_fault_is_a_match(model, references, tmp_path):
-    tgt = tmp_path / "bf16.h5"
-    replay(references(model), tgt, amp="bf16")
+def test_bf16_target_without_fault_is_a_match(model, references, replays):
+    tgt = replays(model, amp="bf16")  # shared: the fallback test and tests/report's writers judge it too
     result = compare_files(references(model), tgt)
     verdict = result.verdict()
     assert verdict["status"] == "match" and verdict["culprit"] is None, verdict
@@ -30,10 +29,9 @@ def test_bf16_target_without_fault_is_a_match(model, references, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", BUILTIN)
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_bf16_target_with_a_5_percent_fault_names_that_layer(model, kind, references, tmp_path):
-    tgt = tmp_path / "bf16_fault.h5"
+def test_bf16_target_with_a_5_percent_fault_names_that_layer(model, kind, references, replays):
     layer = FAULT_LAYER[model]
-    replay(references(model), tgt, amp="bf16", faults=[f"{layer}:{kind}=0.05"])
+    tgt = replays(model, amp="bf16", faults=[f"{layer}:{kind}=0.05"])  # ResNet's forward one: shared
     result = compare_files(references(model), tgt)
     culprit = result.verdict()["culprit"]
     assert culprit is not None and culprit["module"] == layer and culprit["phase"] == kind, culprit

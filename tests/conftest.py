@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("ONEITER_NO_PROGRESS", "1")
+# torch's OpenMP threads sleep when they wait instead of spinning (GNU OpenMP's default: spin ~0.3 s first). Set
+# before torch loads (its libgomp reads it then); the CLI processes and torchrun ranks the tests start inherit it.
+# The numbers are the same (same threads, same split of the work); on a loaded machine a spinning thread holds a
+# core another test's thread waits for: one tiny conv net's 30 iterations took 79 s instead of 1.3-5.5 s with 16
+# processes running on 2 cores (bench/suite_time.py measures the suite).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 SMALL_ARGS = {
     "resnet18": {"image_size": 32, "num_classes": 10},
@@ -37,11 +43,9 @@ def record_small(out: Path, model: str = "resnet18", **kwargs):
 
 
 @pytest.fixture(scope="session")
-def resnet_ref(tmp_path_factory) -> Path:
-    """A small resnet18 reference recording shared by tests that only read it."""
-    out = tmp_path_factory.mktemp("ref") / "ref.h5"
-    record_small(out, "resnet18")
-    return out
+def resnet_ref(references) -> Path:
+    """A small resnet18 reference recording shared by tests that only read it (the one `references` holds)."""
+    return references("resnet18")
 
 
 FAULT_LAYER = {"resnet18": "layer3.1.conv2", "mobilenet_v2": "features.12.conv.1.0",
@@ -50,19 +54,26 @@ BUILTIN = ("resnet18", "mobilenet_v2", "llama_tiny")
 
 
 @pytest.fixture(scope="session")
-def files(tmp_path_factory):
-    """The MLP recordings of `tests/format/mutants.py`: the reference, a plain recording equal to it, and a copy of
-    that with one output changed (shared by the exit-code and output tests)."""
+def mlp_pair(tmp_path_factory):
+    """The MLP recordings of `tests/format/mutants.py` (`make_pair`: a reference, a replay target, a plain and a
+    statistics-level recording, a 3-step reference), made once per session: every test that uses them only reads
+    them (the format tests change copies)."""
     import sys
-
-    import h5py
 
     sys.path.insert(0, str(Path(__file__).parent / "format"))
     import mutants
 
-    folder = tmp_path_factory.mktemp("mlp_files")
-    pair = mutants.make_pair(folder)
-    diverged = folder / "diverged.h5"
+    return mutants.make_pair(tmp_path_factory.mktemp("mlp_pair"))
+
+
+@pytest.fixture(scope="session")
+def files(mlp_pair, tmp_path_factory):
+    """Of `mlp_pair`: the reference, a plain recording equal to it, and a copy of that with one output changed
+    (shared by the exit-code and output tests)."""
+    import h5py
+
+    pair = mlp_pair
+    diverged = tmp_path_factory.mktemp("mlp_files") / "diverged.h5"
     diverged.write_bytes(pair.plain.read_bytes())
     with h5py.File(diverged, "r+") as f:
         f["calls/0@0/forward/output"][0, 0] += 1.0
@@ -87,16 +98,35 @@ def run_cli(*args):
 
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    """One small float32 CPU reference per built-in model or model file (a `file.py:build` spec), recorded clean on
-    first use."""
+    """One small float32 CPU reference per built-in model or model file (a `file.py:build` spec) and recording
+    settings (`record_small`'s keywords, e.g. `batch_size=8`), recorded clean on first use and shared by every test
+    that asks for the same: tests only read it (a test that changes a reference changes a copy)."""
     made = {}
 
-    def get(model: str) -> Path:
-        if model not in made:
+    def get(model: str, **kwargs) -> Path:
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in made:
             out = tmp_path_factory.mktemp("ref") / "ref.h5"
-            record_small(out, model)
-            made[model] = out
-        return made[model]
+            record_small(out, model, **kwargs)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def replays(references, tmp_path_factory):
+    """One replay of `references(model)` per set of `replay` keywords (`amp="bf16"`, `faults=[...]`), made on first
+    use and shared by every test that asks for the same (tests only read it, as `references`)."""
+    made = {}
+
+    def get(model: str, **kwargs) -> Path:
+        key = (model, repr(sorted(kwargs.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp("replay") / "tgt.h5"
+            replay(references(model), out, **kwargs)
+            made[key] = out
+        return made[key]
 
     return get
 
@@ -140,6 +170,20 @@ def _no_leftover_fault(monkeypatch):
     kit = sys.modules.get("faultkit")
     if kit is not None:
         kit.undo_faults()
+
+
+@pytest.fixture
+def plugin():
+    """The stand-in vendor plugin (`model_files/faulty_kernels.py`), importable as a plugin is; its kernels removed
+    after the test."""
+    import sys
+
+    sys.path.insert(0, str(MODEL_FILES))
+    import faulty_kernels
+
+    yield faulty_kernels
+    faulty_kernels.uninstall()
+    sys.path.remove(str(MODEL_FILES))
 
 
 def replay_with_fault(ref: Path, out: Path, fault: str, monkeypatch, **kwargs):

@@ -84,7 +84,7 @@ def test_broken_pipe_through_a_shell_pipeline(files):
     ref, _, diverged = files
     command = " ".join(map(str, _oneiter("compare", ref, diverged, "--all")))
     script = f"set -o pipefail; {command} 2>err.txt | head -c 1 >/dev/null; echo ${{PIPESTATUS[0]}}"
-    folder = ref.parent
+    folder = diverged.parent  # not the folder of the shared recordings: they are only read
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=_env(), cwd=folder,
                           timeout=120)
     assert done.stdout.strip() == "1"

@@ -11,7 +11,6 @@ import threading
 import time
 
 import h5py
-import mutants
 import numpy as np
 import pytest
 from conftest import run_cli
@@ -21,8 +20,8 @@ from oneiter.format.layout import IterationFile
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory):
-    return mutants.make_pair(tmp_path_factory.mktemp("hostile_pair"))
+def pair(mlp_pair):
+    return mlp_pair  # the MLP recordings, made once per session (conftest)
 
 
 def one_line_error(res) -> str:

@@ -37,11 +37,12 @@ assert sum(EXAMPLES.values()) >= 1235 and set(EXAMPLES) == set(mutants.CATEGORIE
 SCALE = float(os.environ.get("ONEITER_MUTATION_SCALE", "1"))  # e.g. 0.1 for a quick local run
 
 TALLY: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+pytestmark = pytest.mark.slow  # 1,281 hostile files, each through compare, inspect and the replay read path
 
 
 @pytest.fixture(scope="session")
-def pair(tmp_path_factory):
-    return mutants.make_pair(tmp_path_factory.mktemp("mutation_pair"))
+def pair(mlp_pair):
+    return mlp_pair  # the MLP recordings, made once per session (conftest)
 
 
 @pytest.fixture(scope="session", autouse=True)

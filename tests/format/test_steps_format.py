@@ -36,9 +36,9 @@ SAID = {  # mutation -> what the one line says (after "error: '<file>': ")
 }
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return mutants.make_pair(tmp_path_factory.mktemp("steps_pair"))
+@pytest.fixture(scope="session")
+def pair(mlp_pair):
+    return mlp_pair  # the MLP recordings, made once per session (conftest)
 
 
 def test_an_untouched_copy_matches_bit_for_bit(pair):

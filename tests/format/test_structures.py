@@ -16,9 +16,9 @@ import pytest
 from conftest import run_cli
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return mutants.make_pair(tmp_path_factory.mktemp("structures"))
+@pytest.fixture(scope="session")
+def pair(mlp_pair):
+    return mlp_pair  # the MLP recordings, made once per session (conftest)
 
 
 def mutate(pair, tmp_path, edit, base: str = "target"):

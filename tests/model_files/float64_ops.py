@@ -1,5 +1,5 @@
 """One leaf module per common op, all with float64 kernels: where the Monte Carlo noise estimate is measured
-against the float64-based one (bench/monte_carlo_noise.py, tests/record/test_monte_carlo.py).
+against the float64-based one (bench/monte_carlo_noise.py, tests/record/local/test_monte_carlo.py).
 
 conv (3x3, 4 -> 8 channels on 8x8) -> flatten (the root's own code) -> lin1 (512 -> 64) -> norm (LayerNorm) ->
 softmax (nn.Softmax) -> act (SiLU) -> lin2 (64 -> 16). Kwargs: `width` (64).

@@ -10,7 +10,7 @@ model returns (BART's `encoder_last_hidden_state`, Wav2Vec2's `extract_features`
 Faults come from `faultkit` (env ONEITER_TEST_FAULT, read in the builder, never through oneiter):
 `instance:<path>` / `instance_bwd:<path>` (a module's output, or only its gradient, scaled) and
 `function:<name>` / `function_bwd:<name>` (a `torch.nn.functional` function wrong, forward or backward).
-`bench/zoo.py` chooses the site by a rule and runs the sweep; `tests/judge/test_zoo.py` runs a subset in CI.
+`bench/zoo.py` chooses the site by a rule and runs the sweep; `tests/judge/iteration/test_zoo.py` runs a subset in CI.
 """
 
 from __future__ import annotations

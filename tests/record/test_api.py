@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import FAULT_ENV, MODEL_FILES, SMALL_ARGS, record_small, run_cli
+from conftest import FAULT_ENV, MODEL_FILES, SMALL_ARGS, run_cli
 
 import oneiter
 from oneiter.errors import OneIterError
@@ -43,9 +43,8 @@ def _resnet(seed: int = 0):
     return bundle
 
 
-def test_a_hand_written_loop_writes_what_the_cli_writes(tmp_path):
-    cli = tmp_path / "cli.h5"
-    record_small(cli, "resnet18")
+def test_a_hand_written_loop_writes_what_the_cli_writes(tmp_path, resnet_ref):
+    cli = resnet_ref  # recorded by the library call the CLI makes, as `record_small` does
     bundle = _resnet()
     rec = _loop(bundle.model, bundle.inputs, bundle.loss_fn, tmp_path / "api.h5")
     mine, theirs = _contents(tmp_path / "api.h5"), _contents(cli)
@@ -56,9 +55,8 @@ def test_a_hand_written_loop_writes_what_the_cli_writes(tmp_path):
         assert rec.summary.num_calls == f.attrs["num_calls"] == 76 and rec.summary.loss == float(theirs["loss"])
 
 
-def test_replay_through_the_api_loads_weights_and_batch_and_matches(tmp_path):
-    ref = tmp_path / "ref.h5"
-    record_small(ref, "resnet18")
+def test_replay_through_the_api_loads_weights_and_batch_and_matches(tmp_path, resnet_ref):
+    ref = resnet_ref
     other = _resnet()  # the labels (in loss_fn) are the reference's; weights and inputs are changed here
     with torch.no_grad():
         for param in other.model.parameters():

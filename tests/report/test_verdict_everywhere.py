@@ -25,22 +25,21 @@ from oneiter.judge.iteration.verdict import FOCUS, decide
 from oneiter.report.html import render_html
 
 FAULT, INF = "layer3.1.conv2", "layer2.1.conv1"
-REPLAYS = {
-    "bf16": ["--amp", "bf16"],
-    "fault": ["--amp", "bf16", "--inject-fault", f"{FAULT}:forward=0.05"],
-    "inf": ["--inject-fault", f"{INF}:inf"],
+REPLAYS = {  # `record --replay ref.h5 --amp bf16 [--inject-fault ...]`, as `replay`'s keywords
+    "bf16": {"amp": "bf16"},
+    "fault": {"amp": "bf16", "faults": [f"{FAULT}:forward=0.05"]},
+    "inf": {"faults": [f"{INF}:inf"]},
 }
 
 
 @pytest.fixture(scope="module")
-def outputs(references, tmp_path_factory):
-    """case -> what each writer wrote for that comparison: terminal text, JSON, CSV rows, HTML page, TB text."""
+def outputs(references, replays, tmp_path_factory):
+    """case -> what each writer wrote for that comparison: terminal text, JSON, CSV rows, HTML page, TB text (the
+    replays shared with the tests that judge the same ones, e.g. tests/judge/iteration/test_blame.py)."""
     ref, made = references("resnet18"), {}
     for case, options in REPLAYS.items():
         folder = tmp_path_factory.mktemp(case)
-        tgt = folder / "tgt.h5"
-        res = run_cli("record", "--replay", ref, *options, "-o", tgt)
-        assert res.exit_code == 0, res.output
+        tgt = replays("resnet18", **options)
         res = run_cli("compare", ref, tgt, "--json", folder / "r.json", "--csv", folder / "r.csv",
                       "--html", folder / "r.html", "--tensorboard", folder / "tb")
         assert res.exit_code == (0 if case == "bf16" else 1), res.output
@@ -151,7 +150,7 @@ def test_five_writers_state_one_verdict(case, outputs):
 @pytest.mark.parametrize("case", list(REPLAYS))
 def test_the_json_verdict_lists_its_findings(case, outputs):
     """`verdict.findings`: every finding the verdict chose among, in the shape two multi-step recordings' verdict
-    has too (tests/judge/test_steps.py); the strongest is the one it names."""
+    has too (tests/judge/steps/test_steps.py); the strongest is the one it names."""
     verdict = outputs[case]["json"]["verdict"]
     found = verdict["findings"]
     assert all(set(f) == {"kind", "priority", "entry", "reason"} and f["priority"] == PRIORITY[f["kind"]]

@@ -23,7 +23,7 @@ def test_an_inplace_op_is_rerun_on_its_input_before_it_wrote():
     # taken after the op, the rerun would double the doubled values: rel_l2 1.0
     assert rows["aten::mul_.Tensor"].rel_l2 == 0.0 and rows["aten::mul_.Tensor"].reference == "cpu float64"
     assert rows["aten::add_.Tensor"].rel_l2 < 1e-7
-    assert rows["aten::add_.Tensor"].line.startswith("tests/record/test_op_tracer.py:")
+    assert rows["aten::add_.Tensor"].line.startswith("tests/record/replay/test_op_tracer.py:")
 
 
 def test_random_ops_views_and_uninitialized_outputs_are_not_judged():

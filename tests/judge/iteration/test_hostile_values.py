@@ -36,10 +36,10 @@ def test_nan_and_inf_are_judged_by_position_and_sign(target):
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A llama_tiny reference, a replay with local data and one without."""
+def pair(tmp_path_factory, references):
+    """A llama_tiny reference (a copy of the shared one), a replay with local data and one without."""
     d = tmp_path_factory.mktemp("hostile")
-    record_small(d / "ref.h5", "llama_tiny")
+    shutil.copy(references("llama_tiny"), d / "ref.h5")
     replay(d / "ref.h5", d / "tgt.h5")
     replay(d / "ref.h5", d / "plain.h5", isolate=False)
     return d

@@ -6,7 +6,7 @@ from __future__ import annotations
 import h5py
 import pytest
 import torch
-from conftest import FAULT_ENV, MODEL_FILES, record_small, run_cli
+from conftest import FAULT_ENV, MODEL_FILES, run_cli
 
 import oneiter
 from oneiter.errors import OneIterError
@@ -18,10 +18,8 @@ FAULT = "instance_below64:layers.4:0.01"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("impact_api") / "ref.h5"
-    record_small(out, PLANTED, batch_size=8)
-    return out
+def reference(references):
+    return references(PLANTED, batch_size=8)  # the one tests/judge/iteration/test_impact.py reads
 
 
 def _planted(monkeypatch, fault: str = FAULT):

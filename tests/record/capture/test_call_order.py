@@ -12,6 +12,7 @@ import sys
 
 import h5py
 import numpy as np
+import pytest
 from conftest import MODEL_FILES, record_small, replay
 
 from oneiter.api import compare
@@ -34,6 +35,7 @@ def _order(seed: str) -> list[str]:
                                      check=True).stdout)
 
 
+@pytest.mark.slow  # five processes: the record, the replay and the compare each in a fresh interpreter
 def test_calls_run_in_another_order_are_paired_by_their_arguments(tmp_path):
     assert _order(SEEDS[0]) != _order(SEEDS[1])  # the premise: the two processes call rope in other orders
     ref, tgt, report = tmp_path / "ref.h5", tmp_path / "tgt.h5", tmp_path / "report.json"

@@ -76,9 +76,20 @@ FAULTED = [
 ]
 
 
-@pytest.mark.parametrize("spec,fault,options,expected", FAULTED,
-                         ids=[f"{s.rpartition('/')[2].split('.')[0]}-{f}-{'-'.join(map(str, o.values())) or 'fp32'}"
-                              for s, f, o, _ in FAULTED])
+def _sweep(cases: list[tuple], ids: list[str]) -> list:
+    """The first case of each model runs in the fast loop, the rest of the sweep is `slow` (CI runs every case): a
+    case is a replay with every call probed, 2-10 s on 2 cores."""
+    seen: set[str] = set()
+    params = []
+    for case, name in zip(cases, ids, strict=True):
+        params.append(pytest.param(*case, id=name, marks=[pytest.mark.slow] if case[0] in seen else []))
+        seen.add(case[0])
+    return params
+
+
+@pytest.mark.parametrize("spec,fault,options,expected", _sweep(
+    FAULTED, [f"{s.rpartition('/')[2].split('.')[0]}-{f}-{'-'.join(map(str, o.values())) or 'fp32'}"
+              for s, f, o, _ in FAULTED]))
 def test_a_fault_in_model_code_is_named(spec, fault, options, expected, references, tmp_path, monkeypatch):
     ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay_with_fault(ref, tgt, fault, monkeypatch, **options)
@@ -101,9 +112,8 @@ CLEAN += [(spec, options) for spec in (BERT, UNET, MIXER) for options in ({"thre
 CLEAN += [(CNN, {"dtype": "bfloat16"}), (LLAMA, {"dtype": "float64"})]
 
 
-@pytest.mark.parametrize("spec,options", CLEAN,
-                         ids=[f"{s.rpartition('/')[2].split('.')[0]}-{'-'.join(map(str, o.values()))}"
-                              for s, o in CLEAN])
+@pytest.mark.parametrize("spec,options", _sweep(
+    CLEAN, [f"{s.rpartition('/')[2].split('.')[0]}-{'-'.join(map(str, o.values()))}" for s, o in CLEAN]))
 def test_clean_targets_are_a_match(spec, options, references, tmp_path):
     ref, tgt = references(spec), tmp_path / "tgt.h5"
     replay(ref, tgt, **options)

@@ -53,10 +53,8 @@ def _compare(ref, tgt, folder) -> tuple[int, dict, str]:
 
 
 @pytest.fixture(scope="module")
-def planted_ref(tmp_path_factory):
-    out = tmp_path_factory.mktemp("planted") / "ref.h5"
-    record_small(out, PLANTED, batch_size=8)
-    return out
+def planted_ref(references):
+    return references(PLANTED, batch_size=8)  # the one tests/record/impact/test_impact_recorder.py reads
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from oneiter.judge.measure.tolerance import default_tolerance
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", BUILTIN)
-def test_bf16_target_without_fault_is_a_match(model, references, tmp_path):
-    tgt = tmp_path / "bf16.h5"
-    replay(references(model), tgt, amp="bf16")
+def test_bf16_target_without_fault_is_a_match(model, references, replays):
+    tgt = replays(model, amp="bf16")  # shared: the fallback test and tests/report's writers judge it too
     result = compare_files(references(model), tgt)
     verdict = result.verdict()
     assert verdict["status"] == "match" and verdict["culprit"] is None, verdict
@@ -30,10 +29,9 @@ def test_bf16_target_without_fault_is_a_match(model, references, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", BUILTIN)
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_bf16_target_with_a_5_percent_fault_names_that_layer(model, kind, references, tmp_path):
-    tgt = tmp_path / "bf16_fault.h5"
+def test_bf16_target_with_a_5_percent_fault_names_that_layer(model, kind, references, replays):
     layer = FAULT_LAYER[model]
-    replay(references(model), tgt, amp="bf16", faults=[f"{layer}:{kind}=0.05"])
+    tgt = replays(model, amp="bf16", faults=[f"{layer}:{kind}=0.05"])  # ResNet's forward one: shared
     result = compare_files(references(model), tgt)
     culprit = result.verdict()["culprit"]
     assert culprit is not None and culprit["module"] == layer and culprit["phase"] == kind, culprit
@@ -75,10 +73,9 @@ def _conv_local_errors(result) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fallback_convolution_brings_conv_local_error_to_float32_rounding(references, tmp_path):
+def test_fallback_convolution_brings_conv_local_error_to_float32_rounding(references, replays, tmp_path):
     ref = references("resnet18")
-    plain, fallback = tmp_path / "bf16.h5", tmp_path / "bf16_fb.h5"
-    replay(ref, plain, amp="bf16")
+    plain, fallback = replays("resnet18", amp="bf16"), tmp_path / "bf16_fb.h5"
     replay(ref, fallback, amp="bf16", fallback=["convolution"])
     before = _conv_local_errors(compare_files(ref, plain))
     after = _conv_local_errors(compare_files(ref, fallback))
@@ -105,9 +102,8 @@ def test_against_cpu_names_the_faulty_layer_without_a_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_tolerance_file_skip_and_factor(references, tmp_path):
-    ref, tgt = references("resnet18"), tmp_path / "fault.h5"
-    replay(ref, tgt, amp="bf16", faults=["layer3.1.conv2:forward=0.05"])
+def test_tolerance_file_skip_and_factor(references, replays, tmp_path):
+    ref, tgt = references("resnet18"), replays("resnet18", amp="bf16", faults=["layer3.1.conv2:forward=0.05"])
     skip = tmp_path / "skip.toml"
     skip.write_text('device = "cpu"\n[skip]\nmodules = ["layer3.1.conv2"]\n')
     res = run_cli("compare", ref, tgt, "--tolerances", skip)

@@ -15,7 +15,6 @@ device's (here: the CPU's own, untrusted) noise is held to the trusted CPU's.
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -32,17 +31,6 @@ ACT = "model.layers.{}.mlp.act_fn"
 @pytest.fixture(scope="module")
 def llama(references):
     return references(LLAMA)
-
-
-@pytest.fixture
-def plugin():
-    """The stand-in vendor plugin, importable as a plugin is; its kernels removed after the test."""
-    sys.path.insert(0, str(MODEL_FILES))
-    import faulty_kernels
-
-    yield faulty_kernels
-    faulty_kernels.uninstall()
-    sys.path.remove(str(MODEL_FILES))
 
 
 def _where(culprit: dict) -> tuple:

@@ -35,17 +35,6 @@ def llama(references):
     return references(LLAMA)
 
 
-@pytest.fixture
-def plugin():
-    """The stand-in vendor plugin, importable as a plugin is; its kernels removed after the test."""
-    sys.path.insert(0, str(MODEL_FILES))
-    import faulty_kernels
-
-    yield faulty_kernels
-    faulty_kernels.uninstall()
-    sys.path.remove(str(MODEL_FILES))
-
-
 def only_flagged(result) -> list[tuple[str, str]]:
     return [(r.op, r.phase) for r in result.rows if flagged(r, result.factor)]
 

@@ -21,7 +21,7 @@ from oneiter.judge.iteration.collectives import judge_files
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.ranks import _ranked
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "runtime"))
 from rank_files import _record  # noqa: E402
 
 RNG = np.random.default_rng(0)

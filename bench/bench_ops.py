@@ -40,8 +40,8 @@ CHILD = """
 import json, statistics, sys, time
 from pathlib import Path
 import torch
-from oneiter.judge.replay.layer_verdict import replay_layer
-from oneiter.judge.replay.op_verdict import replay_ops
+from oneiter.judge.replayed.layer_verdict import replay_layer
+from oneiter.judge.replayed.op_verdict import replay_ops
 from oneiter.record.run import SpecOptions, record
 model, layer, amp, batch, args, out, repeat, threads = json.loads(sys.argv[1])
 if threads:

@@ -110,7 +110,7 @@ def _ratios(ref: Path, tgt: Path) -> dict:
     import math
 
     import oneiter
-    from oneiter.judge.steps.step_compare import BAND_FACTOR
+    from oneiter.judge.stepwise.step_compare import BAND_FACTOR
 
     result = oneiter.compare(ref, tgt)
     out = {"step": result.step, "status": result.status, "bitwise": sum(r.bitwise for r in result.rows),
@@ -128,7 +128,7 @@ def _worst(values: list) -> float:
 
 
 def band(args) -> None:
-    from oneiter.judge.steps.step_compare import BAND_FACTOR
+    from oneiter.judge.stepwise.step_compare import BAND_FACTOR
 
     folder = Path(tempfile.mkdtemp(prefix="bench_steps_"))
     print(f"load average {os.getloadavg()}; {args.steps} steps; BAND_FACTOR {BAND_FACTOR}")

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from oneiter.errors import OneIterError
-from oneiter.format.summary import summarize_file
+from oneiter.format.inspection import summarize_file
 from oneiter.judge.iteration import ranks
 from oneiter.judge.iteration.engine import compare_files, compare_local
 from oneiter.judge.measure.tolerance_file import FileTolerance, load_tolerance_file
-from oneiter.judge.steps.step_compare import compare_steps, is_steps
+from oneiter.judge.stepwise.step_compare import compare_steps, is_steps
 from oneiter.runtime.distributed import RankInfo
 
 __all__ = ["compare", "compare_ranks", "inspect"]
@@ -30,7 +30,7 @@ def compare(
     tolerances: str | os.PathLike | None = None,
 ):
     """Compare two recordings (or judge one `against="cpu"` recording alone when `target` is None). Two
-    multi-step recordings (`record --steps`) are compared step by step: a `judge.steps.step_compare.StepsResult`,
+    multi-step recordings (`record --steps`) are compared step by step: a `judge.stepwise.step_compare.StepsResult`,
     whose verdict names the first step outside the band (`.step`) and the commands recording it in full.
 
     `rtol`/`atol` override every entry's tolerance; `tolerances` names a per-device tolerance file (.toml, or an

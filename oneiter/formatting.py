@@ -1,7 +1,7 @@
 """How oneiter writes a number, reads one back from its JSON, and compares two: one place for every report.
 
 A leaf (pure Python, torch- and numpy-free), so every layer that shows or judges numbers imports it: the verdict's
-sentences (`judge/iteration/verdict.py`), the multi-step rows (`judge/steps/band.py`), every report (`report/`) and
+sentences (`judge/iteration/verdict.py`), the multi-step rows (`judge/stepwise/band.py`), every report (`report/`) and
 the CLI's tables. A table's layout (columns, a plain terminal table) is `report/terminal.py`'s.
 """
 

@@ -21,7 +21,7 @@ package's top); a package's `__init__.py` (its map, and what it re-exports) sits
 
     record   0 capture  1 modes  2 options  3 start  4 local  5 session, replay, impact, loop  6 recorder  7 steps
              8 run
-    judge    0 measure  1 iteration  2 steps, replay
+    judge    0 measure  1 iteration  2 stepwise, replayed
 
 And no file imports itself through others: the graph of file-level imports (every import, as above) has no cycle.
 
@@ -78,7 +78,7 @@ LAZY = {
 SUBLAYERS = {
     "record": {"capture": 0, "modes": 1, "options": 2, "start": 3, "local": 4, "session": 5, "replay": 5,
                "impact": 5, "loop": 5, "recorder": 6, "steps": 7, "run": 8},
-    "judge": {"measure": 0, "iteration": 1, "steps": 2, "replay": 2},
+    "judge": {"measure": 0, "iteration": 1, "stepwise": 2, "replayed": 2},
 }
 
 
@@ -236,11 +236,12 @@ def test_the_checker_flags_what_it_should():
     assert order_violations("oneiter/record/local/x.py", "oneiter.record.local.x", down) == [
         "oneiter/record/local/x.py:1: record/local (rank 4) imports oneiter.record.recorder (record/recorder, rank 6)"]
     assert order_violations("oneiter/record/steps/x.py", "oneiter.record.steps.x", down) == []
-    assert order_violations("oneiter/judge/steps/x.py", "oneiter.judge.steps.x",
-                            "from oneiter.judge.replay import op_verdict\n")
+    assert order_violations("oneiter/judge/stepwise/x.py", "oneiter.judge.stepwise.x",
+                            "from oneiter.judge.replayed import op_verdict\n")
     assert order_violations("oneiter/judge/measure/x.py", "oneiter.judge.measure.x",
                             "if TYPE_CHECKING:\n    from oneiter.judge.iteration.blame import NoisePolicy\n")
-    assert order_violations("oneiter/judge/x.py", "oneiter.judge.__init__", "from oneiter.judge.steps import y\n") == []
+    assert order_violations("oneiter/judge/x.py", "oneiter.judge.__init__",
+                            "from oneiter.judge.stepwise import y\n") == []
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -66,7 +66,7 @@ def test_every_test_folder_mirrors_a_package_folder():
 
 def test_the_mirror_sees_the_subpackages_and_leaves_out_the_helper_folders():
     names = {f.relative_to(TESTS).as_posix() for f in test_folders()}
-    assert {"record", "record/capture", "record/local", "judge/iteration", "judge/steps", "format"} <= names
+    assert {"record", "record/capture", "record/local", "judge/iteration", "judge/stepwise", "format"} <= names
     assert not any(n.split("/")[0] in HELPERS for n in names)
     assert all((TESTS / h).is_dir() for h in HELPERS)
 
@@ -81,15 +81,15 @@ def _tree(root: Path, files: list[str]) -> Path:
 def test_a_misplaced_folder_a_test_beside_subpackages_and_a_repeated_name_are_each_named(tmp_path):
     package = _tree(tmp_path / "oneiter", ["__init__.py", "record/__init__.py", "record/recorder.py",
                                           "record/capture/__init__.py", "record/capture/hooks.py",
-                                          "judge/__init__.py", "judge/steps/__init__.py", "judge/steps/band.py"])
+                                          "judge/__init__.py", "judge/stepwise/__init__.py", "judge/stepwise/band.py"])
     good = ["conftest.py", "test_layout.py", "record/test_record.py", "record/capture/test_hooks.py",
-            "judge/steps/test_band.py", "model_files/twice.py"]
+            "judge/stepwise/test_band.py", "model_files/twice.py"]
     assert misplaced(_tree(tmp_path / "good", good), package) == []
 
     wrong = _tree(tmp_path / "wrong", [*good, "record/captures/test_x.py", "judge/test_y.py",
-                                      "judge/steps/test_hooks.py", "model_files/test_like.py"])
+                                      "judge/stepwise/test_hooks.py", "model_files/test_like.py"])
     found = misplaced(wrong, package)
     assert len(found) == 3, found
     assert found[0].startswith("tests/judge/: test files beside oneiter/judge/'s subpackages")
     assert found[1].startswith("tests/record/captures/: no package oneiter/record/captures/")
-    assert found[2].startswith("wrong/record/capture/test_hooks.py: same name as wrong/judge/steps/test_hooks.py")
+    assert found[2].startswith("wrong/record/capture/test_hooks.py: same name as wrong/judge/stepwise/test_hooks.py")

@@ -3,7 +3,7 @@
 - `main.py`        the `oneiter` app: wires the commands (nothing here imports torch)
 - `common.py`      consoles (results to stdout, messages to stderr), errors to one line and an exit code
 - `help.py`        how the help reads: flags with no `<bool>` type, each command's summary on one line
-- `options.py`     option aliases shared by the commands, their flag names from `runtime/commands.py`
+- `option_aliases.py` option aliases shared by the commands, their flag names from `runtime/commands.py`
 - `progress.py`    progress on stderr: a live line on a terminal, plain lines elsewhere
 - `record_cmd.py`  `oneiter record`
 - `record_params.py` its own options, and its parameters matched by name to the recording's settings (`SpecOptions`)

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from oneiter.cli import options as opt
+from oneiter.cli import option_aliases as opt
 from oneiter.cli.common import err, handle_errors, out, set_outcome, terminal_text
 from oneiter.errors import OneIterError
 from oneiter.runtime import commands as flags
@@ -128,7 +128,7 @@ def compare(
     model: opt.Model = None,
 ) -> None:
     """The `compare` command; see HELP."""
-    from oneiter.judge.steps.step_compare import StepsResult
+    from oneiter.judge.stepwise.step_compare import StepsResult
 
     inputs = (reference,) if target is None else (reference, target)
     dests = _destinations(json_path, csv_path, html_path, inputs)
@@ -204,7 +204,7 @@ def _ranked_inputs(reference, target, dests: dict, tensorboard: bool, drill: boo
 
 def _check_steps_options(reference, target, given: dict[str, bool]) -> None:
     """Options of the one-iteration report are refused for two multi-step recordings, before anything is judged."""
-    from oneiter.judge.steps.step_compare import is_steps
+    from oneiter.judge.stepwise.step_compare import is_steps
 
     one_iteration = next((name for name, on in given.items() if on), None)
     if one_iteration is not None and target is not None and (is_steps(reference) or is_steps(target)):
@@ -229,7 +229,7 @@ def _report_steps(result, dests: dict, show_all: bool, to_stdout: bool) -> int:
 
 def _drill(result, model: Optional[str], console) -> Optional[dict]:
     """`--drill`: the culprit call's op report (or the command to make it) printed; its JSON document, or None."""
-    from oneiter.judge.replay.op_verdict import drill
+    from oneiter.judge.replayed.op_verdict import drill
     from oneiter.report.op_table import print_drill
 
     found = drill(result, model=model)
@@ -283,10 +283,10 @@ def run_compare(reference: Path, target: Optional[Path], *, rtol=None, atol=None
 
 def _compare_ranks(reference: Path, target: Path, rtol, atol, tolerances, show_all: bool, json_dest,
                    to_stdout: bool) -> int:
-    """Rank by rank (`oneiter.judge.iteration.ranks`, shown by `oneiter.report.ranks`): overall verdict, one line per
-    rank, reports; returns the exit code."""
+    """Rank by rank (`oneiter.judge.iteration.ranks`, shown by `oneiter.report.rank_table`): overall verdict, one line
+    per rank, reports; returns the exit code."""
     from oneiter.api import compare_ranks
-    from oneiter.report.ranks import print_ranked
+    from oneiter.report.rank_table import print_ranked
     from oneiter.runtime.distributed import rank_info
 
     def report(result) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from oneiter.cli import options as opt
+from oneiter.cli import option_aliases as opt
 from oneiter.cli.common import err, handle_errors, out
 from oneiter.runtime import commands as flags
 

@@ -1,6 +1,6 @@
 """`oneiter inspect FILE`: what a recording holds — metadata, then one line per tensor with simple statistics.
 
-Thin layer over `oneiter.format.summary` (which reads one tensor at a time); numpy and h5py are imported inside
+Thin layer over `oneiter.format.inspection` (which reads one tensor at a time); numpy and h5py are imported inside
 the command so `oneiter --help` stays fast.
 """
 
@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from oneiter.cli import options
+from oneiter.cli import option_aliases
 from oneiter.cli.common import handle_errors, out
 from oneiter.runtime import commands as flags
 
@@ -26,7 +26,7 @@ HELP = "\n\n".join([
     "  oneiter inspect cpu.h5 --json > cpu.json",
 ])
 
-File = options.RecordingFile
+File = option_aliases.RecordingFile
 AsJson = Annotated[bool, typer.Option(*flags.JSON.decls, help="Print JSON to stdout instead of the table.")]
 
 
@@ -70,7 +70,7 @@ def inspect(file: File, as_json: AsJson = False) -> None:
 
     from rich.text import Text
 
-    from oneiter.format.summary import summarize_file
+    from oneiter.format.inspection import summarize_file
     from oneiter.report.terminal import print_wide, safe_text
 
     summary = summarize_file(file)

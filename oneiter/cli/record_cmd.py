@@ -6,7 +6,7 @@ from contextlib import nullcontext
 
 import typer
 
-from oneiter.cli import options as opt
+from oneiter.cli import option_aliases as opt
 from oneiter.cli import record_params as rec
 from oneiter.cli.common import err, handle_errors
 

@@ -9,7 +9,7 @@ holds the two lists to the fields both ways (a field with no option, an option w
 option's default to its field's, so a new recording setting is a field in `record/options.py`, its alias here and
 its parameter in `record_cmd.py`.
 
-The options `record` shares with other commands are in `options.py` (`opt.Model`, ...). Torch-free.
+The options `record` shares with other commands are in `option_aliases.py` (`opt.Model`, ...). Torch-free.
 """
 
 from __future__ import annotations

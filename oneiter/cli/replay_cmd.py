@@ -2,7 +2,7 @@
 judge every aten op it runs by the op's own error (which kernel inside the culprit), with `--repro DIR` write a
 reproducer of the culprit op.
 
-Thin layer over `oneiter.judge.replay.layer_verdict.replay_layer` and `oneiter.judge.replay.op_verdict.replay_ops`
+Thin layer over `oneiter.judge.replayed.layer_verdict.replay_layer` and `oneiter.judge.replayed.op_verdict.replay_ops`
 (the runs themselves:
 `oneiter.record.replay.layer_replay`, `oneiter.record.replay.op_rerun`; the op report: `oneiter.report.op_table`);
 torch is imported inside
@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from oneiter.cli import options as opt
+from oneiter.cli import option_aliases as opt
 from oneiter.cli.common import EXIT_DIVERGED, EXIT_MATCH, err, fail, handle_errors, out, terminal_text
 from oneiter.runtime import commands as flags
 
@@ -165,7 +165,7 @@ def replay(
                                      dest, compile, float8))
     if reference_ops is not None or repro is not None:
         raise fail(f"{flags.REFERENCE_OPS.name} and {flags.REPRO.name} go with {flags.OPS.name}")
-    from oneiter.judge.replay.layer_verdict import replay_layer
+    from oneiter.judge.replayed.layer_verdict import replay_layer
 
     result = replay_layer(file, layer, call=call, device=device, repeat=repeat, model=model, dtype=dtype, amp=run_amp,
                           compile=compile, float8=float8)
@@ -187,7 +187,7 @@ def _replay_ops(file, layer, call, device, repeat, model, amp, dtype, reference_
     """`--ops`: the op report; returns the exit code."""
     if repeat != 1:
         raise fail(f"{flags.REPEAT.name} times a plain replay; with {flags.OPS.name} the layer runs once")
-    from oneiter.judge.replay.op_verdict import replay_ops
+    from oneiter.judge.replayed.op_verdict import replay_ops
     from oneiter.report.op_table import print_ops
 
     result = replay_ops(file, layer, call=call, device=device, dtype=dtype, amp=amp, model=model,

@@ -10,7 +10,7 @@
 - `writer.py`          the background writer that turns captured tensors into that layout
 - `stats.py`           `--level stats`: per-tensor statistics and checksums (their optional C kernel `_statskernel.c`)
 - `numbers.py`         stored arrays as numbers numpy reduces quickly, in float64 chunks
-- `summary.py`         per-tensor statistics of one file (`oneiter inspect`)
+- `inspection.py`      per-tensor statistics of one file (`oneiter inspect`)
 - `optimizer_state.py` whether a replay's optimizer started from the reference's state (so its updates are judged)
 - `signature.py`       a multi-step recording's per-step signature: loss, gradient and update norms
 - `op_case.py`         the runnable reproducer of one aten op (`replay --ops --repro`): imports nothing of oneiter

@@ -1,4 +1,4 @@
-"""Stored arrays as numbers numpy reduces quickly: shared by inspect's statistics (`summary.py`) and judging
+"""Stored arrays as numbers numpy reduces quickly: shared by inspect's statistics (`inspection.py`) and judging
 (`oneiter.judge.measure.metrics`), which both walk a tensor in float64 chunks of `CHUNK` elements."""
 
 from __future__ import annotations

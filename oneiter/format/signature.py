@@ -3,7 +3,7 @@
 Where this sits: `record/steps/step_recorder.py` computes one row per recorded iteration while it records (the loss,
 and per parameter the L2 norm of its gradient and of its update, in float64), the file keeps the rows as the table
 `/signature` (and, in a replay, the rows of its perturbed twin as `/twin_signature`: docs/steps.md), and
-`judge/steps/step_compare.py` compares two files' rows. This module owns the columns' names and what a row means; it
+`judge/stepwise/step_compare.py` compares two files' rows. This module owns the columns' names and what a row means; it
 imports no torch.
 
 Columns, in order: `loss`, then `grad:<parameter>` for every parameter, then `update:<parameter>` for every

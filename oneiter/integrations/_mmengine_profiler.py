@@ -2,10 +2,10 @@
 
 Where it sits: the mmengine counterpart of `profile/runner.py`, imported (and so registered) by
 `oneiter.integrations.mmengine`. Like the Trainer and Lightning `ProfileCallback`s it forwards the runner's events
-to a `profile.stepped.StepProfiler`, which drives one `profile.session.ProfileSession` (profiler, clock, overhead),
-so it reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler (`steps.CycleExporter`:
-per active cycle one `export_chrome_trace`, the op/memory/module tables and `summary.json`), the per-module
-ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice when both a TensorBoard
+to a `profile.stepped.StepProfiler`, which drives one `profile.profile_session.ProfileSession` (profiler, clock,
+overhead), so it reuses that library whole: the schedule (`profile/schedule.py`), the one trace handler
+(`steps.CycleExporter`: per active cycle one `export_chrome_trace`, the op/memory/module tables and `summary.json`), the
+per-module ranges and the Kineto log filter. mmengine's own ProfilerHook exports a trace twice when both a TensorBoard
 trace and `json_trace_path` are configured, and torch refuses the second export ("RuntimeError: Trace is already
 saved"); here the handler writes one gzipped Chrome trace, which TensorBoard's profiler plugin, Perfetto and
 chrome://tracing all open.

@@ -7,7 +7,7 @@ Importing this module registers `OneIterRecordHook` and `OneIterProfilerHook` in
 
 Where it sits: the hooks are adapters. Recording is an `oneiter.Recorder` around one `train_step` call (the
 same class `oneiter record` and a user's own loop record with; its settings one `RecordOptions`, on the pattern of
-`integrations/recording.py`), profiling a `profile.session.ProfileSession`, so
+`integrations/recording.py`), profiling a `profile.profile_session.ProfileSession`, so
 a file written here reads, compares and replays like one written by `oneiter record`.
 
 How the record hook drives one iteration: mmengine has no hook around `train_step` and none on an exception, so

@@ -4,7 +4,8 @@ One file per job, in pipeline order (nothing here imports torch until a function
 
 - `schedule.py`: parse `wait=1,warmup=1,active=2`, count the steps it needs, refuse unreachable windows;
 - `runner.py`: `profile(ProfileOptions) -> ProfileResult`, the run `oneiter profile` drives;
-- `session.py`: `ProfileSession`, one profiling run driven step by step (by the runner and the framework adapters);
+- `profile_session.py`: `ProfileSession`, one profiling run driven step by step (by the runner and the framework
+adapters);
 - `stepped.py`: `StepProfiler`, a training framework's own steps profiled from its step events (mmengine, Trainer,
   Lightning);
 - `run_parts.py`: what both share: the summary head, profiler activities, device sync and the one trace handler;

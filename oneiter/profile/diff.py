@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from oneiter.profile.module_ranges import display_path
-from oneiter.profile.session import NOISY_SPREAD
+from oneiter.profile.profile_session import NOISY_SPREAD
 from oneiter.profile.summary import read_summary
 
 __all__ = ["ProfileDiff", "diff_profiles", "format_diff", "DIFF_SORTS", "is_leaf"]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oneiter.errors import OneIterError
+from oneiter.profile.profile_session import ProfileSession
 from oneiter.profile.quiet import native_output_filtered, quiet_kineto_env
 from oneiter.profile.schedule import DEFAULT_MAX_STEPS, DEFAULT_SCHEDULE, parse_schedule
-from oneiter.profile.session import ProfileSession
 from oneiter.profile.summary import SUMMARY_NAME, check_out_dir, prepare_out_dir
 from oneiter.profile.tables import MEMORY_SORTS
 from oneiter.runtime.devices import resolve_device

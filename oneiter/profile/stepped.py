@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 from oneiter.errors import OneIterError
+from oneiter.profile.profile_session import ProfileSession
 from oneiter.profile.runner import ProfileOptions
 from oneiter.profile.schedule import DEFAULT_SCHEDULE, ProfileSchedule, parse_schedule
-from oneiter.profile.session import ProfileSession
 from oneiter.profile.summary import prepare_out_dir, write_summary
 from oneiter.profile.tables import MEMORY_SORTS
 

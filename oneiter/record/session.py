@@ -44,7 +44,7 @@ from oneiter.record.capture.hooks import ModuleCapture, unscaled
 from oneiter.record.capture.sink import TensorSink, host_copy
 from oneiter.record.local.clipping import squared_norms, step_figures
 from oneiter.runtime.names import parameters, state_tensors
-from oneiter.runtime.sharding import is_dtensor, local, placement_of
+from oneiter.runtime.sharding import is_dtensor, placement_of, shard_of
 
 __all__ = ["RecordingSession", "atomic_output", "check_output", "remove_stale_temps", "OutputExists"]
 
@@ -329,7 +329,7 @@ class RecordingSession:
         loop may clip or unscale them in place; with several microbatches the last backward is known only when the
         step begins. Costs one host copy of the gradients per backward (the file's copy: it is what is written)."""
         scale = self.module_capture.grad_scale
-        self._kept = [(n, host_copy(local(unscaled(p.grad, scale))), shard_attrs(placement_of(p.grad)))
+        self._kept = [(n, host_copy(shard_of(unscaled(p.grad, scale))), shard_attrs(placement_of(p.grad)))
                       for n, p in parameters(self.model) if p.grad is not None]
         if self.probe is not None:
             self.probe.kept_grads = {n: t for n, t, _ in self._kept}

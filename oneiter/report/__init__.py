@@ -1,7 +1,7 @@
 """`report/`: one comparison result shown to people and programs.
 
 - `terminal.py`    the terminal report, JSON and CSV; the verdict block and the plain table every report prints
-- `ranks.py`       the terminal report of a multi-rank comparison
+- `rank_table.py`  the terminal report of a multi-rank comparison
 - `html.py`        the self-contained HTML page; the verdict banner every page shows
 - `tensorboard.py` TensorBoard curves and histograms
 - `multistep.py`   two multi-step recordings compared: the per-step table, CSV and page with the curves and the band

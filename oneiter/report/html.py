@@ -426,8 +426,8 @@ def _runs(doc: Document) -> str:
 
 
 def _formats(formats: Optional[dict]) -> str:
-    """The calls that run a low-precision recipe (`judge/iteration/formats.py`): per call its recipe, what the format
-    costs at its output, input gradient and weight gradient, and its worst deviation from the recipe against its
+    """The calls that run a low-precision recipe (`judge/iteration/recipe_costs.py`): per call its recipe, what the
+    format costs at its output, input gradient and weight gradient, and its worst deviation from the recipe against its
     accumulation noise."""
     if not formats:
         return ""

@@ -1,7 +1,7 @@
-"""Presentation of a comparison of two multi-step recordings (`judge.steps.step_compare.StepsResult`): the terminal
+"""Presentation of a comparison of two multi-step recordings (`judge.stepwise.step_compare.StepsResult`): the terminal
 table, the CSV and the HTML page with the curves and the band.
 
-Sits after `judge/steps/` (which decides; nothing here does) and before the CLI (`cli/compare_cmd.py`). The verdict
+Sits after `judge/stepwise/` (which decides; nothing here does) and before the CLI (`cli/compare_cmd.py`). The verdict
 is laid out by the one-iteration report's writers: its block (`terminal.print_verdict`: the headline and details, the
 step it names and the two commands that record that step in full), the HTML banner (`html.banner`), the CSV's `role`
 column and the JSON's `verdict.findings`. Then the terminal report prints one line per step: the loss, gradient
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.text import Text
 
 from oneiter.formatting import rel_diff
-from oneiter.judge.steps.step_compare import StepRow, StepsResult
+from oneiter.judge.stepwise.step_compare import StepRow, StepsResult
 from oneiter.outputs import Destination, destination, open_text, write_text
 from oneiter.report.html import _CSS, MARK_COLOR, NOISE_COLOR, PHASE_COLORS, _embedded, _esc, banner
 from oneiter.report.impact_table import impact_section

@@ -1,4 +1,4 @@
-"""Presentation of `replay --ops` (`judge.replay.op_verdict.OpsResult`) and of `compare --drill`: terminal table and
+"""Presentation of `replay --ops` (`judge.replayed.op_verdict.OpsResult`) and of `compare --drill`: terminal table and
 HTML section.
 
 Nothing here decides anything: the verdict and its sentences are the result's (`OpsResult.lines`); the terminal

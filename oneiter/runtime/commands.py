@@ -1,10 +1,10 @@
 """The names of the CLI's flags, every one of them, and the command lines oneiter prints for a person to run next.
 
-One place for both: the CLI declares each of its options with a `Flag` of this table (`cli/options.py`,
+One place for both: the CLI declares each of its options with a `Flag` of this table (`cli/option_aliases.py`,
 `cli/record_params.py` and the command modules; tests/cli/test_commands.py fails on an option declared with a
 name of its own, and on a name here no command declares), and every verdict that says what to run next builds its
-command here: two multi-step recordings' `record --step S` and `record --replay` (`judge/steps/step_verdict.py`),
-`compare --drill`'s `replay --ops` (`judge/replay/op_verdict.py`). The table sits here, below `judge/`, and not in
+command here: two multi-step recordings' `record --step S` and `record --replay` (`judge/stepwise/step_verdict.py`),
+`compare --drill`'s `replay --ops` (`judge/replayed/op_verdict.py`). The table sits here, below `judge/`, and not in
 `cli/` because those verdicts print flag names and imports go one way (`cli` is above `judge`).
 So a printed command names only flags the CLI has (tests/cli/test_commands.py parses each one with the CLI), and
 renaming a flag is one line here.

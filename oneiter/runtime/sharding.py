@@ -1,7 +1,7 @@
 """Sharded parameters (FSDP2's `fully_shard`: DTensor parameters, each rank holding a shard): oneiter's unit is the
 rank's own shard.
 
-Where this sits: the recording session writes parameters, gradients and updated parameters through `local()` (each
+Where this sits: the recording session writes parameters, gradients and updated parameters through `shard_of()` (each
 rank's file holds its shard, with `shard_attrs` saying where it sits in the full tensor: docs/format.md), the
 replay loads the reference's shard of rank R into rank R's shard (`load_local`), and `record/run.py` leaves a model
 that sharded itself unwrapped (`is_sharded`: no DistributedDataParallel around FSDP2). No collective runs here:
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-__all__ = ["dtensor_class", "is_dtensor", "local", "placement_of", "is_sharded", "is_fsdp", "parallelizes_itself",
+__all__ = ["dtensor_class", "is_dtensor", "shard_of", "placement_of", "is_sharded", "is_fsdp", "parallelizes_itself",
            "reduction", "grads_reduced", "class_name", "as_placed", "is_fsdp_hook", "spec_of", "to_placed",
            "parse_placements", "GatheredThroughCall"]
 
@@ -37,7 +37,7 @@ def is_dtensor(tensor) -> bool:
     return cls is not None and isinstance(tensor, cls)
 
 
-def local(tensor):
+def shard_of(tensor):
     """This rank's shard of a DTensor (its plain local tensor, no copy), and the result of a collective still
     under way (an `AsyncCollectiveTensor`: what a tensor-parallel style's output is) waited for; any other tensor
     as it is."""

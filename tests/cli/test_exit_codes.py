@@ -29,7 +29,7 @@ def test_a_bug_is_exit_3_with_one_line(files, monkeypatch):
     monkeypatch.setattr("oneiter.report.terminal.print_report", _boom)
     res = run_cli("compare", ref, plain)
     assert res.exit_code == 3 and res.stderr.strip() == INTERNAL and "Traceback" not in res.output
-    monkeypatch.setattr("oneiter.format.summary.summarize_file", _boom)
+    monkeypatch.setattr("oneiter.format.inspection.summarize_file", _boom)
     res = run_cli("inspect", ref)
     assert res.exit_code == 3 and res.stderr.strip() == INTERNAL
 

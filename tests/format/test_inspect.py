@@ -1,4 +1,4 @@
-"""Tests for oneiter/format/summary.py and the `oneiter inspect` command, on a small synthetic recording."""
+"""Tests for oneiter/format/inspection.py and the `oneiter inspect` command, on a small synthetic recording."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from oneiter.cli import inspect_cmd
 from oneiter.format.file_writer import FileWriter
+from oneiter.format.inspection import summarize_file, tensor_stats
 from oneiter.format.schema import BATCH, CALLS, LOSS, PARAM_GRADS, STATE_AFTER, STATE_BEFORE, call_key
-from oneiter.format.summary import summarize_file, tensor_stats
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:

@@ -118,7 +118,7 @@ def _mapped(out: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _scaled(out: Any, scale: float) -> Any:
     """Every floating tensor of `out` multiplied by `scale` (a wrong forward). The product is taken here, in
-    `_scaled` itself: `replay --ops` names the line of an op a fault adds (tests/judge/replay/test_ops.py)."""
+    `_scaled` itself: `replay --ops` names the line of an op a fault adds (tests/judge/replayed/test_ops.py)."""
     if isinstance(out, torch.Tensor):
         return out * scale if out.is_floating_point() else out
     return _mapped(out, lambda t: _scaled(t, scale))

@@ -132,7 +132,7 @@ def test_cli_prints_tables_overhead_and_the_cpu_note_once(fp32_cli):
 
 
 def test_overhead_is_a_ratio_of_medians_or_says_the_machine_is_too_noisy():
-    from oneiter.profile.session import overhead
+    from oneiter.profile.profile_session import overhead
 
     quiet = overhead([0.12, 0.11, 0.13], [0.10, 0.10, 0.11, 0.10, 0.09])
     assert quiet["ratio"] == pytest.approx(0.12 / 0.10) and quiet["verdict"].startswith("1.20x (median 120.0 ms")
@@ -151,7 +151,7 @@ def test_overhead_is_a_ratio_of_medians_or_says_the_machine_is_too_noisy():
 
 def test_overhead_of_unprofiled_steps_of_no_measurable_time_has_no_ratio():
     """A median of 0 s unprofiled (a clock too coarse for the steps) gives no ratio and says why, in each branch."""
-    from oneiter.profile.session import overhead
+    from oneiter.profile.profile_session import overhead
 
     zero = [0.0, 0.0, 0.0]
     for profiled, unprofiled in (([0.1], zero), ([0.1, 0.1], zero), ([0.1, 0.1], [0.0, 0.0, 1.0])):

@@ -150,7 +150,7 @@ def test_five_writers_state_one_verdict(case, outputs):
 @pytest.mark.parametrize("case", list(REPLAYS))
 def test_the_json_verdict_lists_its_findings(case, outputs):
     """`verdict.findings`: every finding the verdict chose among, in the shape two multi-step recordings' verdict
-    has too (tests/judge/steps/test_steps.py); the strongest is the one it names."""
+    has too (tests/judge/stepwise/test_steps.py); the strongest is the one it names."""
     verdict = outputs[case]["json"]["verdict"]
     found = verdict["findings"]
     assert all(set(f) == {"kind", "priority", "entry", "reason"} and f["priority"] == PRIORITY[f["kind"]]

@@ -161,7 +161,7 @@ class Sources:
     reference has them); sources are exact only when every one is known and exact (a call with no recorded input,
     or a child with no recorded output, is not). A collective a call's own code ran is one more thing it computed
     from (`consumed`: ((module, call, phase), key, error, bitwise) per collective output, from
-    `judge/iteration/collectives.consumed`).
+    `judge/iteration/collective_verdict.consumed`).
 
     A gradient of a tensor several calls read is the sum of what each hands back (`summed.py`): with `stored` (each
     row's stored datasets, `CompareResult.stored`) the readers are known, and with `norm` (a key's reference L2 norm)

@@ -66,7 +66,7 @@ from oneiter.judge.iteration.blame import (
     own_values,
     unexplained_rows,
 )
-from oneiter.judge.iteration.collectives import consumed, step_reduced
+from oneiter.judge.iteration.collective_verdict import consumed, step_reduced
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, Key, LocalResult, Row
 from oneiter.judge.iteration.findings import Finding, row_findings
 from oneiter.judge.iteration.impact import read_impact

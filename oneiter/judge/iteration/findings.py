@@ -2,7 +2,7 @@
 
 Sits between what records the evidence and the verdict that picks among it by priority alone (`PRIORITY`;
 `STEP_PRIORITY` for steps): one iteration's engine and blame record theirs in `CompareResult.findings`
-(`verdict.decide` picks), two multi-step recordings' steps theirs in the steps verdict (`judge/steps/
+(`verdict.decide` picks), two multi-step recordings' steps theirs in the steps verdict (`judge/stepwise/
 step_verdict.py`). A new kind of evidence is one entry in a table and one place that records it, not another
 branch in the order of `if`s. Within one kind the first recorded wins, and each kind is recorded in causal order
 (the order of the entries, or of the steps). Both verdicts take their status from the same rule (`status_of`)
@@ -21,8 +21,8 @@ __all__ = ["PRIORITY", "STEP_PRIORITY", "UNATTRIBUTED", "INCONCLUSIVE", "Finding
 
 PRIORITY = {
     # a rank's first collective whose output is off the exact result of its group's recorded inputs by more than
-    # the reduction noise of its dtype and group size (`collectives.py`): judged on its own inputs, with or without
-    # local data, so certain evidence that the communication library is wrong; every value that consumed its
+    # the reduction noise of its dtype and group size (`collective_verdict.py`): judged on its own inputs, with or
+    # without local data, so certain evidence that the communication library is wrong; every value that consumed its
     # result (a layer's rerun got the reference's, an accumulated entry did not) is downstream of it
     "collective": 70,
     # no local data: the first entry outside tolerance in causal order is the verdict (recorded only then)
@@ -41,7 +41,7 @@ PRIORITY = {
     # call is neither cleared nor blamed, so nothing else found, the verdict is no match (`INCONCLUSIVE`)
     "calibration": 5,
 }
-# two multi-step recordings compared step by step (`judge/steps/step_verdict.py`), chosen among by the same rule
+# two multi-step recordings compared step by step (`judge/stepwise/step_verdict.py`), chosen among by the same rule
 STEP_PRIORITY = {
     # a step whose signature leaves the band, or holds NaN/Inf on one side only: recorded for every such step, in
     # step order, so the verdict names the first

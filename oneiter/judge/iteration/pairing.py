@@ -1,6 +1,6 @@
 """Which entries of two recordings pair up, in which order, and whether two recordings may be compared at all.
 
-The first steps of every comparison (`engine.py` for one iteration, `judge/steps/` for each step of two multi-step
+The first steps of every comparison (`engine.py` for one iteration, `judge/stepwise/` for each step of two multi-step
 recordings): entries are paired by (module path, call index, phase, tensor name), never by position, so one extra
 call on one side shows up as a missing entry instead of shifting every later pair; the pairs are put in causal
 order (forward in capture order, backward in the order gradients were computed, then parameter gradients, then

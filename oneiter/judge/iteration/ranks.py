@@ -8,8 +8,8 @@ each pair is compared in its own process (`ProcessPoolExecutor`, at most one wor
 - each rank gets the verdict `compare_files` gives its pair (two multi-step recordings: the first step outside the
   band, with `pair` dispatching to their comparison);
 - every rank's collectives are judged against the exact reduction of their group's recorded inputs
-  (`collectives.py`), and every point-to-point transfer's receive against its send (`transfers.py`): a rank's first
-  wrong one is its `collective` finding (a transfer's: named as the transfer);
+  (`collective_verdict.py`), and every point-to-point transfer's receive against its send (`transfers.py`): a rank's
+  first wrong one is its `collective` finding (a transfer's: named as the transfer);
 - the overall verdict (`judge.iteration.verdict.decide_ranked`) is a divergence if any rank diverged, and names the
   rank whose
   divergence comes first in causal order (ties: the lowest rank). Gradients are averaged across ranks (DDP's
@@ -37,7 +37,7 @@ from oneiter.errors import FormatError, OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import COLLECTIVES
 from oneiter.formatting import json_ready
-from oneiter.judge.iteration.collectives import Judged, collective_finding, read_plans
+from oneiter.judge.iteration.collective_verdict import Judged, collective_finding, read_plans
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.results import CompareResult
 from oneiter.judge.iteration.transfers import judge_planned, plan
@@ -68,7 +68,8 @@ class RankedResult:
     notes: list[str] = field(default_factory=list)
     """Warnings about the comparison itself (e.g. a tolerance file written for another device)."""
     collectives: list[Judged] = field(default_factory=list)
-    """Every rank's collectives judged against its group's recorded inputs (`collectives.py`), by rank and index."""
+    """Every rank's collectives judged against its group's recorded inputs (`collective_verdict.py`), by rank and
+    index."""
     factor: float = 4.0
     """How far above its expected noise a collective may go (the noise policy's factor)."""
 
@@ -233,9 +234,9 @@ def compare_ranks(
     **kwargs
 ) -> RankedResult:
     """Compare `reference` and `target` rank by rank, one process per pair, then judge every rank's collectives
-    against its group's recorded inputs (`collectives.py`); `kwargs` go to `compare_files` (rtol, atol, tolerance,
-    noise: picklable), `pair` replaces it (a module-level function: `oneiter.api` dispatches multi-step recordings
-    to their comparison). A worker's OneIterError comes back prefixed with its rank."""
+    against its group's recorded inputs (`collective_verdict.py`); `kwargs` go to `compare_files` (rtol, atol,
+    tolerance, noise: picklable), `pair` replaces it (a module-level function: `oneiter.api` dispatches multi-step
+    recordings to their comparison). A worker's OneIterError comes back prefixed with its rank."""
     refs, tgts = find_rank_files(reference), find_rank_files(target)
     _check_pairs(refs, tgts, reference, target)
     pair = pair or compare_files
@@ -266,7 +267,7 @@ def _ranked(reference, target, results: dict, judged: list[Judged], factor: floa
 
 
 def _with_collective(result, judged: list[Judged], factor: float):
-    """A rank's `CompareResult` with its first flagged collective among its findings (`collectives.py`)."""
+    """A rank's `CompareResult` with its first flagged collective among its findings (`collective_verdict.py`)."""
     if not isinstance(result, CompareResult):
         return result
     found = collective_finding(result.rows, judged, factor)

@@ -17,8 +17,8 @@ from typing import Any, Optional
 from oneiter.format.schema import CLIP_ROW, ROOT_MODULE
 from oneiter.formatting import num, sci
 from oneiter.judge.iteration.entries import LocalResult
-from oneiter.judge.iteration.formats import recipe_error
 from oneiter.judge.iteration.impact import Impact
+from oneiter.judge.iteration.recipe_costs import recipe_error
 from oneiter.runtime.compiled import random_lines
 from oneiter.runtime.precision_modes import describe, reduced
 
@@ -247,7 +247,7 @@ def first_fix(impact: Optional[Impact]) -> list[str]:
 
 def impact_lines(impact: Optional[Impact]) -> list[str]:
     """Every sentence about the ranking (`record --impact`): the fix that matters most first (a multi-step
-    comparison's verdict states them too: `judge/steps/step_verdict.py`)."""
+    comparison's verdict states them too: `judge/stepwise/step_verdict.py`)."""
     return [*first_fix(impact), *ranking_lines(impact)]
 
 

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple, Optional
 
 from oneiter.formatting import num
-from oneiter.judge.iteration.formats import lines as format_lines
-from oneiter.judge.iteration.formats import recipe_error
 from oneiter.judge.iteration.impact import Impact
+from oneiter.judge.iteration.recipe_costs import lines as format_lines
+from oneiter.judge.iteration.recipe_costs import recipe_error
 from oneiter.judge.iteration.sentences import (
     compiled_lines,
     entry_name,

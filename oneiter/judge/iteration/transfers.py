@@ -1,7 +1,7 @@
 """Every point-to-point transfer judged across the two ranks' files: what the receiver got against what the sender
 sent.
 
-Sits beside `collectives.py` (whose `Judged` results these are, and whose instances these join in `plan`): each
+Sits beside `collective_verdict.py` (whose `Judged` results these are, and whose instances these join in `plan`): each
 rank's file holds its sends (the tensor as it was posted) and receives (the tensor as it arrived) under
 `/collectives/<index>` (`record/modes/p2p.py`). A transfer is the n-th send from rank a to rank b and the n-th
 receive of rank b from rank a on one group and tag (their `p2p_seq`: both backends deliver the messages of one
@@ -21,7 +21,16 @@ from typing import Iterable
 import numpy as np
 
 from oneiter.format.schema import MICROBATCHES, P2P_OPS, decode
-from oneiter.judge.iteration.collectives import Instance, Judged, _Files, _float64, _names, _result, instances, judge
+from oneiter.judge.iteration.collective_verdict import (
+    Instance,
+    Judged,
+    _Files,
+    _float64,
+    _names,
+    _result,
+    instances,
+    judge,
+)
 
 __all__ = ["pairs", "plan", "judge_planned"]
 

@@ -5,7 +5,7 @@ divergence, local results, the culprit's chain, the NaN/Inf origin, and every fi
 and before every writer. `decide` names the finding of highest priority (`findings.PRIORITY`, the one table of
 priorities) and fills a `Verdict` (`statement.py`: what a verdict holds, its JSON form and its headline and details,
 made of the sentences of `sentences.py`); the terminal report, JSON and CSV (`report/terminal.py`), the HTML page,
-TensorBoard and the multi-rank summary (`report/ranks.py`) only lay out what a `Verdict` holds (a saved JSON
+TensorBoard and the multi-rank summary (`report/rank_table.py`) only lay out what a `Verdict` holds (a saved JSON
 report's through `Verdict.from_dict`). The rule that decides lives here, the words that say it in those two
 modules, and nowhere else, so no two outputs can disagree; this module re-exports what the reports use of them.
 
@@ -39,8 +39,8 @@ from oneiter.format.schema import ROOT_MODULE
 from oneiter.formatting import json_ready, num
 from oneiter.judge.iteration.entries import MEASURED, NOT_JUDGED, LocalResult, Row
 from oneiter.judge.iteration.findings import UNATTRIBUTED, Finding, of_kind, status_of, strongest
-from oneiter.judge.iteration.formats import summary as format_summary
 from oneiter.judge.iteration.impact import Impact
+from oneiter.judge.iteration.recipe_costs import summary as format_summary
 from oneiter.judge.iteration.sentences import (
     ROUNDING_VALUE,
     STATS_REASON,
@@ -89,7 +89,7 @@ class Evidence(Protocol):
 
 
 class StepsVerdict(Protocol):
-    """What `decide_ranked` reads of a rank's multi-step verdict (`judge/steps/step_verdict.StepVerdict`, a layer
+    """What `decide_ranked` reads of a rank's multi-step verdict (`judge/stepwise/step_verdict.StepVerdict`, a layer
     above this module: named here, not imported)."""
 
     status: str

@@ -1,6 +1,6 @@
 """Per-entry error metrics: how far a target tensor is from its reference, in numbers a verdict can rest on.
 
-Sits under the engine (`engine.py` reads two tensors and calls `compare_arrays`) and beside `format/summary.py`
+Sits under the engine (`engine.py` reads two tensors and calls `compare_arrays`) and beside `format/inspection.py`
 (the one-tensor statistics of `oneiter inspect`, which shares `format/numbers.py` with it). Pure numpy; every
 reduction is done in float64, chunk by chunk, so large tensors never need a full float64 copy and results do not
 drift with reduction order.

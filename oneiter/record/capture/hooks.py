@@ -48,7 +48,7 @@ from oneiter.record.capture.sink import TensorSink
 from oneiter.record.capture.structure import Skeleton, flatten, flatten_call, layout_of, skeleton, skeleton_call
 from oneiter.runtime import host_random, module_state
 from oneiter.runtime.compiled import Blocks, eager_name, find_blocks, outside_call
-from oneiter.runtime.sharding import is_fsdp_hook, local
+from oneiter.runtime.sharding import is_fsdp_hook, shard_of
 
 __all__ = ["ModuleCapture", "CallRecord", "PROBED", "flatten", "next_node_number", "unscaled"]
 
@@ -342,7 +342,7 @@ class ModuleCapture:
                                 attributes=module_state.state(module))
             record.given = {id(v): (n, v._version) for n, v in named if _is_tensor(v)}
             if getattr(self.probe, "CHECKS_LIVE", False):  # the live inputs, before an in-place call changes them
-                record.live_inputs = {n: local(v).detach().clone() for n, v in named if _is_tensor(v)}
+                record.live_inputs = {n: shard_of(v).detach().clone() for n, v in named if _is_tensor(v)}
             if parent is not None:
                 parent.children.append(record)
         self._stack.append((key, record, next_node_number(), path))
@@ -371,7 +371,7 @@ class ModuleCapture:
                     record.identity[name] = hit[0]
             record.given = {}
             if record.live_inputs is not None:
-                record.live_outputs = {n: local(v).detach() for n, v in named if _is_tensor(v)}
+                record.live_outputs = {n: shard_of(v).detach() for n, v in named if _is_tensor(v)}
             with self.suspended(), untracked():
                 self.probe.after_call(record)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from oneiter.errors import OneIterError
 from oneiter.record.capture.batch import BatchSwap, map_call, read_batch, store_batch
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["Microbatches", "reference_swaps", "refuse_accumulated"]
 
@@ -36,7 +36,7 @@ def refuse_accumulated(model, accumulation: int = 1) -> None:
     import torch
 
     held = next((n for n, p in model.named_parameters()
-                 if p.grad is not None and bool(torch.any(local(p.grad).detach() != 0))), None)
+                 if p.grad is not None and bool(torch.any(shard_of(p.grad).detach() != 0))), None)
     if held is None:
         return
     over = f" (its optimizer accumulates over {accumulation} microbatches)" if accumulation > 1 else ""

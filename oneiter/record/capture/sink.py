@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from oneiter.format.schema import check_name, group_path, shard_attrs
 from oneiter.format.stats import tensor_stats
-from oneiter.runtime.sharding import local, placement_of
+from oneiter.runtime.sharding import placement_of, shard_of
 
 __all__ = ["TensorSink", "host_copy"]
 
@@ -63,7 +63,7 @@ class TensorSink:
         placement = placement_of(tensor)
         if placement is not None:  # a sharded (FSDP2) parameter or gradient: this rank's shard, and where it sits
             attrs = {**(attrs or {}), **(shard_attrs(placement) or {})}
-        tensor = local(tensor)  # a DTensor's shard; a collective's result under way, waited for
+        tensor = shard_of(tensor)  # a DTensor's shard; a collective's result under way, waited for
         if torch._C._len_torch_dispatch_stack():
             from torch.utils._python_dispatch import _disable_current_modes
 

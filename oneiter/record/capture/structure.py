@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from oneiter.format.schema import kwarg_name
-from oneiter.runtime.sharding import local, spec_of
+from oneiter.runtime.sharding import shard_of, spec_of
 
 __all__ = ["flatten", "flatten_call", "Slot", "layout_of", "Skeleton", "skeleton", "skeleton_call", "fill", "is_cache",
            "snapshot"]
@@ -103,7 +103,7 @@ def skeleton(obj: Any, prefix: str, *, snapshot_caches: bool = False, as_if_grad
     def walk(value: Any, name: str) -> Any:
         if isinstance(value, torch.Tensor):
             grad = value.requires_grad or (as_if_grad and value.is_floating_point())
-            given, spec, value = value, spec_of(value), local(value)  # a DTensor: its shard, and where it sits
+            given, spec, value = value, spec_of(value), shard_of(value)  # a DTensor: its shard, and where it sits
             slot = Slot(name, value.dtype, value.device, bool(grad), tuple(value.shape),
                         None if value.layout != torch.strided else layout_of(value), seen.get(id(given)), spec)
             seen.setdefault(id(given), name)

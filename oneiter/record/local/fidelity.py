@@ -36,7 +36,7 @@ from oneiter.format.schema import BACKWARD, COLLECTIVES, FORWARD, ROOT_MODULE, t
 from oneiter.record.capture.hooks import CallRecord
 from oneiter.record.local.rerun import ProbeSkip, RunResult, rel_l2
 from oneiter.runtime.precision import unit_roundoff
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["LiveSource", "check_forward", "exact", "exact_tensor", "digest", "SPREAD_FACTOR", "BackwardChecks"]
 
@@ -179,7 +179,7 @@ class BackwardChecks:
 
     def live_tensor(self, path: str, grad) -> None:
         """A live value a call's backward consumes or produces, by path (a gradient, a collective's output)."""
-        grad = local(grad)  # a DTensor gradient: this rank's shard, as the recording stores it
+        grad = shard_of(grad)  # a DTensor gradient: this rank's shard, as the recording stores it
         mine = self.live[path] = digest(grad)
         expected = self.produced.get(path)
         if expected is not None and expected[0] != mine:

@@ -44,7 +44,7 @@ from oneiter.record.modes import trusted
 from oneiter.record.start.state_names import renamed
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import unit_roundoff
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["PER_PARAMETER", "STEP_BYTES", "step_chunks", "shadow_step", "faithful_copy", "optimizer_rows",
            "check_updates", "step_grad_path"]
@@ -277,7 +277,7 @@ def _checked_updates(opt, names: dict, rerunner: Rerunner, device, chunk, judged
             if id(p) in names and (chunk is None or id(p) in chunk)}
     same = all(_exact_start(rerunner, name, p) for name, p in live.items())
     if not same:
-        start = {name: (local(p.detach()), None if p.grad is None else local(p.grad)) for name, p in live.items()}
+        start = {name: (shard_of(p.detach()), None if p.grad is None else shard_of(p.grad)) for name, p in live.items()}
         judged = shadow_step(opt, names, rerunner, _SITES["target"](device), chunk, start=start)
     return {name: digest(after) for name, after in judged.items()}
 
@@ -292,16 +292,16 @@ def step_grad_path(source, name: str) -> str:
 def _exact_start(rerunner: Rerunner, name: str, p) -> bool:
     before = rerunner.step_start(name)
     grad_path = step_grad_path(rerunner.source, name)
-    if before is None or not exact_tensor(before, local(p.detach())):
+    if before is None or not exact_tensor(before, shard_of(p.detach())):
         return False
     if p.grad is None:
         return not rerunner.source.has(grad_path)
-    return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), local(p.grad))
+    return rerunner.source.has(grad_path) and exact_tensor(rerunner.source.uncached(grad_path), shard_of(p.grad))
 
 
 def check_updates(model, expected: dict[str, tuple]) -> list[str]:
     """The parameters whose live value after the step differs from the checked shadow step's."""
-    return [name for name, p in parameters(model) if name in expected and digest(local(p)) != expected[name]]
+    return [name for name, p in parameters(model) if name in expected and digest(shard_of(p)) != expected[name]]
 
 
 def _noise(opt, names: dict, rerunner: Rerunner, rows: list[tuple[str, JudgedRow]], chunk: set[int] | None) -> None:

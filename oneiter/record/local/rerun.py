@@ -49,13 +49,13 @@ from oneiter.record.local.rerun_queues import rerun_queues
 from oneiter.record.local.rerunning.forcing import Forcing
 from oneiter.record.local.rerunning.gradients import external_grads, inherited
 from oneiter.record.local.rerunning.isolation import enter_site
-from oneiter.record.local.rerunning.layout import stored_layout, with_layout
-from oneiter.record.local.rerunning.metrics import rel_l2, tensor_stats
+from oneiter.record.local.rerunning.rerun_metrics import rel_l2, tensor_stats
 from oneiter.record.local.rerunning.site import AMBIENT, Perturbation, ProbeSkip, RunResult, Site, scaled_by_signs
+from oneiter.record.local.rerunning.strides import stored_layout, with_layout
 from oneiter.record.modes.collectives import CollectiveForcer, RecordedCollective, is_distributed
 from oneiter.record.modes.randomness import RandomReplayer, RecordedOp
 from oneiter.runtime.compiled import eager_name
-from oneiter.runtime.sharding import as_placed, local, parse_placements, spec_of, to_placed
+from oneiter.runtime.sharding import as_placed, parse_placements, shard_of, spec_of, to_placed
 
 __all__ = ["PROBED", "ProbeSkip", "Site", "RunResult", "Rerunner", "AMBIENT", "Perturbation", "scaled_by_signs",
            "tensor_stats", "rel_l2", "with_layout", "stored_layout"]
@@ -203,7 +203,7 @@ class Rerunner:
         grads = torch.autograd.grad([o for _, o, _ in pairs], targets, seeds, allow_unused=True)
         # `grads` follows `targets`: the leaves', then the weights', then the anchor's; each zip takes its part
         inputs = {grad_name(n): g for n, g in zip(leaves, grads, strict=False) if g is not None}
-        contributions = {c: local(g).detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
+        contributions = {c: shard_of(g).detach() for (c, _), g in zip(weights, grads[len(leaves):], strict=False)
                          if g is not None}
         return OwnBackward(inputs, contributions, internal)
 
@@ -236,7 +236,7 @@ class Rerunner:
             # buffers start where they were before the iteration (the live ones already hold this call's update)
             stored = self.reference_state(eager_name(prefix + name)) if site.params == "reference" or not is_param \
                 else None
-            own = local(tensor)  # a tensor-parallel weight (a DTensor): this rank's shard, placed again below
+            own = shard_of(tensor)  # a tensor-parallel weight (a DTensor): this rank's shard, placed again below
             if stored is not None and tuple(stored.shape) != tuple(own.shape):
                 # the source holds this rank's shard of an FSDP2 parameter; the live one is all-gathered while its
                 # call runs: the reference's full values in a replay (in the run's dtype)
@@ -380,7 +380,7 @@ def _result(outputs: dict, forcing: Forcing, versions: dict[int, int], own: OwnB
     # a value handed in and passed on unchanged (same object, same version) holds none of this call's work
     passed_on = {(FORWARD, n) for n, v in forward.items() if versions.get(id(v)) == v._version}
     passed_on |= {(BACKWARD, n) for n, v in backward.items() if versions.get(id(v)) == v._version}
-    return RunResult(forward={n: local(v).detach() for n, v in forward.items()},
-                     backward={n: local(v).detach() for n, v in backward.items()}, passed_on=passed_on,
+    return RunResult(forward={n: shard_of(v).detach() for n, v in forward.items()},
+                     backward={n: shard_of(v).detach() for n, v in backward.items()}, passed_on=passed_on,
                      grad_contributions=own.grad_contributions, changed_buffers=changed_buffers,
                      internal_grads={**own.internal_grads, **inherited(outputs, forcing)})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from oneiter.errors import OneIterError
 from oneiter.runtime.names import state_tensors
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["state_bytes", "check_room", "check_space", "estimate", "forward_done", "same_file", "size_text"]
 
@@ -17,8 +17,8 @@ __all__ = ["state_bytes", "check_room", "check_space", "estimate", "forward_done
 def state_bytes(model, level: str, replay: bool) -> int:
     """The bytes the file stores of the model's state: state_before (full unless a stats-level replay), and at the
     full level state_after and the parameter gradients; a sharded (FSDP2) tensor as this rank's shard."""
-    state = sum(local(t).numel() * t.element_size() for _, t, _ in state_tensors(model))
-    params = sum(local(p).numel() * p.element_size() for p in model.parameters())
+    state = sum(shard_of(t).numel() * t.element_size() for _, t, _ in state_tensors(model))
+    params = sum(shard_of(p).numel() * p.element_size() for p in model.parameters())
     before = state if level == "full" or not replay else 0
     return before + (state + params if level == "full" else 0)
 

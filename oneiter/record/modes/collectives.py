@@ -19,8 +19,9 @@ order the call ran them, forward and backward apart; a collective the call did n
 recorded, makes the call unprobed (`ProbeSkip`), never a hang. Like a forced child call, a collective is then an
 input of the call's own code: the fidelity check feeds the rerun the collective's *live* result
 (`record/local/fidelity.py`), and whether the collective itself was right is judged across ranks
-(`judge/iteration/collectives.py`). The recorder stays on through the optimizer's step (phase `optimizer`: DTensor
-parameters whose gradients are placed otherwise, a norm's `Partial` one, are reduced there), which no rerun runs.
+(`judge/iteration/collective_verdict.py`). The recorder stays on through the optimizer's step (phase `optimizer`:
+DTensor parameters whose gradients are placed otherwise, a norm's `Partial` one, are reduced there), which no rerun
+runs.
 """
 
 from __future__ import annotations

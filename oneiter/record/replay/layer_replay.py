@@ -4,7 +4,7 @@ Where it sits: reads a recording through `IterationFile` (like compare), rebuild
 like `record --replay` (spec, model_args, batch_size, seed, then the recorded `state_before` bits), takes one
 submodule, and runs that one call again: forward from `forward/input.*`, backward from `backward/grad_output*`.
 Each output, input gradient and (when attributable) parameter gradient it produces is handed, as a host array, to
-the caller's `check` with the recorded tensor's path: `oneiter.judge.replay.layer_verdict.replay_layer` judges them
+the caller's `check` with the recorded tensor's path: `oneiter.judge.replayed.layer_verdict.replay_layer` judges them
 (record never imports judge).
 It is the layer-level analogue of ditorch's `run_op_from_data`: on the recording's device the result should be
 bitwise equal; on another device the error and the time per run show what that one layer costs.

@@ -67,7 +67,7 @@ OWN_DTYPES = "cpu, the op's own dtypes"  # `OpRow.reference` of an op no higher 
 UNIT_ROUNDOFF = "unit roundoff"  # `OpRow.noise_from` when the error, or the calibration, is within one
 EXACT_SCALED = "cpu float64 (exact scaled product)"  # `OpRow.reference` of a float8 `_scaled_mm`
 # ops that move, cast or copy values without computing new ones (left out of the op sequence
-# `judge.replay.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff_mode.py`'s
+# `judge.replayed.op_verdict` compares), and ops with uninitialized outputs: `record/modes/roundoff_mode.py`'s
 _COPIES, _UNINITIALIZED = COPIES, UNINITIALIZED
 # frames that are no user's code: torch's, oneiter's, the standard library's
 _NOT_USER = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep,

@@ -11,7 +11,7 @@ from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
 from oneiter.format.schema import PARAM_GRADS
 from oneiter.runtime.names import module_paths, parameters, state_tensors
-from oneiter.runtime.sharding import is_dtensor, local
+from oneiter.runtime.sharding import is_dtensor, shard_of
 
 __all__ = ["check_structure", "load_state"]
 
@@ -19,7 +19,7 @@ __all__ = ["check_structure", "load_state"]
 def check_structure(model, ref: IterationFile) -> None:
     """Raise OneIterError naming the first parameter/buffer whose name or shape differs from the reference (a
     sharded parameter's shape is this rank's shard's: what the rank's file holds)."""
-    mine = {name: tuple(local(t).shape) for name, t, _ in state_tensors(model)}
+    mine = {name: tuple(shard_of(t).shape) for name, t, _ in state_tensors(model)}
     theirs = ref.state()
     where = f"the reference '{ref.path.name}' (model {ref.meta.get('model', '?')})"
     for name, path in theirs.items():
@@ -58,7 +58,7 @@ def _check_parameters(model, ref: IterationFile, where: str) -> None:
     """Every parameter the reference has a gradient of (by its name as `runtime/names.py` names parameters) exists
     here with its shape (a sharded one: this rank's shard, or the whole parameter's for a gradient placed otherwise
     than its parameter: tensor parallelism's `Replicate` gradient of a `Shard(0)` embedding)."""
-    mine = {name: tuple(local(p).shape) for name, p in parameters(model)}
+    mine = {name: tuple(shard_of(p).shape) for name, p in parameters(model)}
     whole = {name: tuple(p.shape) for name, p in parameters(model) if is_dtensor(p)}
     for name, path in ref.state(PARAM_GRADS).items():
         if name not in mine:
@@ -79,4 +79,4 @@ def load_state(model, ref: IterationFile) -> None:
     state = {name: ref.tensor(path) for name, path in ref.state().items()}
     with torch.no_grad():  # by the model's own names, as load_state_dict copies (its hooks do not run: see names.py)
         for name, tensor, _ in state_tensors(model):
-            local(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])
+            shard_of(tensor).copy_(state[name]) if is_dtensor(tensor) else tensor.copy_(state[name])

@@ -11,7 +11,7 @@ A replay of a multi-step reference (`replay=`) starts from the reference's first
 optimizer state, bit for bit) and then runs on its own, fed the reference's batch and random values step by step;
 with `run(fn)` each step is also run by the perturbed twin (`record/steps/twin.py`, kept as `/twin_signature`): how far
 it drifts from the target is the band a precision change explains.
-`judge/steps/step_compare.py` compares two such files step by step.
+`judge/stepwise/step_compare.py` compares two such files step by step.
 
     with oneiter.StepRecorder(model, "ref.h5", optimizer=opt, steps=12) as rec:
         rec.run(one_step)                   # one_step(step): the loop's body, calling rec.inputs(...) for its batch
@@ -49,7 +49,7 @@ from oneiter.runtime import precision_modes
 from oneiter.runtime.distributed import current_rank, rank_path, replay_path
 from oneiter.runtime.names import parameters
 from oneiter.runtime.precision import amp_dtype_name, unit_roundoff
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["StepRecorder", "StepMetrics", "check_steps", "TWIN_ATTRS"]
 
@@ -96,7 +96,7 @@ class StepMetrics:
     def _pre(self) -> None:
         if self.grads is None:
             self.grads = _norms([p.grad for p in self.params])
-            self._before = [local(p.detach()).clone() for p in self.params]
+            self._before = [shard_of(p.detach()).clone() for p in self.params]
 
     def row(self, loss: float) -> np.ndarray:
         """[loss, gradient norms..., update norms...] of the step that just ended."""
@@ -107,7 +107,7 @@ class StepMetrics:
             updates = [0.0] * len(self.params)
         else:
             with torch.no_grad():
-                updates = _norms([local(p.detach()) - b for p, b in zip(self.params, self._before, strict=True)])
+                updates = _norms([shard_of(p.detach()) - b for p, b in zip(self.params, self._before, strict=True)])
         self._before = None
         return np.array([loss, *grads, *updates], dtype=np.float64)
 
@@ -116,7 +116,7 @@ def _norms(tensors) -> list[float]:
     """Each tensor's float64 norm; of a DTensor its shard's (a rank's file holds its shard: no collective runs)."""
     import torch
 
-    tensors = [None if t is None else local(t.detach()) for t in tensors]
+    tensors = [None if t is None else shard_of(t.detach()) for t in tensors]
     values = [torch.linalg.vector_norm(t, dtype=torch.float64) if t is not None and t.numel() else None
               for t in tensors]
     return [0.0 if v is None else float(v) for v in values]

@@ -11,7 +11,7 @@ second implementation in the same precision would round) and the update lands on
 no perturbation of their own: in a real run they are rounded only by the update). The twin starts where the
 target started, so how far its signature (`format/signature.py`) drifts from the target's, step after step, is what
 the precision explains for this model, learning rate and optimizer: rounding injected at every step, amplified by
-the training dynamics. `judge/steps/step_compare.py` turns it into the band (docs/steps.md: how the factor was
+the training dynamics. `judge/stepwise/step_compare.py` turns it into the band (docs/steps.md: how the factor was
 measured).
 
 The twin is a model of the computation, so it is checked against the computation first (`check`): on the first
@@ -36,7 +36,7 @@ import torch
 from oneiter.record.capture.optimizer_step import before_update
 from oneiter.record.impact.impact_pass import ReferencePass
 from oneiter.record.local.rerun import scaled_by_signs
-from oneiter.runtime.sharding import is_dtensor, local, placement_of
+from oneiter.runtime.sharding import is_dtensor, placement_of, shard_of
 
 __all__ = ["Twin", "TwinPass", "perturbation_seed"]
 
@@ -61,7 +61,7 @@ class Twin:
         self.model, self.optimizers = model, list(optimizers)
         self.roundoff, self.seed = float(roundoff), int(seed)
         self.params = [p for _, p in model.named_parameters()]
-        self.weights = [local(p.detach()).clone() for p in self.params]  # a DTensor's: this rank's shard
+        self.weights = [shard_of(p.detach()).clone() for p in self.params]  # a DTensor's: this rank's shard
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
         self.buffers = [(m, name, b.detach().clone()) for m in model.modules()
                         for name, b in m._buffers.items() if b is not None]
@@ -149,7 +149,7 @@ class Twin:
 
 def _take(param):
     """The weight in `param` now, to keep: its tensor itself, or a copy of this rank's shard of a DTensor."""
-    return local(param.detach()).clone() if is_dtensor(param) else param.data
+    return shard_of(param.detach()).clone() if is_dtensor(param) else param.data
 
 
 def _put(param, weight) -> None:
@@ -158,7 +158,7 @@ def _put(param, weight) -> None:
     new tensor under `.data` would reach neither."""
     if is_dtensor(param):
         with torch.no_grad():
-            local(param.detach()).copy_(weight)
+            shard_of(param.detach()).copy_(weight)
     else:
         param.data = weight
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-from test_collectives import add, base, ranks  # noqa: F401 - `base` is a fixture
+from test_collective_verdict import add, base, ranks  # noqa: F401 - `base` is a fixture
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile
-from oneiter.judge.iteration.collectives import read_plans
+from oneiter.judge.iteration.collective_verdict import read_plans
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.ranks import _ranked
 from oneiter.judge.iteration.transfers import judge_planned, pairs, plan

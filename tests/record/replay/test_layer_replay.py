@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from oneiter.cli import replay_cmd
 from oneiter.errors import OneIterError
 from oneiter.format.layout import IterationFile
-from oneiter.judge.replay.layer_verdict import replay_layer
+from oneiter.judge.replayed.layer_verdict import replay_layer
 from oneiter.record.replay.layer_replay import _rebuild, _unflatten
 
 

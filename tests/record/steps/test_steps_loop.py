@@ -1,5 +1,5 @@
 """Several steps recorded through `oneiter.StepRecorder` in a hand-written loop (`steps=`, `rec.run(fn)`), and one step
-recorded at step 6 of such a loop: the same findings as `oneiter record --steps` / `--step` (tests/judge/steps/
+recorded at step 6 of such a loop: the same findings as `oneiter record --steps` / `--step` (tests/judge/stepwise/
 test_steps.py), on the tiny Hugging Face Llama whose step 6 first holds token ids >= 90."""
 
 from __future__ import annotations

@@ -6,6 +6,6 @@ each floor's class extends the one below and uses only what lies below it.
 - `state.py`        `ProbeState`: the probe's settings and gatherings, and what each mode decides (abstract)
 - `bounds.py`       `NoiseBounds`: a calibrated noise checked against what the precision can produce
 - `calibration.py`  `Calibration`: each calibrated call's expected noise (CPU or device; float32, Monte Carlo)
-- `summed.py`       `SummedValues`: parameter gradients summed over calls, and the noise of any summed value
+- `summed_rows.py`  `SummedValues`: parameter gradients summed over calls, and the noise of any summed value
 - `base.py`         `LocalProbe`: the entry points the capture and the recorder call, and each call's probe
 """

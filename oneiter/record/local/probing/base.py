@@ -1,7 +1,7 @@
 """`LocalProbe`: reruns module calls and measures their local error and expected noise (the module docstring of
 `probe.py` is its manual).
 
-Where this sits: the top floor, over `SummedValues` (`summed.py`) <- `Calibration` (`calibration.py`) <-
+Where this sits: the top floor, over `SummedValues` (`summed_rows.py`) <- `Calibration` (`calibration.py`) <-
 `NoiseBounds` (`bounds.py`) <- `ProbeState` (`state.py`). Here: the entry points the capture and the recorder call
 (`after_call`, `after_backward`, `before_step`, `after_step`, `table`), and each module call's probe. The two modes
 are in `probe.py`."""
@@ -23,7 +23,7 @@ from oneiter.format.schema import (
     tensor_path,
 )
 from oneiter.record.capture.hooks import CallRecord
-from oneiter.record.local.probing.summed import SummedValues
+from oneiter.record.local.probing.summed_rows import SummedValues
 from oneiter.record.local.rerun import PROBED, ProbeSkip, RunResult
 from oneiter.record.local.rows import JudgedRow, first_line
 from oneiter.record.modes import trusted

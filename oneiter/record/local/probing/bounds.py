@@ -2,7 +2,7 @@
 the call on the trusted path (`_bound`, the rows' `noise_bound`; docs/blame.md "A noise estimate is itself checked").
 
 Where this sits: the second floor of `LocalProbe` (`base.py`), over `ProbeState`; the calibration (`calibration.py`)
-asks it after a call's high-precision run, the summed values (`summed.py`) for a parameter's gradient."""
+asks it after a call's high-precision run, the summed values (`summed_rows.py`) for a parameter's gradient."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ CPU or the device (`--calibrate`), with float32 or Monte Carlo where float64 can
 `probe.py`, docs/blame.md).
 
 Where this sits: the third floor of `LocalProbe` (`base.py`), over `NoiseBounds`: a probed call whose rows could be
-flagged is calibrated here; what it reran goes into the sums for the parameter rows (`summed.py`)."""
+flagged is calibrated here; what it reran goes into the sums for the parameter rows (`summed_rows.py`)."""
 
 from __future__ import annotations
 

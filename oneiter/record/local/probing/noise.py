@@ -9,7 +9,7 @@ import torch
 
 from oneiter.format.schema import BACKWARD, FORWARD
 from oneiter.record.local.montecarlo import spread
-from oneiter.record.local.rerunning.metrics import rel_l2
+from oneiter.record.local.rerunning.rerun_metrics import rel_l2
 from oneiter.record.local.rerunning.site import RunResult
 from oneiter.record.local.rows import dtype_name
 from oneiter.runtime.precision import unit_roundoff

@@ -2,7 +2,7 @@
 
 Where this sits: `ProbeState` keeps the probe's settings (device, precision, where the noise is measured), its
 rows and unprobed calls so far, its rerunner and sums; the modes (`probe.py`: `TeacherForcedProbe`,
-`AgainstCpuProbe`) fill in its abstract methods. The floors above it: `bounds.py`, `calibration.py`, `summed.py`,
+`AgainstCpuProbe`) fill in its abstract methods. The floors above it: `bounds.py`, `calibration.py`, `summed_rows.py`,
 `base.py`, each using only what lies below."""
 
 from __future__ import annotations

@@ -4,6 +4,6 @@
 - `isolation.py`   a rerun kept apart from the live iteration: modes, buffers, RNG states, FSDP2 hooks, autocast
 - `forcing.py`     the forced children: the source's recorded outputs forward, its recorded gradients backward
 - `gradients.py`   the gradients backward is seeded with: each output's from outside the call, the call's own part
-- `layout.py`      tensors laid out as the live call's were (strides, storage offset)
-- `metrics.py`     the numbers of a row: a rerun's tensor against its reference (`tensor_stats`, `rel_l2`)
+- `strides.py`     tensors laid out as the live call's were (strides, storage offset)
+- `rerun_metrics.py` the numbers of a row: a rerun's tensor against its reference (`tensor_stats`, `rel_l2`)
 """

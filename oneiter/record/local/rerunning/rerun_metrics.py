@@ -10,7 +10,7 @@ import math
 import torch
 
 from oneiter.format.stats import pair_sums
-from oneiter.runtime.sharding import local
+from oneiter.runtime.sharding import shard_of
 
 __all__ = ["tensor_stats", "rel_l2"]
 
@@ -18,7 +18,7 @@ __all__ = ["tensor_stats", "rel_l2"]
 def _pair(reference, value):
     """Both tensors flat on the CPU in one floating dtype: the wider of the two, at least float32 (float8 values,
     which torch promotes with nothing, read as float32 first: exactly)."""
-    a, b = (_promotable(local(t).detach().reshape(-1)) for t in (reference, value))  # never a tensor subclass
+    a, b = (_promotable(shard_of(t).detach().reshape(-1)) for t in (reference, value))  # never a tensor subclass
     work = torch.promote_types(a.dtype, b.dtype)
     if not work.is_floating_point or work in (torch.float16, torch.bfloat16):
         work = torch.float64 if not work.is_floating_point else torch.float32

@@ -18,8 +18,8 @@ from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile, reading
 from oneiter.formatting import json_ready
 from oneiter.judge.iteration.pairing import check_compatible, check_replay, same_start
-from oneiter.judge.steps.band import BAND_FACTOR, DECORRELATED, StepRow, distance, step_rows
-from oneiter.judge.steps.step_verdict import StepVerdict, decide_steps
+from oneiter.judge.stepwise.band import BAND_FACTOR, DECORRELATED, StepRow, distance, step_rows
+from oneiter.judge.stepwise.step_verdict import StepVerdict, decide_steps
 
 __all__ = ["BAND_FACTOR", "DECORRELATED", "StepRow", "StepVerdict", "StepsResult", "compare_steps", "distance",
            "is_steps"]

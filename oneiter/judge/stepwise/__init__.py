@@ -1,4 +1,4 @@
-"""`judge/steps/`: two multi-step recordings compared step by step.
+"""`judge/stepwise/`: two multi-step recordings compared step by step.
 
 Imports go one way: `band` -> `step_verdict` -> `step_compare`.
 

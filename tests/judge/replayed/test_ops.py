@@ -21,7 +21,7 @@ import pytest
 from conftest import FAULT_ENV, MODEL_FILES, replay, run_cli
 
 from oneiter.format import op_case
-from oneiter.judge.replay.op_verdict import flagged, replay_ops
+from oneiter.judge.replayed.op_verdict import flagged, replay_ops
 from oneiter.runtime.devices import DEVICE_TYPES
 
 pytest.importorskip("transformers")

@@ -28,7 +28,7 @@ from oneiter.format.layout import IterationFile
 from oneiter.judge.iteration.findings import Finding, status_of, strongest
 from oneiter.judge.iteration.impact import Impact, read_impact
 from oneiter.judge.iteration.verdict import EXIT_CODES, impact_lines
-from oneiter.judge.steps.band import BAND_FACTOR, DECORRELATED, StepRow, first_entry, tolerance_band
+from oneiter.judge.stepwise.band import BAND_FACTOR, DECORRELATED, StepRow, first_entry, tolerance_band
 from oneiter.runtime.commands import record_step_commands
 
 __all__ = ["StepVerdict", "decide_steps"]

@@ -8,7 +8,7 @@ import json
 
 from conftest import MODEL_FILES, run_cli
 
-from oneiter.judge.steps.step_compare import DECORRELATED
+from oneiter.judge.stepwise.step_compare import DECORRELATED
 
 SPEC = f"{MODEL_FILES / 'chaotic.py'}:build"
 

@@ -1,5 +1,5 @@
-"""Collectives judged across ranks (`oneiter/judge/iteration/collectives.py`) on rank files whose `/collectives` are
-written here with h5py: a correct reduction in any order is within its expected noise, a library 0.1 % off on one
+"""Collectives judged across ranks (`oneiter/judge/iteration/collective_verdict.py`) on rank files whose `/collectives`
+are written here with h5py: a correct reduction in any order is within its expected noise, a library 0.1 % off on one
 rank, accumulating in bfloat16 or dropping a rank's contribution is not, ops without arithmetic must be bitwise, and
 a rank that names a collective the judge puts it in the verdict as the collective. Hostile `/collectives` are
 refused when a file is opened. (The recording side runs under torchrun: tests/runtime/test_parallel.py.)"""
@@ -17,7 +17,7 @@ import pytest
 
 from oneiter.errors import FormatError
 from oneiter.format.layout import IterationFile
-from oneiter.judge.iteration.collectives import judge_files
+from oneiter.judge.iteration.collective_verdict import judge_files
 from oneiter.judge.iteration.engine import compare_files
 from oneiter.judge.iteration.ranks import _ranked
 

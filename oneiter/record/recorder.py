@@ -511,6 +511,7 @@ class Recorder:
         self._hooks = []
 
 
+# help() and inspect.signature list every RecordOptions field (mypy: a function has no __signature__ attribute)
 Recorder.__init__.__signature__ = keyword_signature(Recorder.__init__)  # type: ignore[attr-defined]
 
 

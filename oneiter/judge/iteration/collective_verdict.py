@@ -248,6 +248,14 @@ def _stats(files: _Files, rank: int, paths: list[str]) -> bool:
     return any(files[rank].is_stats(p) for p in paths)
 
 
+def _inputs_outputs(files: _Files, present: dict) -> tuple[dict, dict, bool]:
+    """Each present rank's input and output tensor paths of the instance, and whether any of them holds statistics
+    only (no values to judge element by element)."""
+    ins = {r: _tensors(files, r, present[r][0], "input") for r in present}
+    outs = {r: _tensors(files, r, present[r][0], "output") for r in present}
+    return ins, outs, any(_stats(files, r, outs[r] + ins[r]) for r in present)
+
+
 def _float64(f: IterationFile, path: str) -> np.ndarray:
     return np.asarray(f.read(path), dtype=np.float64)
 
@@ -345,9 +353,8 @@ def _all_reduce(inst: Instance, present: dict, files: _Files) -> list[Judged]:
     first = min(present)
     how = str(present[first][1]["reduce_op"]) or "sum"
     n = len(inst.group_ranks)
-    outs = {r: _tensors(files, r, present[r][0], "output") for r in present}
-    ins = {r: _tensors(files, r, present[r][0], "input") for r in present}
-    if any(_stats(files, r, outs[r] + ins[r]) for r in present):
+    ins, outs, stats_only = _inputs_outputs(files, present)
+    if stats_only:
         return _sums(inst, present, files, ins, outs, how)
     results = []
     for i in range(len(outs[first])):
@@ -400,9 +407,8 @@ def _reduce_scatter(inst: Instance, present: dict, files: _Files) -> list[Judged
     first = min(present)
     how = str(present[first][1]["reduce_op"]) or "sum"
     n = len(inst.group_ranks)
-    ins = {r: _tensors(files, r, present[r][0], "input") for r in present}
-    outs = {r: _tensors(files, r, present[r][0], "output") for r in present}
-    if any(_stats(files, r, outs[r] + ins[r]) for r in present):
+    ins, outs, stats_only = _inputs_outputs(files, present)
+    if stats_only:
         raise _Unjudged()
     listed = len(ins[first]) == n * len(outs[first])  # reduce_scatter_: one input per (output, destination)
     results = []
@@ -442,9 +448,8 @@ def _all_gather(inst: Instance, present: dict, files: _Files) -> list[Judged]:
     n = len(inst.group_ranks)
     if set(present) != set(inst.group_ranks):
         raise _Unjudged()
-    ins = {r: _tensors(files, r, present[r][0], "input") for r in present}
-    outs = {r: _tensors(files, r, present[r][0], "output") for r in present}
-    if any(_stats(files, r, outs[r] + ins[r]) for r in present):
+    ins, outs, stats_only = _inputs_outputs(files, present)
+    if stats_only:
         raise _Unjudged()
     listed = len(outs[first]) == n * len(ins[first])  # allgather_: one output per (input, source)
     results = []
@@ -468,9 +473,8 @@ def _all_to_all(inst: Instance, present: dict, files: _Files) -> list[Judged]:
     n = len(inst.group_ranks)
     if set(present) != set(inst.group_ranks):
         raise _Unjudged()
-    ins = {r: _tensors(files, r, present[r][0], "input") for r in present}
-    outs = {r: _tensors(files, r, present[r][0], "output") for r in present}
-    if any(_stats(files, r, outs[r] + ins[r]) for r in present):
+    ins, outs, stats_only = _inputs_outputs(files, present)
+    if stats_only:
         raise _Unjudged()
     results = []
     if len(ins[first]) == n:  # alltoall_: input g goes to rank g, output g comes from rank g
